@@ -1,0 +1,235 @@
+// pagedkv/kernel_params.hpp: the params structs shared by the CUDA kernels (cuda/, include/pagedkv/cuda/) and the
+// CPU reference (include/pagedkv/reference/). Plain C++: no CUDA headers, so host-only code can include it.
+//
+// Conventions (DESIGN.md sections 3 and 4):
+//  - Every tensor is described by a base pointer plus strides in *elements*; offsets are computed in 64 bits.
+//  - Page tables come in two forms, both as the manager's batch-metadata builder emits them (int32):
+//      CSR (FlashInfer):   indptr [batch + 1], indices [indptr[batch]], last_page_len [batch] in [1, block_size]
+//      padded (vLLM/FA):   block_tables [batch, max_blocks_per_seq] (null-block padded), seq_lens [batch]
+//    A sequence with no pages (CSR: indptr[b + 1] == indptr[b]; padded: seq_lens[b] == 0) is padding: its output
+//    rows are written as 0 and its lse as -inf.
+//  - slot = block_id * block_size + offset_in_block (int64); a negative slot means "skip" (padding).
+//  - Copy lists are int32 pairs [capacity, 2] (src block, dst block); a pair with src < 0 is padding and skipped.
+//  - Launchers never throw: they return `[[nodiscard]] Status` (CUTLASS/CUB convention) so they can sit behind
+//    a C boundary.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <pagedkv/config.hpp>
+
+namespace pagedkv {
+
+/// Result of a kernel launcher or a reference op. `kSuccess` is 0.
+enum class Status : int {
+  kSuccess = 0,
+  kInvalidValue = 1,  ///< A shape, stride, pointer or count is inconsistent (validated before anything runs).
+  kUnsupported = 2,   ///< A dtype / head_dim combination outside the compiled set {fp16, bf16, fp32} x {64, 128, 256}.
+  kCudaError = 3,     ///< A CUDA runtime call or the launch itself failed (see cudaGetLastError()).
+  kNoDevice = 4,      ///< No CUDA device is present.
+};
+
+/// Name of a status, e.g. "unsupported". Never null.
+[[nodiscard]] constexpr const char* to_string(Status s) noexcept {
+  switch (s) {
+    case Status::kSuccess: return "success";
+    case Status::kInvalidValue: return "invalid_value";
+    case Status::kUnsupported: return "unsupported";
+    case Status::kCudaError: return "cuda_error";
+    case Status::kNoDevice: return "no_device";
+  }
+  return "unknown_status";
+}
+
+/// Element type of q, k, v, o. Storage: fp32 = float, fp16 = IEEE binary16, bf16 = bfloat16 (both 2 bytes).
+enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+/// Bytes per element of `dt`.
+[[nodiscard]] constexpr std::size_t dtype_size_bytes(DType dt) noexcept { return dt == DType::kFloat32 ? 4 : 2; }
+
+/// One layer's paged K/V pool: K and V pages reached through two base pointers and shared strides (elements).
+/// Element (block b, token t in block, kv head h, dim d) of K is at k[b*stride_page + t*stride_token +
+/// h*stride_head + d] (head_dim is contiguous), likewise for V. Memory space: device for the CUDA kernels, host
+/// for the reference (pinned host for the host side of swap_blocks).
+struct KVPoolView {
+  void* k = nullptr;
+  void* v = nullptr;
+  DType dtype = DType::kFloat16;
+  std::int32_t num_blocks = 0;    ///< Blocks in the pool, including the null block 0.
+  std::int32_t block_size = 0;    ///< Tokens per block; any positive value.
+  std::int32_t num_kv_heads = 0;
+  std::int32_t head_dim = 0;
+  std::int64_t stride_page = 0;   ///< Elements between consecutive blocks.
+  std::int64_t stride_token = 0;  ///< Elements between consecutive tokens of one block.
+  std::int64_t stride_head = 0;   ///< Elements between consecutive kv heads.
+
+  /// Element offset of (block, token_in_block, head, 0), in 64 bits.
+  [[nodiscard]] constexpr std::int64_t offset(std::int64_t block, std::int64_t token, std::int64_t head) const noexcept {
+    return block * stride_page + token * stride_token + head * stride_head;
+  }
+
+  /// NHD interleaved pool `[num_blocks, 2, block_size, num_kv_heads, head_dim]` at `kv` (vLLM/FlashInfer NHD).
+  [[nodiscard]] static constexpr KVPoolView nhd(void* kv, DType dt, std::int32_t num_blocks, std::int32_t block_size,
+                                                std::int32_t num_kv_heads, std::int32_t head_dim) noexcept {
+    const std::int64_t page = std::int64_t{block_size} * num_kv_heads * head_dim;
+    KVPoolView p{kv, nullptr, dt, num_blocks, block_size, num_kv_heads, head_dim, 2 * page,
+                 std::int64_t{num_kv_heads} * head_dim, head_dim};
+    p.v = static_cast<char*>(kv) + page * static_cast<std::int64_t>(dtype_size_bytes(dt));
+    return p;
+  }
+  /// HND interleaved pool `[num_blocks, 2, num_kv_heads, block_size, head_dim]` at `kv` (FlashInfer HND).
+  [[nodiscard]] static constexpr KVPoolView hnd(void* kv, DType dt, std::int32_t num_blocks, std::int32_t block_size,
+                                                std::int32_t num_kv_heads, std::int32_t head_dim) noexcept {
+    const std::int64_t page = std::int64_t{block_size} * num_kv_heads * head_dim;
+    KVPoolView p{kv, nullptr, dt, num_blocks, block_size, num_kv_heads, head_dim, 2 * page, head_dim,
+                 std::int64_t{block_size} * head_dim};
+    p.v = static_cast<char*>(kv) + page * static_cast<std::int64_t>(dtype_size_bytes(dt));
+    return p;
+  }
+  /// Separate K and V tensors, each `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD).
+  [[nodiscard]] static constexpr KVPoolView separate_nhd(void* k, void* v, DType dt, std::int32_t num_blocks,
+                                                         std::int32_t block_size, std::int32_t num_kv_heads,
+                                                         std::int32_t head_dim) noexcept {
+    return KVPoolView{k, v, dt, num_blocks, block_size, num_kv_heads, head_dim,
+                      std::int64_t{block_size} * num_kv_heads * head_dim, std::int64_t{num_kv_heads} * head_dim,
+                      head_dim};
+  }
+  /// Separate K and V tensors, each `[num_blocks, num_kv_heads, block_size, head_dim]` (HND).
+  [[nodiscard]] static constexpr KVPoolView separate_hnd(void* k, void* v, DType dt, std::int32_t num_blocks,
+                                                         std::int32_t block_size, std::int32_t num_kv_heads,
+                                                         std::int32_t head_dim) noexcept {
+    return KVPoolView{k, v, dt, num_blocks, block_size, num_kv_heads, head_dim,
+                      std::int64_t{block_size} * num_kv_heads * head_dim, head_dim,
+                      std::int64_t{block_size} * head_dim};
+  }
+};
+
+/// Which page-table convention a `PageTable` carries.
+enum class PageTableFormat : std::uint8_t { kCsr = 0, kPadded = 1 };
+
+/// A batch's page table, in either convention (pointers in the kernel's memory space, all int32).
+struct PageTable {
+  PageTableFormat format = PageTableFormat::kCsr;
+  std::int32_t batch_size = 0;
+  // CSR: indptr [batch + 1], indices [indptr[batch]], last_page_len [batch] in [1, block_size].
+  const std::int32_t* indptr = nullptr;
+  const std::int32_t* indices = nullptr;
+  const std::int32_t* last_page_len = nullptr;
+  // Padded: block_tables [batch, max_blocks_per_seq] row-major, seq_lens [batch] (tokens).
+  const std::int32_t* block_tables = nullptr;
+  const std::int32_t* seq_lens = nullptr;
+  std::int32_t max_blocks_per_seq = 0;
+
+  /// CSR page table (FlashInfer convention).
+  [[nodiscard]] static constexpr PageTable csr(std::int32_t batch, const std::int32_t* indptr,
+                                               const std::int32_t* indices,
+                                               const std::int32_t* last_page_len) noexcept {
+    PageTable t;
+    t.format = PageTableFormat::kCsr;
+    t.batch_size = batch;
+    t.indptr = indptr;
+    t.indices = indices;
+    t.last_page_len = last_page_len;
+    return t;
+  }
+  /// Padded block table + seq_lens (vLLM / FlashAttention convention).
+  [[nodiscard]] static constexpr PageTable padded(std::int32_t batch, const std::int32_t* block_tables,
+                                                  std::int32_t max_blocks_per_seq,
+                                                  const std::int32_t* seq_lens) noexcept {
+    PageTable t;
+    t.format = PageTableFormat::kPadded;
+    t.batch_size = batch;
+    t.block_tables = block_tables;
+    t.max_blocks_per_seq = max_blocks_per_seq;
+    t.seq_lens = seq_lens;
+    return t;
+  }
+};
+
+/// write_kv: scatter new K/V rows into pages by slot mapping (vLLM `reshape_and_cache`).
+/// key, value: `[num_tokens, num_kv_heads, head_dim]`, row stride `stride_token_elems` (0 = num_kv_heads*head_dim),
+/// same dtype as the pool. slot_mapping: `[num_tokens]` int64; slot < 0 is skipped.
+struct WriteKVParams {
+  const void* key = nullptr;
+  const void* value = nullptr;
+  std::int64_t stride_token_elems = 0;
+  const std::int64_t* slot_mapping = nullptr;
+  std::int32_t num_tokens = 0;
+  KVPoolView kv;
+};
+
+/// Decode attention: one query token per sequence against all its cached tokens.
+/// q: `[batch, num_qo_heads, head_dim]` contiguous; o: same shape and dtype; lse (optional, may be null):
+/// `[batch, num_qo_heads]` float32, natural log of the softmax denominator (after scaling).
+/// GQA: query head h reads kv head h / (num_qo_heads / num_kv_heads); num_qo_heads % num_kv_heads == 0.
+/// Split-KV (Flash-Decoding): when kv_chunk_size_tokens > 0, each sequence's tokens are cut into chunks of that
+/// many tokens, each chunk computed separately and merged by log-sum-exp; 0 lets the implementation choose (the
+/// reference then uses no split). Partials go into caller-provided `workspace` (see `decode_workspace_bytes`).
+struct DecodeParams {
+  const void* q = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  KVPoolView kv;
+  PageTable pages;
+  std::int32_t num_qo_heads = 0;
+  float sm_scale = 0.f;                  ///< Usually 1/sqrt(head_dim).
+  std::int32_t kv_chunk_size_tokens = 0; ///< Split-KV chunk, tokens; 0 = implementation's choice.
+  std::int32_t max_num_chunks = 0;       ///< Upper bound on chunks per sequence the workspace was sized for.
+  void* workspace = nullptr;             ///< Scratch in the kernel's memory space, >= decode_workspace_bytes().
+  std::size_t workspace_bytes = 0;
+};
+
+/// Bytes of split-KV scratch a decode launch needs: float32 partial o `[batch, max_num_chunks, num_qo_heads,
+/// head_dim]` plus float32 partial lse `[batch, max_num_chunks, num_qo_heads]`.
+[[nodiscard]] constexpr std::size_t decode_workspace_bytes(std::int32_t batch, std::int32_t max_num_chunks,
+                                                           std::int32_t num_qo_heads, std::int32_t head_dim) noexcept {
+  const auto rows = static_cast<std::size_t>(batch) * static_cast<std::size_t>(max_num_chunks) *
+                    static_cast<std::size_t>(num_qo_heads);
+  return rows * (static_cast<std::size_t>(head_dim) + 1) * sizeof(float);
+}
+
+/// Prefill attention over paged KV: ragged queries appended after each sequence's cached prefix.
+/// qo_indptr: `[batch + 1]` int32 (same memory space as q); q: `[qo_indptr[batch], num_qo_heads, head_dim]`; o like
+/// q; lse optional `[qo_indptr[batch], num_qo_heads]` float32. The page table describes each sequence's full KV
+/// (prefix + the new tokens, already written by write_kv), kv_len_b tokens; the i-th query of sequence b sits at
+/// position kv_len_b - q_len_b + i and attends to positions <= its own (causal), i.e. q_len_b <= kv_len_b.
+struct PrefillParams {
+  const void* q = nullptr;
+  void* o = nullptr;
+  float* lse = nullptr;
+  const std::int32_t* qo_indptr = nullptr;
+  std::int32_t total_q_tokens = 0;  ///< qo_indptr[batch], known on the host.
+  KVPoolView kv;
+  PageTable pages;
+  std::int32_t num_qo_heads = 0;
+  float sm_scale = 0.f;
+};
+
+/// copy_blocks: whole-block copies (K and V, every given layer) for copy-on-write.
+/// layers: `[num_layers]` pool views (host array of views; all layers share shape, dtype and strides);
+/// block_mapping: `[capacity, 2]` int32 (src, dst) pairs in the kernel's memory space; pairs with src < 0 skipped.
+/// Precondition: no dst appears twice and no dst is also a src (the manager guarantees it).
+struct CopyBlocksParams {
+  const KVPoolView* layers = nullptr;
+  std::int32_t num_layers = 0;
+  const std::int32_t* block_mapping = nullptr;
+  std::int32_t capacity = 0;
+};
+
+/// Direction of a swap.
+enum class SwapDirection : std::uint8_t { kDeviceToHost = 0, kHostToDevice = 1 };
+
+/// swap_blocks: batched block moves between a device pool and a pinned-host pool of the same shape (preemption by
+/// swapping, vLLM V0). For kDeviceToHost, src = device pool, dst = host pool; the reverse for kHostToDevice.
+/// block_mapping: `[num_pairs, 2]` int32 (src block in src pool, dst block in dst pool), host memory.
+struct SwapBlocksParams {
+  const KVPoolView* src_layers = nullptr;
+  const KVPoolView* dst_layers = nullptr;
+  std::int32_t num_layers = 0;
+  const std::int32_t* block_mapping = nullptr;
+  std::int32_t num_pairs = 0;
+  SwapDirection direction = SwapDirection::kDeviceToHost;
+};
+
+}  // namespace pagedkv
