@@ -1,0 +1,44 @@
+// pagedkv/batch_metadata.hpp: the caller-owned, fixed-capacity buffers the batch-metadata builder fills.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace pagedkv {
+
+/// Caller-owned output buffers for one step's batch metadata (DESIGN.md sec. 3), in host memory; the engine
+/// copies them to fixed device buffers (or allocates them pinned and maps them), so a CUDA graph captured once can
+/// be replayed. Every span may be empty, which skips that output. Capacities are the spans' sizes:
+///  - `indptr`        `[max_batch + 1]` int32, CSR page table row pointers (FlashInfer `paged_kv_indptr`).
+///  - `indices`       `[max_total_blocks]` int32, block ids of every sequence in order (`paged_kv_indices`).
+///  - `last_page_len` `[max_batch]` int32, tokens in each sequence's last block, in [1, block_size].
+///  - `block_tables`  `[max_batch, max_blocks_per_seq]` int32 row-major, padded with the null block 0 (vLLM).
+///  - `seq_lens`      `[max_batch]` int32, tokens per sequence (vLLM `seq_lens`).
+///  - `qo_indptr`     `[max_batch + 1]` int32, offsets of each sequence's new tokens (queries) in the step.
+///  - `slot_mapping`  `[max_num_tokens]` int64, one slot per new token (block * block_size + offset); -1 = skip.
+///  - `copies`        `[max_copies, 2]` int32 (src, dst) copy-on-write pairs; (-1, -1) = padding.
+/// Padding beyond the batch: indptr / qo_indptr repeat their last value, last_page_len and seq_lens are 0,
+/// slot_mapping and copies are -1 to their capacity; block_tables rows beyond the batch are left untouched (their
+/// seq_lens are 0, so kernels never read them).
+struct BatchMetadataBuffers {
+  std::span<std::int32_t> indptr;
+  std::span<std::int32_t> indices;
+  std::span<std::int32_t> last_page_len;
+  std::span<std::int32_t> block_tables;
+  std::int32_t max_blocks_per_seq = 0;  ///< Row length of block_tables; required when block_tables is set.
+  std::span<std::int32_t> seq_lens;
+  std::span<std::int32_t> qo_indptr;
+  std::span<std::int64_t> slot_mapping;
+  std::span<std::int32_t> copies;
+};
+
+/// What one build wrote: the live extents inside the buffers.
+struct BatchMetadataSizes {
+  std::size_t batch_size = 0;     ///< Sequences in the batch (rows written).
+  std::size_t num_indices = 0;    ///< indptr[batch_size]: block ids written to `indices`.
+  std::size_t num_new_tokens = 0; ///< qo_indptr[batch_size]: slots written to `slot_mapping` before padding.
+  std::size_t num_copies = 0;     ///< Copy-on-write pairs written to `copies` before padding.
+};
+
+}  // namespace pagedkv

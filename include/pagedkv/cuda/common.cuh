@@ -1,0 +1,153 @@
+// pagedkv/cuda/common.cuh: device-side building blocks shared by every kernel family: element types and their
+// float conversions, 16-byte vector loads/stores, cp.async, page-table access, and the split-KV chunk rule.
+//
+// Device code only (include from .cu files compiled by nvcc). Kernels live in the versioned inline namespace
+// `pagedkv::cuda::v0_1` so that two shared objects which both link pagedkv::cuda do not clash (CUB convention).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <concepts>
+#include <cstdint>
+
+#include <pagedkv/kernel_params.hpp>
+
+namespace pagedkv::cuda {
+inline namespace v0_1 {
+namespace detail {
+
+/// The element types the kernels are compiled for: float, __half, __nv_bfloat16 (DType kFloat32/kFloat16/kBFloat16).
+template <class T>
+concept KernelElement = std::same_as<T, float> || std::same_as<T, __half> || std::same_as<T, __nv_bfloat16>;
+
+/// The head dims the kernels are compiled for.
+template <int HD>
+concept KernelHeadDim = HD == 64 || HD == 128 || HD == 256;
+
+/// DType tag of an element type.
+template <KernelElement T>
+inline constexpr DType kDTypeOf = std::same_as<T, float> ? DType::kFloat32
+                                  : std::same_as<T, __half> ? DType::kFloat16
+                                                            : DType::kBFloat16;
+
+__host__ __device__ constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// ---- scalar conversions ----
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <KernelElement T>
+__device__ __forceinline__ T from_float(float x) {
+  if constexpr (std::same_as<T, float>) {
+    return x;
+  } else if constexpr (std::same_as<T, __half>) {
+    return __float2half_rn(x);
+  } else {
+    return __float2bfloat16_rn(x);
+  }
+}
+
+/// Elements of T in one 16-byte vector.
+template <KernelElement T>
+inline constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+
+/// Converts one 16-byte vector holding kVecElems<T> elements to floats.
+template <KernelElement T>
+__device__ __forceinline__ void unpack16(const uint4& raw, float* out) {
+  if constexpr (std::same_as<T, float>) {
+    out[0] = __uint_as_float(raw.x);
+    out[1] = __uint_as_float(raw.y);
+    out[2] = __uint_as_float(raw.z);
+    out[3] = __uint_as_float(raw.w);
+  } else {
+    const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::same_as<T, __half>) {
+        __half2 h2;
+        static_assert(sizeof(h2) == sizeof(unsigned));
+        __builtin_memcpy(&h2, &words[i], sizeof(h2));
+        const float2 f = __half22float2(h2);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+      } else {
+        // bf16 -> float is a 16-bit shift: exact and cheaper than the intrinsic round trip.
+        out[2 * i] = __uint_as_float(words[i] << 16);
+        out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+      }
+    }
+  }
+}
+
+/// Converts kVecElems<T> floats to one 16-byte vector (round to nearest even).
+template <KernelElement T>
+__device__ __forceinline__ uint4 pack16(const float* in) {
+  if constexpr (std::same_as<T, float>) {
+    return make_uint4(__float_as_uint(in[0]), __float_as_uint(in[1]), __float_as_uint(in[2]),
+                      __float_as_uint(in[3]));
+  } else {
+    unsigned words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::same_as<T, __half>) {
+        const __half2 h2 = __floats2half2_rn(in[2 * i], in[2 * i + 1]);
+        __builtin_memcpy(&words[i], &h2, sizeof(unsigned));
+      } else {
+        const __nv_bfloat162 b2 = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+        __builtin_memcpy(&words[i], &b2, sizeof(unsigned));
+      }
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+/// 16-byte global load through the read-only path. Precondition: p is 16-byte aligned.
+__device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+
+// ---- cp.async (sm_80+): 16-byte global -> shared copies that bypass L1 and the register file ----
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- page tables (DESIGN.md section 3) ----
+
+/// Tokens cached for sequence b: CSR (num_pages - 1) * block_size + last_page_len (0 pages -> 0), padded seq_lens[b].
+__device__ __forceinline__ std::int32_t seq_kv_len(const PageTable& pt, std::int32_t b, std::int32_t block_size) {
+  if (pt.format == PageTableFormat::kCsr) {
+    const std::int32_t n = pt.indptr[b + 1] - pt.indptr[b];
+    return n <= 0 ? 0 : (n - 1) * block_size + pt.last_page_len[b];
+  }
+  return pt.seq_lens[b];
+}
+
+/// Physical block id of the page-th page of sequence b.
+__device__ __forceinline__ std::int32_t page_block(const PageTable& pt, std::int32_t b, std::int32_t page) {
+  if (pt.format == PageTableFormat::kCsr) return __ldg(pt.indices + pt.indptr[b] + page);
+  return __ldg(pt.block_tables + static_cast<std::int64_t>(b) * pt.max_blocks_per_seq + page);
+}
+
+/// The split-KV chunk (tokens) used for a sequence of kv_len tokens. With a requested chunk > 0 it is that chunk,
+/// unless the workspace's max_num_chunks would not cover kv_len, in which case it grows to
+/// ceil(kv_len / max_num_chunks) so no token is ever dropped. With 0 ("implementation's choice") it is
+/// ceil(kv_len / max_num_chunks) rounded up to a multiple of 16. Chunk c covers [c * chunk, min((c + 1) * chunk,
+/// kv_len)). Shared by the split kernel and the merge kernel, so both agree.
+__host__ __device__ constexpr std::int32_t effective_chunk(std::int32_t kv_len, std::int32_t requested,
+                                                           std::int32_t max_num_chunks) {
+  const auto min_chunk = static_cast<std::int32_t>(ceil_div(kv_len, max_num_chunks < 1 ? 1 : max_num_chunks));
+  std::int32_t c = requested > 0 ? requested : static_cast<std::int32_t>(ceil_div(min_chunk, 16) * 16);
+  if (c < min_chunk) c = min_chunk;
+  return c < 1 ? 1 : c;
+}
+
+}  // namespace detail
+}  // namespace v0_1
+}  // namespace pagedkv::cuda

@@ -1,0 +1,211 @@
+// pagedkv/prefix_hash_index.hpp: content-addressed, chained block hashes and the hash -> block index.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <pagedkv/block_allocator.hpp>
+#include <pagedkv/config.hpp>
+#include <pagedkv/error.hpp>
+#include <pagedkv/hash.hpp>
+
+namespace pagedkv {
+
+/// A multimodal input (image, audio clip) whose embeddings occupy prompt positions
+/// [offset_tokens, offset_tokens + length_tokens). `item_hash` identifies its content (e.g. a hash of the pixels,
+/// as vLLM's mm_hash does). Every block overlapping the item mixes (item_hash, offset of the item relative to the
+/// block start) into its hash, so equal token ids with different images never share a block.
+struct MultimodalItem {
+  BlockHash item_hash;
+  std::uint64_t offset_tokens = 0;
+  std::uint64_t length_tokens = 0;
+};
+
+/// Per-request extra keys mixed into block hashes (vLLM's "extra keys"): the LoRA adapter id (0 = base model), the
+/// request's multimodal items (sorted by offset), and a tenant salt mixed into the first block only, so requests
+/// with different salts never share any block (vLLM's cache_salt).
+struct RequestKeys {
+  std::uint64_t adapter_id = 0;
+  std::vector<MultimodalItem> multimodal;
+  std::string salt;
+
+  /// True when no key is set (the common case; hashing then skips the per-item scan).
+  [[nodiscard]] bool empty() const noexcept { return adapter_id == 0 && multimodal.empty() && salt.empty(); }
+};
+
+namespace detail {
+
+/// Appends the canonical, little-endian encoding of one block to `out` (docs/design.md "Block hashes"):
+///   parent[16] | u32 num_tokens | i32 tokens[num_tokens] | u64 adapter_id | u32 num_items |
+///   (item_hash[16] | i64 item_offset - block_start)[num_items] | u32 salt_len | salt bytes (first block only)
+/// Every variable-length field is length-prefixed, so two different inputs never encode to the same bytes.
+inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, std::span<const TokenId> tokens,
+                         std::uint64_t block_start, const RequestKeys* keys, bool first_block) {
+  auto put = [&out](const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::byte*>(p);
+    out.insert(out.end(), b, b + n);
+  };
+  auto put_u32 = [&](std::uint32_t v) {
+    std::byte le[4];
+    for (int i = 0; i < 4; ++i) le[i] = static_cast<std::byte>(v >> (8 * i));
+    put(le, 4);
+  };
+  auto put_u64 = [&](std::uint64_t v) {
+    std::byte le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<std::byte>(v >> (8 * i));
+    put(le, 8);
+  };
+  out.clear();
+  put(parent.bytes.data(), parent.bytes.size());
+  put_u32(static_cast<std::uint32_t>(tokens.size()));
+  if constexpr (std::endian::native == std::endian::little) {
+    put(tokens.data(), tokens.size_bytes());
+  } else {
+    for (TokenId t : tokens) put_u32(static_cast<std::uint32_t>(t));
+  }
+  if (keys == nullptr || keys->empty()) {
+    put_u64(0);
+    put_u32(0);
+    put_u32(0);
+    return;
+  }
+  put_u64(keys->adapter_id);
+  const std::uint64_t block_end = block_start + tokens.size();
+  std::uint32_t n = 0;
+  for (const auto& m : keys->multimodal) {
+    if (m.offset_tokens < block_end && m.offset_tokens + m.length_tokens > block_start) ++n;
+  }
+  put_u32(n);
+  for (const auto& m : keys->multimodal) {
+    if (m.offset_tokens < block_end && m.offset_tokens + m.length_tokens > block_start) {
+      put(m.item_hash.bytes.data(), m.item_hash.bytes.size());
+      put_u64(static_cast<std::uint64_t>(static_cast<std::int64_t>(m.offset_tokens) -
+                                         static_cast<std::int64_t>(block_start)));
+    }
+  }
+  const std::string_view salt = first_block ? std::string_view(keys->salt) : std::string_view();
+  put_u32(static_cast<std::uint32_t>(salt.size()));
+  put(salt.data(), salt.size());
+}
+
+}  // namespace detail
+
+/// The prefix-cache index: chained block hashes (vLLM V1 / SGLang style content addressing) and the map from a
+/// block hash to the one physical block holding that content.
+///
+/// block hash = H(parent hash, the block's token ids, extra keys); the first block's parent is the per-pool root
+/// H("pagedkv.root.v1" | seed). Only full blocks are hashed. At most one block per hash is registered (the
+/// manager switches a duplicate to the registered block), and the index remembers each registered block's hash so
+/// eviction can drop it in O(1).
+///
+/// Template parameters: `Hasher` (Sha256Hasher by default, Xxh3Hasher for single-tenant speed), `Id`.
+/// Memory: 17 bytes per block (the per-block hash and a mark) + one hash-map node per registered block.
+/// Thread safety: none; one writer. `hash_block` uses an internal scratch buffer, so even const calls must not
+/// run concurrently with each other.
+template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t>
+class PrefixHashIndex {
+ public:
+  using hasher_type = Hasher;
+
+  /// An index for a pool of `num_blocks` blocks, with chain seed `seed` (per pool; equal seeds and hashers give
+  /// equal hashes in every process).
+  PrefixHashIndex(std::size_t num_blocks, std::uint64_t seed)
+      : block_hash_(num_blocks), registered_(num_blocks, 0), root_(make_root(seed)) {
+    map_.reserve(num_blocks);
+    scratch_.reserve(256);
+  }
+
+  /// The chain root: the parent hash of every sequence's first block.
+  [[nodiscard]] const BlockHash& root() const noexcept { return root_; }
+
+  /// Hash of the block holding `tokens` (a full block) at token position `block_start` of its sequence, after the
+  /// block whose hash is `parent` (root() for the first block). `keys` may be null.
+  [[nodiscard]] BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens,
+                                     std::uint64_t block_start, const RequestKeys* keys) const {
+    detail::encode_block(scratch_, parent, tokens, block_start, keys, block_start == 0);
+    return Hasher::hash(scratch_);
+  }
+
+  /// Hashes of the full blocks of `tokens` (a sequence from position 0), appended to `out`, starting at full block
+  /// `out.size()` (so existing hashes are reused as the chain's prefix). `block_size` tokens per block.
+  void hash_full_blocks(std::span<const TokenId> tokens, std::uint32_t block_size, const RequestKeys* keys,
+                        std::vector<BlockHash>& out) const {
+    const std::size_t full = tokens.size() / block_size;
+    for (std::size_t i = out.size(); i < full; ++i) {
+      const BlockHash& parent = i == 0 ? root_ : out[i - 1];
+      out.push_back(hash_block(parent, tokens.subspan(i * block_size, block_size), i * block_size, keys));
+    }
+  }
+
+  /// The block registered under `h`, or nullopt (a prefix miss). O(1) expected.
+  [[nodiscard]] std::optional<Id> find(const BlockHash& h) const {
+    const auto it = map_.find(h);
+    if (it == map_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  /// Register block `b` under `h`. Returns `b` when inserted, or the already registered block (nothing changes).
+  /// Throws kBlockOutOfRange for b == 0 or b >= num_blocks, kInvalidArgument if `b` is already registered.
+  Id insert(const BlockHash& h, Id b) {
+    if (b == 0 || b >= registered_.size()) {
+      detail::raise(Errc::kBlockOutOfRange, "PrefixHashIndex::insert: block id " + std::to_string(b) +
+                                                " outside [1, " + std::to_string(registered_.size()) + ")");
+    }
+    if (registered_[b] != 0) {
+      detail::raise(Errc::kInvalidArgument,
+                    "PrefixHashIndex::insert: block " + std::to_string(b) + " is already registered");
+    }
+    const auto [it, inserted] = map_.try_emplace(h, b);
+    if (!inserted) return it->second;
+    block_hash_[b] = h;
+    registered_[b] = 1;
+    return b;
+  }
+
+  /// Whether block `b` is registered; its hash if so.
+  [[nodiscard]] std::optional<BlockHash> hash_of(Id b) const {
+    if (b >= registered_.size() || registered_[b] == 0) return std::nullopt;
+    return block_hash_[b];
+  }
+
+  /// Unregister block `b` (eviction). Returns its hash, or nullopt if it was not registered.
+  std::optional<BlockHash> erase_block(Id b) {
+    if (b >= registered_.size() || registered_[b] == 0) return std::nullopt;
+    registered_[b] = 0;
+    map_.erase(block_hash_[b]);
+    return block_hash_[b];
+  }
+
+  /// Number of registered blocks.
+  [[nodiscard]] std::size_t size() const noexcept { return map_.size(); }
+
+  /// Unregister everything.
+  void clear() {
+    map_.clear();
+    std::fill(registered_.begin(), registered_.end(), std::uint8_t{0});
+  }
+
+ private:
+  static BlockHash make_root(std::uint64_t seed) {
+    std::byte buf[24] = {};
+    std::memcpy(buf, "pagedkv.root.v1\0", 16);
+    for (int i = 0; i < 8; ++i) buf[16 + i] = static_cast<std::byte>(seed >> (8 * i));
+    return Hasher::hash(buf);
+  }
+
+  std::unordered_map<BlockHash, Id, BlockHashHasher> map_;
+  std::vector<BlockHash> block_hash_;   // [num_blocks] valid where registered_
+  std::vector<std::uint8_t> registered_;
+  BlockHash root_;
+  mutable std::vector<std::byte> scratch_;
+};
+
+}  // namespace pagedkv

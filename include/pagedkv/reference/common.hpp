@@ -1,0 +1,240 @@
+// pagedkv/reference/common.hpp: what the CPU reference ops share: validation of a KV pool view and of a page
+// table, a per-sequence view of the page table, the thread-count knob, a small fork-join `parallel_for`, the
+// one-place runtime -> compile-time dtype dispatch, and the float32 online-softmax accumulator.
+//
+// Everything here works on host memory. Nothing here allocates except `parallel_for` (its threads) and nothing
+// throws: validation reports a `Status`.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <pagedkv/kernel_params.hpp>
+#include <pagedkv/reference/dtype.hpp>
+
+namespace pagedkv::reference {
+
+/// The default worker-thread count of the multi-threaded reference ops: min(std::thread::hardware_concurrency(),
+/// 8), at least 1. Thread safety: callable from any thread.
+[[nodiscard]] inline int default_num_threads() noexcept {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp(hw, 1u, 8u));
+}
+
+namespace detail {
+
+/// a * b + c in 64 bits; false on overflow (the result is then unspecified). Operands must be >= 0.
+[[nodiscard]] inline bool mul_add_ok(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t* out) noexcept {
+  std::int64_t p = 0;
+  if (__builtin_mul_overflow(a, b, &p)) return false;
+  return !__builtin_add_overflow(p, c, out);
+}
+
+/// Elements spanned by one page of `kv` (from element (0, 0, 0, 0) to the last element of the page, inclusive),
+/// or -1 when the strides are inconsistent: negative, or two (token, head, dim) coordinates of a page would share
+/// an element. A dimension of extent 1 may have any non-negative stride. Precondition: block_size, num_kv_heads
+/// and head_dim are positive.
+[[nodiscard]] inline std::int64_t page_span_elems(const KVPoolView& kv) noexcept {
+  if (kv.stride_page < 0 || kv.stride_token < 0 || kv.stride_head < 0) return -1;
+  struct Dim {
+    std::int64_t stride;
+    std::int64_t extent;
+  };
+  Dim dims[2] = {{kv.stride_token, kv.block_size}, {kv.stride_head, kv.num_kv_heads}};
+  if (dims[0].stride > dims[1].stride) std::swap(dims[0], dims[1]);
+  std::int64_t span = kv.head_dim;  // head_dim is contiguous
+  for (const Dim& d : dims) {
+    if (d.extent == 1) continue;
+    if (d.stride < span) return -1;  // this dim's rows would overlap the inner rows
+    if (!mul_add_ok(d.stride, d.extent - 1, span, &span)) return -1;
+  }
+  return span;
+}
+
+/// Validates a pool view for the reference: dtype (kUnsupported if not one of the three enumerators), non-null
+/// and distinct k/v, positive num_blocks/block_size/num_kv_heads/head_dim, strides that keep the elements of a
+/// page distinct and pages apart (stride_page >= page span when num_blocks > 1), 64-bit offsets that do not
+/// overflow, and K pages that do not overlap V pages (checked for the common same-stride interleaving; V at any
+/// offset that lands inside a K page is rejected). Returns kSuccess, kInvalidValue or kUnsupported.
+[[nodiscard]] inline Status validate_pool(const KVPoolView& kv) noexcept {
+  if (!is_valid_dtype(kv.dtype)) return Status::kUnsupported;
+  if (kv.k == nullptr || kv.v == nullptr || kv.k == kv.v) return Status::kInvalidValue;
+  if (kv.num_blocks <= 0 || kv.block_size <= 0 || kv.num_kv_heads <= 0 || kv.head_dim <= 0) {
+    return Status::kInvalidValue;
+  }
+  const std::int64_t span = page_span_elems(kv);
+  if (span < 0) return Status::kInvalidValue;
+  if (kv.num_blocks > 1 && kv.stride_page < span) return Status::kInvalidValue;
+  const auto es = static_cast<std::int64_t>(dtype_size_bytes(kv.dtype));
+  std::int64_t extent = 0;  // elements from the first to one past the last element of the pool (one of K or V)
+  if (!mul_add_ok(kv.stride_page, kv.num_blocks - 1, span, &extent)) return Status::kInvalidValue;
+  std::int64_t extent_bytes = 0;
+  if (!mul_add_ok(extent, es, 0, &extent_bytes)) return Status::kInvalidValue;
+  // K/V overlap: compare addresses as integers (the two may be unrelated allocations).
+  const auto kb = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(kv.k));
+  const auto vb = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(kv.v));
+  const std::int64_t delta = vb - kb;
+  const std::int64_t adelta = delta < 0 ? -delta : delta;
+  if (adelta < extent_bytes) {
+    const std::int64_t span_bytes = span * es;
+    if (kv.num_blocks == 1) return adelta >= span_bytes ? Status::kSuccess : Status::kInvalidValue;
+    const std::int64_t page_bytes = kv.stride_page * es;
+    const std::int64_t r = ((delta % page_bytes) + page_bytes) % page_bytes;
+    if (r < span_bytes || page_bytes - r < span_bytes) return Status::kInvalidValue;
+  }
+  return Status::kSuccess;
+}
+
+/// Validates a page table against the pool it indexes, reading it (host memory). Rules:
+///  - batch_size >= 0 (0: nothing else is read, pointers may be null); format is kCsr or kPadded.
+///  - CSR: indptr and last_page_len non-null; indptr[0] >= 0 and non-decreasing; indices non-null when any page
+///    exists; every index in [0, num_blocks); last_page_len[b] in [1, block_size] for every non-empty sequence
+///    (it is not read for an empty one).
+///  - Padded: seq_lens non-null; max_blocks_per_seq >= 0; block_tables non-null when max_blocks_per_seq > 0;
+///    seq_lens[b] in [0, max_blocks_per_seq * block_size]; the ceil(seq_lens[b] / block_size) used entries of
+///    row b in [0, num_blocks) (padding entries beyond them are not read).
+/// Returns kSuccess or kInvalidValue. Precondition: `validate_pool(kv) == kSuccess`.
+[[nodiscard]] inline Status validate_page_table(const PageTable& t, const KVPoolView& kv) noexcept {
+  if (t.batch_size < 0) return Status::kInvalidValue;
+  if (t.format != PageTableFormat::kCsr && t.format != PageTableFormat::kPadded) return Status::kInvalidValue;
+  if (t.batch_size == 0) return Status::kSuccess;
+  const auto in_range = [&](std::int32_t id) { return id >= 0 && id < kv.num_blocks; };
+  if (t.format == PageTableFormat::kCsr) {
+    if (t.indptr == nullptr || t.last_page_len == nullptr) return Status::kInvalidValue;
+    if (t.indptr[0] < 0) return Status::kInvalidValue;
+    for (std::int32_t b = 0; b < t.batch_size; ++b) {
+      if (t.indptr[b + 1] < t.indptr[b]) return Status::kInvalidValue;
+    }
+    if (t.indptr[t.batch_size] > t.indptr[0] && t.indices == nullptr) return Status::kInvalidValue;
+    for (std::int32_t b = 0; b < t.batch_size; ++b) {
+      if (t.indptr[b + 1] == t.indptr[b]) continue;
+      if (t.last_page_len[b] < 1 || t.last_page_len[b] > kv.block_size) return Status::kInvalidValue;
+      for (std::int32_t i = t.indptr[b]; i < t.indptr[b + 1]; ++i) {
+        if (!in_range(t.indices[i])) return Status::kInvalidValue;
+      }
+    }
+    return Status::kSuccess;
+  }
+  if (t.seq_lens == nullptr || t.max_blocks_per_seq < 0) return Status::kInvalidValue;
+  if (t.max_blocks_per_seq > 0 && t.block_tables == nullptr) return Status::kInvalidValue;
+  const std::int64_t max_len = std::int64_t{t.max_blocks_per_seq} * kv.block_size;
+  for (std::int32_t b = 0; b < t.batch_size; ++b) {
+    const std::int64_t len = t.seq_lens[b];
+    if (len < 0 || len > max_len) return Status::kInvalidValue;
+    const std::int64_t pages = (len + kv.block_size - 1) / kv.block_size;
+    const std::int32_t* row = t.block_tables + std::int64_t{b} * t.max_blocks_per_seq;
+    for (std::int64_t i = 0; i < pages; ++i) {
+      if (!in_range(row[i])) return Status::kInvalidValue;
+    }
+  }
+  return Status::kSuccess;
+}
+
+/// One sequence's pages: `block_ids[i]` holds its tokens [i * block_size, (i + 1) * block_size).
+struct SeqPages {
+  const std::int32_t* block_ids = nullptr;  ///< [ceil(kv_len / block_size)] block ids (host memory).
+  std::int64_t kv_len = 0;                  ///< Tokens in the sequence (its KV length).
+};
+
+/// The pages of sequence b of a validated page table (both conventions give a contiguous run of block ids).
+[[nodiscard]] inline SeqPages seq_pages(const PageTable& t, std::int32_t block_size, std::int32_t b) noexcept {
+  if (t.format == PageTableFormat::kCsr) {
+    const std::int32_t n = t.indptr[b + 1] - t.indptr[b];
+    if (n == 0) return {};
+    return {t.indices + t.indptr[b], std::int64_t{n - 1} * block_size + t.last_page_len[b]};
+  }
+  return {t.block_tables + std::int64_t{b} * t.max_blocks_per_seq, t.seq_lens[b]};
+}
+
+/// Resolves the thread-count knob: 0 -> default_num_threads(); negative -> -1 (invalid).
+[[nodiscard]] inline int resolve_num_threads(int num_threads) noexcept {
+  if (num_threads < 0) return -1;
+  return num_threads == 0 ? default_num_threads() : num_threads;
+}
+
+/// Runs fn(item, scratch) for every item in [0, num_items) on up to `num_threads` threads (the caller's thread
+/// included), handing out items dynamically. Each thread owns one `std::vector<float>` scratch of
+/// `scratch_floats` elements (zeroed once, not between items). Items must be independent: each writes only its
+/// own outputs. If a thread cannot be started, the remaining threads (at least the caller's) do the work.
+/// Blocks until all items are done. The result never depends on the thread count, only the timing does.
+template <class Fn>
+void parallel_for(std::int64_t num_items, int num_threads, std::size_t scratch_floats, Fn&& fn) noexcept {
+  if (num_items <= 0) return;
+  const auto nt = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), num_items));
+  std::atomic<std::int64_t> next{0};
+  auto worker = [&]() noexcept {
+    std::vector<float> scratch(scratch_floats, 0.f);  // std::bad_alloc here terminates (documented)
+    for (;;) {
+      const std::int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= num_items) break;
+      fn(i, scratch.data());
+    }
+  };
+  std::vector<std::thread> threads;
+  if (nt > 1) {
+    try {
+      threads.reserve(static_cast<std::size_t>(nt - 1));
+      for (int i = 1; i < nt; ++i) threads.emplace_back(worker);
+    } catch (...) {
+      // Fewer threads than asked (resource limit): the ones started, plus this one, finish the work.
+    }
+  }
+  worker();
+  for (std::thread& th : threads) th.join();
+}
+
+/// Calls fn(std::type_identity<T>{}) with T the element type of `dt` (float, Half or BFloat16): the one place
+/// where the runtime dtype becomes a compile-time type. Precondition: is_valid_dtype(dt).
+template <class Fn>
+decltype(auto) dispatch_dtype(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::kFloat16: return fn(std::type_identity<Half>{});
+    case DType::kBFloat16: return fn(std::type_identity<BFloat16>{});
+    case DType::kFloat32: break;
+  }
+  return fn(std::type_identity<float>{});
+}
+
+/// Float32 online-softmax state for one (query row, head) over a run of keys (Milakov & Gimelshein 2018; the
+/// FlashAttention / FlashInfer accumulator): running max `m` of the scaled scores, running denominator `d` =
+/// sum exp(s - m), and an unnormalised accumulator acc[head_dim] = sum exp(s - m) * v kept by the caller.
+struct OnlineSoftmax {
+  float m = -std::numeric_limits<float>::infinity();
+  float d = 0.f;
+  /// True when no key has been added.
+  [[nodiscard]] bool empty() const noexcept { return d == 0.f; }
+  /// Natural-log sum of exp of the scaled scores seen so far (-inf when empty).
+  [[nodiscard]] float lse() const noexcept { return empty() ? m : m + std::log(d); }
+};
+
+/// Adds keys [t_begin, t_end) of a sequence (pages `seq`, kv head `kv_head`) to the online softmax of query
+/// `q[head_dim]` (float32, already loaded), accumulating in float32 into `acc[head_dim]` (caller-zeroed before the
+/// first call). Scores are dot(q, k) * sm_scale, accumulated in float32. Only tokens < seq.kv_len are ever read.
+template <ElementType T>
+void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_head, const float* q, float sm_scale,
+                  std::int64_t t_begin, std::int64_t t_end, OnlineSoftmax& st, float* acc) noexcept {
+  const std::int32_t dim = kv.head_dim;
+  for (std::int64_t t = t_begin; t < t_end; ++t) {
+    const std::int64_t block = seq.block_ids[t / kv.block_size];
+    const std::int64_t off = kv.offset(block, t % kv.block_size, kv_head);
+    float s = 0.f;
+    for (std::int32_t i = 0; i < dim; ++i) s += q[i] * load_as_float<T>(kv.k, off + i);
+    s *= sm_scale;
+    const float m_new = std::max(st.m, s);
+    // exp(-inf - finite) = 0 rescales an empty accumulator; guard the (-inf) - (-inf) case of a -inf score.
+    const float scale = st.m == m_new ? 1.f : std::exp(st.m - m_new);
+    const float p = s == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s - m_new);
+    st.d = st.d * scale + p;
+    st.m = m_new;
+    for (std::int32_t i = 0; i < dim; ++i) acc[i] = acc[i] * scale + p * load_as_float<T>(kv.v, off + i);
+  }
+}
+
+}  // namespace detail
+}  // namespace pagedkv::reference

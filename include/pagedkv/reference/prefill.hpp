@@ -1,0 +1,105 @@
+// pagedkv/reference/prefill.hpp: CPU reference of causal prefill attention over paged KV with ragged queries
+// (FlashInfer's BatchPrefillWithPagedKVCache convention: qo_indptr + a page table; the new tokens' K/V are
+// already in the pages, written by write_kv).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include <pagedkv/kernel_params.hpp>
+#include <pagedkv/reference/common.hpp>
+
+namespace pagedkv::reference {
+
+/// Checks a prefill launch without running it (reads qo_indptr and the page table, host memory). kInvalidValue
+/// when: the pool or the page table is invalid (see `detail::validate_pool`, `detail::validate_page_table`);
+/// num_qo_heads <= 0 or num_qo_heads % num_kv_heads != 0; sm_scale is not finite; total_q_tokens < 0;
+/// qo_indptr is null with batch > 0; qo_indptr[0] < 0, qo_indptr decreases, or qo_indptr[batch] !=
+/// total_q_tokens (batch 0: total_q_tokens != 0); q or o is null with total_q_tokens > 0; some sequence has
+/// more queries than KV tokens (q_len_b > kv_len_b). kUnsupported when the dtype is not one of the three
+/// enumerators. Thread safety: reads only.
+[[nodiscard]] inline Status validate(const PrefillParams& p) noexcept {
+  if (const Status s = detail::validate_pool(p.kv); s != Status::kSuccess) return s;
+  if (detail::validate_page_table(p.pages, p.kv) != Status::kSuccess) return Status::kInvalidValue;
+  if (p.num_qo_heads <= 0 || p.num_qo_heads % p.kv.num_kv_heads != 0) return Status::kInvalidValue;
+  if (!std::isfinite(p.sm_scale) || p.total_q_tokens < 0) return Status::kInvalidValue;
+  const std::int32_t batch = p.pages.batch_size;
+  if (batch == 0) return p.total_q_tokens == 0 ? Status::kSuccess : Status::kInvalidValue;
+  if (p.qo_indptr == nullptr || p.qo_indptr[0] < 0) return Status::kInvalidValue;
+  for (std::int32_t b = 0; b < batch; ++b) {
+    if (p.qo_indptr[b + 1] < p.qo_indptr[b]) return Status::kInvalidValue;
+    const std::int64_t q_len = p.qo_indptr[b + 1] - p.qo_indptr[b];
+    if (q_len > detail::seq_pages(p.pages, p.kv.block_size, b).kv_len) return Status::kInvalidValue;
+  }
+  if (p.qo_indptr[batch] != p.total_q_tokens) return Status::kInvalidValue;
+  if (p.total_q_tokens > 0 && (p.q == nullptr || p.o == nullptr)) return Status::kInvalidValue;
+  return Status::kSuccess;
+}
+
+namespace detail {
+
+/// Prefill for one (query row r, qo head h); `scratch` holds 2 * head_dim floats.
+template <ElementType T>
+void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, float* scratch) noexcept {
+  const std::int32_t dim = p.kv.head_dim;
+  const std::int32_t hq = p.num_qo_heads;
+  const std::int32_t batch = p.pages.batch_size;
+  // The sequence holding row r: the last b with qo_indptr[b] <= r (skips empty sequences).
+  const auto b = static_cast<std::int32_t>(std::upper_bound(p.qo_indptr, p.qo_indptr + batch + 1, r) -
+                                           p.qo_indptr - 1);
+  const SeqPages seq = seq_pages(p.pages, p.kv.block_size, b);
+  const std::int64_t q_len = p.qo_indptr[b + 1] - p.qo_indptr[b];
+  const std::int64_t pos = seq.kv_len - q_len + (r - p.qo_indptr[b]);  // this query's position, >= 0
+  const std::int64_t row = std::int64_t{r} * hq + h;
+  float* qf = scratch;
+  float* acc = scratch + dim;
+  for (std::int32_t i = 0; i < dim; ++i) qf[i] = load_as_float<T>(p.q, row * dim + i);
+  std::fill(acc, acc + dim, 0.f);
+  OnlineSoftmax st;
+  attend_range<T>(p.kv, seq, h / (hq / p.kv.num_kv_heads), qf, p.sm_scale, 0, pos + 1, st, acc);
+  const float inv = 1.f / st.d;
+  for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
+  if (p.lse != nullptr) p.lse[row] = st.lse();
+}
+
+}  // namespace detail
+
+/// Causal prefill attention over paged KV, CPU reference. Sequence b has q_len_b = qo_indptr[b + 1] -
+/// qo_indptr[b] new query tokens and kv_len_b KV tokens in its pages (cached prefix + the new tokens); its i-th
+/// query (row r = qo_indptr[b] + i) sits at position pos = kv_len_b - q_len_b + i and attends to tokens [0, pos]:
+///   o[r, h, :] = softmax_t(sm_scale * <q[r, h, :], K_b[t, g(h), :]>) @ V_b[:, g(h), :],  t in [0, pos],
+///   lse[r, h]  = log(sum_{t <= pos} exp(sm_scale * <q[r, h, :], K_b[t, g(h), :]>))   (natural log),
+/// with g(h) = h / (num_qo_heads / num_kv_heads) (GQA).
+/// Parameters (host memory, same struct as the CUDA launcher):
+///  - p.qo_indptr: `[batch + 1]` int32, non-decreasing, qo_indptr[batch] == p.total_q_tokens;
+///  - p.q: `[total_q_tokens, num_qo_heads, head_dim]` contiguous, pool dtype; p.o: same, written (rows below
+///    qo_indptr[0] untouched); p.lse: optional `[total_q_tokens, num_qo_heads]` float32;
+///  - p.kv, p.pages: the pool and a CSR or padded page table (batch = pages.batch_size);
+///  - num_threads: worker threads over (query row x qo head); 0 = default_num_threads(); bit-identical results
+///    for every thread count.
+/// Numerics: as `decode` (float32 conversion, float32 online softmax, one rounding of o at the end).
+/// Preconditions (not checked): outputs do not overlap inputs; the listed tokens hold finite values.
+/// Returns kInvalidValue / kUnsupported per `validate(const PrefillParams&)` (or num_threads < 0) before anything
+/// is written, else kSuccess. Never throws (an allocation failure of the per-thread scratch terminates).
+/// Thread safety: writes o and lse only. Complexity: O(sum_b q_len_b * kv_len_b * num_qo_heads * head_dim).
+/// Source: FlashInfer's paged prefill (qo_indptr + paged KV, causal mask aligned to the end of the sequence);
+/// the online softmax of FlashAttention.
+[[nodiscard]] inline Status prefill(const PrefillParams& p, int num_threads = 0) noexcept {
+  const int nt = detail::resolve_num_threads(num_threads);
+  if (nt < 0) return Status::kInvalidValue;
+  if (const Status s = validate(p); s != Status::kSuccess) return s;
+  if (p.pages.batch_size == 0) return Status::kSuccess;
+  const std::int32_t first_row = p.qo_indptr[0];
+  const std::int64_t items = std::int64_t{p.total_q_tokens - first_row} * p.num_qo_heads;
+  const auto scratch = static_cast<std::size_t>(2) * static_cast<std::size_t>(p.kv.head_dim);
+  detail::dispatch_dtype(p.kv.dtype, [&]<class T>(std::type_identity<T>) {
+    detail::parallel_for(items, nt, scratch, [&](std::int64_t item, float* s) noexcept {
+      detail::prefill_one<T>(p, static_cast<std::int32_t>(first_row + item / p.num_qo_heads),
+                             static_cast<std::int32_t>(item % p.num_qo_heads), s);
+    });
+  });
+  return Status::kSuccess;
+}
+
+}  // namespace pagedkv::reference
