@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the Debian packages pagedkv needs (skips the ones already installed). Needs root or sudo.
+#   build:      cmake ninja-build g++
+#   library:    libssl-dev (SHA-256, libcrypto), libxxhash-dev (XXH3-128, used header-only)
+#   tests:      catch2 (2.13)          benchmarks: libbenchmark-dev
+#   examples:   libcli11-dev (arguments), nlohmann-json3-dev (trace parsing, JSON output)
+set -euo pipefail
+pkgs=(cmake ninja-build g++ libssl-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev nlohmann-json3-dev)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all packages present"
+  exit 0
+fi
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install-deps: installing ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

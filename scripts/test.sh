@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The test command: installs dependencies, then
+#  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest
+#  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
+#  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package)
+#  4. a short pagedkv-replay smoke run on each bundled trace
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+jobs=$(nproc)
+scripts/install-deps.sh
+
+cuda_args=(-DPAGEDKV_ENABLE_CUDA=ON)
+if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+
+echo "== 1/4 Release build + tests"
+cmake -S . -B build-ci -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" \
+      -DCMAKE_INSTALL_PREFIX="$root/build-ci/install" >/dev/null
+cmake --build build-ci -j "$jobs"
+ctest --test-dir build-ci -j "$jobs" --output-on-failure
+
+echo "== 2/4 ASan + UBSan build + tests"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPAGEDKV_SANITIZE=ON -DPAGEDKV_ENABLE_CUDA=OFF \
+      -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" >/dev/null
+cmake --build build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan -j "$jobs" --output-on-failure
+
+echo "== 3/4 installed package consumer (find_package(pagedkv))"
+rm -rf build-ci/install build-package
+cmake --install build-ci >/dev/null
+cmake -S tests/package -B build-package -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" >/dev/null
+cmake --build build-package
+./build-package/pagedkv_consumer
+
+echo "== 4/4 pagedkv-replay smoke"
+replay=build-ci/examples/pagedkv-replay
+$replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capacity-tokens 1e6,5e7 --limit 500
+$replay data/traces/mooncake-fast25/conversation_trace.jsonl --mode prefix --capacity-tokens 1e6 --limit 500 --hash xxh3
+$replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --limit 500
+$replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode fork --n 4 --limit 100
+echo "== all checks passed"
