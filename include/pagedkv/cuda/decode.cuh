@@ -70,7 +70,7 @@ struct DecodeArgs {
 
 /// Decode kernel. grid = (batch, num_kv_heads * num_head_tiles, split ? max_num_chunks : 1), block = kThreads.
 template <KernelElement T, int HD>
-__global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads)
+__global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
     decode_kernel(const DecodeArgs a) {
   using Tr = DecodeTraits<T, HD>;
   __shared__ __align__(16) unsigned char smem_raw[Tr::kSmemBytes];
@@ -85,6 +85,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads)
   const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
   const std::int32_t head0 = kv_head * a.group_size + head_tile * a.heads_per_tile;  // first qo head of the tile
   const std::int32_t tile_heads = min(a.heads_per_tile, a.group_size - head_tile * a.heads_per_tile);
+  if (tile_heads <= 0) return;  // balanced head tiling can leave the last tile empty for very large groups
 
   std::int32_t chunk_begin = 0;
   std::int32_t chunk_end = kv_len;
@@ -176,31 +177,57 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads)
       const T* const ks = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
       const T* const vs = ks + Tr::kStageElems;
       const int n = min(Tr::kTileTokens, num_tokens - tile * Tr::kTileTokens);
-      for (int t = phase; t < n; t += a.phases) {
-        float kf[Tr::kEpt];
+      // kUnroll tokens per step: independent dot products and shuffles in flight, one rescale per step.
+      constexpr int kUnroll = 4;
+      for (int t0 = phase; t0 < n; t0 += kUnroll * a.phases) {
+        float s[kUnroll];
 #pragma unroll
-        for (int j = 0; j < Tr::kVecsPerThread; ++j) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(ks + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec);
-          unpack16<T>(raw, kf + j * Tr::kVec);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int t = t0 + u * a.phases;
+          s[u] = -INFINITY;
+          if (t < n) {  // uniform across the row's lanes
+            float kf[Tr::kEpt];
+#pragma unroll
+            for (int j = 0; j < Tr::kVecsPerThread; ++j) {
+              const uint4 raw =
+                  *reinterpret_cast<const uint4*>(ks + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec);
+              unpack16<T>(raw, kf + j * Tr::kVec);
+            }
+            float dot = 0.f;
+#pragma unroll
+            for (int e = 0; e < Tr::kEpt; ++e) dot = fmaf(q[e], kf[e], dot);
+            s[u] = dot;
+          }
         }
-        float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < Tr::kEpt; ++e) s = fmaf(q[e], kf[e], s);
+        for (int off = Tr::kLanesPerRow / 2; off > 0; off >>= 1) {
 #pragma unroll
-        for (int off = Tr::kLanesPerRow / 2; off > 0; off >>= 1) s += __shfl_xor_sync(row_mask, s, off);
-
-        const float m_new = fmaxf(m, s);
-        const float alpha = exp2f(m - m_new);  // m == -inf -> 0
-        const float p = exp2f(s - m_new);
-        d = fmaf(d, alpha, p);
-        float vf[Tr::kEpt];
-#pragma unroll
-        for (int j = 0; j < Tr::kVecsPerThread; ++j) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(vs + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec);
-          unpack16<T>(raw, vf + j * Tr::kVec);
+          for (int u = 0; u < kUnroll; ++u) s[u] += __shfl_xor_sync(row_mask, s[u], off);  // -inf stays -inf
         }
+        float m_new = m;
 #pragma unroll
-        for (int e = 0; e < Tr::kEpt; ++e) acc[e] = fmaf(acc[e], alpha, p * vf[e]);
+        for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, s[u]);
+        const float alpha = exp2f(m - m_new);  // m == -inf on the first step -> 0 (m_new is finite: t0 < n)
+        d *= alpha;
+#pragma unroll
+        for (int e = 0; e < Tr::kEpt; ++e) acc[e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int t = t0 + u * a.phases;
+          if (t < n) {
+            const float p = exp2f(s[u] - m_new);
+            d += p;
+            float vf[Tr::kEpt];
+#pragma unroll
+            for (int j = 0; j < Tr::kVecsPerThread; ++j) {
+              const uint4 raw =
+                  *reinterpret_cast<const uint4*>(vs + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec);
+              unpack16<T>(raw, vf + j * Tr::kVec);
+            }
+#pragma unroll
+            for (int e = 0; e < Tr::kEpt; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
+          }
+        }
         m = m_new;
       }
     }
@@ -279,13 +306,13 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a) {
   float mx = -INFINITY;
   for (int c = 0; c < nc; ++c) mx = fmaxf(mx, a.ws_lse[(base + c) * a.num_qo_heads + h]);
   float sum = 0.f;
-  for (int c = 0; c < nc; ++c) sum += __expf(a.ws_lse[(base + c) * a.num_qo_heads + h] - mx);
-  const float lse = mx + __logf(sum);
+  for (int c = 0; c < nc; ++c) sum += expf(a.ws_lse[(base + c) * a.num_qo_heads + h] - mx);
+  const float lse = mx + logf(sum);
   for (int v = lane; v < HD / kVec; v += 32) {
     float accv[kVec] = {};
     for (int c = 0; c < nc; ++c) {
       const std::int64_t r = (base + c) * a.num_qo_heads + h;
-      const float w = __expf(a.ws_lse[r] - lse);
+      const float w = expf(a.ws_lse[r] - lse);
       const float4* src = reinterpret_cast<const float4*>(a.ws_o + r * HD + v * kVec);
 #pragma unroll
       for (int q4 = 0; q4 < kVec / 4; ++q4) {

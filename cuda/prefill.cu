@@ -1,0 +1,52 @@
+// cuda/prefill.cu: prefill attention launcher and the explicit instantiations of the prefill family (9 kernels).
+#include <cmath>
+
+#include <pagedkv/cuda/dispatch.cuh>
+#include <pagedkv/cuda/launch.hpp>
+#include <pagedkv/cuda/prefill.cuh>
+
+#include "validate.cuh"
+
+namespace pagedkv::cuda {
+inline namespace v0_1 {
+namespace detail {
+
+#define PAGEDKV_INSTANTIATE_PREFILL(T, HD) \
+  template Status launch_prefill<T, HD>(const PrefillArgs&, std::int32_t, cudaStream_t);
+PAGEDKV_CUDA_FOR_EACH_DTYPE_HEAD_DIM(PAGEDKV_INSTANTIATE_PREFILL)
+#undef PAGEDKV_INSTANTIATE_PREFILL
+
+}  // namespace detail
+}  // namespace v0_1
+
+Status prefill(const PrefillParams& p, Stream stream) noexcept {
+  using namespace detail;
+  if (const Status s = validate_attention(p.q, p.o, p.kv, p.pages, p.num_qo_heads); s != Status::kSuccess) return s;
+  if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
+  if (p.total_q_tokens < 0) return Status::kInvalidValue;
+  if (p.total_q_tokens > 0 && p.qo_indptr == nullptr) return Status::kInvalidValue;
+  if (p.num_qo_heads > 65535) return Status::kInvalidValue;  // grid.y
+  if (!is_supported(p.kv.dtype, p.kv.head_dim)) return Status::kUnsupported;
+  if (p.total_q_tokens == 0 || p.pages.batch_size == 0) return Status::kSuccess;
+
+  return dispatch_dtype_head_dim(p.kv.dtype, p.kv.head_dim, [&]<class T, int HD>() -> Status {
+    PrefillArgs a{};
+    a.q = p.q;
+    a.o = p.o;
+    a.lse = p.lse;
+    a.qo_indptr = p.qo_indptr;
+    a.k = p.kv.k;
+    a.v = p.kv.v;
+    a.pages = p.pages;
+    a.stride_page = p.kv.stride_page;
+    a.stride_token = p.kv.stride_token;
+    a.stride_head = p.kv.stride_head;
+    a.block_size = p.kv.block_size;
+    a.num_qo_heads = p.num_qo_heads;
+    a.group_size = p.num_qo_heads / p.kv.num_kv_heads;
+    a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+    return launch_prefill<T, HD>(a, p.total_q_tokens, static_cast<cudaStream_t>(stream));
+  });
+}
+
+}  // namespace pagedkv::cuda

@@ -1,0 +1,130 @@
+// cuda/swap_blocks.cu: swap_blocks launcher. No kernel: batched cudaMemcpyAsync on the copy engines.
+//
+// Why copies and not a zero-copy kernel: the copy engines move device <-> pinned host at PCIe/NVLink-C2C speed
+// without taking SMs from attention running concurrently, and they need no mapped-memory flag on the host pool.
+// The cost is per-call overhead, kept low by merging: when a block's K is one dense byte range on both sides,
+// K and V adjacent (interleaved NHD/HND pools) are copied as one range, and runs of consecutive (src, dst) blocks
+// with a dense page stride become one copy.
+#include <pagedkv/cuda/launch.hpp>
+
+#include "validate.cuh"
+
+namespace pagedkv::cuda {
+namespace {
+
+struct Side {
+  char* k;
+  char* v;
+  std::int64_t page_bytes, token_bytes, head_bytes;
+  bool dense;
+};
+
+Side make_side(const KVPoolView& kv) {
+  const auto es = static_cast<std::int64_t>(dtype_size_bytes(kv.dtype));
+  return {static_cast<char*>(kv.k), static_cast<char*>(kv.v), kv.stride_page * es, kv.stride_token * es,
+          kv.stride_head * es, detail::block_is_dense(kv)};
+}
+
+}  // namespace
+
+Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
+  using namespace detail;
+  if (p.num_layers < 0 || p.num_pairs < 0) return Status::kInvalidValue;
+  if (p.num_layers > 0 && (p.src_layers == nullptr || p.dst_layers == nullptr)) return Status::kInvalidValue;
+  if (p.num_pairs > 0 && p.block_mapping == nullptr) return Status::kInvalidValue;
+  if (p.direction != SwapDirection::kDeviceToHost && p.direction != SwapDirection::kHostToDevice) {
+    return Status::kInvalidValue;
+  }
+  for (std::int32_t l = 0; l < p.num_layers; ++l) {
+    const KVPoolView& s = p.src_layers[l];
+    const KVPoolView& d = p.dst_layers[l];
+    if (validate_pool(s) != Status::kSuccess || validate_pool(d) != Status::kSuccess) return Status::kInvalidValue;
+    if (s.dtype != d.dtype || s.block_size != d.block_size || s.num_kv_heads != d.num_kv_heads ||
+        s.head_dim != d.head_dim) {
+      return Status::kInvalidValue;
+    }
+    if (!is_supported(s.dtype, s.head_dim)) return Status::kUnsupported;
+    for (std::int32_t i = 0; i < p.num_pairs; ++i) {
+      const std::int32_t src = p.block_mapping[2 * i];
+      const std::int32_t dst = p.block_mapping[2 * i + 1];
+      if (src < 0) continue;
+      if (src >= s.num_blocks || dst < 0 || dst >= d.num_blocks) return Status::kInvalidValue;
+    }
+  }
+  if (p.num_layers == 0 || p.num_pairs == 0) return Status::kSuccess;
+
+  const auto kind = p.direction == SwapDirection::kDeviceToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+  const auto st = static_cast<cudaStream_t>(stream);
+  for (std::int32_t l = 0; l < p.num_layers; ++l) {
+    const KVPoolView& skv = p.src_layers[l];
+    const Side s = make_side(skv);
+    const Side d = make_side(p.dst_layers[l]);
+    const auto es = static_cast<std::int64_t>(dtype_size_bytes(skv.dtype));
+    const std::int64_t row_bytes = skv.head_dim * es;
+    const std::int64_t block_bytes = std::int64_t{skv.block_size} * skv.num_kv_heads * row_bytes;
+
+    if (s.dense && d.dense) {
+      // K and V of a block form one range when V starts right after K on both sides.
+      const bool kv_joined = (s.v - s.k) == block_bytes && (d.v - d.k) == block_bytes;
+      const std::int64_t unit = kv_joined ? 2 * block_bytes : block_bytes;
+      const bool runs_ok = s.page_bytes == unit && d.page_bytes == unit;
+      std::int32_t i = 0;
+      while (i < p.num_pairs) {
+        const std::int32_t src = p.block_mapping[2 * i];
+        const std::int32_t dst = p.block_mapping[2 * i + 1];
+        ++i;
+        if (src < 0) continue;
+        std::int64_t run = 1;
+        while (runs_ok && i < p.num_pairs && p.block_mapping[2 * i] == src + run &&
+               p.block_mapping[2 * i + 1] == dst + run) {
+          ++run;
+          ++i;
+        }
+        const std::int64_t so = src * s.page_bytes;
+        const std::int64_t dof = dst * d.page_bytes;
+        const std::int64_t bytes = (run - 1) * unit + unit;
+        if (cudaMemcpyAsync(d.k + dof, s.k + so, static_cast<std::size_t>(bytes), kind, st) != cudaSuccess) {
+          return Status::kCudaError;
+        }
+        if (!kv_joined &&
+            cudaMemcpyAsync(d.v + dof, s.v + so, static_cast<std::size_t>(bytes), kind, st) != cudaSuccess) {
+          return Status::kCudaError;
+        }
+      }
+      continue;
+    }
+    // General strides: one 2D copy (num_kv_heads rows of head_dim elements) per (pair, K/V, token).
+    const bool pitch_ok = skv.num_kv_heads == 1 || (s.head_bytes >= row_bytes && d.head_bytes >= row_bytes);
+    for (std::int32_t i = 0; i < p.num_pairs; ++i) {
+      const std::int32_t src = p.block_mapping[2 * i];
+      const std::int32_t dst = p.block_mapping[2 * i + 1];
+      if (src < 0) continue;
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* sb = (kv == 0 ? s.k : s.v) + src * s.page_bytes;
+        char* db = (kv == 0 ? d.k : d.v) + dst * d.page_bytes;
+        for (std::int32_t t = 0; t < skv.block_size; ++t) {
+          const char* sr = sb + t * s.token_bytes;
+          char* dr = db + t * d.token_bytes;
+          if (pitch_ok) {
+            const auto sp = static_cast<std::size_t>(skv.num_kv_heads == 1 ? row_bytes : s.head_bytes);
+            const auto dp = static_cast<std::size_t>(skv.num_kv_heads == 1 ? row_bytes : d.head_bytes);
+            if (cudaMemcpy2DAsync(dr, dp, sr, sp, static_cast<std::size_t>(row_bytes),
+                                  static_cast<std::size_t>(skv.num_kv_heads), kind, st) != cudaSuccess) {
+              return Status::kCudaError;
+            }
+          } else {
+            for (std::int32_t h = 0; h < skv.num_kv_heads; ++h) {
+              if (cudaMemcpyAsync(dr + h * d.head_bytes, sr + h * s.head_bytes, static_cast<std::size_t>(row_bytes),
+                                  kind, st) != cudaSuccess) {
+                return Status::kCudaError;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return Status::kSuccess;
+}
+
+}  // namespace pagedkv::cuda

@@ -1,0 +1,58 @@
+// cuda/write_kv.cu: write_kv launcher and the explicit instantiations of its kernel (4 access widths).
+#include <pagedkv/cuda/launch.hpp>
+#include <pagedkv/cuda/write_kv.cuh>
+
+#include "validate.cuh"
+
+namespace pagedkv::cuda {
+inline namespace v0_1 {
+namespace detail {
+template __global__ void write_kv_kernel<16>(const WriteKVArgs);
+template __global__ void write_kv_kernel<8>(const WriteKVArgs);
+template __global__ void write_kv_kernel<4>(const WriteKVArgs);
+template __global__ void write_kv_kernel<2>(const WriteKVArgs);
+}  // namespace detail
+}  // namespace v0_1
+
+Status write_kv(const WriteKVParams& p, Stream stream) noexcept {
+  using namespace detail;
+  if (const Status s = validate_pool(p.kv); s != Status::kSuccess) return s;
+  if (p.num_tokens < 0 || p.stride_token_elems < 0) return Status::kInvalidValue;
+  if (p.num_tokens > 0 && (p.key == nullptr || p.value == nullptr || p.slot_mapping == nullptr)) {
+    return Status::kInvalidValue;
+  }
+  if (!is_supported(p.kv.dtype, p.kv.head_dim)) return Status::kUnsupported;
+  const std::int64_t row_elems = std::int64_t{p.kv.num_kv_heads} * p.kv.head_dim;
+  const std::int64_t src_stride = p.stride_token_elems == 0 ? row_elems : p.stride_token_elems;
+  if (src_stride < row_elems) return Status::kInvalidValue;  // rows of one token would overlap
+  if (p.num_tokens == 0) return Status::kSuccess;
+
+  const auto es = static_cast<std::int64_t>(dtype_size_bytes(p.kv.dtype));
+  WriteKVArgs a{};
+  a.key = static_cast<const char*>(p.key);
+  a.value = static_cast<const char*>(p.value);
+  a.src_token_bytes = src_stride * es;
+  a.slot_mapping = p.slot_mapping;
+  a.k_pool = static_cast<char*>(p.kv.k);
+  a.v_pool = static_cast<char*>(p.kv.v);
+  a.page_bytes = p.kv.stride_page * es;
+  a.token_bytes = p.kv.stride_token * es;
+  a.head_bytes = p.kv.stride_head * es;
+  a.num_slots = std::int64_t{p.kv.num_blocks} * p.kv.block_size;
+  a.block_size = p.kv.block_size;
+  a.num_kv_heads = p.kv.num_kv_heads;
+  a.row_bytes = static_cast<std::int32_t>(p.kv.head_dim * es);
+  const int w = widest_access({p.key, p.value, p.kv.k, p.kv.v},
+                              {a.src_token_bytes, a.page_bytes, a.token_bytes, a.head_bytes, a.row_bytes});
+  const auto s = static_cast<cudaStream_t>(stream);
+  const auto grid = static_cast<unsigned>(p.num_tokens);
+  switch (w) {
+    case 16: write_kv_kernel<16><<<grid, 128, 0, s>>>(a); break;
+    case 8: write_kv_kernel<8><<<grid, 128, 0, s>>>(a); break;
+    case 4: write_kv_kernel<4><<<grid, 128, 0, s>>>(a); break;
+    default: write_kv_kernel<2><<<grid, 128, 0, s>>>(a); break;
+  }
+  return check_launch();
+}
+
+}  // namespace pagedkv::cuda

@@ -1,0 +1,340 @@
+// tests/cuda/test_attention.cpp: decode and prefill kernels against a float64 oracle and the CPU reference
+// (pagedkv::reference), over dtypes x head dims x GQA group sizes x block sizes x page-table forms x split-KV x
+// layouts, with every unused pool slot NaN and outputs poisoned before each run.
+#include "gpu_test_util.hpp"
+
+#include <pagedkv/reference/decode.hpp>
+#include <pagedkv/reference/prefill.hpp>
+
+namespace {
+
+using namespace pkt;
+using pagedkv::DecodeParams;
+using pagedkv::PrefillParams;
+
+struct Ref {
+  std::vector<double> o, lse;
+};
+
+/// float64 attention of one query row against tokens [0, n) of sequence b (kv head kvh).
+void attend(const KVPoolView& v, const Batch& bt, int b, int kvh, const float* q, int n, double scale, double* o,
+            double* lse) {
+  const int hd = v.head_dim;
+  for (int d = 0; d < hd; ++d) o[d] = 0.0;
+  if (n <= 0) {
+    *lse = -std::numeric_limits<double>::infinity();
+    return;
+  }
+  std::vector<double> s(static_cast<std::size_t>(n));
+  double m = -std::numeric_limits<double>::infinity();
+  for (int t = 0; t < n; ++t) {
+    const std::int64_t off = v.offset(bt.pages[b][t / v.block_size], t % v.block_size, kvh);
+    double acc = 0.0;
+    for (int d = 0; d < hd; ++d) acc += static_cast<double>(q[d]) * load_elem(v.k, off + d, v.dtype);
+    s[t] = acc * scale;
+    m = std::max(m, s[t]);
+  }
+  double den = 0.0;
+  for (int t = 0; t < n; ++t) {
+    const double w = std::exp(s[t] - m);
+    den += w;
+    const std::int64_t off = v.offset(bt.pages[b][t / v.block_size], t % v.block_size, kvh);
+    for (int d = 0; d < hd; ++d) o[d] += w * load_elem(v.v, off + d, v.dtype);
+  }
+  for (int d = 0; d < hd; ++d) o[d] /= den;
+  *lse = m + std::log(den);
+}
+
+struct DecodeCase {
+  DType dt;
+  int head_dim, group, block_size;
+  PageTableFormat fmt;
+  bool split;
+  Layout layout;
+  std::vector<int> lens;
+  int kv_heads = 2;
+  int chunk = 0;  // split: tokens per chunk (0 = implementation's choice)
+  std::uint64_t seed = 1;
+};
+
+std::string describe(const DecodeCase& c) {
+  return std::string(dtype_name(c.dt)) + " hd=" + std::to_string(c.head_dim) + " group=" + std::to_string(c.group) +
+         " bs=" + std::to_string(c.block_size) + (c.fmt == PageTableFormat::kCsr ? " csr" : " padded") +
+         (c.split ? " split chunk=" + std::to_string(c.chunk) : " nosplit") + " " + layout_name(c.layout);
+}
+
+void run_decode(const DecodeCase& c) {
+  INFO(describe(c));
+  Rng r(c.seed);
+  const int hq = c.kv_heads * c.group;
+  const int batch = static_cast<int>(c.lens.size());
+  int need = 1;
+  for (int len : c.lens) need += (len + c.block_size - 1) / c.block_size;
+  Pool pool(c.dt, need + 3, c.block_size, c.kv_heads, c.head_dim, c.layout);
+  Batch bt(r, pool, c.lens);
+  Tensor q(c.dt, std::int64_t{batch} * hq * c.head_dim);
+  q.randomize(r);
+  Tensor o(c.dt, q.n);
+  o.dev.poison();
+  DevBuf lse(static_cast<std::size_t>(batch) * hq * sizeof(float));
+  lse.poison();
+
+  DecodeParams p;
+  p.q = q.dev.get();
+  p.o = o.dev.get();
+  p.lse = lse.as<float>();
+  p.kv = pool.dev_view();
+  p.pages = bt.dev_table(c.fmt);
+  p.num_qo_heads = hq;
+  p.sm_scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  DevBuf ws;
+  if (c.split) {
+    const int max_len = *std::max_element(c.lens.begin(), c.lens.end());
+    const int chunk = c.chunk > 0 ? c.chunk : 16;
+    p.kv_chunk_size_tokens = c.chunk;
+    p.max_num_chunks = std::max(2, (max_len + chunk - 1) / chunk);
+    p.workspace_bytes = pagedkv::decode_workspace_bytes(batch, p.max_num_chunks, hq, c.head_dim);
+    ws = DevBuf(p.workspace_bytes);
+    ws.poison();
+    p.workspace = ws.get();
+  }
+  REQUIRE(pagedkv::cuda::decode(p) == Status::kSuccess);
+  PKT_CUDA(cudaDeviceSynchronize());
+  o.fetch();
+  std::vector<float> got_lse(static_cast<std::size_t>(batch) * hq);
+  lse.download(got_lse.data(), got_lse.size() * sizeof(float));
+  const std::vector<float> got = to_floats(o);
+
+  // float64 oracle.
+  const KVPoolView hv = pool.host_view();
+  const std::vector<float> qf = to_floats(q);
+  Ref ref{std::vector<double>(got.size()), std::vector<double>(got_lse.size())};
+  for (int b = 0; b < batch; ++b) {
+    for (int h = 0; h < hq; ++h) {
+      const std::int64_t row = std::int64_t{b} * hq + h;
+      attend(hv, bt, b, h / c.group, qf.data() + row * c.head_dim, c.lens[b], p.sm_scale,
+             ref.o.data() + row * c.head_dim, &ref.lse[row]);
+    }
+  }
+  const double err = row_rel_error(got, ref.o, c.head_dim);
+  INFO("max row-relative error vs float64 oracle: " << err);
+  CHECK(err <= o_tolerance(c.dt));
+  std::string why;
+  const bool lse_good = lse_ok(got_lse, ref.lse, &why);
+  INFO(why);
+  CHECK(lse_good);
+
+  // CPU reference with the same parameters (host memory), when it accepts them.
+  Tensor ro(c.dt, q.n);
+  std::vector<float> ref_lse(got_lse.size());
+  std::vector<unsigned char> hws(p.workspace_bytes);
+  DecodeParams hp = p;
+  hp.q = q.host.data();
+  hp.o = ro.host.data();
+  hp.lse = ref_lse.data();
+  hp.kv = pool.host_view();
+  hp.pages = bt.host_table(c.fmt);
+  hp.workspace = hws.empty() ? nullptr : hws.data();
+  if (c.split && c.chunk == 0) hp.kv_chunk_size_tokens = 0;  // implementation's choice: reference does not split
+  if (pagedkv::reference::decode(hp) == Status::kSuccess) {
+    std::vector<double> rod(got.size());
+    for (std::size_t i = 0; i < rod.size(); ++i) rod[i] = ro.at(static_cast<std::int64_t>(i));
+    const double rerr = row_rel_error(got, rod, c.head_dim);
+    INFO("max row-relative error vs pagedkv::reference::decode: " << rerr);
+    CHECK(rerr <= 2 * o_tolerance(c.dt));
+  }
+}
+
+constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+constexpr int kHeadDims[] = {64, 128, 256};
+constexpr Layout kLayouts[] = {Layout::kNhd, Layout::kHnd, Layout::kSeparateNhd, Layout::kSeparateHnd,
+                               Layout::kPaddedNhd};
+
+}  // namespace
+
+TEST_CASE("decode matches the float64 oracle over the full grid", "[decode]") {
+  std::uint64_t seed = 100;
+  int layout_i = 0;
+  for (DType dt : kDTypes) {
+    for (int hd : kHeadDims) {
+      for (int group : {1, 4, 8}) {
+        for (int bs : {1, 8, 16, 32, 64}) {
+          for (auto fmt : {PageTableFormat::kCsr, PageTableFormat::kPadded}) {
+            for (bool split : {false, true}) {
+              Rng lr(seed);
+              DecodeCase c{dt, hd, group, bs, fmt, split, kLayouts[layout_i++ % 5],
+                           {lr.range(50, 300), 0, lr.range(1, 3 * bs + 5), lr.range(1, 40)}};
+              c.chunk = split ? (seed % 3 == 0 ? 0 : lr.range(16, 96)) : 0;
+              c.seed = seed++;
+              run_decode(c);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("decode handles any GQA group size, including several head tiles", "[decode]") {
+  std::uint64_t seed = 5000;
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    for (int hd : kHeadDims) {
+      for (int group : {2, 3, 6, 12, 16, 24}) {
+        for (bool split : {false, true}) {
+          DecodeCase c{dt, hd, group, 16, PageTableFormat::kCsr, split, Layout::kNhd, {130, 7, 0, 64}};
+          c.kv_heads = 1 + static_cast<int>(seed % 3);
+          c.chunk = split ? 32 : 0;
+          c.seed = seed++;
+          run_decode(c);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("decode of a batch padded with empty sequences writes o = 0 and lse = -inf", "[decode]") {
+  for (bool split : {false, true}) {
+    DecodeCase c{DType::kFloat16, 128, 4, 16, PageTableFormat::kPadded, split, Layout::kHnd, {0, 0, 0}};
+    c.chunk = split ? 64 : 0;
+    run_decode(c);
+  }
+}
+
+TEST_CASE("decode_plan splits batch 1 x 32k tokens across the GPU and stays exact", "[decode]") {
+  std::int32_t sms = 0;
+  REQUIRE(pagedkv::cuda::device_sm_count(0, &sms) == Status::kSuccess);
+  const auto plan = pagedkv::cuda::decode_plan(1, 32768, 32, 8, 128, DType::kBFloat16, sms);
+  REQUIRE(plan.max_num_chunks >= 2);
+  CHECK(plan.num_ctas >= sms);
+  DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kCsr, true, Layout::kNhd, {32768}};
+  c.kv_heads = 8;
+  c.chunk = plan.kv_chunk_size_tokens;
+  run_decode(c);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// prefill
+
+namespace {
+
+struct PrefillCase {
+  DType dt;
+  int head_dim, group, block_size;
+  PageTableFormat fmt;
+  Layout layout;
+  std::vector<std::pair<int, int>> q_kv;  // (q_len, kv_len) per sequence, q_len <= kv_len
+  int kv_heads = 2;
+  std::uint64_t seed = 1;
+};
+
+void run_prefill(const PrefillCase& c) {
+  INFO(std::string(dtype_name(c.dt)) << " hd=" << c.head_dim << " group=" << c.group << " bs=" << c.block_size
+                                     << (c.fmt == PageTableFormat::kCsr ? " csr " : " padded ")
+                                     << layout_name(c.layout));
+  Rng r(c.seed);
+  const int hq = c.kv_heads * c.group;
+  std::vector<int> lens;
+  std::vector<std::int32_t> qo_indptr{0};
+  int need = 1;
+  for (auto [ql, kl] : c.q_kv) {
+    lens.push_back(kl);
+    qo_indptr.push_back(qo_indptr.back() + ql);
+    need += (kl + c.block_size - 1) / c.block_size;
+  }
+  const int total_q = qo_indptr.back();
+  const int batch = static_cast<int>(lens.size());
+  Pool pool(c.dt, need + 3, c.block_size, c.kv_heads, c.head_dim, c.layout);
+  Batch bt(r, pool, lens);
+  Tensor q(c.dt, std::int64_t{total_q} * hq * c.head_dim);
+  q.randomize(r);
+  Tensor o(c.dt, q.n);
+  o.dev.poison();
+  DevBuf lse(static_cast<std::size_t>(total_q) * hq * sizeof(float));
+  lse.poison();
+  DevBuf d_qo = DevBuf::from(qo_indptr);
+
+  PrefillParams p;
+  p.q = q.dev.get();
+  p.o = o.dev.get();
+  p.lse = lse.as<float>();
+  p.qo_indptr = d_qo.as<std::int32_t>();
+  p.total_q_tokens = total_q;
+  p.kv = pool.dev_view();
+  p.pages = bt.dev_table(c.fmt);
+  p.num_qo_heads = hq;
+  p.sm_scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  REQUIRE(pagedkv::cuda::prefill(p) == Status::kSuccess);
+  PKT_CUDA(cudaDeviceSynchronize());
+  o.fetch();
+  std::vector<float> got_lse(static_cast<std::size_t>(total_q) * hq);
+  lse.download(got_lse.data(), got_lse.size() * sizeof(float));
+  const std::vector<float> got = to_floats(o);
+
+  const KVPoolView hv = pool.host_view();
+  const std::vector<float> qf = to_floats(q);
+  Ref ref{std::vector<double>(got.size()), std::vector<double>(got_lse.size())};
+  for (int b = 0; b < batch; ++b) {
+    const int ql = qo_indptr[b + 1] - qo_indptr[b];
+    for (int i = 0; i < ql; ++i) {
+      const int visible = lens[b] - ql + i + 1;  // causal: positions <= kv_len - q_len + i
+      for (int h = 0; h < hq; ++h) {
+        const std::int64_t row = std::int64_t{qo_indptr[b] + i} * hq + h;
+        attend(hv, bt, b, h / c.group, qf.data() + row * c.head_dim, visible, p.sm_scale,
+               ref.o.data() + row * c.head_dim, &ref.lse[row]);
+      }
+    }
+  }
+  const double err = row_rel_error(got, ref.o, c.head_dim);
+  INFO("max row-relative error vs float64 oracle: " << err);
+  CHECK(err <= o_tolerance(c.dt));
+  std::string why;
+  const bool lse_good = lse_ok(got_lse, ref.lse, &why);
+  INFO(why);
+  CHECK(lse_good);
+
+  Tensor ro(c.dt, q.n);
+  PrefillParams hp = p;
+  hp.q = q.host.data();
+  hp.o = ro.host.data();
+  hp.lse = nullptr;
+  hp.qo_indptr = qo_indptr.data();
+  hp.kv = pool.host_view();
+  hp.pages = bt.host_table(c.fmt);
+  if (pagedkv::reference::prefill(hp) == Status::kSuccess) {
+    std::vector<double> rod(got.size());
+    for (std::size_t i = 0; i < rod.size(); ++i) rod[i] = ro.at(static_cast<std::int64_t>(i));
+    const double rerr = row_rel_error(got, rod, c.head_dim);
+    INFO("max row-relative error vs pagedkv::reference::prefill: " << rerr);
+    CHECK(rerr <= 2 * o_tolerance(c.dt));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("prefill matches the float64 oracle (causal, ragged, cached prefix)", "[prefill]") {
+  std::uint64_t seed = 9000;
+  int layout_i = 0;
+  for (DType dt : kDTypes) {
+    for (int hd : kHeadDims) {
+      for (int group : {1, 4}) {
+        for (int bs : {1, 16, 64}) {
+          for (auto fmt : {PageTableFormat::kCsr, PageTableFormat::kPadded}) {
+            Rng lr(seed);
+            const int full = lr.range(1, 70);
+            const int kv_long = lr.range(80, 200);
+            PrefillCase c{dt, hd, group, bs, fmt, kLayouts[layout_i++ % 5],
+                          {{full, full}, {1, lr.range(1, 100)}, {0, lr.range(0, 20)}, {lr.range(33, 80), kv_long}}};
+            c.seed = seed++;
+            run_prefill(c);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("prefill with GQA group 8 and a long prompt", "[prefill]") {
+  PrefillCase c{DType::kBFloat16, 128, 8, 16, PageTableFormat::kCsr, Layout::kNhd, {{300, 700}, {129, 129}}};
+  c.kv_heads = 1;
+  run_prefill(c);
+}
