@@ -56,8 +56,9 @@ enum class AppendStatus : std::uint8_t {
   kNoCapacity = 1,  ///< Not enough blocks; nothing changed. The engine preempts a sequence and retries.
 };
 
-/// Result of `try_append`. `slots` views the sequence's pending slots of this call (`[n]`, -1 for tokens whose
-/// block was switched to an identical cached block); it is invalidated by the next non-const call.
+/// Result of `try_append`. `slots` views the sequence's pending slots of this call (`[n]`); it is invalidated by
+/// the next non-const call. The slot mapping the builder writes may later turn some of them into -1 (a block
+/// switched to an identical registered block; see build_batch_metadata).
 template <BlockIdType Id>
 struct AppendResult {
   AppendStatus status = AppendStatus::kNoCapacity;
@@ -73,8 +74,10 @@ struct AppendResult {
 ///    the hit blocks (protecting them from eviction) and allocates the rest, all or nothing.
 ///  - `try_append` reserves slots for new tokens (one per decode step, or a chunk), copying a shared or hashed
 ///    partial last block first (copy-on-write).
-///  - Every block is registered in the prefix index as soon as it is full; if an identical block is already
-///    cached, the sequence switches to it and frees its own copy (no two cached blocks share a hash).
+///  - A full block is registered in the prefix index by the `build_batch_metadata` call that issues the writes of
+///    its K/V (so no request can ever hit a block whose K/V was never written: a sequence freed or preempted
+///    before its step ran leaves nothing in the index). If an identical block is already registered, the sequence
+///    switches to it and frees its own copy (no two cached blocks share a hash).
 ///  - `fork` shares every block (parallel sampling, beam search); `free`/`preempt` release tail first.
 ///  - `build_batch_metadata` writes the step's page table, slot mapping and copy list into caller buffers.
 /// A pending copy (src, dst) holds a reference on src until the metadata that carries it is built, so no block is
@@ -166,7 +169,6 @@ class KVCacheManager {
     auto keys_ptr = keys != nullptr && !keys->empty() ? std::make_shared<const RequestKeys>(*keys) : nullptr;
     Sequence s(config_.block_size);
     s.tokens.assign(prompt.begin(), prompt.end());
-    s.hashes.reserve(hashes.size());
     s.pending_slots.reserve(prompt.size() - hits * bs);
     s.keys = std::move(keys_ptr);
     auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
@@ -176,11 +178,11 @@ class KVCacheManager {
       alloc_.acquire(b);
       q.table.append_full_block(b);
     }
-    q.hashes.assign(hashes.begin(), hashes.begin() + static_cast<std::ptrdiff_t>(hits));
+    q.hashes = std::move(hashes);
+    q.num_registered = hits;
     std::optional<copy_type> no_copy;
     const bool ok = q.table.try_append(prompt.size() - hits * bs, pool, evictor(), q.pending_slots, no_copy);
     (void)ok;  // guaranteed by the capacity check
-    register_full_blocks(q, hashes);
 
     ++stats_.prefix_query_requests;
     stats_.prefix_query_tokens += prompt.size();
@@ -215,9 +217,8 @@ class KVCacheManager {
       ++stats_.cow_copies;
     }
     q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
-    register_full_blocks(q, {});
-    if (copy && std::find(pending_copies_.begin(), pending_copies_.end(), *copy) == pending_copies_.end()) {
-      copy.reset();  // its destination was switched to an identical cached block
+    if (config_.enable_prefix_caching) {
+      index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
     }
     return {AppendStatus::kOk, std::span<const std::int64_t>(q.pending_slots).subspan(first), copy};
   }
@@ -234,6 +235,7 @@ class KVCacheManager {
     Sequence c(config_.block_size);
     c.tokens = p.tokens;
     c.hashes = p.hashes;
+    c.num_registered = p.hashes.size();  // the parent registers the blocks it is writing
     c.keys = p.keys;
     c.table = p.table;  // copy first (may throw), take references after
     auto [it, inserted] = seqs_.try_emplace(child, std::move(c));
@@ -272,6 +274,7 @@ class KVCacheManager {
     q.table.rewind(n, pool);
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
+    q.num_registered = std::min(q.num_registered, q.hashes.size());
     q.pending_slots.resize(q.pending_slots.size() - std::min(n, q.pending_slots.size()));
   }
 
@@ -364,6 +367,11 @@ class KVCacheManager {
   /// shapes and padding), then clear those sequences' pending slots and hand out every pending copy (releasing
   /// the references the copies held on their sources). Slots of sequence b occupy
   /// slot_mapping[qo_indptr[b], qo_indptr[b + 1]).
+  /// Before writing, the batch's full blocks not yet registered are registered in the prefix index (their K/V is
+  /// written by the kernels of the step this metadata describes). A full block whose hash is already registered
+  /// to another block, and that only this sequence holds, is switched to the registered block and released; its
+  /// slots in this step become -1 (deduplication; the registered block already holds, or earlier in this step's
+  /// write_kv receives, the same K/V).
   /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`), kBadShape (a buffer too small, or a
   /// sequence longer than max_blocks_per_seq): then nothing is written and nothing changes.
   BatchMetadataSizes build_batch_metadata(std::span<const SeqId> batch, const BatchMetadataBuffers& buf) {
@@ -412,7 +420,10 @@ class KVCacheManager {
       fail(Errc::kBadShape, "indptr is set but indices is empty");
     }
 
-    // Validated: write. Nothing below throws.
+    // Validated. Register the batch's newly full blocks (their K/V is written by this step's kernels, before any
+    // later step can read them), switching duplicates to the registered block. Then write. Nothing below throws.
+    for (Sequence* p : batch_scratch_) register_full_blocks(*p);
+    sz.num_copies = pending_copies_.size();
     std::int32_t blk = 0;
     std::int32_t tok = 0;
     for (std::size_t b = 0; b < B; ++b) {
@@ -470,7 +481,8 @@ class KVCacheManager {
     explicit Sequence(std::uint32_t block_size) : table(block_size) {}
     table_type table;
     std::vector<TokenId> tokens;                // [num_tokens]
-    std::vector<BlockHash> hashes;              // hashes of the first hashes.size() full blocks
+    std::vector<BlockHash> hashes;              // hashes of every full block, [num_tokens / block_size]
+    std::size_t num_registered = 0;             // leading full blocks this sequence need not register
     std::shared_ptr<const RequestKeys> keys;    // null = no extra keys
     std::vector<std::int64_t> pending_slots;    // slots of tokens appended since the last build
     bool in_batch = false;                      // scratch mark for build_batch_metadata
@@ -479,7 +491,9 @@ class KVCacheManager {
   // The allocator as BlockTable sees it: releases go through release_block so pending copies stay consistent.
   struct Proxy {
     KVCacheManager* m;
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->alloc_.refcount(b); }
+    // Table holders only: a pending copy's reference on its source does not make the block shared (the copy
+    // runs before this step's writes), so the one table still holding it may write in place.
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->alloc_.refcount(b) - m->pins(b); }
     [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
     [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->alloc_.num_available_blocks(); }
     template <class F>
@@ -538,30 +552,35 @@ class KVCacheManager {
     }
   }
 
-  // Hash and register every full block of `q` beyond q.hashes (using `precomputed` hashes where given). A block
-  // whose hash is already registered to another block is switched to that block: its own copy is released and the
-  // pending slots that pointed into it become -1 (the cached block already holds those K/V).
-  void register_full_blocks(Sequence& q, std::span<const BlockHash> precomputed) {
+  // Number of pending copies reading block b (each holds a reference on it).
+  [[nodiscard]] std::uint32_t pins(Id b) const noexcept {
+    std::uint32_t n = 0;
+    for (const copy_type& c : pending_copies_) n += c.src == b ? 1U : 0U;
+    return n;
+  }
+
+  // Register the full blocks of `q` beyond q.num_registered (called when the metadata that writes them is built).
+  // A block whose hash is already registered to another block is switched to that block when `q` is its only
+  // table holder: its own copy is released and the pending slots that pointed into it become -1 (the registered
+  // block holds the same K/V, written in an earlier step or earlier in this step's write_kv). A shared duplicate
+  // stays as it is, unregistered.
+  void register_full_blocks(Sequence& q) {
     if (!config_.enable_prefix_caching) return;
     const std::size_t bs = config_.block_size;
-    const std::size_t full = q.table.num_tokens() / bs;
-    const std::span<const TokenId> toks(q.tokens);
-    for (std::size_t i = q.hashes.size(); i < full; ++i) {
-      const BlockHash h = i < precomputed.size()
-                              ? precomputed[i]
-                              : index_.hash_block(i == 0 ? index_.root() : q.hashes[i - 1],
-                                                  toks.subspan(i * bs, bs), i * bs, q.keys.get());
-      q.hashes.push_back(h);
+    for (std::size_t i = q.num_registered; i < q.hashes.size(); ++i) {
+      const BlockHash& h = q.hashes[i];
       const Id own = q.table.blocks()[i];
-      const Id reg = index_.insert(h, own);
-      if (reg == own) {
+      const auto reg = index_.find(h);
+      if (!reg) {
+        index_.insert(h, own);
         alloc_.set_hashed(own, true);
         if (config_.enable_events) record_stored(q, i, h);
         continue;
       }
+      if (*reg == own || alloc_.refcount(own) - pins(own) != 1) continue;
       // Duplicate content: switch to the registered block, free ours.
-      alloc_.acquire(reg);
-      q.table.replace_block(i, reg);
+      alloc_.acquire(*reg);
+      q.table.replace_block(i, *reg);
       release_block(own);
       ++stats_.dedup_blocks;
       const std::size_t first_pending_pos = q.table.num_tokens() - q.pending_slots.size();
@@ -569,6 +588,7 @@ class KVCacheManager {
         q.pending_slots[p - first_pending_pos] = -1;
       }
     }
+    q.num_registered = q.hashes.size();
   }
 
   KVEvent& push_event(KVEventType t) {
