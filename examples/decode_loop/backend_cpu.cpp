@@ -1,0 +1,134 @@
+// examples/decode_loop/backend_cpu.cpp: the CPU reference backend (pagedkv::reference, host memory), and the
+// Metadata buffers both backends share.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <pagedkv/reference/all.hpp>
+
+#include "backend.hpp"
+
+namespace decode_loop {
+
+Metadata::Metadata(const Capacity& c)
+    : cap(c),
+      indptr(static_cast<std::size_t>(c.max_batch) + 1, 0),
+      indices(static_cast<std::size_t>(c.max_indices), 0),
+      last_page_len(static_cast<std::size_t>(c.max_batch), 0),
+      block_tables(static_cast<std::size_t>(c.max_batch) * static_cast<std::size_t>(c.max_blocks_per_seq), 0),
+      seq_lens(static_cast<std::size_t>(c.max_batch), 0),
+      qo_indptr(static_cast<std::size_t>(c.max_batch) + 1, 0),
+      slot_mapping(static_cast<std::size_t>(c.max_new_tokens), -1),
+      copies(2 * static_cast<std::size_t>(c.max_copies), -1) {}
+
+pagedkv::BatchMetadataBuffers Metadata::buffers() {
+  pagedkv::BatchMetadataBuffers b;
+  b.indptr = indptr;
+  b.indices = indices;
+  b.last_page_len = last_page_len;
+  b.block_tables = block_tables;
+  b.max_blocks_per_seq = cap.max_blocks_per_seq;
+  b.seq_lens = seq_lens;
+  b.qo_indptr = qo_indptr;
+  b.slot_mapping = slot_mapping;
+  b.copies = copies;
+  return b;
+}
+
+namespace {
+
+using pagedkv::Status;
+
+BackendResult fail(const char* op, Status s) {
+  return {s, std::string(op) + ": " + pagedkv::to_string(s)};
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(const Shape& shape, const Capacity& cap) : shape_(shape), cap_(cap) {
+    for (int l = 0; l < shape.num_layers; ++l) {
+      // Every byte 0xff: NaN in fp32, fp16 and bf16, so reading a slot no token was written to poisons the output.
+      k_.emplace_back(shape.k_buffer_bytes(), std::byte{0xff});
+      v_.emplace_back(shape.v_buffer_bytes(), std::byte{0xff});
+      views_.push_back(shape.view(k_.back().data(), v_.back().empty() ? nullptr : v_.back().data()));
+    }
+    workspace_.resize(pagedkv::decode_workspace_bytes(cap.max_batch, cap.max_num_chunks, shape.num_qo_heads,
+                                                      shape.head_dim) / sizeof(float));
+  }
+
+  std::string name() const override { return "cpu-reference"; }
+
+  BackendResult set_metadata(const Metadata& md) override {
+    md_ = &md;  // host memory already: the reference reads it in place
+    return {};
+  }
+
+  BackendResult run_layer(const LayerWork& w) override {
+    const Metadata& md = *md_;
+    const pagedkv::KVPoolView& kv = views_[static_cast<std::size_t>(w.layer)];
+
+    // 1. Copy-on-write copies of this step (fixed-capacity list, (-1, -1) padding skipped).
+    const pagedkv::CopyBlocksParams cp{&kv, 1, md.copies.data(), cap_.max_copies};
+    if (const Status s = pagedkv::reference::copy_blocks(cp); s != Status::kSuccess) return fail("copy_blocks", s);
+
+    // 2. The new tokens' K/V rows into their slots (slot -1: padding or a deduplicated token, skipped).
+    pagedkv::WriteKVParams wp;
+    wp.key = w.key;
+    wp.value = w.value;
+    wp.slot_mapping = md.slot_mapping.data();
+    wp.num_tokens = cap_.max_new_tokens;
+    wp.kv = kv;
+    if (const Status s = pagedkv::reference::write_kv(wp); s != Status::kSuccess) return fail("write_kv", s);
+
+    // 3. Attention over every sequence's pages (padding sequences give o = 0, lse = -inf).
+    if (w.prefill) {
+      pagedkv::PrefillParams p;
+      p.q = w.q;
+      p.o = w.o;
+      p.lse = w.lse;
+      p.qo_indptr = md.qo_indptr.data();
+      p.total_q_tokens = w.total_q_rows;
+      p.kv = kv;
+      p.pages = pagedkv::PageTable::csr(cap_.max_batch, md.indptr.data(), md.indices.data(), md.last_page_len.data());
+      p.num_qo_heads = shape_.num_qo_heads;
+      p.sm_scale = shape_.sm_scale();
+      if (const Status s = pagedkv::reference::prefill(p); s != Status::kSuccess) return fail("prefill", s);
+      return {};
+    }
+    pagedkv::DecodeParams p;
+    p.q = w.q;
+    p.o = w.o;
+    p.lse = w.lse;
+    p.kv = kv;
+    p.pages = w.format == pagedkv::PageTableFormat::kCsr
+                  ? pagedkv::PageTable::csr(cap_.max_batch, md.indptr.data(), md.indices.data(),
+                                            md.last_page_len.data())
+                  : pagedkv::PageTable::padded(cap_.max_batch, md.block_tables.data(), cap_.max_blocks_per_seq,
+                                               md.seq_lens.data());
+    p.num_qo_heads = shape_.num_qo_heads;
+    p.sm_scale = shape_.sm_scale();
+    p.kv_chunk_size_tokens = w.kv_chunk_size_tokens;
+    p.max_num_chunks = w.max_num_chunks;
+    p.workspace = workspace_.data();
+    p.workspace_bytes = workspace_.size() * sizeof(float);
+    if (const Status s = pagedkv::reference::decode(p); s != Status::kSuccess) return fail("decode", s);
+    return {};
+  }
+
+ private:
+  Shape shape_;
+  Capacity cap_;
+  std::vector<std::vector<std::byte>> k_, v_;
+  std::vector<pagedkv::KVPoolView> views_;
+  std::vector<float> workspace_;
+  const Metadata* md_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(const Shape& shape, const Capacity& cap) {
+  return std::make_unique<CpuBackend>(shape, cap);
+}
+
+}  // namespace decode_loop
