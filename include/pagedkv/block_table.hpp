@@ -10,6 +10,7 @@
 
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/config.hpp>
+#include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/error.hpp>
 
 namespace pagedkv {
@@ -91,7 +92,7 @@ class BlockTable {
     const std::size_t old_blocks = blocks_.size();
     const std::size_t new_blocks = (num_tokens_ + n + block_size_ - 1) / block_size_ - old_blocks;
     if (new_blocks + (cow ? 1 : 0) > alloc.num_available_blocks()) return false;
-    slots_out.reserve(slots_out.size() + n);  // may throw before anything changed
+    detail::reserve_more(slots_out, n);  // may throw before anything changed
     blocks_.resize(old_blocks + new_blocks);
     if (cow) {
       const Id dst = *alloc.try_allocate_one(on_evict);

@@ -54,7 +54,7 @@ concept BlockHasher = requires(std::span<const std::byte> bytes) {
 struct Sha256Hasher {
   static constexpr const char* kName = "sha256";
   static constexpr bool kCryptographic = true;
-  /// Hash `bytes`. Thread-safe; allocates nothing after the first call in a thread.
+  /// Hash `bytes`. Thread-safe; never allocates.
   [[nodiscard]] PAGEDKV_API static BlockHash hash(std::span<const std::byte> bytes) noexcept;
 };
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -17,6 +18,7 @@
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/config.hpp>
+#include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/eviction.hpp>
@@ -31,7 +33,7 @@ struct CacheConfig {
   std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block (> 0).
   bool enable_prefix_caching = true;              ///< Hash full blocks and reuse them across requests.
   std::uint64_t hash_seed = 0;                    ///< Per-pool chain seed (the root of every block-hash chain).
-  std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit; 0 = usable blocks * block_size.
+  std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length); 0 = none.
   bool enable_events = false;                     ///< Record KVEvents for drain_events().
 };
 
@@ -108,16 +110,16 @@ class KVCacheManager {
       : config_(checked(config)),
         alloc_(config_.num_blocks),
         index_(config_.num_blocks, config_.hash_seed),
-        max_tokens_per_seq_(config_.max_tokens_per_seq != 0
-                                ? config_.max_tokens_per_seq
-                                : (config_.num_blocks - 1) * static_cast<std::size_t>(config_.block_size)) {}
+        max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq
+                                                            : std::numeric_limits<std::size_t>::max()) {}
 
   KVCacheManager(const KVCacheManager&) = delete;
   KVCacheManager& operator=(const KVCacheManager&) = delete;
 
   [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
   [[nodiscard]] std::uint32_t block_size() const noexcept { return config_.block_size; }
-  /// Per-sequence token limit in force.
+  /// Per-sequence token limit in force (SIZE_MAX when none was configured). A prompt longer than the pool but
+  /// within this limit is answered kNeverFits, not an error.
   [[nodiscard]] std::size_t max_tokens_per_seq() const noexcept { return max_tokens_per_seq_; }
 
   // ---------------------------------------------------------------------------------------------------------------
@@ -204,8 +206,8 @@ class KVCacheManager {
                                               std::to_string(max_tokens_per_seq_));
     }
     if (tokens.empty()) return {AppendStatus::kOk, {}, std::nullopt};
-    q.tokens.reserve(q.tokens.size() + tokens.size());
-    pending_copies_.reserve(pending_copies_.size() + 1);
+    detail::reserve_more(q.tokens, tokens.size());
+    detail::reserve_more(pending_copies_, 1);
     const std::size_t first = q.pending_slots.size();
     Proxy pool{this};
     std::optional<copy_type> copy;
@@ -570,17 +572,17 @@ class KVCacheManager {
     for (std::size_t i = q.num_registered; i < q.hashes.size(); ++i) {
       const BlockHash& h = q.hashes[i];
       const Id own = q.table.blocks()[i];
-      const auto reg = index_.find(h);
-      if (!reg) {
-        index_.insert(h, own);
+      if (index_.hash_of(own)) continue;  // already registered (by a sequence sharing it)
+      const Id reg = index_.insert(h, own);  // one map probe: inserts, or finds the registered block
+      if (reg == own) {
         alloc_.set_hashed(own, true);
         if (config_.enable_events) record_stored(q, i, h);
         continue;
       }
-      if (*reg == own || alloc_.refcount(own) - pins(own) != 1) continue;
+      if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
       // Duplicate content: switch to the registered block, free ours.
-      alloc_.acquire(*reg);
-      q.table.replace_block(i, *reg);
+      alloc_.acquire(reg);
+      q.table.replace_block(i, reg);
       release_block(own);
       ++stats_.dedup_blocks;
       const std::size_t first_pending_pos = q.table.num_tokens() - q.pending_slots.size();
