@@ -1,0 +1,387 @@
+// examples/replay/serve_mode.cpp: `--mode serve`, continuous batching in simulated time over a paged pool, with a
+// contiguous max-length-reservation baseline on the same arrivals (vLLM paper, Fig. 2).
+//
+// One engine step (every --step-ms of simulated time), in the order of vLLM's scheduler:
+//  1. arrivals up to the step's start join the waiting queue (FIFO);
+//  2. decode: every running sequence appends one generated token (try_append). When the pool has no block for
+//     it, the most recently admitted running sequence is preempted (recompute) and put back at the front of the
+//     waiting queue, until the append fits (possibly preempting the appending sequence itself);
+//  3. admission, unless step 2 preempted (as vLLM V1 does, so a victim is not re-admitted in the step that
+//     evicted it): waiting requests are admitted in order (their whole prompt is prefilled in this step) while
+//     the pool and --max-num-seqs allow; the first that does not fit stops admission;
+//  4. build_batch_metadata for the running batch;
+//  5. utilization is sampled; sequences that have generated output_length tokens are freed.
+// A preempted request is re-admitted with its prompt plus the tokens it had generated (vLLM V1's recompute:
+// the KV of all of them is recomputed, and their full blocks are usually still in the prefix cache); it then
+// generates only its remaining tokens.
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <stdexcept>
+#include <unordered_map>
+#include <vector>
+
+#include "modes.hpp"
+
+namespace replay {
+namespace {
+
+/// Time-averaged KV utilization and peak concurrency of one scheduler.
+struct Occupancy {
+  double utilization_sum = 0.0;   // over busy steps
+  std::uint64_t busy_steps = 0;   // steps with at least one running sequence
+  std::uint64_t seq_steps = 0;    // sum over busy steps of running sequences
+  std::size_t peak_running = 0;
+  double last_busy_end_ms = 0.0;  // end of the last busy step: when the scheduler finished its work
+
+  void sample(double utilization, std::size_t running, double step_end_ms) {
+    utilization_sum += utilization;
+    ++busy_steps;
+    seq_steps += running;
+    peak_running = std::max(peak_running, running);
+    last_busy_end_ms = step_end_ms;
+  }
+  [[nodiscard]] double mean_utilization() const {
+    return busy_steps == 0 ? 0.0 : utilization_sum / static_cast<double>(busy_steps);
+  }
+};
+
+/// The paged scheduler: a KVCacheManager pool, FIFO admission, recompute preemption.
+template <class Hasher>
+class PagedScheduler {
+ public:
+  PagedScheduler(const Trace& trace, const Options& opt, std::size_t usable_blocks, std::size_t max_model_len)
+      : trace_(trace),
+        opt_(opt),
+        usable_blocks_(usable_blocks),
+        max_model_len_(max_model_len),
+        manager_(config(opt, usable_blocks, max_model_len)),
+        buffers_(opt.max_num_seqs, opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len)),
+                 usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs) {}
+
+  /// A request arrives. One that can never run (longer than max_model_len, or than the pool) is rejected.
+  void enqueue(std::size_t request) {
+    const Request& r = trace_.requests[request];
+    const std::size_t total = std::size_t{r.input_tokens} + r.output_tokens;
+    if (total > max_model_len_ || blocks(total) > usable_blocks_) {
+      ++rejected_;
+      return;
+    }
+    waiting_.push_back({request});
+  }
+
+  /// Whether nothing is waiting or running.
+  [[nodiscard]] bool idle() const noexcept { return waiting_.empty() && running_.empty(); }
+  /// Requests finished or rejected so far.
+  [[nodiscard]] std::size_t done() const noexcept { return finished_ + rejected_; }
+
+  /// Run one engine step ending at simulated time `step_end_ms`.
+  void step(double step_end_ms) {
+    if (!decode()) admit();
+    if (running_.empty()) return;
+    build_metadata();
+    sample(step_end_ms);
+    free_finished();
+  }
+
+  /// Append this scheduler's columns to `row`.
+  void add_fields(Row& row) const {
+    const pagedkv::CacheStats s = manager_.stats();
+    row.add("rejected", rejected_)
+        .add("steps", occupancy_.busy_steps)
+        .add("sim_seconds", occupancy_.last_busy_end_ms / 1000.0, 1)
+        .add("kv_utilization", occupancy_.mean_utilization(), 4)
+        .add("peak_running", occupancy_.peak_running)
+        .add("preemptions", s.preemptions)
+        .add("hit_ratio", hit_ratio(s), 4)
+        .add("evictions", s.evictions);
+  }
+  /// Library time: all calls; admissions (try_admit); the decode path (try_append + build_batch_metadata).
+  [[nodiscard]] double manager_seconds() const noexcept {
+    return admit_timer_.seconds() + decode_timer_.seconds() + release_timer_.seconds();
+  }
+  [[nodiscard]] double admit_seconds() const noexcept { return admit_timer_.seconds(); }
+  [[nodiscard]] double decode_seconds() const noexcept { return decode_timer_.seconds(); }
+  [[nodiscard]] std::uint64_t block_ops() const noexcept { return manager_.stats().block_ops; }
+  [[nodiscard]] std::uint64_t seq_steps() const noexcept { return occupancy_.seq_steps; }
+
+ private:
+  using Manager = pagedkv::KVCacheManager<Hasher>;
+  static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
+
+  struct Seq {
+    std::size_t request = 0;     // trace index, also the sequence id
+    std::uint32_t generated = 0; // tokens generated so far (kept across preemption)
+    std::size_t tokens = 0;      // tokens held (running only)
+    std::size_t pending = 0;     // tokens appended since the last metadata build (running only)
+    std::uint64_t failed_at = kNever;  // releases_ when its admission last failed (waiting only)
+  };
+
+  static pagedkv::CacheConfig config(const Options& opt, std::size_t usable_blocks, std::size_t max_model_len) {
+    pagedkv::CacheConfig c;
+    c.num_blocks = usable_blocks + 1;  // + the null block
+    c.block_size = opt.block_size;
+    c.max_tokens_per_seq = max_model_len;
+    return c;
+  }
+
+  [[nodiscard]] std::size_t blocks(std::size_t tokens) const noexcept {
+    return (tokens + opt_.block_size - 1) / opt_.block_size;
+  }
+
+  // Returns whether a sequence was preempted.
+  bool decode() {
+    step_tokens_.clear();
+    for (const Seq& s : running_) step_tokens_.push_back(generated_token(s.request, 0, s.generated));
+    bool preempted = false;
+    std::size_t k = 0;
+    while (k < running_.size()) {
+      decode_timer_.start();
+      for (; k < running_.size(); ++k) {
+        if (!manager_.try_append(running_[k].request, {&step_tokens_[k], 1}).ok()) break;
+      }
+      decode_timer_.stop();
+      if (k < running_.size()) {  // running_[k] got no block: preempt the newest (possibly running_[k] itself)
+        preempt_newest();
+        preempted = true;
+      }
+    }
+    for (Seq& s : running_) {  // exactly the sequences whose append succeeded
+      ++s.tokens;
+      ++s.pending;
+      ++s.generated;
+    }
+    return preempted;
+  }
+
+  void preempt_newest() {
+    Seq victim = running_.back();
+    running_.pop_back();
+    release_timer_.measure([&] { manager_.preempt(victim.request); });
+    victim.tokens = victim.pending = 0;
+    victim.failed_at = kNever;
+    waiting_.push_front(victim);
+    ++releases_;
+  }
+
+  void admit() {
+    while (!waiting_.empty() && running_.size() < opt_.max_num_seqs) {
+      Seq& head = waiting_.front();
+      // Nothing was released since this request last failed: blocks only went down, so it would fail again
+      // (and re-hashing its prompt every step would dominate the library time; an engine caches the verdict).
+      if (head.failed_at == releases_) break;
+      synthesize_prompt(trace_, head.request, prompt_);
+      for (std::uint32_t g = 0; g < head.generated; ++g) prompt_.push_back(generated_token(head.request, 0, g));
+      const auto r = admit_timer_.measure([&] { return manager_.try_admit(head.request, prompt_); });
+      if (!r.admitted()) {
+        if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
+          throw std::logic_error("serve: request " + std::to_string(head.request) +
+                                 " cannot be admitted into an idle pool although it passed the arrival check");
+        }
+        head.failed_at = releases_;
+        break;
+      }
+      head.tokens = prompt_.size();
+      head.pending = prompt_.size() - r.num_cached_tokens;
+      running_.push_back(head);
+      waiting_.pop_front();
+    }
+  }
+
+  void build_metadata() {
+    batch_.clear();
+    std::size_t num_indices = 0;
+    std::size_t num_new_tokens = 0;
+    for (const Seq& s : running_) {
+      batch_.push_back(s.request);
+      num_indices += blocks(s.tokens);
+      num_new_tokens += s.pending;
+    }
+    const pagedkv::BatchMetadataBuffers view = buffers_.view(num_indices, num_new_tokens);
+    decode_timer_.measure([&] { (void)manager_.build_batch_metadata(batch_, view); });
+    for (Seq& s : running_) s.pending = 0;
+  }
+
+  // Slots of held blocks = blocks_used * block_size (a shared block counted once). Without fork, only full blocks
+  // are shared, so the empty slots are exactly the unfilled tail of each running sequence's last block.
+  void sample(double step_end_ms) {
+    const std::size_t bs = opt_.block_size;
+    std::size_t empty_slots = 0;
+    for (const Seq& s : running_) empty_slots += (bs - s.tokens % bs) % bs;
+    const std::size_t slots = manager_.stats().blocks_used * bs;
+    if (opt_.check) check_slots(slots, empty_slots);
+    occupancy_.sample(1.0 - static_cast<double>(empty_slots) / static_cast<double>(slots), running_.size(),
+                      step_end_ms);
+  }
+
+  // --check: recount held blocks and their filled slots from the block tables, each distinct block once.
+  void check_slots(std::size_t slots, std::size_t empty_slots) const {
+    const std::size_t bs = opt_.block_size;
+    std::unordered_map<std::uint32_t, std::size_t> filled;  // block -> tokens in it
+    manager_.for_each_sequence([&](pagedkv::SeqId, std::span<const std::uint32_t> ids, std::size_t tokens) {
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        auto& f = filled[ids[i]];
+        f = std::max(f, std::min(bs, tokens - i * bs));
+      }
+    });
+    std::size_t tokens = 0;
+    for (const auto& [block, f] : filled) tokens += f;
+    if (filled.size() * bs != slots || tokens != slots - empty_slots) {
+      throw std::logic_error("serve --check: " + std::to_string(filled.size()) + " distinct blocks holding " +
+                             std::to_string(tokens) + " tokens, but blocks_used * block_size = " +
+                             std::to_string(slots) + " and " + std::to_string(empty_slots) + " empty slots");
+    }
+  }
+
+  void free_finished() {
+    done_ids_.clear();
+    for (const Seq& s : running_) {
+      if (s.generated >= trace_.requests[s.request].output_tokens) done_ids_.push_back(s.request);
+    }
+    if (done_ids_.empty()) return;
+    release_timer_.start();
+    for (const pagedkv::SeqId id : done_ids_) manager_.free(id);
+    release_timer_.stop();
+    std::erase_if(running_,
+                  [&](const Seq& s) { return s.generated >= trace_.requests[s.request].output_tokens; });
+    finished_ += done_ids_.size();
+    ++releases_;
+  }
+
+  const Trace& trace_;
+  const Options& opt_;
+  std::size_t usable_blocks_;
+  std::size_t max_model_len_;
+  Manager manager_;
+  MetadataBuffers buffers_;
+  LibraryTimer admit_timer_;    // try_admit
+  LibraryTimer decode_timer_;   // try_append, build_batch_metadata
+  LibraryTimer release_timer_;  // free, preempt
+  Occupancy occupancy_;
+  std::deque<Seq> waiting_;
+  std::vector<Seq> running_;  // in admission order (the back is the most recently admitted)
+  std::uint64_t releases_ = 0;  // free / preempt events so far
+  std::size_t rejected_ = 0;
+  std::size_t finished_ = 0;
+  // Scratch, reused every step.
+  std::vector<pagedkv::TokenId> prompt_;
+  std::vector<pagedkv::TokenId> step_tokens_;
+  std::vector<pagedkv::SeqId> batch_;
+  std::vector<pagedkv::SeqId> done_ids_;
+};
+
+/// The contiguous baseline (Orca-style, vLLM paper Fig. 2): every sequence reserves max_model_len slots, so
+/// floor(capacity / max_model_len) sequences (at most max_num_seqs) run at once; utilization = tokens held /
+/// slots reserved by the running sequences. No preemption is ever needed.
+class ContiguousScheduler {
+ public:
+  ContiguousScheduler(const Trace& trace, std::size_t capacity_tokens, std::size_t max_model_len,
+                      std::size_t max_num_seqs)
+      : trace_(trace),
+        max_model_len_(max_model_len),
+        max_running_(std::min(max_num_seqs, capacity_tokens / max_model_len)) {}
+
+  void enqueue(std::size_t request) {
+    const Request& r = trace_.requests[request];
+    if (max_running_ == 0 || std::size_t{r.input_tokens} + r.output_tokens > max_model_len_) return;
+    waiting_.push_back(request);
+  }
+  [[nodiscard]] bool idle() const noexcept { return waiting_.empty() && running_.empty(); }
+
+  void step(double step_end_ms) {
+    for (Seq& s : running_) {
+      ++s.tokens;
+      ++s.generated;
+    }
+    while (!waiting_.empty() && running_.size() < max_running_) {
+      running_.push_back({waiting_.front(), trace_.requests[waiting_.front()].input_tokens, 0});
+      waiting_.pop_front();
+    }
+    if (running_.empty()) return;
+    std::size_t tokens = 0;
+    for (const Seq& s : running_) tokens += s.tokens;
+    occupancy_.sample(static_cast<double>(tokens) / static_cast<double>(running_.size() * max_model_len_),
+                      running_.size(), step_end_ms);
+    std::erase_if(running_, [&](const Seq& s) { return s.generated >= trace_.requests[s.request].output_tokens; });
+  }
+
+  void add_fields(Row& row) const {
+    row.add("contig_max_seqs", max_running_)
+        .add("contig_kv_utilization", occupancy_.mean_utilization(), 4)
+        .add("contig_peak_running", occupancy_.peak_running)
+        .add("contig_sim_seconds", occupancy_.last_busy_end_ms / 1000.0, 1);
+  }
+
+ private:
+  struct Seq {
+    std::size_t request;
+    std::size_t tokens;
+    std::uint32_t generated;
+  };
+  const Trace& trace_;
+  std::size_t max_model_len_;
+  std::size_t max_running_;
+  Occupancy occupancy_;
+  std::deque<std::size_t> waiting_;
+  std::vector<Seq> running_;
+};
+
+template <class Hasher>
+Row run_serve_with(const Trace& trace, const Options& opt) {
+  const double capacity = opt.capacity_tokens.front();
+  const std::size_t usable = usable_blocks_for(capacity, opt.block_size);
+  const std::size_t max_model_len = opt.max_model_len != 0 ? opt.max_model_len : trace.max_total_tokens();
+  PagedScheduler<Hasher> paged(trace, opt, usable, max_model_len);
+  ContiguousScheduler contig(trace, static_cast<std::size_t>(capacity), max_model_len, opt.max_num_seqs);
+
+  Progress progress("serve " + trace_name(trace), trace.requests.size(), opt.progress);
+  const auto& requests = trace.requests;
+  std::size_t next = 0;   // next request to arrive
+  std::uint64_t step = 0; // the current step spans [step, step + 1) * step_ms
+  while (next < requests.size() || !paged.idle() || !contig.idle()) {
+    if (paged.idle() && contig.idle()) {  // skip idle time: jump to the step of the next arrival
+      step = std::max(step, static_cast<std::uint64_t>(std::ceil(requests[next].arrival_ms / opt.step_ms)));
+    }
+    const double start_ms = static_cast<double>(step) * opt.step_ms;
+    for (; next < requests.size() && requests[next].arrival_ms <= start_ms; ++next) {
+      paged.enqueue(next);
+      contig.enqueue(next);
+    }
+    ++step;
+    paged.step(static_cast<double>(step) * opt.step_ms);
+    contig.step(static_cast<double>(step) * opt.step_ms);
+    progress.update(paged.done());
+  }
+  progress.finish();
+
+  Row row;
+  row.add("trace", trace_name(trace))
+      .add("mode", "serve")
+      .add("hash", to_string(opt.hash))
+      .add("block_size", opt.block_size)
+      .add("capacity_tokens", static_cast<std::int64_t>(capacity))
+      .add("pool_blocks", usable)
+      .add("max_num_seqs", opt.max_num_seqs)
+      .add("max_model_len", max_model_len)
+      .add("step_ms", opt.step_ms, 1)
+      .add("requests", requests.size());
+  paged.add_fields(row);
+  contig.add_fields(row);
+  add_cost_fields(row, paged.manager_seconds(), paged.block_ops());
+  const auto per_seq_step = [&](double seconds) {
+    return paged.seq_steps() == 0 ? 0.0 : seconds * 1e9 / static_cast<double>(paged.seq_steps());
+  };
+  row.add("ns_per_seq_step", per_seq_step(paged.manager_seconds()), 1)
+      .add("admit_seconds", paged.admit_seconds(), 3)
+      .add("decode_ns_per_seq_step", per_seq_step(paged.decode_seconds()), 1);
+  return row;
+}
+
+}  // namespace
+
+Row run_serve(const Trace& trace, const Options& opt) {
+  return with_hasher(opt.hash, [&]<class H>(std::type_identity<H>) { return run_serve_with<H>(trace, opt); });
+}
+
+}  // namespace replay

@@ -1,0 +1,263 @@
+// examples/replay/trace.cpp: trace parsing (format detection, validation with file:line errors) and prompt
+// synthesis.
+#include "trace.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+namespace replay {
+namespace {
+
+// Mooncake ids are multiplied by 512 and must stay clear of the Azure / generated-token domain bits (62, 63).
+constexpr std::uint64_t kMaxHashId = std::uint64_t{1} << 50;
+// Request indices occupy bits 32..61 of the Azure / generated-token keys.
+constexpr std::size_t kMaxRequests = std::size_t{1} << 30;
+
+[[noreturn]] void fail(const std::filesystem::path& path, std::size_t line, const std::string& what) {
+  throw TraceError(path.string() + ":" + std::to_string(line) + ": " + what);
+}
+
+std::string_view trim(std::string_view s) {
+  const auto first = s.find_first_not_of(" \t\r\n");
+  if (first == std::string_view::npos) return {};
+  const auto last = s.find_last_not_of(" \t\r\n");
+  return s.substr(first, last - first + 1);
+}
+
+// Parse all of `s` as an unsigned integer of type T.
+template <class T>
+bool parse_uint(std::string_view s, T& out) {
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+  return ec == std::errc{} && ptr == s.data() + s.size();
+}
+
+std::vector<std::string_view> split_csv(std::string_view line) {
+  std::vector<std::string_view> fields;
+  std::size_t start = 0;
+  while (true) {
+    const auto comma = line.find(',', start);
+    fields.push_back(trim(line.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start)));
+    if (comma == std::string_view::npos) return fields;
+    start = comma + 1;
+  }
+}
+
+// Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil).
+std::int64_t days_from_civil(std::int64_t y, unsigned m, unsigned d) {
+  y -= m <= 2 ? 1 : 0;
+  const std::int64_t era = (y >= 0 ? y : y - 399) / 400;
+  const auto yoe = static_cast<unsigned>(y - era * 400);
+  const unsigned doy = (153 * (m > 2 ? m - 3 : m + 9) + 2) / 5 + d - 1;
+  const unsigned doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+  return era * 146097 + static_cast<std::int64_t>(doe) - 719468;
+}
+
+// "YYYY-MM-DD HH:MM:SS[.f...]" -> milliseconds since the Unix epoch; nullopt if malformed.
+std::optional<double> parse_azure_timestamp(std::string_view s) {
+  if (s.size() < 19 || s[4] != '-' || s[7] != '-' || s[10] != ' ' || s[13] != ':' || s[16] != ':') {
+    return std::nullopt;
+  }
+  unsigned year = 0, month = 0, day = 0, hour = 0, minute = 0, second = 0;
+  if (!parse_uint(s.substr(0, 4), year) || !parse_uint(s.substr(5, 2), month) || !parse_uint(s.substr(8, 2), day) ||
+      !parse_uint(s.substr(11, 2), hour) || !parse_uint(s.substr(14, 2), minute) ||
+      !parse_uint(s.substr(17, 2), second)) {
+    return std::nullopt;
+  }
+  if (month < 1 || month > 12 || day < 1 || day > 31 || hour > 23 || minute > 59 || second > 60) return std::nullopt;
+  double fraction = 0.0;
+  if (s.size() > 19) {
+    if (s[19] != '.' || s.size() == 20) return std::nullopt;
+    double scale = 0.1;
+    for (const char c : s.substr(20)) {
+      if (c < '0' || c > '9') return std::nullopt;
+      fraction += (c - '0') * scale;
+      scale /= 10;
+    }
+  }
+  const double seconds = static_cast<double>(days_from_civil(year, month, day)) * 86400.0 + hour * 3600.0 +
+                         minute * 60.0 + second + fraction;
+  return seconds * 1000.0;
+}
+
+// A non-negative integer member `key` of JSON object `obj` that fits T.
+template <class T>
+T json_uint(const nlohmann::json& obj, const char* key, const std::filesystem::path& path, std::size_t line) {
+  const auto it = obj.find(key);
+  if (it == obj.end()) fail(path, line, std::string("missing field \"") + key + "\"");
+  if (!it->is_number_unsigned()) {
+    fail(path, line, std::string("field \"") + key + "\" must be a non-negative integer, got " + it->dump());
+  }
+  const auto v = it->get<std::uint64_t>();
+  if (v > std::numeric_limits<T>::max()) fail(path, line, std::string("field \"") + key + "\" is too large: " + it->dump());
+  return static_cast<T>(v);
+}
+
+Request parse_mooncake_line(std::string_view text, const std::filesystem::path& path, std::size_t line) {
+  nlohmann::json obj;
+  try {
+    obj = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(path, line, std::string("invalid JSON: ") + e.what());
+  }
+  if (!obj.is_object()) fail(path, line, "expected a JSON object, got " + std::string(obj.type_name()));
+  Request r;
+  const auto ts = obj.find("timestamp");
+  if (ts == obj.end()) fail(path, line, "missing field \"timestamp\"");
+  if (!ts->is_number() || ts->get<double>() < 0) {
+    fail(path, line, "field \"timestamp\" must be a non-negative number (ms), got " + ts->dump());
+  }
+  r.arrival_ms = ts->get<double>();
+  r.input_tokens = json_uint<std::uint32_t>(obj, "input_length", path, line);
+  r.output_tokens = json_uint<std::uint32_t>(obj, "output_length", path, line);
+  if (r.input_tokens == 0) fail(path, line, "input_length is 0 (a prompt needs at least one token)");
+  const auto ids = obj.find("hash_ids");
+  if (ids == obj.end()) fail(path, line, "missing field \"hash_ids\"");
+  if (!ids->is_array()) fail(path, line, "field \"hash_ids\" must be an array, got " + std::string(ids->type_name()));
+  r.hash_ids.reserve(ids->size());
+  for (const auto& id : *ids) {
+    if (!id.is_number_unsigned() || id.get<std::uint64_t>() >= kMaxHashId) {
+      fail(path, line, "hash_ids entries must be integers in [0, 2^50), got " + id.dump());
+    }
+    r.hash_ids.push_back(id.get<std::uint64_t>());
+  }
+  const std::size_t needed = (r.input_tokens + kMooncakeBlockTokens - 1) / kMooncakeBlockTokens;
+  if (r.hash_ids.size() < needed) {
+    fail(path, line, "hash_ids has " + std::to_string(r.hash_ids.size()) + " entries, input_length " +
+                         std::to_string(r.input_tokens) + " needs ceil(input_length / 512) = " + std::to_string(needed));
+  }
+  return r;
+}
+
+struct AzureColumns {
+  std::size_t num_fields = 0;
+  std::size_t timestamp = 0;
+  std::size_t context = 0;
+  std::size_t generated = 0;
+};
+
+std::optional<AzureColumns> parse_azure_header(std::string_view header) {
+  const auto fields = split_csv(header);
+  AzureColumns c;
+  c.num_fields = fields.size();
+  bool ts = false, ctx = false, gen = false;
+  for (std::size_t i = 0; i < fields.size(); ++i) {
+    if (fields[i] == "TIMESTAMP") c.timestamp = i, ts = true;
+    if (fields[i] == "ContextTokens") c.context = i, ctx = true;
+    if (fields[i] == "GeneratedTokens") c.generated = i, gen = true;
+  }
+  if (!(ts && ctx && gen)) return std::nullopt;
+  return c;
+}
+
+Request parse_azure_line(std::string_view text, const AzureColumns& cols, const std::filesystem::path& path,
+                         std::size_t line) {
+  const auto fields = split_csv(text);
+  if (fields.size() != cols.num_fields) {
+    fail(path, line, "expected " + std::to_string(cols.num_fields) + " comma-separated fields, got " +
+                         std::to_string(fields.size()));
+  }
+  Request r;
+  const auto ms = parse_azure_timestamp(fields[cols.timestamp]);
+  if (!ms) {
+    fail(path, line, "TIMESTAMP \"" + std::string(fields[cols.timestamp]) +
+                         "\" is not of the form YYYY-MM-DD HH:MM:SS.fffffff");
+  }
+  r.arrival_ms = *ms;
+  if (!parse_uint(fields[cols.context], r.input_tokens)) {
+    fail(path, line, "ContextTokens \"" + std::string(fields[cols.context]) + "\" is not a non-negative integer");
+  }
+  if (!parse_uint(fields[cols.generated], r.output_tokens)) {
+    fail(path, line, "GeneratedTokens \"" + std::string(fields[cols.generated]) + "\" is not a non-negative integer");
+  }
+  if (r.input_tokens == 0) fail(path, line, "ContextTokens is 0 (a prompt needs at least one token)");
+  return r;
+}
+
+}  // namespace
+
+const char* to_string(TraceFormat format) noexcept {
+  switch (format) {
+    case TraceFormat::kMooncakeJsonl: return "mooncake-jsonl";
+    case TraceFormat::kAzureCsv: return "azure-csv";
+  }
+  return "unknown";
+}
+
+std::size_t Trace::max_total_tokens() const noexcept {
+  std::size_t m = 0;
+  for (const Request& r : requests) m = std::max<std::size_t>(m, std::size_t{r.input_tokens} + r.output_tokens);
+  return m;
+}
+
+std::uint64_t Trace::total_input_tokens() const noexcept {
+  std::uint64_t s = 0;
+  for (const Request& r : requests) s += r.input_tokens;
+  return s;
+}
+
+Trace load_trace(const std::filesystem::path& path, std::size_t limit) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw TraceError(path.string() + ": cannot open the trace file");
+  Trace trace;
+  trace.path = path;
+  std::optional<AzureColumns> azure;
+  bool detected = false;
+  double first_ms = 0.0;
+  double previous_ms = 0.0;
+  std::string raw;
+  std::size_t line = 0;
+  while ((limit == 0 || trace.requests.size() < limit) && std::getline(in, raw)) {
+    ++line;
+    const std::string_view text = trim(raw);
+    if (text.empty()) continue;
+    if (!detected) {
+      detected = true;
+      if (text.front() == '{') {
+        trace.format = TraceFormat::kMooncakeJsonl;
+      } else if ((azure = parse_azure_header(text))) {
+        trace.format = TraceFormat::kAzureCsv;
+        continue;
+      } else {
+        fail(path, line, "unrecognised trace format: expected a Mooncake JSON object per line "
+                         "({\"timestamp\": ..., \"input_length\": ..., \"output_length\": ..., \"hash_ids\": [...]}) "
+                         "or an Azure CSV header with TIMESTAMP, ContextTokens, GeneratedTokens");
+      }
+    }
+    Request r = trace.format == TraceFormat::kMooncakeJsonl ? parse_mooncake_line(text, path, line)
+                                                            : parse_azure_line(text, *azure, path, line);
+    if (trace.requests.empty()) first_ms = r.arrival_ms;
+    if (!trace.requests.empty() && r.arrival_ms < previous_ms) {
+      fail(path, line, "timestamps must not decrease (this request arrives before the previous one)");
+    }
+    previous_ms = r.arrival_ms;
+    r.arrival_ms -= first_ms;
+    if (trace.requests.size() == kMaxRequests) fail(path, line, "more than 2^30 requests");
+    trace.requests.push_back(std::move(r));
+  }
+  if (in.bad()) throw TraceError(path.string() + ": read error");
+  if (trace.requests.empty()) throw TraceError(path.string() + ": the trace holds no requests");
+  return trace;
+}
+
+void synthesize_prompt(const Trace& trace, std::size_t index, std::vector<pagedkv::TokenId>& out) {
+  const Request& r = trace.requests[index];
+  out.resize(r.input_tokens);
+  if (trace.format == TraceFormat::kMooncakeJsonl) {
+    for (std::size_t pos = 0; pos < out.size(); ++pos) {
+      out[pos] = mooncake_token(r.hash_ids[pos / kMooncakeBlockTokens], pos % kMooncakeBlockTokens);
+    }
+    return;
+  }
+  const std::uint64_t base = (std::uint64_t{1} << 63) | (static_cast<std::uint64_t>(index) << 32);
+  for (std::size_t pos = 0; pos < out.size(); ++pos) {
+    out[pos] = static_cast<pagedkv::TokenId>(splitmix64(base | pos) & 0x7fffffffULL);
+  }
+}
+
+}  // namespace replay

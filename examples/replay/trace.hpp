@@ -1,0 +1,94 @@
+// examples/replay/trace.hpp: request traces (Mooncake JSONL, Azure LLM CSV) and the synthetic token ids that
+// stand in for their (unpublished) text.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <pagedkv/config.hpp>
+
+namespace replay {
+
+/// Tokens per `hash_ids` entry in the Mooncake traces (Qin et al., FAST '25, Appendix A).
+inline constexpr std::size_t kMooncakeBlockTokens = 512;
+
+/// The file formats `load_trace` recognises (from the file's content, not its name).
+enum class TraceFormat {
+  kMooncakeJsonl,  ///< One JSON object per line: timestamp (ms), input_length, output_length, hash_ids.
+  kAzureCsv,       ///< CSV with header TIMESTAMP,ContextTokens,GeneratedTokens (Splitwise, ISCA '24).
+};
+
+/// Human-readable name of a format ("mooncake-jsonl", "azure-csv").
+[[nodiscard]] const char* to_string(TraceFormat format) noexcept;
+
+/// One request of a trace.
+struct Request {
+  double arrival_ms = 0.0;               ///< Arrival time, ms after the trace's first request.
+  std::uint32_t input_tokens = 0;        ///< Prompt length (>= 1).
+  std::uint32_t output_tokens = 0;       ///< Tokens to generate.
+  std::vector<std::uint64_t> hash_ids;   ///< Mooncake only: one prefix-hash id per 512-token prompt block.
+};
+
+/// A whole trace, in arrival order.
+struct Trace {
+  std::filesystem::path path;
+  TraceFormat format = TraceFormat::kMooncakeJsonl;
+  std::vector<Request> requests;
+  /// max(input_tokens + output_tokens) over the requests (the default max model length).
+  [[nodiscard]] std::size_t max_total_tokens() const noexcept;
+  /// Sum of input_tokens over the requests.
+  [[nodiscard]] std::uint64_t total_input_tokens() const noexcept;
+};
+
+/// A malformed or unreadable trace file. `what()` names the file and, where it applies, the 1-based line.
+class TraceError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Read the trace at `path`, detecting its format from the first non-empty line (a JSON object: Mooncake; a CSV
+/// header with TIMESTAMP, ContextTokens and GeneratedTokens: Azure). Keeps at most `limit` requests (0 = all).
+/// Arrival times are relative to the first request and must never decrease; every prompt has at least one token;
+/// a Mooncake line has enough hash_ids to cover its prompt (ceil(input_length / 512)).
+/// Throws TraceError ("<file>:<line>: <what is wrong>") on an unreadable or malformed file.
+[[nodiscard]] Trace load_trace(const std::filesystem::path& path, std::size_t limit = 0);
+
+/// SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014): one step
+/// of the generator from state `z`, i.e. the standard finalizer applied to z + golden gamma.
+[[nodiscard]] constexpr std::uint64_t splitmix64(std::uint64_t z) noexcept {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+/// Token j (0 <= j < 512) of Mooncake block `hash_id`: splitmix64(hash_id * 512 + j) & 0x7fffffff. Because the
+/// trace's ids are prefix hashes (equal id = equal prefix), equal ids give equal token runs, and the library's
+/// chained block hashes then see exactly the trace's sharing, at any block size.
+[[nodiscard]] constexpr pagedkv::TokenId mooncake_token(std::uint64_t hash_id, std::size_t j) noexcept {
+  return static_cast<pagedkv::TokenId>(splitmix64(hash_id * kMooncakeBlockTokens + j) & 0x7fffffffULL);
+}
+
+/// The prompt token ids of request `index` of `trace`, written to `out` (resized to input_tokens).
+/// Mooncake: the concatenation of its blocks' tokens (mooncake_token), truncated to input_length.
+/// Azure (no prefix information): tokens unique to the request, splitmix64 of (request << 32 | position) in a
+/// separate input domain (bit 63 set), so they never repeat across requests nor reproduce a Mooncake token run.
+void synthesize_prompt(const Trace& trace, std::size_t index, std::vector<pagedkv::TokenId>& out);
+
+/// The token a sequence generates at decode step `step` (0-based) of request `index`, branch `branch` (parallel
+/// sampling; 0 for a single sequence): splitmix64 in a third input domain (bit 62 set), so generated tokens
+/// are distinct per (request, branch, step) and never equal prompt tokens' runs. Deterministic, so a request
+/// re-admitted after preemption regenerates the same tokens (and can hit its own cached blocks).
+/// Preconditions: index < 2^30, branch < 256, step < 2^24.
+[[nodiscard]] constexpr pagedkv::TokenId generated_token(std::size_t index, std::size_t branch,
+                                                         std::size_t step) noexcept {
+  const std::uint64_t key = (std::uint64_t{1} << 62) | (static_cast<std::uint64_t>(index) << 32) |
+                            (static_cast<std::uint64_t>(branch) << 24) | static_cast<std::uint64_t>(step);
+  return static_cast<pagedkv::TokenId>(splitmix64(key) & 0x7fffffffULL);
+}
+
+}  // namespace replay
