@@ -178,10 +178,11 @@ class BlockAllocator {
   }
 
   void check_range(Id b, const char* what) const {
-    if (b == 0 || b >= refcount_.size()) {
-      detail::raise(Errc::kBlockOutOfRange, std::string(what) + ": block id " + std::to_string(b) +
-                                                " outside [1, " + std::to_string(refcount_.size()) + ")");
-    }
+    if (b == 0 || b >= refcount_.size()) [[unlikely]] out_of_range(b, what);
+  }
+  [[noreturn, gnu::cold, gnu::noinline]] void out_of_range(Id b, const char* what) const {
+    detail::raise(Errc::kBlockOutOfRange, std::string(what) + ": block id " + std::to_string(b) + " outside [1, " +
+                                              std::to_string(refcount_.size()) + ")");
   }
 
   // Precondition: num_available_blocks() > 0.

@@ -1,6 +1,7 @@
 // pagedkv/block_table.hpp: one sequence's logical -> physical block mapping, with fork, copy-on-write and rewind.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -102,7 +103,17 @@ class BlockTable {
     }
     const bool ok = alloc.try_allocate(std::span<Id>(blocks_).subspan(old_blocks), on_evict);
     (void)ok;  // guaranteed by the availability check above
-    for (std::size_t p = num_tokens_; p < num_tokens_ + n; ++p) slots_out.push_back(slot(p));
+    // Slots, one contiguous run per block: block * block_size + offset.
+    std::size_t w = slots_out.size();
+    slots_out.resize(w + n);
+    for (std::size_t p = num_tokens_; p < num_tokens_ + n;) {
+      const std::size_t off = p % block_size_;
+      const std::size_t run = std::min<std::size_t>(block_size_ - off, num_tokens_ + n - p);
+      const std::int64_t base = static_cast<std::int64_t>(blocks_[p / block_size_]) * block_size_;
+      for (std::size_t k = 0; k < run; ++k) slots_out[w + k] = base + static_cast<std::int64_t>(off + k);
+      w += run;
+      p += run;
+    }
     num_tokens_ += n;
     return true;
   }

@@ -49,50 +49,46 @@ namespace detail {
 /// Every variable-length field is length-prefixed, so two different inputs never encode to the same bytes.
 inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, std::span<const TokenId> tokens,
                          std::uint64_t block_start, const RequestKeys* keys, bool first_block) {
-  auto put = [&out](const void* p, std::size_t n) {
-    const auto* b = static_cast<const std::byte*>(p);
-    out.insert(out.end(), b, b + n);
+  const std::uint64_t block_end = block_start + tokens.size();
+  const auto overlaps = [&](const MultimodalItem& m) {
+    return m.offset_tokens < block_end && m.offset_tokens + m.length_tokens > block_start;
   };
-  auto put_u32 = [&](std::uint32_t v) {
-    std::byte le[4];
-    for (int i = 0; i < 4; ++i) le[i] = static_cast<std::byte>(v >> (8 * i));
-    put(le, 4);
+  const bool has_keys = keys != nullptr && !keys->empty();
+  std::uint32_t num_items = 0;
+  std::string_view salt;
+  if (has_keys) {
+    for (const auto& m : keys->multimodal) num_items += overlaps(m) ? 1U : 0U;
+    if (first_block) salt = keys->salt;
+  }
+  // Size first, then write in place: one resize (no reallocation once the scratch buffer has grown).
+  out.resize(16 + 4 + 4 * tokens.size() + 8 + 4 + 24 * std::size_t{num_items} + 4 + salt.size());
+  std::byte* w = out.data();
+  const auto put = [&w](const void* p, std::size_t n) {
+    std::memcpy(w, p, n);
+    w += n;
   };
-  auto put_u64 = [&](std::uint64_t v) {
-    std::byte le[8];
-    for (int i = 0; i < 8; ++i) le[i] = static_cast<std::byte>(v >> (8 * i));
-    put(le, 8);
+  const auto put_le = [&w](std::uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) *w++ = static_cast<std::byte>(v >> (8 * i));
   };
-  out.clear();
   put(parent.bytes.data(), parent.bytes.size());
-  put_u32(static_cast<std::uint32_t>(tokens.size()));
+  put_le(tokens.size(), 4);
   if constexpr (std::endian::native == std::endian::little) {
     put(tokens.data(), tokens.size_bytes());
   } else {
-    for (TokenId t : tokens) put_u32(static_cast<std::uint32_t>(t));
+    for (TokenId t : tokens) put_le(static_cast<std::uint32_t>(t), 4);
   }
-  if (keys == nullptr || keys->empty()) {
-    put_u64(0);
-    put_u32(0);
-    put_u32(0);
-    return;
-  }
-  put_u64(keys->adapter_id);
-  const std::uint64_t block_end = block_start + tokens.size();
-  std::uint32_t n = 0;
-  for (const auto& m : keys->multimodal) {
-    if (m.offset_tokens < block_end && m.offset_tokens + m.length_tokens > block_start) ++n;
-  }
-  put_u32(n);
-  for (const auto& m : keys->multimodal) {
-    if (m.offset_tokens < block_end && m.offset_tokens + m.length_tokens > block_start) {
+  put_le(has_keys ? keys->adapter_id : 0, 8);
+  put_le(num_items, 4);
+  if (num_items != 0) {
+    for (const auto& m : keys->multimodal) {
+      if (!overlaps(m)) continue;
       put(m.item_hash.bytes.data(), m.item_hash.bytes.size());
-      put_u64(static_cast<std::uint64_t>(static_cast<std::int64_t>(m.offset_tokens) -
-                                         static_cast<std::int64_t>(block_start)));
+      put_le(static_cast<std::uint64_t>(static_cast<std::int64_t>(m.offset_tokens) -
+                                        static_cast<std::int64_t>(block_start)),
+             8);
     }
   }
-  const std::string_view salt = first_block ? std::string_view(keys->salt) : std::string_view();
-  put_u32(static_cast<std::uint32_t>(salt.size()));
+  put_le(salt.size(), 4);
   put(salt.data(), salt.size());
 }
 
