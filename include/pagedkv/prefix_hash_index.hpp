@@ -9,8 +9,9 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
+
+#include <tsl/hopscotch_map.h>
 
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/config.hpp>
@@ -103,7 +104,8 @@ inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, s
 /// eviction can drop it in O(1).
 ///
 /// Template parameters: `Hasher` (Sha256Hasher by default, Xxh3Hasher for single-tenant speed), `Id`.
-/// Memory: 17 bytes per block (the per-block hash and a mark) + one hash-map node per registered block.
+/// Memory: 17 bytes per block (the per-block hash and a mark) + the hash map, reserved for num_blocks entries
+/// (open addressing, ~24 bytes per bucket).
 /// Thread safety: none; one writer. `hash_block` uses an internal scratch buffer, so even const calls must not
 /// run concurrently with each other.
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t>
@@ -197,7 +199,7 @@ class PrefixHashIndex {
     return Hasher::hash(buf);
   }
 
-  std::unordered_map<BlockHash, Id, BlockHashHasher> map_;
+  tsl::hopscotch_map<BlockHash, Id, BlockHashHasher> map_;
   std::vector<BlockHash> block_hash_;   // [num_blocks] valid where registered_
   std::vector<std::uint8_t> registered_;
   BlockHash root_;
