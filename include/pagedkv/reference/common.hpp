@@ -2,14 +2,16 @@
 // table, a per-sequence view of the page table, the thread-count knob, a small fork-join `parallel_for`, the
 // one-place runtime -> compile-time dtype dispatch, and the float32 online-softmax accumulator.
 //
-// Everything here works on host memory. Nothing here allocates except `parallel_for` (its threads) and nothing
-// throws: validation reports a `Status`.
+// Everything here works on host memory. Nothing here throws (validation reports a `Status`); only `parallel_for`
+// allocates (its threads and one `AttnScratch` per thread).
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <thread>
 #include <type_traits>
@@ -158,22 +160,36 @@ struct SeqPages {
   return num_threads == 0 ? default_num_threads() : num_threads;
 }
 
+/// Per-thread scratch of the attention ops for one head_dim: q, the accumulator, one K row and one V row as
+/// float32 (`q`, `acc`, `krow`, `vrow`, head_dim each) and a raw 16-bit row (`raw16`, head_dim).
+struct AttnScratch {
+  explicit AttnScratch(std::int32_t head_dim)
+      : f(4 * static_cast<std::size_t>(head_dim), 0.f), raw16(static_cast<std::size_t>(head_dim), 0), dim(head_dim) {}
+  std::vector<float> f;
+  std::vector<std::uint16_t> raw16;
+  std::int32_t dim;
+  [[nodiscard]] float* q() noexcept { return f.data(); }
+  [[nodiscard]] float* acc() noexcept { return f.data() + dim; }
+  [[nodiscard]] float* krow() noexcept { return f.data() + 2 * static_cast<std::ptrdiff_t>(dim); }
+  [[nodiscard]] float* vrow() noexcept { return f.data() + 3 * static_cast<std::ptrdiff_t>(dim); }
+};
+
 /// Runs fn(item, scratch) for every item in [0, num_items) on up to `num_threads` threads (the caller's thread
-/// included), handing out items dynamically. Each thread owns one `std::vector<float>` scratch of
-/// `scratch_floats` elements (zeroed once, not between items). Items must be independent: each writes only its
-/// own outputs. If a thread cannot be started, the remaining threads (at least the caller's) do the work.
-/// Blocks until all items are done. The result never depends on the thread count, only the timing does.
+/// included), handing out items dynamically. Each thread owns one `AttnScratch(head_dim)` (not cleared between
+/// items). Items must be independent: each writes only its own outputs. If a thread cannot be started, the
+/// remaining threads (at least the caller's) do the work. Blocks until all items are done. The result never
+/// depends on the thread count, only the timing does.
 template <class Fn>
-void parallel_for(std::int64_t num_items, int num_threads, std::size_t scratch_floats, Fn&& fn) noexcept {
+void parallel_for(std::int64_t num_items, int num_threads, std::int32_t head_dim, Fn&& fn) noexcept {
   if (num_items <= 0) return;
   const auto nt = static_cast<int>(std::min<std::int64_t>(std::max(num_threads, 1), num_items));
   std::atomic<std::int64_t> next{0};
   auto worker = [&]() noexcept {
-    std::vector<float> scratch(scratch_floats, 0.f);  // std::bad_alloc here terminates (documented)
+    AttnScratch scratch(head_dim);  // std::bad_alloc here terminates (documented)
     for (;;) {
       const std::int64_t i = next.fetch_add(1, std::memory_order_relaxed);
       if (i >= num_items) break;
-      fn(i, scratch.data());
+      fn(i, scratch);
     }
   };
   std::vector<std::thread> threads;
@@ -213,18 +229,44 @@ struct OnlineSoftmax {
   [[nodiscard]] float lse() const noexcept { return empty() ? m : m + std::log(d); }
 };
 
-/// Adds keys [t_begin, t_end) of a sequence (pages `seq`, kv head `kv_head`) to the online softmax of query
-/// `q[head_dim]` (float32, already loaded), accumulating in float32 into `acc[head_dim]` (caller-zeroed before the
-/// first call). Scores are dot(q, k) * sm_scale, accumulated in float32. Only tokens < seq.kv_len are ever read.
+/// Converts `n` contiguous elements of type T starting at element `offset` of `base` (host memory) to float32
+/// in `out[n]`; `raw16[n]` is scratch for the 16-bit types. Exact (every 16-bit value is a float).
 template <ElementType T>
-void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_head, const float* q, float sm_scale,
-                  std::int64_t t_begin, std::int64_t t_end, OnlineSoftmax& st, float* acc) noexcept {
+void load_row(const void* base, std::int64_t offset, std::int32_t n, float* out, std::uint16_t* raw16) noexcept {
+  const char* src = static_cast<const char*>(base) + offset * static_cast<std::int64_t>(sizeof(T));
+  const auto count = static_cast<std::size_t>(n);
+  if constexpr (std::same_as<T, float>) {
+    std::memcpy(out, src, count * sizeof(float));
+  } else {
+    std::memcpy(raw16, src, count * sizeof(std::uint16_t));
+    for (std::size_t i = 0; i < count; ++i) {
+      if constexpr (std::same_as<T, Half>) {
+        out[i] = half_bits_to_float(raw16[i]);
+      } else {
+        out[i] = bf16_bits_to_float(raw16[i]);
+      }
+    }
+  }
+}
+
+/// Adds keys [t_begin, t_end) of a sequence (pages `seq`, kv head `kv_head`) to the online softmax of the query
+/// in `sc.q()` (float32, already loaded), accumulating in float32 into `sc.acc()` (caller-zeroed before the first
+/// call). Scores are dot(q, k) * sm_scale, accumulated in float32 in order of the head dimension. Only tokens
+/// < seq.kv_len are ever read.
+template <ElementType T>
+void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_head, float sm_scale, std::int64_t t_begin,
+                  std::int64_t t_end, OnlineSoftmax& st, AttnScratch& sc) noexcept {
   const std::int32_t dim = kv.head_dim;
+  const float* q = sc.q();
+  float* acc = sc.acc();
+  float* krow = sc.krow();
+  float* vrow = sc.vrow();
   for (std::int64_t t = t_begin; t < t_end; ++t) {
     const std::int64_t block = seq.block_ids[t / kv.block_size];
     const std::int64_t off = kv.offset(block, t % kv.block_size, kv_head);
+    load_row<T>(kv.k, off, dim, krow, sc.raw16.data());
     float s = 0.f;
-    for (std::int32_t i = 0; i < dim; ++i) s += q[i] * load_as_float<T>(kv.k, off + i);
+    for (std::int32_t i = 0; i < dim; ++i) s += q[i] * krow[i];
     s *= sm_scale;
     const float m_new = std::max(st.m, s);
     // exp(-inf - finite) = 0 rescales an empty accumulator; guard the (-inf) - (-inf) case of a -inf score.
@@ -232,7 +274,8 @@ void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_hea
     const float p = s == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s - m_new);
     st.d = st.d * scale + p;
     st.m = m_new;
-    for (std::int32_t i = 0; i < dim; ++i) acc[i] = acc[i] * scale + p * load_as_float<T>(kv.v, off + i);
+    load_row<T>(kv.v, off, dim, vrow, sc.raw16.data());
+    for (std::int32_t i = 0; i < dim; ++i) acc[i] = acc[i] * scale + p * vrow[i];
   }
 }
 

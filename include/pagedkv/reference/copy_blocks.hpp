@@ -13,18 +13,23 @@ namespace pagedkv::reference {
 
 namespace detail {
 
-/// True when two views have the same dtype, block_size, num_kv_heads, head_dim and strides (num_blocks and the
-/// pointers may differ).
+/// True when blocks of the two views hold the same elements: same dtype, block_size, num_kv_heads and head_dim
+/// (strides, num_blocks and pointers may differ).
 [[nodiscard]] inline bool same_block_shape(const KVPoolView& a, const KVPoolView& b) noexcept {
   return a.dtype == b.dtype && a.block_size == b.block_size && a.num_kv_heads == b.num_kv_heads &&
-         a.head_dim == b.head_dim && a.stride_page == b.stride_page && a.stride_token == b.stride_token &&
-         a.stride_head == b.stride_head;
+         a.head_dim == b.head_dim;
+}
+
+/// True when the two views have the same block shape, strides and num_blocks (the layers of one model).
+[[nodiscard]] inline bool same_geometry(const KVPoolView& a, const KVPoolView& b) noexcept {
+  return same_block_shape(a, b) && a.num_blocks == b.num_blocks && a.stride_page == b.stride_page &&
+         a.stride_token == b.stride_token && a.stride_head == b.stride_head;
 }
 
 /// Copies every K and V element (token, head, dim) of block `src_block` of `src` to block `dst_block` of `dst`,
 /// row by row (head_dim contiguous elements at a time); bytes between rows (padding of a strided layout) are not
-/// touched. Preconditions: both views valid with the same block shape (`same_block_shape`), both block ids in
-/// range, and the two blocks do not overlap.
+/// touched; the two views may have different strides (e.g. an NHD pool and an HND one). Preconditions: both views
+/// valid with the same block shape (`same_block_shape`), both block ids in range, the two blocks do not overlap.
 inline void copy_block(const KVPoolView& src, std::int64_t src_block, const KVPoolView& dst,
                        std::int64_t dst_block) noexcept {
   const auto es = static_cast<std::int64_t>(dtype_size_bytes(src.dtype));
@@ -78,14 +83,12 @@ inline void copy_block(const KVPoolView& src, std::int64_t src_block, const KVPo
   if (p.layers == nullptr) return Status::kInvalidValue;
   for (std::int32_t l = 0; l < p.num_layers; ++l) {
     if (const Status s = detail::validate_pool(p.layers[l]); s != Status::kSuccess) return s;
-    if (!detail::same_block_shape(p.layers[l], p.layers[0]) || p.layers[l].num_blocks != p.layers[0].num_blocks) {
-      return Status::kInvalidValue;
-    }
+    if (!detail::same_geometry(p.layers[l], p.layers[0])) return Status::kInvalidValue;
   }
   if (p.capacity == 0) return Status::kSuccess;
   if (p.block_mapping == nullptr) return Status::kInvalidValue;
-  return detail::validate_block_pairs(p.block_mapping, p.capacity, p.layers[0].num_blocks,
-                                      p.layers[0].num_blocks, /*dst_may_be_src=*/false);
+  return detail::validate_block_pairs(p.block_mapping, p.capacity, p.layers[0].num_blocks, p.layers[0].num_blocks,
+                                      /*dst_may_be_src=*/false);
 }
 
 /// Copies whole blocks within each layer's pool: for every layer l and every pair i with src = block_mapping[2i]

@@ -10,6 +10,10 @@
 //     partial_lse [batch, max_num_chunks, num_qo_heads]           float32, right after partial_o;
 //   slots c >= num_chunks_b are neither written nor read. The merge over c = 0 .. num_chunks_b - 1 (in order) is
 //     M = max_c lse_c,  w_c = exp(lse_c - M),  o = sum_c w_c * o_c / sum_c w_c,  lse = M + log(sum_c w_c).
+// Where the CUDA launcher differs: with kv_chunk_size_tokens == 0 it may split with a chunk of its own choosing
+// (the reference does not split); and a sequence that needs more than max_num_chunks chunks is rejected here
+// (kInvalidValue) while the CUDA launcher grows its chunk to ceil(kv_len / max_num_chunks). Whenever the
+// reference accepts a launch with kv_chunk_size_tokens > 0, the two partitions are identical.
 #pragma once
 
 #include <algorithm>
@@ -64,15 +68,15 @@ namespace pagedkv::reference {
 
 namespace detail {
 
-/// Decode for one (sequence b, qo head h); `scratch` holds 2 * head_dim floats.
+/// Decode for one (sequence b, qo head h), using the calling thread's scratch.
 template <ElementType T>
-void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, float* scratch) noexcept {
+void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, AttnScratch& sc) noexcept {
   const std::int32_t dim = p.kv.head_dim;
   const std::int32_t hq = p.num_qo_heads;
   const std::int32_t kv_head = h / (hq / p.kv.num_kv_heads);
   const std::int64_t row = std::int64_t{b} * hq + h;  // q/o row; lse index
-  float* qf = scratch;
-  float* acc = scratch + dim;
+  float* qf = sc.q();
+  float* acc = sc.acc();
   const SeqPages seq = seq_pages(p.pages, p.kv.block_size, b);
   if (seq.kv_len == 0) {  // padding sequence: o = 0, lse = -inf
     for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, 0.f);
@@ -84,7 +88,7 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, float* sc
   if (p.kv_chunk_size_tokens == 0) {  // no split: one pass over all tokens
     std::fill(acc, acc + dim, 0.f);
     OnlineSoftmax st;
-    attend_range<T>(p.kv, seq, kv_head, qf, p.sm_scale, 0, seq.kv_len, st, acc);
+    attend_range<T>(p.kv, seq, kv_head, p.sm_scale, 0, seq.kv_len, st, sc);
     const float inv = 1.f / st.d;
     for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
     if (p.lse != nullptr) p.lse[row] = st.lse();
@@ -100,7 +104,7 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, float* sc
   for (std::int64_t c = 0; c < nc; ++c) {
     std::fill(acc, acc + dim, 0.f);
     OnlineSoftmax st;
-    attend_range<T>(p.kv, seq, kv_head, qf, p.sm_scale, c * chunk, std::min((c + 1) * chunk, seq.kv_len), st, acc);
+    attend_range<T>(p.kv, seq, kv_head, p.sm_scale, c * chunk, std::min((c + 1) * chunk, seq.kv_len), st, sc);
     const float inv = 1.f / st.d;
     float* po = ws_o + ws_row(c) * dim;
     for (std::int32_t i = 0; i < dim; ++i) po[i] = acc[i] * inv;
@@ -143,18 +147,17 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, float* sc
 /// Preconditions (not checked): o and lse do not overlap q, the pool, the page table or the workspace; the page
 /// table's listed tokens hold finite values (NaN in a slot past a sequence's length is fine: it is never read).
 /// Returns kInvalidValue / kUnsupported per `validate(const DecodeParams&)` (or num_threads < 0) before anything
-/// is written, else kSuccess. Never throws (an allocation failure of the per-thread 2 * head_dim float scratch
-/// terminates). Thread safety: writes o, lse and the workspace only. Complexity: O(sum_b kv_len_b *
-/// num_qo_heads * head_dim). Sources: PagedAttention (Kwon et al., SOSP'23) for the paged gather; Flash-Decoding
-/// (Dao et al., 2023) and FlashInfer's merge_states for split-KV and the lse merge.
+/// is written, else kSuccess. Never throws (an allocation failure of the per-thread scratch,
+/// 4 * head_dim floats + head_dim uint16, terminates). Thread safety: writes o, lse and the workspace only. Complexity:
+/// O(sum_b kv_len_b * num_qo_heads * head_dim). Sources: PagedAttention (Kwon et al., SOSP'23) for the paged gather;
+/// Flash-Decoding (Dao et al., 2023) and FlashInfer's merge_states for split-KV and the lse merge.
 [[nodiscard]] inline Status decode(const DecodeParams& p, int num_threads = 0) noexcept {
   const int nt = detail::resolve_num_threads(num_threads);
   if (nt < 0) return Status::kInvalidValue;
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   const std::int64_t items = std::int64_t{p.pages.batch_size} * p.num_qo_heads;
-  const auto scratch = static_cast<std::size_t>(2) * static_cast<std::size_t>(p.kv.head_dim);
   detail::dispatch_dtype(p.kv.dtype, [&]<class T>(std::type_identity<T>) {
-    detail::parallel_for(items, nt, scratch, [&](std::int64_t item, float* s) noexcept {
+    detail::parallel_for(items, nt, p.kv.head_dim, [&](std::int64_t item, detail::AttnScratch& s) noexcept {
       detail::decode_one<T>(p, static_cast<std::int32_t>(item / p.num_qo_heads),
                             static_cast<std::int32_t>(item % p.num_qo_heads), s);
     });

@@ -43,7 +43,7 @@ static_assert(sizeof(Half) == 2 && sizeof(BFloat16) == 2, "Half and BFloat16 mus
     return static_cast<std::uint16_t>(sign | 0x7e00u | ((ax >> 13) & 0x03ffu));
   }
   if (ax >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: rounds to inf
-  if (ax >= 0x38800000u) {  // normal binary16 range, >= 2^-14
+  if (ax >= 0x38800000u) {                                                   // normal binary16 range, >= 2^-14
     const std::uint32_t exp16 = (ax >> 23) - 127u + 15u;
     const std::uint32_t mant = ax & 0x007fffffu;
     std::uint32_t h = (exp16 << 10) | (mant >> 13);
@@ -119,7 +119,7 @@ template <ElementType T>
 
 /// The `DType` tag of element type T.
 template <ElementType T>
-inline constexpr DType kDTypeOf = std::same_as<T, float> ? DType::kFloat32
+inline constexpr DType kDTypeOf = std::same_as<T, float>  ? DType::kFloat32
                                   : std::same_as<T, Half> ? DType::kFloat16
                                                           : DType::kBFloat16;
 

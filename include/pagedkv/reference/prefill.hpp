@@ -15,7 +15,7 @@ namespace pagedkv::reference {
 /// Checks a prefill launch without running it (reads qo_indptr and the page table, host memory). kInvalidValue
 /// when: the pool or the page table is invalid (see `detail::validate_pool`, `detail::validate_page_table`);
 /// num_qo_heads <= 0 or num_qo_heads % num_kv_heads != 0; sm_scale is not finite; total_q_tokens < 0;
-/// qo_indptr is null with batch > 0; qo_indptr[0] < 0, qo_indptr decreases, or qo_indptr[batch] !=
+/// qo_indptr is null with batch > 0; qo_indptr[0] != 0, qo_indptr decreases, or qo_indptr[batch] !=
 /// total_q_tokens (batch 0: total_q_tokens != 0); q or o is null with total_q_tokens > 0; some sequence has
 /// more queries than KV tokens (q_len_b > kv_len_b). kUnsupported when the dtype is not one of the three
 /// enumerators. Thread safety: reads only.
@@ -26,7 +26,7 @@ namespace pagedkv::reference {
   if (!std::isfinite(p.sm_scale) || p.total_q_tokens < 0) return Status::kInvalidValue;
   const std::int32_t batch = p.pages.batch_size;
   if (batch == 0) return p.total_q_tokens == 0 ? Status::kSuccess : Status::kInvalidValue;
-  if (p.qo_indptr == nullptr || p.qo_indptr[0] < 0) return Status::kInvalidValue;
+  if (p.qo_indptr == nullptr || p.qo_indptr[0] != 0) return Status::kInvalidValue;
   for (std::int32_t b = 0; b < batch; ++b) {
     if (p.qo_indptr[b + 1] < p.qo_indptr[b]) return Status::kInvalidValue;
     const std::int64_t q_len = p.qo_indptr[b + 1] - p.qo_indptr[b];
@@ -39,25 +39,24 @@ namespace pagedkv::reference {
 
 namespace detail {
 
-/// Prefill for one (query row r, qo head h); `scratch` holds 2 * head_dim floats.
+/// Prefill for one (query row r, qo head h), using the calling thread's scratch.
 template <ElementType T>
-void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, float* scratch) noexcept {
+void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScratch& sc) noexcept {
   const std::int32_t dim = p.kv.head_dim;
   const std::int32_t hq = p.num_qo_heads;
   const std::int32_t batch = p.pages.batch_size;
   // The sequence holding row r: the last b with qo_indptr[b] <= r (skips empty sequences).
-  const auto b = static_cast<std::int32_t>(std::upper_bound(p.qo_indptr, p.qo_indptr + batch + 1, r) -
-                                           p.qo_indptr - 1);
+  const auto b = static_cast<std::int32_t>(std::upper_bound(p.qo_indptr, p.qo_indptr + batch + 1, r) - p.qo_indptr - 1);
   const SeqPages seq = seq_pages(p.pages, p.kv.block_size, b);
   const std::int64_t q_len = p.qo_indptr[b + 1] - p.qo_indptr[b];
   const std::int64_t pos = seq.kv_len - q_len + (r - p.qo_indptr[b]);  // this query's position, >= 0
   const std::int64_t row = std::int64_t{r} * hq + h;
-  float* qf = scratch;
-  float* acc = scratch + dim;
+  float* qf = sc.q();
+  float* acc = sc.acc();
   for (std::int32_t i = 0; i < dim; ++i) qf[i] = load_as_float<T>(p.q, row * dim + i);
   std::fill(acc, acc + dim, 0.f);
   OnlineSoftmax st;
-  attend_range<T>(p.kv, seq, h / (hq / p.kv.num_kv_heads), qf, p.sm_scale, 0, pos + 1, st, acc);
+  attend_range<T>(p.kv, seq, h / (hq / p.kv.num_kv_heads), p.sm_scale, 0, pos + 1, st, sc);
   const float inv = 1.f / st.d;
   for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
   if (p.lse != nullptr) p.lse[row] = st.lse();
@@ -72,9 +71,9 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, float* 
 ///   lse[r, h]  = log(sum_{t <= pos} exp(sm_scale * <q[r, h, :], K_b[t, g(h), :]>))   (natural log),
 /// with g(h) = h / (num_qo_heads / num_kv_heads) (GQA).
 /// Parameters (host memory, same struct as the CUDA launcher):
-///  - p.qo_indptr: `[batch + 1]` int32, non-decreasing, qo_indptr[batch] == p.total_q_tokens;
-///  - p.q: `[total_q_tokens, num_qo_heads, head_dim]` contiguous, pool dtype; p.o: same, written (rows below
-///    qo_indptr[0] untouched); p.lse: optional `[total_q_tokens, num_qo_heads]` float32;
+///  - p.qo_indptr: `[batch + 1]` int32, qo_indptr[0] == 0, non-decreasing, qo_indptr[batch] == p.total_q_tokens;
+///  - p.q: `[total_q_tokens, num_qo_heads, head_dim]` contiguous, pool dtype; p.o: same, every row written;
+///    p.lse: optional `[total_q_tokens, num_qo_heads]` float32;
 ///  - p.kv, p.pages: the pool and a CSR or padded page table (batch = pages.batch_size);
 ///  - num_threads: worker threads over (query row x qo head); 0 = default_num_threads(); bit-identical results
 ///    for every thread count.
@@ -90,12 +89,10 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, float* 
   if (nt < 0) return Status::kInvalidValue;
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   if (p.pages.batch_size == 0) return Status::kSuccess;
-  const std::int32_t first_row = p.qo_indptr[0];
-  const std::int64_t items = std::int64_t{p.total_q_tokens - first_row} * p.num_qo_heads;
-  const auto scratch = static_cast<std::size_t>(2) * static_cast<std::size_t>(p.kv.head_dim);
+  const std::int64_t items = std::int64_t{p.total_q_tokens} * p.num_qo_heads;
   detail::dispatch_dtype(p.kv.dtype, [&]<class T>(std::type_identity<T>) {
-    detail::parallel_for(items, nt, scratch, [&](std::int64_t item, float* s) noexcept {
-      detail::prefill_one<T>(p, static_cast<std::int32_t>(first_row + item / p.num_qo_heads),
+    detail::parallel_for(items, nt, p.kv.head_dim, [&](std::int64_t item, detail::AttnScratch& s) noexcept {
+      detail::prefill_one<T>(p, static_cast<std::int32_t>(item / p.num_qo_heads),
                              static_cast<std::int32_t>(item % p.num_qo_heads), s);
     });
   });

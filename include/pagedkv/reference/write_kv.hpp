@@ -47,8 +47,8 @@ namespace pagedkv::reference {
 [[nodiscard]] inline Status write_kv(const WriteKVParams& p) noexcept {
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   const auto es = static_cast<std::int64_t>(dtype_size_bytes(p.kv.dtype));
-  const std::int64_t in_stride = p.stride_token_elems != 0 ? p.stride_token_elems
-                                                           : std::int64_t{p.kv.num_kv_heads} * p.kv.head_dim;
+  const std::int64_t in_stride =
+      p.stride_token_elems != 0 ? p.stride_token_elems : std::int64_t{p.kv.num_kv_heads} * p.kv.head_dim;
   const auto row_bytes = static_cast<std::size_t>(p.kv.head_dim * es);
   const auto* key = static_cast<const char*>(p.key);
   const auto* value = static_cast<const char*>(p.value);
