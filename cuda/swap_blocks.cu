@@ -38,7 +38,10 @@ Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
   for (std::int32_t l = 0; l < p.num_layers; ++l) {
     const KVPoolView& s = p.src_layers[l];
     const KVPoolView& d = p.dst_layers[l];
-    if (validate_pool(s) != Status::kSuccess || validate_pool(d) != Status::kSuccess) return Status::kInvalidValue;
+    const Status vs = validate_pool(s);
+    const Status vd = validate_pool(d);
+    if (vs == Status::kInvalidValue || vd == Status::kInvalidValue) return Status::kInvalidValue;
+    if (vs != Status::kSuccess || vd != Status::kSuccess) return Status::kUnsupported;  // fp8 KV: not on CUDA yet
     if (s.dtype != d.dtype || s.block_size != d.block_size || s.num_kv_heads != d.num_kv_heads ||
         s.head_dim != d.head_dim) {
       return Status::kInvalidValue;

@@ -16,7 +16,9 @@ inline bool valid_dtype(DType dt) {
   return dt == DType::kFloat32 || dt == DType::kFloat16 || dt == DType::kBFloat16;
 }
 
-/// Shape and stride checks of one pool view (no alignment). Strides must be non-negative.
+/// Shape and stride checks of one pool view (no alignment). Strides must be non-negative. A pool whose storage
+/// dtype is not kSame (fp8 KV on CUDA: not yet implemented; CPU reference only) gives kUnsupported once the
+/// shape checks pass (a malformed view stays kInvalidValue).
 inline Status validate_pool(const KVPoolView& kv) {
   if (kv.k == nullptr || kv.v == nullptr) return Status::kInvalidValue;
   if (kv.num_blocks <= 0 || kv.block_size <= 0 || kv.num_kv_heads <= 0 || kv.head_dim <= 0) {
@@ -25,6 +27,7 @@ inline Status validate_pool(const KVPoolView& kv) {
   if (kv.stride_page < 0 || kv.stride_token < 0 || kv.stride_head < 0) return Status::kInvalidValue;
   // A block's slots must be addressable in int32 slot arithmetic downstream (slot = block * block_size + off).
   if (static_cast<std::int64_t>(kv.num_blocks) * kv.block_size > (std::int64_t{1} << 62)) return Status::kInvalidValue;
+  if (kv.kv_dtype != KVDType::kSame) return Status::kUnsupported;  // fp8 KV: CPU reference only for now
   return Status::kSuccess;
 }
 

@@ -3,6 +3,8 @@
 //
 // Conventions (DESIGN.md sections 3 and 4):
 //  - Every tensor is described by a base pointer plus strides in *elements*; offsets are computed in 64 bits.
+//    For a KV pool the element is the *storage* element (`KVPoolView::storage_size_bytes()`): 1 byte for an fp8
+//    pool, the element dtype's size otherwise.
 //  - Page tables come in two forms, both as the manager's batch-metadata builder emits them (int32):
 //      CSR (FlashInfer):   indptr [batch + 1], indices [indptr[batch]], last_page_len [batch] in [1, block_size]
 //      padded (vLLM/FA):   block_tables [batch, max_blocks_per_seq] (null-block padded), seq_lens [batch]
@@ -25,7 +27,8 @@ namespace pagedkv {
 enum class Status : int {
   kSuccess = 0,
   kInvalidValue = 1,  ///< A shape, stride, pointer or count is inconsistent (validated before anything runs).
-  kUnsupported = 2,   ///< A dtype / head_dim combination outside the compiled set {fp16, bf16, fp32} x {64, 128, 256}.
+  kUnsupported = 2,   ///< A dtype / head_dim combination outside the compiled set {fp16, bf16, fp32} x {64, 128, 256},
+                      ///< or a KV storage dtype the implementation lacks (fp8 KV on CUDA: CPU reference only).
   kCudaError = 3,     ///< A CUDA runtime call or the launch itself failed (see cudaGetLastError()).
   kNoDevice = 4,      ///< No CUDA device is present.
 };
@@ -48,10 +51,26 @@ enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 /// Bytes per element of `dt`.
 [[nodiscard]] constexpr std::size_t dtype_size_bytes(DType dt) noexcept { return dt == DType::kFloat32 ? 4 : 2; }
 
+/// Storage dtype of a KV pool (DESIGN.md sec. 4, the KV-dtype axis).
+///  - kSame: K/V are stored in the element dtype `KVPoolView::dtype` (the dtype of q, o and write_kv's inputs).
+///  - kFp8E4M3: K/V are stored as OCP FP8 E4M3FN (1 byte: sign, 4 exponent bits with bias 7, 3 mantissa bits; max
+///    finite 448, no infinities, NaN = S.1111.111), with per-tensor scales: write_kv stores e4m3(x / k_scale) for K
+///    (v_scale for V) and the attention ops load e4m3_to_float(stored) * scale. q, o and write_kv's key/value stay
+///    in `dtype`. CPU reference only for now: every CUDA launcher returns Status::kUnsupported for such a pool.
+enum class KVDType : std::uint8_t { kSame = 0, kFp8E4M3 = 1 };
+
+/// Bytes per stored K/V element of a pool with storage dtype `kv_dt` and element dtype `dt`.
+[[nodiscard]] constexpr std::size_t kv_storage_size_bytes(KVDType kv_dt, DType dt) noexcept {
+  return kv_dt == KVDType::kFp8E4M3 ? 1 : dtype_size_bytes(dt);
+}
+
 /// One layer's paged K/V pool: K and V pages reached through two base pointers and shared strides (elements).
 /// Element (block b, token t in block, kv head h, dim d) of K is at k[b*stride_page + t*stride_token +
-/// h*stride_head + d] (head_dim is contiguous), likewise for V. Memory space: device for the CUDA kernels, host
-/// for the reference (pinned host for the host side of swap_blocks).
+/// h*stride_head + d] (head_dim is contiguous), likewise for V. Strides and offsets count *storage* elements:
+/// bytes = elements * storage_size_bytes() (1 for an fp8 pool, dtype_size_bytes(dtype) otherwise).
+/// Memory space: device for the CUDA kernels, host for the reference (pinned host for the host side of
+/// swap_blocks). The KV storage fields come last, so aggregate initialization that stops after stride_head keeps
+/// working and gives a kSame pool; the factories take them as optional trailing arguments.
 struct KVPoolView {
   void* k = nullptr;
   void* v = nullptr;
@@ -63,6 +82,23 @@ struct KVPoolView {
   std::int64_t stride_page = 0;   ///< Elements between consecutive blocks.
   std::int64_t stride_token = 0;  ///< Elements between consecutive tokens of one block.
   std::int64_t stride_head = 0;   ///< Elements between consecutive kv heads.
+  KVDType kv_dtype = KVDType::kSame;  ///< Storage dtype of K/V (see KVDType).
+  float k_scale = 1.f;            ///< fp8 only: K is stored as x / k_scale and loaded as stored * k_scale. Finite, > 0.
+  float v_scale = 1.f;            ///< fp8 only: likewise for V. Ignored (not validated) for a kSame pool.
+
+  /// Bytes per stored K/V element (1 for fp8, dtype_size_bytes(dtype) otherwise).
+  [[nodiscard]] constexpr std::size_t storage_size_bytes() const noexcept {
+    return kv_storage_size_bytes(kv_dtype, dtype);
+  }
+  /// This view with fp8 e4m3 storage and the given scales. Strides and pointers are kept as they are: use the
+  /// factories' trailing arguments for an interleaved pool (V's offset depends on the storage size).
+  [[nodiscard]] constexpr KVPoolView with_fp8_e4m3(float kscale, float vscale) const noexcept {
+    KVPoolView p = *this;
+    p.kv_dtype = KVDType::kFp8E4M3;
+    p.k_scale = kscale;
+    p.v_scale = vscale;
+    return p;
+  }
 
   /// Element offset of (block, token_in_block, head, 0), in 64 bits.
   [[nodiscard]] constexpr std::int64_t offset(std::int64_t block, std::int64_t token, std::int64_t head) const noexcept {
@@ -71,37 +107,43 @@ struct KVPoolView {
 
   /// NHD interleaved pool `[num_blocks, 2, block_size, num_kv_heads, head_dim]` at `kv` (vLLM/FlashInfer NHD).
   [[nodiscard]] static constexpr KVPoolView nhd(void* kv, DType dt, std::int32_t num_blocks, std::int32_t block_size,
-                                                std::int32_t num_kv_heads, std::int32_t head_dim) noexcept {
+                                                std::int32_t num_kv_heads, std::int32_t head_dim,
+                                                KVDType kv_dt = KVDType::kSame, float k_scale = 1.f,
+                                                float v_scale = 1.f) noexcept {
     const std::int64_t page = std::int64_t{block_size} * num_kv_heads * head_dim;
     KVPoolView p{kv, nullptr, dt, num_blocks, block_size, num_kv_heads, head_dim, 2 * page,
-                 std::int64_t{num_kv_heads} * head_dim, head_dim};
-    p.v = static_cast<char*>(kv) + page * static_cast<std::int64_t>(dtype_size_bytes(dt));
+                 std::int64_t{num_kv_heads} * head_dim, head_dim, kv_dt, k_scale, v_scale};
+    p.v = static_cast<char*>(kv) + page * static_cast<std::int64_t>(kv_storage_size_bytes(kv_dt, dt));
     return p;
   }
   /// HND interleaved pool `[num_blocks, 2, num_kv_heads, block_size, head_dim]` at `kv` (FlashInfer HND).
   [[nodiscard]] static constexpr KVPoolView hnd(void* kv, DType dt, std::int32_t num_blocks, std::int32_t block_size,
-                                                std::int32_t num_kv_heads, std::int32_t head_dim) noexcept {
+                                                std::int32_t num_kv_heads, std::int32_t head_dim,
+                                                KVDType kv_dt = KVDType::kSame, float k_scale = 1.f,
+                                                float v_scale = 1.f) noexcept {
     const std::int64_t page = std::int64_t{block_size} * num_kv_heads * head_dim;
     KVPoolView p{kv, nullptr, dt, num_blocks, block_size, num_kv_heads, head_dim, 2 * page, head_dim,
-                 std::int64_t{block_size} * head_dim};
-    p.v = static_cast<char*>(kv) + page * static_cast<std::int64_t>(dtype_size_bytes(dt));
+                 std::int64_t{block_size} * head_dim, kv_dt, k_scale, v_scale};
+    p.v = static_cast<char*>(kv) + page * static_cast<std::int64_t>(kv_storage_size_bytes(kv_dt, dt));
     return p;
   }
   /// Separate K and V tensors, each `[num_blocks, block_size, num_kv_heads, head_dim]` (NHD).
   [[nodiscard]] static constexpr KVPoolView separate_nhd(void* k, void* v, DType dt, std::int32_t num_blocks,
                                                          std::int32_t block_size, std::int32_t num_kv_heads,
-                                                         std::int32_t head_dim) noexcept {
+                                                         std::int32_t head_dim, KVDType kv_dt = KVDType::kSame,
+                                                         float k_scale = 1.f, float v_scale = 1.f) noexcept {
     return KVPoolView{k, v, dt, num_blocks, block_size, num_kv_heads, head_dim,
                       std::int64_t{block_size} * num_kv_heads * head_dim, std::int64_t{num_kv_heads} * head_dim,
-                      head_dim};
+                      head_dim, kv_dt, k_scale, v_scale};
   }
   /// Separate K and V tensors, each `[num_blocks, num_kv_heads, block_size, head_dim]` (HND).
   [[nodiscard]] static constexpr KVPoolView separate_hnd(void* k, void* v, DType dt, std::int32_t num_blocks,
                                                          std::int32_t block_size, std::int32_t num_kv_heads,
-                                                         std::int32_t head_dim) noexcept {
+                                                         std::int32_t head_dim, KVDType kv_dt = KVDType::kSame,
+                                                         float k_scale = 1.f, float v_scale = 1.f) noexcept {
     return KVPoolView{k, v, dt, num_blocks, block_size, num_kv_heads, head_dim,
                       std::int64_t{block_size} * num_kv_heads * head_dim, head_dim,
-                      std::int64_t{block_size} * head_dim};
+                      std::int64_t{block_size} * head_dim, kv_dt, k_scale, v_scale};
   }
 };
 
@@ -149,7 +191,7 @@ struct PageTable {
 
 /// write_kv: scatter new K/V rows into pages by slot mapping (vLLM `reshape_and_cache`).
 /// key, value: `[num_tokens, num_kv_heads, head_dim]`, row stride `stride_token_elems` (0 = num_kv_heads*head_dim),
-/// same dtype as the pool. slot_mapping: `[num_tokens]` int64; slot < 0 is skipped.
+/// in the pool's element dtype (`kv.dtype`; an fp8 pool quantizes them on write). slot_mapping: `[num_tokens]` int64; slot < 0 is skipped.
 struct WriteKVParams {
   const void* key = nullptr;
   const void* value = nullptr;

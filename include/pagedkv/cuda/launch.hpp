@@ -5,7 +5,8 @@
 //
 // Every launcher follows "validate -> launch -> check" (CUTLASS/CUB): it validates shapes, pointers and alignment
 // on the host and returns Status::kInvalidValue before anything runs; it dispatches (dtype, head_dim) in one place
-// and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}; it checks the launch with
+// and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}, and for any pool whose
+// KVPoolView::kv_dtype is not KVDType::kSame (fp8 KV on CUDA: not yet implemented; CPU reference only); it checks the launch with
 // cudaPeekAtLastError (-> Status::kCudaError, the error stays for cudaGetLastError). Launchers never synchronize
 // the host, never allocate and never throw, so a sequence of them can be captured into a CUDA graph and replayed
 // (swap_blocks: see its note). Thread safety: launchers keep no state; concurrent calls on different streams are

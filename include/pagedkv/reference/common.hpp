@@ -59,13 +59,19 @@ namespace detail {
   return span;
 }
 
-/// Validates a pool view for the reference: dtype (kUnsupported if not one of the three enumerators), non-null
+/// Validates a pool view for the reference: dtype (kUnsupported if not one of the three enumerators), kv_dtype
+/// (kUnsupported if not a KVDType enumerator; for kFp8E4M3, k_scale and v_scale finite and > 0, else
+/// kInvalidValue; strides and extents are then in 1-byte storage elements), non-null
 /// and distinct k/v, positive num_blocks/block_size/num_kv_heads/head_dim, strides that keep the elements of a
 /// page distinct and pages apart (stride_page >= page span when num_blocks > 1), 64-bit offsets that do not
 /// overflow, and K pages that do not overlap V pages (checked for the common same-stride interleaving; V at any
 /// offset that lands inside a K page is rejected). Returns kSuccess, kInvalidValue or kUnsupported.
 [[nodiscard]] inline Status validate_pool(const KVPoolView& kv) noexcept {
-  if (!is_valid_dtype(kv.dtype)) return Status::kUnsupported;
+  if (!is_valid_dtype(kv.dtype) || !is_valid_kv_dtype(kv.kv_dtype)) return Status::kUnsupported;
+  if (kv.kv_dtype == KVDType::kFp8E4M3) {
+    const auto good = [](float x) { return std::isfinite(x) && x > 0.f; };
+    if (!good(kv.k_scale) || !good(kv.v_scale)) return Status::kInvalidValue;
+  }
   if (kv.k == nullptr || kv.v == nullptr || kv.k == kv.v) return Status::kInvalidValue;
   if (kv.num_blocks <= 0 || kv.block_size <= 0 || kv.num_kv_heads <= 0 || kv.head_dim <= 0) {
     return Status::kInvalidValue;
@@ -73,7 +79,7 @@ namespace detail {
   const std::int64_t span = page_span_elems(kv);
   if (span < 0) return Status::kInvalidValue;
   if (kv.num_blocks > 1 && kv.stride_page < span) return Status::kInvalidValue;
-  const auto es = static_cast<std::int64_t>(dtype_size_bytes(kv.dtype));
+  const auto es = static_cast<std::int64_t>(kv.storage_size_bytes());
   std::int64_t extent = 0;  // elements from the first to one past the last element of the pool (one of K or V)
   if (!mul_add_ok(kv.stride_page, kv.num_blocks - 1, span, &extent)) return Status::kInvalidValue;
   std::int64_t extent_bytes = 0;
@@ -217,6 +223,20 @@ decltype(auto) dispatch_dtype(DType dt, Fn&& fn) {
   return fn(std::type_identity<float>{});
 }
 
+/// Calls fn(std::type_identity<T>{}, std::type_identity<KV>{}) with T the element type of `kv.dtype` and KV the
+/// storage type of the pool: T for a kSame pool, Fp8E4M3 for an fp8 pool. Precondition: validate_pool(kv) passed.
+template <class Fn>
+decltype(auto) dispatch_pool(const KVPoolView& kv, Fn&& fn) {
+  return dispatch_dtype(kv.dtype, [&]<class T>(std::type_identity<T> t) -> decltype(auto) {
+    if (kv.kv_dtype == KVDType::kFp8E4M3) return fn(t, std::type_identity<Fp8E4M3>{});
+    return fn(t, std::type_identity<T>{});
+  });
+}
+
+/// A K/V storage type: an element type, or Fp8E4M3 (fp8 pools).
+template <class KV>
+concept KVStorageType = ElementType<KV> || std::same_as<KV, Fp8E4M3>;
+
 /// Float32 online-softmax state for one (query row, head) over a run of keys (Milakov & Gimelshein 2018; the
 /// FlashAttention / FlashInfer accumulator): running max `m` of the scaled scores, running denominator `d` =
 /// sum exp(s - m), and an unnormalised accumulator acc[head_dim] = sum exp(s - m) * v kept by the caller.
@@ -249,11 +269,29 @@ void load_row(const void* base, std::int64_t offset, std::int32_t n, float* out,
   }
 }
 
+/// Loads `n` contiguous stored K/V elements of type KV at element `offset` of `base` as float32 into `out[n]`.
+/// For an element type: exact conversion (`load_row<KV>`, `scale` unused). For Fp8E4M3: dequantization,
+/// out[i] = e4m3_to_float(stored[i]) * scale, one float32 multiply (rounded once; exact unless it under/overflows).
+/// `raw16[n]` is scratch (its first n bytes hold the fp8 codes).
+template <KVStorageType KV>
+void load_kv_row(const void* base, std::int64_t offset, std::int32_t n, float scale, float* out,
+                 std::uint16_t* raw16) noexcept {
+  if constexpr (std::same_as<KV, Fp8E4M3>) {
+    auto* codes = reinterpret_cast<unsigned char*>(raw16);  // char aliasing: fine
+    std::memcpy(codes, static_cast<const char*>(base) + offset, static_cast<std::size_t>(n));
+    for (std::int32_t i = 0; i < n; ++i) out[i] = kFp8E4M3ToFloat[codes[i]] * scale;
+  } else {
+    (void)scale;
+    load_row<KV>(base, offset, n, out, raw16);
+  }
+}
+
 /// Adds keys [t_begin, t_end) of a sequence (pages `seq`, kv head `kv_head`) to the online softmax of the query
 /// in `sc.q()` (float32, already loaded), accumulating in float32 into `sc.acc()` (caller-zeroed before the first
 /// call). Scores are dot(q, k) * sm_scale, accumulated in float32 in order of the head dimension. Only tokens
-/// < seq.kv_len are ever read.
-template <ElementType T>
+/// < seq.kv_len are ever read. KV is the pool's storage type (T, or Fp8E4M3: dequantized on load with
+/// kv.k_scale / kv.v_scale, see load_kv_row).
+template <ElementType T, KVStorageType KV = T>
 void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_head, float sm_scale, std::int64_t t_begin,
                   std::int64_t t_end, OnlineSoftmax& st, AttnScratch& sc) noexcept {
   const std::int32_t dim = kv.head_dim;
@@ -264,7 +302,7 @@ void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_hea
   for (std::int64_t t = t_begin; t < t_end; ++t) {
     const std::int64_t block = seq.block_ids[t / kv.block_size];
     const std::int64_t off = kv.offset(block, t % kv.block_size, kv_head);
-    load_row<T>(kv.k, off, dim, krow, sc.raw16.data());
+    load_kv_row<KV>(kv.k, off, dim, kv.k_scale, krow, sc.raw16.data());
     float s = 0.f;
     for (std::int32_t i = 0; i < dim; ++i) s += q[i] * krow[i];
     s *= sm_scale;
@@ -274,7 +312,7 @@ void attend_range(const KVPoolView& kv, const SeqPages& seq, std::int32_t kv_hea
     const float p = s == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s - m_new);
     st.d = st.d * scale + p;
     st.m = m_new;
-    load_row<T>(kv.v, off, dim, vrow, sc.raw16.data());
+    load_kv_row<KV>(kv.v, off, dim, kv.v_scale, vrow, sc.raw16.data());
     for (std::int32_t i = 0; i < dim; ++i) acc[i] = acc[i] * scale + p * vrow[i];
   }
 }

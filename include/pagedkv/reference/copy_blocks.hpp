@@ -13,9 +13,12 @@ namespace pagedkv::reference {
 
 namespace detail {
 
-/// True when blocks of the two views hold the same elements: same dtype, block_size, num_kv_heads and head_dim
-/// (strides, num_blocks and pointers may differ).
+/// True when blocks of the two views hold the same elements: same dtype, kv_dtype, block_size, num_kv_heads and
+/// head_dim, and for fp8 pools the same k_scale and v_scale (so moving the bytes keeps the dequantized values;
+/// strides, num_blocks and pointers may differ).
 [[nodiscard]] inline bool same_block_shape(const KVPoolView& a, const KVPoolView& b) noexcept {
+  if (a.kv_dtype != b.kv_dtype) return false;
+  if (a.kv_dtype == KVDType::kFp8E4M3 && (a.k_scale != b.k_scale || a.v_scale != b.v_scale)) return false;
   return a.dtype == b.dtype && a.block_size == b.block_size && a.num_kv_heads == b.num_kv_heads &&
          a.head_dim == b.head_dim;
 }
@@ -32,7 +35,7 @@ namespace detail {
 /// valid with the same block shape (`same_block_shape`), both block ids in range, the two blocks do not overlap.
 inline void copy_block(const KVPoolView& src, std::int64_t src_block, const KVPoolView& dst,
                        std::int64_t dst_block) noexcept {
-  const auto es = static_cast<std::int64_t>(dtype_size_bytes(src.dtype));
+  const auto es = static_cast<std::int64_t>(src.storage_size_bytes());  // 1 for fp8 pools: bytes are moved
   const auto row_bytes = static_cast<std::size_t>(src.head_dim * es);
   for (std::int32_t t = 0; t < src.block_size; ++t) {
     for (std::int32_t h = 0; h < src.num_kv_heads; ++h) {

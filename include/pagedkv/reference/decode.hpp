@@ -69,7 +69,7 @@ namespace pagedkv::reference {
 namespace detail {
 
 /// Decode for one (sequence b, qo head h), using the calling thread's scratch.
-template <ElementType T>
+template <ElementType T, KVStorageType KV = T>
 void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, AttnScratch& sc) noexcept {
   const std::int32_t dim = p.kv.head_dim;
   const std::int32_t hq = p.num_qo_heads;
@@ -88,7 +88,7 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, AttnScrat
   if (p.kv_chunk_size_tokens == 0) {  // no split: one pass over all tokens
     std::fill(acc, acc + dim, 0.f);
     OnlineSoftmax st;
-    attend_range<T>(p.kv, seq, kv_head, p.sm_scale, 0, seq.kv_len, st, sc);
+    attend_range<T, KV>(p.kv, seq, kv_head, p.sm_scale, 0, seq.kv_len, st, sc);
     const float inv = 1.f / st.d;
     for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
     if (p.lse != nullptr) p.lse[row] = st.lse();
@@ -104,7 +104,7 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, AttnScrat
   for (std::int64_t c = 0; c < nc; ++c) {
     std::fill(acc, acc + dim, 0.f);
     OnlineSoftmax st;
-    attend_range<T>(p.kv, seq, kv_head, p.sm_scale, c * chunk, std::min((c + 1) * chunk, seq.kv_len), st, sc);
+    attend_range<T, KV>(p.kv, seq, kv_head, p.sm_scale, c * chunk, std::min((c + 1) * chunk, seq.kv_len), st, sc);
     const float inv = 1.f / st.d;
     float* po = ws_o + ws_row(c) * dim;
     for (std::int32_t i = 0; i < dim; ++i) po[i] = acc[i] * inv;
@@ -142,7 +142,7 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, AttnScrat
 ///    max_num_chunks, num_qo_heads, head_dim)), which is overwritten.
 ///  - num_threads: worker threads for the (batch x num_qo_heads) loop; 0 = default_num_threads(); results are
 ///    bit-identical for every thread count.
-/// Numerics: q, K and V are converted to float32; dot products, the online softmax (running max, per chunk) and
+/// Numerics: q, K and V are converted to float32 (an fp8 pool: e4m3 -> float, times k_scale / v_scale, float32); dot products, the online softmax (running max, per chunk) and
 /// the V accumulation are float32; o is rounded to its dtype (nearest even) once at the end.
 /// Preconditions (not checked): o and lse do not overlap q, the pool, the page table or the workspace; the page
 /// table's listed tokens hold finite values (NaN in a slot past a sequence's length is fine: it is never read).
@@ -156,9 +156,9 @@ void decode_one(const DecodeParams& p, std::int32_t b, std::int32_t h, AttnScrat
   if (nt < 0) return Status::kInvalidValue;
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   const std::int64_t items = std::int64_t{p.pages.batch_size} * p.num_qo_heads;
-  detail::dispatch_dtype(p.kv.dtype, [&]<class T>(std::type_identity<T>) {
+  detail::dispatch_pool(p.kv, [&]<class T, class KV>(std::type_identity<T>, std::type_identity<KV>) {
     detail::parallel_for(items, nt, p.kv.head_dim, [&](std::int64_t item, detail::AttnScratch& s) noexcept {
-      detail::decode_one<T>(p, static_cast<std::int32_t>(item / p.num_qo_heads),
+      detail::decode_one<T, KV>(p, static_cast<std::int32_t>(item / p.num_qo_heads),
                             static_cast<std::int32_t>(item % p.num_qo_heads), s);
     });
   });

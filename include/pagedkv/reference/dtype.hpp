@@ -1,9 +1,10 @@
 // pagedkv/reference/dtype.hpp: host conversions between float32 and the two 16-bit element types (IEEE binary16
-// and bfloat16), plus untyped load/store helpers over the `DType` enum. No external library, no hardware
+// and bfloat16) and the fp8 KV storage type (OCP FP8 E4M3FN), plus untyped load/store helpers over the `DType` enum. No external library, no hardware
 // intrinsics: the conversions are bit manipulations, constexpr, and bit-exact with what CUDA's __float2half_rn /
 // __float2bfloat16_rn produce for finite inputs and infinities (round to nearest, ties to even).
 #pragma once
 
+#include <array>
 #include <bit>
 #include <concepts>
 #include <cstdint>
@@ -100,6 +101,82 @@ static_assert(sizeof(Half) == 2 && sizeof(BFloat16) == 2, "Half and BFloat16 mus
 [[nodiscard]] constexpr float to_float(BFloat16 b) noexcept { return bf16_bits_to_float(b.bits); }
 /// float -> float (identity), so templates over the element type can call `to_float` uniformly.
 [[nodiscard]] constexpr float to_float(float f) noexcept { return f; }
+
+/// An OCP FP8 E4M3FN value held as its bit pattern (1 sign, 4 exponent bits with bias 7, 3 mantissa bits), the
+/// storage of `KVDType::kFp8E4M3`. Layout-compatible with CUDA's `__nv_fp8_e4m3`. Finite range +-448, subnormals
+/// down to 2^-9, no infinities, NaN = S.1111.111 (0x7f / 0xff). No arithmetic: convert to float.
+struct Fp8E4M3 {
+  std::uint8_t bits = 0;
+  friend constexpr bool operator==(Fp8E4M3, Fp8E4M3) noexcept = default;  ///< Bitwise equality.
+};
+static_assert(sizeof(Fp8E4M3) == 1, "Fp8E4M3 must be a 1-byte storage type");
+
+/// The largest finite e4m3 value, 448 = 1.75 * 2^8 (bits 0x7e).
+inline constexpr float kFp8E4M3Max = 448.f;
+
+/// Converts a float to e4m3, round to nearest, ties to even, *saturating*: every finite |f| >= 448 and +-inf give
+/// +-448 (0x7e / 0xfe) -- the behaviour of CUDA's __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3), chosen so
+/// that an outlier never becomes NaN in the cache. NaN gives NaN (0x7f, sign kept). Values <= 2^-10 (half the
+/// smallest subnormal) round to +-0 (2^-10 itself ties to even, 0); subnormals (multiples of 2^-9 below 2^-6) are
+/// produced exactly. Pure function.
+[[nodiscard]] constexpr std::uint8_t float_to_fp8_e4m3_bits(float f) noexcept {
+  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const auto sign = static_cast<std::uint8_t>((x >> 24) & 0x80u);
+  const std::uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return static_cast<std::uint8_t>(sign | 0x7fu);  // NaN
+  if (ax >= 0x43e00000u) return static_cast<std::uint8_t>(sign | 0x7eu);  // >= 448 or inf: saturate
+  if (ax >= 0x3c800000u) {                                                // normal e4m3 range, >= 2^-6
+    const std::uint32_t exp8 = (ax >> 23) - 127u + 7u;                    // in [1, 15]
+    const std::uint32_t mant = ax & 0x007fffffu;
+    std::uint32_t r = (exp8 << 3) | (mant >> 20);
+    const std::uint32_t rem = mant & 0x000fffffu;
+    if (rem > 0x00080000u || (rem == 0x00080000u && (r & 1u) != 0)) ++r;  // carry into the exponent is correct;
+    return static_cast<std::uint8_t>(sign | r);                           // r <= 0x7e since |f| < 448 here
+  }
+  if (ax <= 0x3a800000u) return sign;  // <= 2^-10: rounds to zero (the tie at 2^-10 goes to even, 0)
+  // Subnormal result: m = round(|f| / 2^-9) with |f| = mant24 * 2^(e - 23), e in [-10, -7].
+  const std::uint32_t mant = (ax & 0x007fffffu) | 0x00800000u;
+  const int e = static_cast<int>(ax >> 23) - 127;
+  const int shift = 14 - e;  // in [21, 24]
+  std::uint32_t m = mant >> shift;
+  const std::uint32_t rem = mant & ((1u << shift) - 1u);
+  const std::uint32_t halfway = 1u << (shift - 1);
+  if (rem > halfway || (rem == halfway && (m & 1u) != 0)) ++m;  // m == 8 is the smallest normal: correct
+  return static_cast<std::uint8_t>(sign | m);
+}
+
+/// Converts an e4m3 bit pattern to float (exact: every e4m3 value is a float). 0x7f / 0xff give NaN. Pure.
+[[nodiscard]] constexpr float fp8_e4m3_bits_to_float(std::uint8_t b) noexcept {
+  const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
+  const std::uint32_t exp = (b >> 3) & 0x0fu;
+  const std::uint32_t mant = b & 0x07u;
+  if (exp == 15 && mant == 7) return std::bit_cast<float>(sign | 0x7fc00000u);
+  if (exp == 0) {
+    const float mag = static_cast<float>(mant) * 0x1p-9f;  // subnormal or zero, exact
+    return sign != 0 ? -mag : mag;
+  }
+  return std::bit_cast<float>(sign | ((exp - 7u + 127u) << 23) | (mant << 20));
+}
+
+namespace detail {
+[[nodiscard]] constexpr std::array<float, 256> make_fp8_e4m3_table() noexcept {
+  std::array<float, 256> t{};
+  for (unsigned i = 0; i < 256; ++i) t[i] = fp8_e4m3_bits_to_float(static_cast<std::uint8_t>(i));
+  return t;
+}
+/// fp8_e4m3_bits_to_float for every code (the reference's load path).
+inline constexpr std::array<float, 256> kFp8E4M3ToFloat = make_fp8_e4m3_table();
+}  // namespace detail
+
+/// float -> Fp8E4M3 (round to nearest even, saturating; see float_to_fp8_e4m3_bits). Pure function.
+[[nodiscard]] constexpr Fp8E4M3 to_fp8_e4m3(float f) noexcept { return Fp8E4M3{float_to_fp8_e4m3_bits(f)}; }
+/// Fp8E4M3 -> float (exact). Pure function.
+[[nodiscard]] constexpr float to_float(Fp8E4M3 v) noexcept { return fp8_e4m3_bits_to_float(v.bits); }
+
+/// True when `kv_dt` is one of the KVDType enumerators. Pure function.
+[[nodiscard]] constexpr bool is_valid_kv_dtype(KVDType kv_dt) noexcept {
+  return kv_dt == KVDType::kSame || kv_dt == KVDType::kFp8E4M3;
+}
 
 /// True for the three element types the reference kernels understand (float, Half, BFloat16).
 template <class T>

@@ -40,7 +40,7 @@ namespace pagedkv::reference {
 namespace detail {
 
 /// Prefill for one (query row r, qo head h), using the calling thread's scratch.
-template <ElementType T>
+template <ElementType T, KVStorageType KV = T>
 void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScratch& sc) noexcept {
   const std::int32_t dim = p.kv.head_dim;
   const std::int32_t hq = p.num_qo_heads;
@@ -56,7 +56,7 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScr
   for (std::int32_t i = 0; i < dim; ++i) qf[i] = load_as_float<T>(p.q, row * dim + i);
   std::fill(acc, acc + dim, 0.f);
   OnlineSoftmax st;
-  attend_range<T>(p.kv, seq, h / (hq / p.kv.num_kv_heads), p.sm_scale, 0, pos + 1, st, sc);
+  attend_range<T, KV>(p.kv, seq, h / (hq / p.kv.num_kv_heads), p.sm_scale, 0, pos + 1, st, sc);
   const float inv = 1.f / st.d;
   for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
   if (p.lse != nullptr) p.lse[row] = st.lse();
@@ -90,9 +90,9 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScr
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   if (p.pages.batch_size == 0) return Status::kSuccess;
   const std::int64_t items = std::int64_t{p.total_q_tokens} * p.num_qo_heads;
-  detail::dispatch_dtype(p.kv.dtype, [&]<class T>(std::type_identity<T>) {
+  detail::dispatch_pool(p.kv, [&]<class T, class KV>(std::type_identity<T>, std::type_identity<KV>) {
     detail::parallel_for(items, nt, p.kv.head_dim, [&](std::int64_t item, detail::AttnScratch& s) noexcept {
-      detail::prefill_one<T>(p, static_cast<std::int32_t>(item / p.num_qo_heads),
+      detail::prefill_one<T, KV>(p, static_cast<std::int32_t>(item / p.num_qo_heads),
                              static_cast<std::int32_t>(item % p.num_qo_heads), s);
     });
   });

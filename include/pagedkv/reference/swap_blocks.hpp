@@ -15,8 +15,8 @@ namespace pagedkv::reference {
 /// Checks a swap_blocks launch without running it (reads the mapping, host memory). kInvalidValue when:
 /// num_layers < 0 or num_pairs < 0; direction is not an enumerator; src_layers or dst_layers is null with
 /// num_layers > 0; block_mapping is null with num_layers > 0 and num_pairs > 0; a view is invalid (see
-/// `detail::validate_pool`); for some layer l, src_layers[l] and dst_layers[l] differ in dtype, block_size,
-/// num_kv_heads or head_dim (num_blocks may differ: the host pool is usually smaller or larger; strides may
+/// `detail::validate_pool`); for some layer l, src_layers[l] and dst_layers[l] differ in dtype, kv_dtype (fp8: k_scale
+/// or v_scale), block_size, num_kv_heads or head_dim (num_blocks may differ: the host pool is usually smaller or larger; strides may
 /// differ too, a block is copied element by element, as the CUDA launcher allows); a
 /// non-padding pair (src >= 0) has src out of [0, src num_blocks) or dst out of [0, dst num_blocks) for some
 /// layer; a dst appears twice. kUnsupported for a dtype that is not an enumerator. Thread safety: reads only.
