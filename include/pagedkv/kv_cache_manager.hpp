@@ -84,7 +84,9 @@ struct AppendResult {
 ///  - `build_batch_metadata` writes the step's page table, slot mapping and copy list into caller buffers.
 /// A pending copy (src, dst) holds a reference on src until the metadata that carries it is built, so no block is
 /// both read and written by one copy_blocks launch. Precondition for engines: fork a sequence only after the
-/// metadata of any append that copied its last block has been built (fork after prefill, as engines do).
+/// step's metadata has been built (no unbuilt slots: fork after prefill, as engines do). A fork with unbuilt slots
+/// is not detected: the child's blocks would depend on writes a same-step copy reads too early, or that never
+/// happen if the parent is freed first.
 ///
 /// Template parameters: `Hasher` (BlockHasher: Sha256Hasher default, Xxh3Hasher), `Id` (BlockIdType),
 /// `Evict` (EvictionPolicy, LRU default).
@@ -217,6 +219,13 @@ class KVCacheManager {
     if (copy) {
       pending_copies_.push_back(*copy);
       ++stats_.cow_copies;
+      // Unbuilt slots of earlier appends that point into the copied block now belong in its copy.
+      const std::size_t bs = config_.block_size;
+      const std::size_t old_len = q.table.num_tokens() - tokens.size();
+      const std::size_t first_pending_pos = q.table.num_tokens() - q.pending_slots.size();
+      for (std::size_t p = std::max(first_pending_pos, (old_len - 1) / bs * bs); p < old_len; ++p) {
+        q.pending_slots[p - first_pending_pos] = q.table.slot(p);
+      }
     }
     q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
     if (config_.enable_prefix_caching) {
@@ -227,8 +236,9 @@ class KVCacheManager {
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
   /// table is a copy of the parent's, every block's refcount + 1, nothing allocated. The first append to a shared
-  /// partial last block, by either side, copies it. Throws kUnknownSequence (parent), kDuplicateSequence (child
-  /// live, or child == parent).
+  /// partial last block, by either side, copies it. Precondition: the parent has no unbuilt slots (fork after the
+  /// step that computes them has been built). Throws kUnknownSequence (parent), kDuplicateSequence (child live, or
+  /// child == parent).
   void fork(SeqId parent, SeqId child) {
     if (seqs_.contains(child)) {
       detail::raise(Errc::kDuplicateSequence, "fork: child sequence " + std::to_string(child) + " is already live");
