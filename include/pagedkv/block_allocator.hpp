@@ -28,8 +28,8 @@ namespace pagedkv {
 /// block), whose hash the caller drops through the `on_evict` callback before the block is reused.
 ///
 /// Cost: every operation O(1) (multi-block calls O(n)); nothing allocates after construction.
-/// Memory: sizeof(uint32_t) + 1 + 3 * sizeof(Id) bytes per block (13 for uint32 ids; the 16-byte hash lives in
-/// PrefixHashIndex, plus 1 byte of registration mark), i.e. 30 bytes of host metadata per block in a KVCacheManager.
+/// Memory: sizeof(uint32_t) + 1 + 3 * sizeof(Id) bytes per block (17 for uint32 ids: refcount, hash mark, LRU
+/// links, free-stack slot). A KVCacheManager adds the PrefixHashIndex (see there).
 /// Thread safety: none; one writer (the scheduler thread). Errors: misuse throws `pagedkv::Error` and changes
 /// nothing (strong guarantee).
 template <BlockIdType Id = std::uint32_t, EvictionPolicy<Id> Evict = LruEviction<Id>>

@@ -20,8 +20,15 @@ namespace pagedkv {
 struct BlockHash {
   std::array<std::uint8_t, 16> bytes{};
 
-  friend constexpr bool operator==(const BlockHash&, const BlockHash&) = default;
-  friend constexpr auto operator<=>(const BlockHash&, const BlockHash&) = default;
+  /// Equality as two 64-bit compares (a defaulted operator compiles to a memcmp call per hash-map probe).
+  friend bool operator==(const BlockHash& a, const BlockHash& b) noexcept {
+    std::uint64_t x[2];
+    std::uint64_t y[2];
+    std::memcpy(x, a.bytes.data(), 16);
+    std::memcpy(y, b.bytes.data(), 16);
+    return ((x[0] ^ y[0]) | (x[1] ^ y[1])) == 0;
+  }
+  friend constexpr auto operator<=>(const BlockHash& a, const BlockHash& b) noexcept { return a.bytes <=> b.bytes; }
 
   /// The first 8 bytes, little-endian: a well-mixed 64-bit value for hash tables.
   [[nodiscard]] std::uint64_t low64() const noexcept {

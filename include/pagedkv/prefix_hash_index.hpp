@@ -105,7 +105,7 @@ inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, s
 ///
 /// Template parameters: `Hasher` (Sha256Hasher by default, Xxh3Hasher for single-tenant speed), `Id`.
 /// Memory: 17 bytes per block (the per-block hash and a mark) + the hash map, reserved for num_blocks entries
-/// (open addressing, ~24 bytes per bucket).
+/// (open addressing, 32-byte buckets, power-of-two bucket count: 32-64 bytes per block).
 /// Thread safety: none; one writer. `hash_block` uses an internal scratch buffer, so even const calls must not
 /// run concurrently with each other.
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t>
