@@ -65,6 +65,7 @@ inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, s
   out.resize(16 + 4 + 4 * tokens.size() + 8 + 4 + 24 * std::size_t{num_items} + 4 + salt.size());
   std::byte* w = out.data();
   const auto put = [&w](const void* p, std::size_t n) {
+    if (n == 0) return;  // p may be null (empty salt); memcpy with null is undefined even for 0 bytes
     std::memcpy(w, p, n);
     w += n;
   };
