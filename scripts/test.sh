@@ -3,7 +3,7 @@
 #  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package)
-#  4. a short pagedkv-replay smoke run on each bundled trace
+#  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -41,4 +41,7 @@ $replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capaci
 $replay data/traces/mooncake-fast25/conversation_trace.jsonl --mode prefix --capacity-tokens 1e6 --limit 500 --hash xxh3
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --limit 500
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode fork --n 4 --limit 100
+echo "== decode_loop (manager + CPU reference kernels, checked against float64 every step)"
+build-ci/examples/decode_loop --block-size 16
+build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3
 echo "== all checks passed"
