@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "test_support.hpp"
 #include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
@@ -28,23 +29,9 @@ using Ids = std::vector<std::uint32_t>;
 using I32 = std::vector<std::int32_t>;
 using I64 = std::vector<std::int64_t>;
 
-template <class F>
-std::string expect_error(F&& f, Errc code) {
-  try {
-    f();
-  } catch (const pagedkv::Error& e) {
-    CHECK(e.code() == code);
-    return e.message();
-  }
-  FAIL("expected pagedkv::Error(" << pagedkv::to_string(code) << ")");
-  return {};
-}
+using pagedkv_test::expect_error;
 
-Toks toks(TokenId first, std::size_t n) {
-  Toks t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<TokenId>(i);
-  return t;
-}
+using pagedkv_test::toks;
 
 constexpr std::int32_t kS = 777;  // sentinel: "not written"
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/eviction.hpp>
@@ -23,17 +24,7 @@ using pagedkv::LruEviction;
 using Alloc = BlockAllocator<std::uint32_t>;
 
 // Runs `f`, requires it to throw pagedkv::Error with `code`, and returns the message.
-template <class F>
-std::string expect_error(F&& f, Errc code) {
-  try {
-    f();
-  } catch (const pagedkv::Error& e) {
-    CHECK(e.code() == code);
-    return e.message();
-  }
-  FAIL("expected pagedkv::Error(" << pagedkv::to_string(code) << ")");
-  return {};
-}
+using pagedkv_test::expect_error;
 
 std::uint32_t take(Alloc& a) {
   const auto b = a.try_allocate_one([](std::uint32_t) { FAIL("unexpected eviction"); });

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/error.hpp>
@@ -23,17 +24,7 @@ using Copy = std::optional<BlockCopy<std::uint32_t>>;
 using Slots = std::vector<std::int64_t>;
 using Ids = std::vector<std::uint32_t>;
 
-template <class F>
-std::string expect_error(F&& f, Errc code) {
-  try {
-    f();
-  } catch (const pagedkv::Error& e) {
-    CHECK(e.code() == code);
-    return e.message();
-  }
-  FAIL("expected pagedkv::Error(" << pagedkv::to_string(code) << ")");
-  return {};
-}
+using pagedkv_test::expect_error;
 
 const auto kNoEvict = [](std::uint32_t) { FAIL("unexpected eviction"); };
 

@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "test_support.hpp"
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/error.hpp>
@@ -33,11 +34,7 @@ using Toks = std::vector<TokenId>;
 using Ids = std::vector<std::uint32_t>;
 using Slots = std::vector<std::int64_t>;
 
-Toks toks(TokenId first, std::size_t n) {
-  Toks t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<TokenId>(i);
-  return t;
-}
+using pagedkv_test::toks;
 
 // Runs f; requires a pagedkv::Error with `code`; checks what() = "pagedkv: <code name>: <message>"; returns message.
 std::string expect_error(const std::function<void()>& f, Errc code) {

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "test_support.hpp"
 #include <pagedkv/error.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
@@ -34,17 +35,7 @@ using Toks = std::vector<TokenId>;
 using Ids = std::vector<std::uint32_t>;
 using Slots = std::vector<std::int64_t>;
 
-template <class F>
-std::string expect_error(F&& f, Errc code) {
-  try {
-    f();
-  } catch (const pagedkv::Error& e) {
-    CHECK(e.code() == code);
-    return e.message();
-  }
-  FAIL("expected pagedkv::Error(" << pagedkv::to_string(code) << ")");
-  return {};
-}
+using pagedkv_test::expect_error;
 
 CacheConfig cfg(std::size_t num_blocks, std::uint32_t bs, bool events = false) {
   CacheConfig c;
@@ -55,11 +46,7 @@ CacheConfig cfg(std::size_t num_blocks, std::uint32_t bs, bool events = false) {
 }
 
 // first, first + 1, ..., first + n - 1
-Toks toks(TokenId first, std::size_t n) {
-  Toks t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<TokenId>(i);
-  return t;
-}
+using pagedkv_test::toks;
 Toks cat(Toks a, const Toks& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "test_support.hpp"
 #include <pagedkv/error.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
@@ -34,17 +35,7 @@ using pagedkv::TokenId;
 using pagedkv::Xxh3Hasher;
 using Toks = std::vector<TokenId>;
 
-template <class F>
-std::string expect_error(F&& f, Errc code) {
-  try {
-    f();
-  } catch (const pagedkv::Error& e) {
-    CHECK(e.code() == code);
-    return e.message();
-  }
-  FAIL("expected pagedkv::Error(" << pagedkv::to_string(code) << ")");
-  return {};
-}
+using pagedkv_test::expect_error;
 
 BlockHash item_hash(std::uint8_t first) {
   BlockHash h;
