@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, then
-#  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest
+#  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest, with the
+#     concurrency test also built and run under ThreadSanitizer
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package)
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
@@ -16,7 +17,7 @@ if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda
 fi
 
 echo "== 1/4 Release build + tests"
-cmake -S . -B build-ci -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" \
+cmake -S . -B build-ci -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" -DPAGEDKV_TSAN_TESTS=ON \
       -DCMAKE_INSTALL_PREFIX="$root/build-ci/install" >/dev/null
 cmake --build build-ci -j "$jobs"
 ctest --test-dir build-ci -j "$jobs" --output-on-failure

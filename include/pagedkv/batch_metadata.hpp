@@ -3,9 +3,30 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
+#include <string>
+
+#include <pagedkv/error.hpp>
 
 namespace pagedkv {
+
+/// The largest value an int32 field of the batch metadata can hold (2^31 - 1). It bounds, and the manager checks
+/// (kLimitExceeded naming the limit): block ids (so a pool has at most 2^31 blocks, the null block included, and
+/// the -1 padding never collides with a block id), tokens per sequence (`seq_lens`), and one build's running
+/// totals (`indptr[batch]`, `qo_indptr[batch]`).
+inline constexpr std::size_t kMaxMetadataValue = static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max());
+
+namespace detail {
+/// Throws kLimitExceeded, naming `what` and the limit, when `value` > kMaxMetadataValue.
+inline void check_metadata_value(std::size_t value, const char* what) {
+  if (value > kMaxMetadataValue) [[unlikely]] {
+    raise(Errc::kLimitExceeded, std::string(what) + " = " + std::to_string(value) +
+                                    " exceeds the int32 limit of the batch metadata (" +
+                                    std::to_string(kMaxMetadataValue) + ")");
+  }
+}
+}  // namespace detail
 
 /// Caller-owned output buffers for one step's batch metadata (DESIGN.md sec. 3), in host memory; the engine
 /// copies them to fixed device buffers (or allocates them pinned and maps them), so a CUDA graph captured once can

@@ -62,6 +62,12 @@ class BlockTable {
            static_cast<std::int64_t>(pos % block_size_);
   }
 
+  /// Make room for `n` blocks in total, so that growing to them cannot throw (strong guarantee for callers that
+  /// reserve before mutating). May throw std::bad_alloc; changes no block.
+  void reserve_blocks(std::size_t n) {
+    if (n > blocks_.capacity()) blocks_.reserve(std::max(n, 2 * blocks_.capacity()));
+  }
+
   /// Whether appending would first copy the partial last block (it is shared, or hashed after a rewind).
   template <class Alloc>
   [[nodiscard]] bool last_block_needs_copy(const Alloc& alloc) const {

@@ -1,5 +1,5 @@
 // pagedkv/kv_cache_manager.hpp: the narrow facade an engine's scheduler calls (admit, append, fork, free, rewind,
-// lookup, batch metadata), over BlockAllocator + BlockTable + PrefixHashIndex.
+// lookup, batch metadata), over SequenceState (per sequence) + BlockAllocator + PrefixHashIndex + EventLog.
 #pragma once
 
 #include <algorithm>
@@ -20,20 +20,24 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/error.hpp>
+#include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/eviction.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
+#include <pagedkv/request_keys.hpp>
+#include <pagedkv/sequence_state.hpp>
 
 namespace pagedkv {
 
 /// Configuration of one KV pool.
 struct CacheConfig {
-  std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0 (>= 2).
+  std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0: [2, 2^31].
   std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block (> 0).
   bool enable_prefix_caching = true;              ///< Hash full blocks and reuse them across requests.
   std::uint64_t hash_seed = 0;                    ///< Per-pool chain seed (the root of every block-hash chain).
-  std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length); 0 = none.
+  std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length), <= 2^31 - 1; 0 = the
+                                                  ///< int32 limit of `seq_lens` (kMaxMetadataValue).
   bool enable_events = false;                     ///< Record KVEvents for drain_events().
 };
 
@@ -47,25 +51,30 @@ enum class AdmitStatus : std::uint8_t {
 /// Result of `try_admit`.
 struct AdmitResult {
   AdmitStatus status = AdmitStatus::kNoCapacity;
-  std::size_t num_cached_tokens = 0;  ///< Prompt tokens found in the prefix cache (a multiple of block_size).
-  std::size_t num_new_blocks = 0;     ///< Blocks taken from the pool (allocated, possibly by eviction).
+  std::size_t num_cached_tokens = 0;   ///< Prompt tokens found in the prefix cache (a multiple of block_size).
+  std::size_t num_new_blocks = 0;      ///< Blocks taken from the pool (allocated, possibly by eviction).
+  std::size_t num_missing_blocks = 0;  ///< kNoCapacity: blocks that would have to become available now;
+                                       ///< kNeverFits: blocks beyond the whole pool. 0 when admitted.
   [[nodiscard]] bool admitted() const noexcept { return status == AdmitStatus::kAdmitted; }
 };
 
 /// Outcome of an append.
 enum class AppendStatus : std::uint8_t {
   kOk = 0,
-  kNoCapacity = 1,  ///< Not enough blocks; nothing changed. The engine preempts a sequence and retries.
+  kNoCapacity = 1,  ///< Not enough blocks now; nothing changed. The engine preempts a sequence and retries.
+  kNeverFits = 2,   ///< The sequence would hold more blocks than the whole pool: preempting others cannot help.
 };
 
-/// Result of `try_append`. `slots` views the sequence's pending slots of this call (`[n]`); it is invalidated by
-/// the next non-const call. The slot mapping the builder writes may later turn some of them into -1 (a block
-/// switched to an identical registered block; see build_batch_metadata).
+/// Result of `try_append`. `slots` views the slots reserved by this call (`[n]`, position order); the view is
+/// invalidated by the next non-const call on the manager. The slot mapping a build writes may differ for some of
+/// them: a later copy-on-write moves them into the copy, and deduplication turns them into -1 (see
+/// build_batch_metadata); the build's slot mapping is the authority.
 template <BlockIdType Id>
 struct AppendResult {
   AppendStatus status = AppendStatus::kNoCapacity;
   std::span<const std::int64_t> slots;
-  std::optional<BlockCopy<Id>> copy;  ///< The copy-on-write this append needs, if any.
+  std::optional<BlockCopy<Id>> copy;   ///< The copy-on-write this append needs, if any.
+  std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: as in AdmitResult.
   [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
 };
 
@@ -75,22 +84,27 @@ struct AppendResult {
 ///  - `try_admit` looks up the prompt's longest cached prefix (capped so at least one token is computed), takes
 ///    the hit blocks (protecting them from eviction) and allocates the rest, all or nothing.
 ///  - `try_append` reserves slots for new tokens (one per decode step, or a chunk), copying a shared or hashed
-///    partial last block first (copy-on-write).
+///    partial last block first (copy-on-write: one copy, pending until the next build).
 ///  - A full block is registered in the prefix index by the `build_batch_metadata` call that issues the writes of
 ///    its K/V (so no request can ever hit a block whose K/V was never written: a sequence freed or preempted
 ///    before its step ran leaves nothing in the index). If an identical block is already registered, the sequence
 ///    switches to it and frees its own copy (no two cached blocks share a hash).
-///  - `fork` shares every block (parallel sampling, beam search); `free`/`preempt` release tail first.
+///  - `fork` shares every block (parallel sampling, beam search) of a *settled* parent (no unbuilt slot, no
+///    pending copy into its table): a child never depends on a write or copy not yet issued, so no copy list ever
+///    holds a block that is both a source and a destination. `free` / `preempt` release tail first.
 ///  - `build_batch_metadata` writes the step's page table, slot mapping and copy list into caller buffers.
 /// A pending copy (src, dst) holds a reference on src until the metadata that carries it is built, so no block is
-/// both read and written by one copy_blocks launch. Precondition for engines: fork a sequence only after the
-/// step's metadata has been built (no unbuilt slots: fork after prefill, as engines do). A fork with unbuilt slots
-/// is not detected: the child's blocks would depend on writes a same-step copy reads too early, or that never
-/// happen if the parent is freed first.
+/// reused (and overwritten) while a copy still has to read it.
 ///
 /// Template parameters: `Hasher` (BlockHasher: Sha256Hasher default, Xxh3Hasher), `Id` (BlockIdType),
 /// `Evict` (EvictionPolicy, LRU default).
-/// Thread safety: none; one writer (the scheduler thread). No global state: managers are independent.
+/// Limits: at most 2^31 blocks and 2^31 - 1 tokens per sequence, and one build's block and token totals below
+/// 2^31 (the batch metadata is int32: `kMaxMetadataValue`); each is checked with kLimitExceeded naming it.
+/// Thread safety: one writer (the scheduler thread); const calls may run concurrently with each other (`lookup`
+/// keeps no scratch state) but never with a non-const call. No global state: managers are independent.
+/// Move: movable, not copyable. A move transfers every sequence; spans obtained from the source before the move
+/// (block_ids, token_ids) stay valid and now view the destination's state; a moved-from manager may only be
+/// destroyed or assigned to.
 /// Errors: misuse throws `pagedkv::Error` (codes in error.hpp) and leaves the manager unchanged; expected outcomes
 /// (no capacity, never fits, prefix miss) are values.
 /// Cost: admission O(prompt blocks) (hashing dominates); append O(new tokens) plus one hash per filled block; fork,
@@ -106,22 +120,28 @@ class KVCacheManager {
   using index_type = PrefixHashIndex<Hasher, Id>;
   using table_type = BlockTable<Id>;
   using copy_type = BlockCopy<Id>;
+  using sequence_type = SequenceState<Id>;
 
-  /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or block_size == 0.
+  /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or block_size == 0,
+  /// kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch metadata), both
+  /// before allocating anything.
   explicit KVCacheManager(const CacheConfig& config)
       : config_(checked(config)),
         alloc_(config_.num_blocks),
         index_(config_.num_blocks, config_.hash_seed),
-        max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq
-                                                            : std::numeric_limits<std::size_t>::max()) {}
+        max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
+        events_(config_.enable_events) {}
 
   KVCacheManager(const KVCacheManager&) = delete;
   KVCacheManager& operator=(const KVCacheManager&) = delete;
+  KVCacheManager(KVCacheManager&&) noexcept = default;
+  KVCacheManager& operator=(KVCacheManager&&) noexcept = default;
+  ~KVCacheManager() = default;
 
   [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
   [[nodiscard]] std::uint32_t block_size() const noexcept { return config_.block_size; }
-  /// Per-sequence token limit in force (SIZE_MAX when none was configured). A prompt longer than the pool but
-  /// within this limit is answered kNeverFits, not an error.
+  /// Per-sequence token limit in force (kMaxMetadataValue when none was configured). A prompt longer than the pool
+  /// but within this limit is answered kNeverFits, not an error.
   [[nodiscard]] std::size_t max_tokens_per_seq() const noexcept { return max_tokens_per_seq_; }
 
   // ---------------------------------------------------------------------------------------------------------------
@@ -132,8 +152,8 @@ class KVCacheManager {
   /// at least one token is computed), takes those blocks, and allocates blocks for the rest; the uncached tokens'
   /// slots become pending for the next `build_batch_metadata`. All or nothing: on kNoCapacity / kNeverFits
   /// nothing changes (no refcount, no LRU position, no counter).
-  /// Throws kDuplicateSequence (seq is live), kInvalidArgument (empty prompt), kLimitExceeded (prompt_len >
-  /// max_tokens_per_seq()).
+  /// Throws kDuplicateSequence (seq is live), kInvalidArgument (empty prompt; a multimodal item that is empty,
+  /// unsorted or not inside the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                         std::optional<std::size_t> max_cached_tokens = std::nullopt) {
     if (seqs_.contains(seq)) {
@@ -147,9 +167,12 @@ class KVCacheManager {
                                               " tokens exceeds max_tokens_per_seq = " +
                                               std::to_string(max_tokens_per_seq_));
     }
+    validate_request_keys(keys, prompt.size(), "try_admit");
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
-    if (total_blocks > alloc_.num_usable_blocks()) return {AdmitStatus::kNeverFits, 0, 0};
+    if (total_blocks > alloc_.num_usable_blocks()) {
+      return {AdmitStatus::kNeverFits, 0, 0, total_blocks - alloc_.num_usable_blocks()};
+    }
 
     std::vector<BlockHash> hashes;
     if (config_.enable_prefix_caching) {
@@ -167,16 +190,20 @@ class KVCacheManager {
     }
     const std::size_t hits = hit_scratch_.size();
     const std::size_t new_blocks = total_blocks - hits;
-    if (new_blocks > alloc_.num_available_blocks() - evictable_hits) return {AdmitStatus::kNoCapacity, 0, 0};
+    const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
+    if (new_blocks > available) return {AdmitStatus::kNoCapacity, 0, 0, new_blocks - available};
 
     // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
     auto keys_ptr = keys != nullptr && !keys->empty() ? std::make_shared<const RequestKeys>(*keys) : nullptr;
-    Sequence s(config_.block_size);
+    sequence_type s(config_.block_size);
     s.tokens.assign(prompt.begin(), prompt.end());
-    s.pending_slots.reserve(prompt.size() - hits * bs);
     s.keys = std::move(keys_ptr);
+    s.table.reserve_blocks(total_blocks);
+    slot_scratch_.clear();
+    slot_scratch_.reserve(prompt.size() - hits * bs);
+    events_.reserve_more(new_blocks);  // removed-block events of the evictions below
     auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
-    Sequence& q = it->second;
+    sequence_type& q = it->second;
     Proxy pool{this};
     for (Id b : hit_scratch_) {
       alloc_.acquire(b);
@@ -184,71 +211,107 @@ class KVCacheManager {
     }
     q.hashes = std::move(hashes);
     q.num_registered = hits;
+    q.num_built = hits * bs;
     std::optional<copy_type> no_copy;
-    const bool ok = q.table.try_append(prompt.size() - hits * bs, pool, evictor(), q.pending_slots, no_copy);
+    const bool ok = q.table.try_append(prompt.size() - hits * bs, pool, evictor(), slot_scratch_, no_copy);
     (void)ok;  // guaranteed by the capacity check
 
     ++stats_.prefix_query_requests;
     stats_.prefix_query_tokens += prompt.size();
     if (hits > 0) ++stats_.prefix_hit_requests;
     stats_.prefix_hit_tokens += hits * bs;
-    return {AdmitStatus::kAdmitted, hits * bs, new_blocks};
+    return {AdmitStatus::kAdmitted, hits * bs, new_blocks, 0};
   }
 
-  /// Append `tokens` (`[n]` token ids, e.g. the one sampled token of a decode step, or draft tokens) to live
-  /// sequence `seq`, reserving n slots (pending for the next build) and copying a shared or hashed partial last
-  /// block first (copy-on-write: one copy, pending too). All or nothing: kNoCapacity changes nothing.
+  /// Append `tokens` (`[n]` token ids, e.g. the one sampled token of a decode step) to live sequence `seq`,
+  /// reserving n slots (pending for the next build) and copying a shared or hashed partial last block first
+  /// (copy-on-write: one copy, pending too). All or nothing: kNoCapacity and kNeverFits change nothing.
+  /// kNeverFits: the sequence would hold more blocks than the pool has even if every other sequence were preempted.
   /// Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()).
   AppendResult<Id> try_append(SeqId seq, std::span<const TokenId> tokens) {
-    Sequence& q = live(seq, "try_append");
-    if (q.table.num_tokens() + tokens.size() > max_tokens_per_seq_) {
+    sequence_type& q = live(seq, "try_append");
+    const std::size_t n = tokens.size();
+    if (q.num_known() + n > max_tokens_per_seq_) {
       detail::raise(Errc::kLimitExceeded, "try_append: sequence " + std::to_string(seq) + " would reach " +
-                                              std::to_string(q.table.num_tokens() + tokens.size()) +
+                                              std::to_string(q.num_known() + n) +
                                               " tokens, above max_tokens_per_seq = " +
                                               std::to_string(max_tokens_per_seq_));
     }
-    if (tokens.empty()) return {AppendStatus::kOk, {}, std::nullopt};
-    detail::reserve_more(q.tokens, tokens.size());
-    detail::reserve_more(pending_copies_, 1);
-    const std::size_t first = q.pending_slots.size();
+    if (n == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
     Proxy pool{this};
-    std::optional<copy_type> copy;
-    if (!q.table.try_append(tokens.size(), pool, evictor(), q.pending_slots, copy)) {
-      return {AppendStatus::kNoCapacity, {}, std::nullopt};
+    const std::size_t bs = config_.block_size;
+    const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
+    const bool cow = q.table.last_block_needs_copy(pool);
+    // Never fits: even with every other sequence gone, this one would hold more blocks than the pool. (A copy
+    // forced by sharing would vanish with the sharers; one forced by a hash would not.)
+    const bool hashed_partial = cow && alloc_.is_hashed(q.table.blocks().back());
+    const std::size_t held_after = q.table.num_blocks() + new_blocks + (hashed_partial ? 1 : 0);
+    if (held_after > alloc_.num_usable_blocks()) {
+      return {AppendStatus::kNeverFits, {}, std::nullopt, held_after - alloc_.num_usable_blocks()};
     }
-    if (copy) {
-      pending_copies_.push_back(*copy);
-      ++stats_.cow_copies;
-      // Unbuilt slots of earlier appends that point into the copied block now belong in its copy.
-      const std::size_t bs = config_.block_size;
-      const std::size_t old_len = q.table.num_tokens() - tokens.size();
-      const std::size_t first_pending_pos = q.table.num_tokens() - q.pending_slots.size();
-      for (std::size_t p = std::max(first_pending_pos, (old_len - 1) / bs * bs); p < old_len; ++p) {
-        q.pending_slots[p - first_pending_pos] = q.table.slot(p);
-      }
+    const std::size_t needed = new_blocks + (cow ? 1 : 0);
+    if (needed > alloc_.num_available_blocks()) {
+      return {AppendStatus::kNoCapacity, {}, std::nullopt, needed - alloc_.num_available_blocks()};
     }
+    // Reserve everything that could throw before the first change.
+    detail::reserve_more(q.tokens, n);
+    if (config_.enable_prefix_caching) detail::reserve_more(q.hashes, (q.num_known() + n) / bs - q.hashes.size());
+    detail::reserve_more(pending_copies_, 1);
+    detail::reserve_more(copy_owners_, 1);
+    q.table.reserve_blocks(q.table.num_blocks() + new_blocks);
+    slot_scratch_.clear();
+    slot_scratch_.reserve(n);
+    events_.reserve_more(needed);
+    // Hash the blocks the new tokens fill (may throw for very large blocks, which encode on the heap): undone on
+    // failure, before the table changes.
+    const std::size_t old_known = q.num_known();
+    const std::size_t old_hashes = q.hashes.size();
     q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
     if (config_.enable_prefix_caching) {
-      index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
+      try {
+        index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
+      } catch (...) {
+        q.tokens.resize(old_known);
+        q.hashes.resize(old_hashes);
+        throw;
+      }
     }
-    return {AppendStatus::kOk, std::span<const std::int64_t>(q.pending_slots).subspan(first), copy};
+    std::optional<copy_type> copy;
+    const bool ok = q.table.try_append(n, pool, evictor(), slot_scratch_, copy);
+    (void)ok;  // guaranteed by the capacity check; nothing in it allocates (reserved above)
+    if (copy) {
+      pending_copies_.push_back(*copy);
+      copy_owners_.push_back(&q);
+      ++q.num_pending_copies;
+      ++stats_.cow_copies;
+    }
+    return {AppendStatus::kOk, slot_scratch_, copy, 0};
   }
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
   /// table is a copy of the parent's, every block's refcount + 1, nothing allocated. The first append to a shared
-  /// partial last block, by either side, copies it. Precondition: the parent has no unbuilt slots (fork after the
-  /// step that computes them has been built). Throws kUnknownSequence (parent), kDuplicateSequence (child live, or
-  /// child == parent).
+  /// partial last block, by either side, copies it.
+  /// Throws kUnknownSequence (parent), kDuplicateSequence (child live, or child == parent), kInvalidArgument when
+  /// the parent is not settled (slots not yet built, or a copy-on-write into its table not yet handed out: fork
+  /// after the build of the step that wrote them, as engines do after prefill).
   void fork(SeqId parent, SeqId child) {
     if (seqs_.contains(child)) {
       detail::raise(Errc::kDuplicateSequence, "fork: child sequence " + std::to_string(child) + " is already live");
     }
-    const Sequence& p = live(parent, "fork");
-    Sequence c(config_.block_size);
+    const sequence_type& p = live(parent, "fork");
+    if (!p.settled()) {
+      detail::raise(Errc::kInvalidArgument,
+                    "fork: parent sequence " + std::to_string(parent) + " has unbuilt state (" +
+                        std::to_string(p.num_pending()) + " unbuilt slots, " +
+                        std::to_string(p.num_pending_copies) +
+                        " pending copy-on-write copies): build the step's metadata before forking");
+    }
+    sequence_type c(config_.block_size);
     c.tokens = p.tokens;
     c.hashes = p.hashes;
-    c.num_registered = p.hashes.size();  // the parent registers the blocks it is writing
+    c.num_registered = p.num_registered;
     c.keys = p.keys;
+    c.num_built = p.num_built;
     c.table = p.table;  // copy first (may throw), take references after
     auto [it, inserted] = seqs_.try_emplace(child, std::move(c));
     (void)inserted;
@@ -258,7 +321,7 @@ class KVCacheManager {
   /// Free live sequence `seq` (finished or aborted): release its blocks, last block first, and forget its pending
   /// slots. Full blocks stay cached until evicted. Throws kUnknownSequence (also on a double free).
   void free(SeqId seq) {
-    Sequence& q = live(seq, "free");
+    sequence_type& q = live(seq, "free");
     Proxy pool{this};
     q.table.release_all(pool);
     seqs_.erase(seq);
@@ -275,29 +338,31 @@ class KVCacheManager {
   /// released last first; a partial block that is shared or cached stays intact and is copied on the next append.
   /// Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens).
   void rewind(SeqId seq, std::size_t n) {
-    Sequence& q = live(seq, "rewind");
-    if (n > q.table.num_tokens()) {
+    sequence_type& q = live(seq, "rewind");
+    if (n > q.num_known()) {
       detail::raise(Errc::kLimitExceeded, "rewind: n = " + std::to_string(n) + " exceeds sequence " +
-                                              std::to_string(seq) + "'s " + std::to_string(q.table.num_tokens()) +
+                                              std::to_string(seq) + "'s " + std::to_string(q.num_known()) +
                                               " tokens");
     }
-    const std::size_t len = q.table.num_tokens() - n;
+    const std::size_t len = q.num_known() - n;
     Proxy pool{this};
-    q.table.rewind(n, pool);
+    q.table.rewind(q.num_slotted() - std::min(q.num_slotted(), len), pool);
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
     q.num_registered = std::min(q.num_registered, q.hashes.size());
-    q.pending_slots.resize(q.pending_slots.size() - std::min(n, q.pending_slots.size()));
+    q.num_built = std::min(q.num_built, q.num_slotted());
   }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Queries
 
   /// Cached prefix length in tokens of `prompt` (with `keys`) if it were admitted now, capped at
-  /// `max_cached_tokens` (default prompt_len - 1). Pure: takes no reference, moves no LRU entry, counts nothing.
-  /// 0 when prefix caching is off or the prompt is empty.
+  /// `max_cached_tokens` (default prompt_len - 1). Pure: takes no reference, moves no LRU entry, counts nothing;
+  /// safe to call from several threads at once (not concurrently with a non-const call).
+  /// 0 when prefix caching is off or the prompt is empty. Throws kInvalidArgument for invalid keys (as try_admit).
   [[nodiscard]] std::size_t lookup(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                                    std::optional<std::size_t> max_cached_tokens = std::nullopt) const {
+    validate_request_keys(keys, prompt.size(), "lookup");
     if (!config_.enable_prefix_caching || prompt.empty()) return 0;
     const std::size_t bs = config_.block_size;
     const std::size_t cap = std::min(max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
@@ -314,22 +379,33 @@ class KVCacheManager {
   [[nodiscard]] bool contains(SeqId seq) const { return seqs_.contains(seq); }
   /// Number of live sequences.
   [[nodiscard]] std::size_t num_sequences() const noexcept { return seqs_.size(); }
-  /// Tokens of live sequence `seq`. Throws kUnknownSequence.
-  [[nodiscard]] std::size_t num_tokens(SeqId seq) const { return live(seq, "num_tokens").table.num_tokens(); }
-  /// Block ids of live sequence `seq` (`[num_blocks]`; invalidated by any non-const call). Throws kUnknownSequence.
+  /// Tokens of live sequence `seq` (positions with slots). Throws kUnknownSequence.
+  [[nodiscard]] std::size_t num_tokens(SeqId seq) const { return live(seq, "num_tokens").num_slotted(); }
+  /// Block ids of live sequence `seq` (`[num_blocks]`). Valid until the next non-const call on the manager.
+  /// Throws kUnknownSequence.
   [[nodiscard]] std::span<const Id> block_ids(SeqId seq) const { return live(seq, "block_ids").table.blocks(); }
-  /// Token ids of live sequence `seq` (`[num_tokens]`). Throws kUnknownSequence.
+  /// Token ids of live sequence `seq` (`[num_tokens]`). Valid until the next non-const call on the manager.
+  /// Throws kUnknownSequence.
   [[nodiscard]] std::span<const TokenId> token_ids(SeqId seq) const { return live(seq, "token_ids").tokens; }
-  /// Pending slots of `seq` (appended since its last build). Throws kUnknownSequence.
-  [[nodiscard]] std::span<const std::int64_t> pending_slots(SeqId seq) const {
-    return live(seq, "pending_slots").pending_slots;
+  /// Slots of the pending (unbuilt) positions of `seq`, in position order (`[num_pending]`), as the block table
+  /// holds them now: what a build scheduling them all would emit, before deduplication. A new vector: valid
+  /// forever. Throws kUnknownSequence.
+  [[nodiscard]] std::vector<std::int64_t> pending_slots(SeqId seq) const {
+    const sequence_type& q = live(seq, "pending_slots");
+    std::vector<std::int64_t> out(q.num_pending());
+    for (std::size_t p = q.num_built; p < q.num_slotted(); ++p) out[p - q.num_built] = q.slot(p);
+    return out;
   }
-  /// Copy-on-write copies not yet handed out by build_batch_metadata.
+  /// Copy-on-write copies not yet handed out by build_batch_metadata. Valid until the next non-const call.
   [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return pending_copies_; }
-  /// Visit every live sequence as f(SeqId, std::span<const Id> blocks, std::size_t num_tokens).
+  /// The state of live sequence `seq` (read-only: cursors, hashes, keys; see SequenceState). Valid until the next
+  /// non-const call. Throws kUnknownSequence.
+  [[nodiscard]] const sequence_type& sequence(SeqId seq) const { return live(seq, "sequence"); }
+  /// Visit every live sequence as f(SeqId, std::span<const Id> blocks, std::size_t num_tokens). `f` must not
+  /// call a non-const member of the manager.
   template <class F>
   void for_each_sequence(F&& f) const {
-    for (const auto& [id, q] : seqs_) f(id, q.table.blocks(), q.table.num_tokens());
+    for (const auto& [id, q] : seqs_) f(id, q.table.blocks(), q.num_slotted());
   }
 
   /// Counters and block counts now.
@@ -344,9 +420,9 @@ class KVCacheManager {
     s.block_ops = alloc_.num_block_ops();
     return s;
   }
-  /// The allocator (read-only: refcounts, states, eviction order).
+  /// The allocator (read-only: refcounts, states, eviction order). Valid as long as the manager.
   [[nodiscard]] const allocator_type& allocator() const noexcept { return alloc_; }
-  /// The prefix index (read-only).
+  /// The prefix index (read-only). Valid as long as the manager.
   [[nodiscard]] const index_type& prefix_index() const noexcept { return index_; }
 
   // ---------------------------------------------------------------------------------------------------------------
@@ -357,59 +433,73 @@ class KVCacheManager {
   /// nothing.
   bool reset_prefix_cache() {
     if (alloc_.num_used_blocks() != 0) return false;
+    events_.reserve_more(1);
     alloc_.clear_hashes([](Id) {});
     index_.clear();
-    if (config_.enable_events) push_event(KVEventType::kAllCleared);
+    if (events_.enabled()) events_.push(KVEventType::kAllCleared);
     return true;
   }
 
   /// Move the recorded events (oldest first) to the end of `out`; returns how many. Events are recorded only with
   /// `enable_events`.
-  std::size_t drain_events(std::vector<KVEvent>& out) {
-    const std::size_t n = events_.size();
-    out.insert(out.end(), std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
-    events_.clear();
-    return n;
-  }
+  std::size_t drain_events(std::vector<KVEvent>& out) { return events_.drain(out); }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Batch metadata
 
   /// Write this step's metadata for the sequences `batch` (in that order) into `buf` (see BatchMetadataBuffers for
-  /// shapes and padding), then clear those sequences' pending slots and hand out every pending copy (releasing
-  /// the references the copies held on their sources). Slots of sequence b occupy
-  /// slot_mapping[qo_indptr[b], qo_indptr[b + 1]).
-  /// Before writing, the batch's full blocks not yet registered are registered in the prefix index (their K/V is
-  /// written by the kernels of the step this metadata describes). A full block whose hash is already registered
-  /// to another block, and that only this sequence holds, is switched to the registered block and released; its
-  /// slots in this step become -1 (deduplication; the registered block already holds, or earlier in this step's
-  /// write_kv receives, the same K/V).
-  /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`), kBadShape (a buffer too small, or a
-  /// sequence longer than max_blocks_per_seq): then nothing is written and nothing changes.
+  /// shapes and padding), then mark those sequences' pending slots built and hand out every pending copy
+  /// (releasing the references the copies held on their sources). Slots of sequence b occupy
+  /// slot_mapping[qo_indptr[b], qo_indptr[b + 1]); its page table covers seq_lens[b] tokens.
+  /// Before writing, the batch's full blocks whose last write this build issues are registered in the prefix
+  /// index (their K/V is written by the kernels of the step this metadata describes). A full block whose hash is
+  /// already registered to another block, and that only this sequence holds, is switched to the registered block
+  /// and released; its slots in this step become -1 (deduplication; the registered block already holds, or
+  /// earlier in this step's write_kv receives, the same K/V).
+  /// Every span of `buf` may be empty to skip that output, except two that a build cannot drop: `slot_mapping`
+  /// when the batch has new tokens (their writes would never be issued, yet their blocks would be registered) and
+  /// `copies` when copies are pending (they would be handed out to nobody).
+  /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`), kBadShape (a buffer too small or
+  /// wrongly empty, or a sequence longer than max_blocks_per_seq), kLimitExceeded (a total beyond the int32
+  /// metadata): then nothing is written and nothing changes.
   BatchMetadataSizes build_batch_metadata(std::span<const SeqId> batch, const BatchMetadataBuffers& buf) {
     batch_scratch_.clear();
     batch_scratch_.reserve(batch.size());
     BatchMetadataSizes sz;
     sz.batch_size = batch.size();
+    const std::size_t bs = config_.block_size;
+    std::size_t max_registrations = 0;
     const auto fail = [&](Errc c, std::string msg) {
-      for (Sequence* p : batch_scratch_) p->in_batch = false;
+      for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::raise(c, "build_batch_metadata: " + std::move(msg));
     };
     for (SeqId id : batch) {
       const auto it = seqs_.find(id);
       if (it == seqs_.end()) fail(Errc::kUnknownSequence, "sequence " + std::to_string(id) + " is not live");
-      Sequence& q = it->second;
+      sequence_type& q = it->second;
       if (q.in_batch) fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " appears twice");
       q.in_batch = true;
       batch_scratch_.push_back(&q);
-      sz.num_indices += q.table.num_blocks();
-      sz.num_new_tokens += q.pending_slots.size();
-      if (!buf.block_tables.empty() && q.table.num_blocks() > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
-        fail(Errc::kBadShape, "sequence " + std::to_string(id) + " has " + std::to_string(q.table.num_blocks()) +
+      const std::size_t seq_len = q.num_slotted();
+      const std::size_t blocks = (seq_len + bs - 1) / bs;
+      sz.num_indices += blocks;
+      sz.num_new_tokens += q.num_pending();
+      if (config_.enable_prefix_caching) {
+        const std::size_t reg_end = std::min({seq_len, q.num_known()}) / bs;
+        max_registrations += reg_end - std::min(reg_end, q.num_registered);
+      }
+      if (!buf.block_tables.empty() && blocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
+        fail(Errc::kBadShape, "sequence " + std::to_string(id) + " has " + std::to_string(blocks) +
                                   " blocks > max_blocks_per_seq = " + std::to_string(buf.max_blocks_per_seq));
       }
     }
     sz.num_copies = pending_copies_.size();
+    if (sz.num_indices > kMaxMetadataValue || sz.num_new_tokens > kMaxMetadataValue) {
+      for (sequence_type* p : batch_scratch_) p->in_batch = false;
+      detail::check_metadata_value(sz.num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
+      detail::check_metadata_value(sz.num_new_tokens,
+                                   "build_batch_metadata: total new tokens of the batch (qo_indptr[batch])");
+    }
     const auto need = [&](std::size_t have, std::size_t want, const char* name) {
       if (have != 0 && have < want) {
         fail(Errc::kBadShape, std::string(name) + " holds " + std::to_string(have) + " entries, needs " +
@@ -431,75 +521,84 @@ class KVCacheManager {
     if (sz.num_indices > 0 && buf.indices.empty() && !buf.indptr.empty()) {
       fail(Errc::kBadShape, "indptr is set but indices is empty");
     }
+    if (sz.num_new_tokens > 0 && buf.slot_mapping.empty()) {
+      fail(Errc::kBadShape, "slot_mapping is empty but the batch has " + std::to_string(sz.num_new_tokens) +
+                                " new tokens: their writes would never be issued");
+    }
+    if (sz.num_copies > 0 && buf.copies.empty()) {
+      fail(Errc::kBadShape, "copies is empty but " + std::to_string(sz.num_copies) +
+                                " copy-on-write copies are pending: they would be lost");
+    }
+    try {
+      events_.reserve_more(max_registrations);
+      switched_scratch_.clear();
+      switched_scratch_.reserve(max_registrations);
+    } catch (...) {
+      for (sequence_type* p : batch_scratch_) p->in_batch = false;
+      throw;
+    }
 
-    // Validated. Register the batch's newly full blocks (their K/V is written by this step's kernels, before any
-    // later step can read them), switching duplicates to the registered block. Then write. Nothing below throws.
-    for (Sequence* p : batch_scratch_) register_full_blocks(*p);
-    sz.num_copies = pending_copies_.size();
-    std::int32_t blk = 0;
-    std::int32_t tok = 0;
+    // Validated. Per sequence: mark the scheduled slots built, register the full blocks whose last write this
+    // build issues (switching duplicates to the registered block), then write. Nothing below throws.
+    std::size_t blk = 0;
+    std::size_t tok = 0;
     for (std::size_t b = 0; b < B; ++b) {
-      Sequence& q = *batch_scratch_[b];
+      sequence_type& q = *batch_scratch_[b];
       q.in_batch = false;
-      const auto blocks = q.table.blocks();
+      const std::size_t first = q.num_built;
+      const std::size_t q_len = q.num_pending();
+      q.num_built += q_len;
+      switched_scratch_.clear();
+      register_full_blocks(q);
+      const std::size_t seq_len = q.num_built;
+      const std::size_t nblocks = (seq_len + bs - 1) / bs;
+      const auto blocks = q.table.blocks().first(nblocks);
       if (!buf.indptr.empty()) {
-        buf.indptr[b] = blk;
-        std::copy(blocks.begin(), blocks.end(), buf.indices.begin() + blk);
+        buf.indptr[b] = static_cast<std::int32_t>(blk);
+        std::copy(blocks.begin(), blocks.end(), buf.indices.begin() + static_cast<std::ptrdiff_t>(blk));
       }
-      blk += static_cast<std::int32_t>(blocks.size());
-      if (!buf.last_page_len.empty()) buf.last_page_len[b] = static_cast<std::int32_t>(q.table.last_block_len());
+      blk += nblocks;
+      if (!buf.last_page_len.empty()) {
+        buf.last_page_len[b] = static_cast<std::int32_t>(seq_len == 0 ? 0 : seq_len - (nblocks - 1) * bs);
+      }
       if (!buf.block_tables.empty()) {
         auto row = buf.block_tables.subspan(b * static_cast<std::size_t>(buf.max_blocks_per_seq),
                                             static_cast<std::size_t>(buf.max_blocks_per_seq));
         std::copy(blocks.begin(), blocks.end(), row.begin());
-        std::fill(row.begin() + static_cast<std::ptrdiff_t>(blocks.size()), row.end(), std::int32_t{0});
+        std::fill(row.begin() + static_cast<std::ptrdiff_t>(nblocks), row.end(), std::int32_t{0});
       }
-      if (!buf.seq_lens.empty()) buf.seq_lens[b] = static_cast<std::int32_t>(q.table.num_tokens());
-      if (!buf.qo_indptr.empty()) buf.qo_indptr[b] = tok;
-      if (!buf.slot_mapping.empty()) {
-        std::copy(q.pending_slots.begin(), q.pending_slots.end(), buf.slot_mapping.begin() + tok);
-      }
-      tok += static_cast<std::int32_t>(q.pending_slots.size());
-      q.pending_slots.clear();
+      if (!buf.seq_lens.empty()) buf.seq_lens[b] = static_cast<std::int32_t>(seq_len);
+      if (!buf.qo_indptr.empty()) buf.qo_indptr[b] = static_cast<std::int32_t>(tok);
+      if (!buf.slot_mapping.empty()) write_slots(q, first, q_len, buf.slot_mapping.subspan(tok, q_len));
+      tok += q_len;
     }
-    if (!buf.indptr.empty()) std::fill(buf.indptr.begin() + static_cast<std::ptrdiff_t>(B), buf.indptr.end(), blk);
-    if (!buf.qo_indptr.empty()) {
-      std::fill(buf.qo_indptr.begin() + static_cast<std::ptrdiff_t>(B), buf.qo_indptr.end(), tok);
-    }
-    if (!buf.last_page_len.empty()) {
-      std::fill(buf.last_page_len.begin() + static_cast<std::ptrdiff_t>(B), buf.last_page_len.end(), 0);
-    }
-    if (!buf.seq_lens.empty()) std::fill(buf.seq_lens.begin() + static_cast<std::ptrdiff_t>(B), buf.seq_lens.end(), 0);
-    if (!buf.slot_mapping.empty()) {
-      std::fill(buf.slot_mapping.begin() + tok, buf.slot_mapping.end(), std::int64_t{-1});
-    }
+    const auto pad_from = [](auto span, std::size_t from, auto value) {
+      if (!span.empty()) std::fill(span.begin() + static_cast<std::ptrdiff_t>(from), span.end(), value);
+    };
+    pad_from(buf.indptr, B, static_cast<std::int32_t>(blk));
+    pad_from(buf.qo_indptr, B, static_cast<std::int32_t>(tok));
+    pad_from(buf.last_page_len, B, std::int32_t{0});
+    pad_from(buf.seq_lens, B, std::int32_t{0});
+    pad_from(buf.slot_mapping, tok, std::int64_t{-1});
+    sz.num_copies = pending_copies_.size();
     if (!buf.copies.empty()) {
       for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
         buf.copies[2 * i] = static_cast<std::int32_t>(pending_copies_[i].src);
         buf.copies[2 * i + 1] = static_cast<std::int32_t>(pending_copies_[i].dst);
       }
-      std::fill(buf.copies.begin() + static_cast<std::ptrdiff_t>(2 * pending_copies_.size()), buf.copies.end(), -1);
+      pad_from(buf.copies, 2 * pending_copies_.size(), std::int32_t{-1});
     }
     // The copies are issued: release the references they held on their sources.
     copy_scratch_.swap(pending_copies_);
     pending_copies_.clear();
+    for (sequence_type* owner : copy_owners_) owner->num_pending_copies = 0;
+    copy_owners_.clear();
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
     return sz;
   }
 
  private:
-  struct Sequence {
-    explicit Sequence(std::uint32_t block_size) : table(block_size) {}
-    table_type table;
-    std::vector<TokenId> tokens;                // [num_tokens]
-    std::vector<BlockHash> hashes;              // hashes of every full block, [num_tokens / block_size]
-    std::size_t num_registered = 0;             // leading full blocks this sequence need not register
-    std::shared_ptr<const RequestKeys> keys;    // null = no extra keys
-    std::vector<std::int64_t> pending_slots;    // slots of tokens appended since the last build
-    bool in_batch = false;                      // scratch mark for build_batch_metadata
-  };
-
   // The allocator as BlockTable sees it: releases go through release_block so pending copies stay consistent.
   struct Proxy {
     KVCacheManager* m;
@@ -526,26 +625,29 @@ class KVCacheManager {
                                                 ": need at least 2 (the null block + one usable)");
     }
     if (c.block_size == 0) detail::raise(Errc::kInvalidArgument, "CacheConfig.block_size = 0: must be positive");
+    // Block ids 1 .. num_blocks - 1 are written as int32 (indices, block_tables, copies with -1 padding).
+    detail::check_metadata_value(c.num_blocks - 1, "CacheConfig.num_blocks - 1 (the largest block id)");
+    detail::check_metadata_value(c.max_tokens_per_seq, "CacheConfig.max_tokens_per_seq (seq_lens)");
     return c;
   }
 
-  Sequence& live(SeqId seq, const char* what) {
+  sequence_type& live(SeqId seq, const char* what) {
     const auto it = seqs_.find(seq);
     if (it == seqs_.end()) {
       detail::raise(Errc::kUnknownSequence, std::string(what) + ": sequence " + std::to_string(seq) + " is not live");
     }
     return it->second;
   }
-  const Sequence& live(SeqId seq, const char* what) const { return const_cast<KVCacheManager*>(this)->live(seq, what); }
+  const sequence_type& live(SeqId seq, const char* what) const {
+    return const_cast<KVCacheManager*>(this)->live(seq, what);
+  }
 
-  // Called by the allocator just before a cached block is reused: drop its hash.
+  // Called by the allocator just before a cached block is reused: drop its hash. The caller reserved room for the
+  // event.
   auto evictor() {
     return [this](Id b) {
       const auto h = index_.erase_block(b);
-      if (h && config_.enable_events) {
-        KVEvent& e = push_event(KVEventType::kBlockRemoved);
-        e.hash = *h;
-      }
+      if (h && events_.enabled()) events_.push(KVEventType::kBlockRemoved).hash = *h;
     };
   }
 
@@ -557,7 +659,9 @@ class KVCacheManager {
     for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
       if (pending_copies_[i].dst == b) {
         const Id src = pending_copies_[i].src;
+        --copy_owners_[i]->num_pending_copies;
         pending_copies_.erase(pending_copies_.begin() + static_cast<std::ptrdiff_t>(i));
+        copy_owners_.erase(copy_owners_.begin() + static_cast<std::ptrdiff_t>(i));
         release_block(src);
         return;
       }
@@ -571,22 +675,22 @@ class KVCacheManager {
     return n;
   }
 
-  // Register the full blocks of `q` beyond q.num_registered (called when the metadata that writes them is built).
-  // A block whose hash is already registered to another block is switched to that block when `q` is its only
-  // table holder: its own copy is released and the pending slots that pointed into it become -1 (the registered
-  // block holds the same K/V, written in an earlier step or earlier in this step's write_kv). A shared duplicate
-  // stays as it is, unregistered.
-  void register_full_blocks(Sequence& q) {
+  // Register the registrable full blocks of `q` beyond q.num_registered (see SequenceState). A block whose hash is
+  // already registered to another block is switched to that block when `q` is its only table holder: its own
+  // copy is released and its logical index recorded in switched_scratch_ (this build writes -1 for its slots: the
+  // registered block holds the same K/V, written in an earlier step or earlier in this step's write_kv). A shared
+  // duplicate stays as it is, unregistered. Precondition: room reserved in switched_scratch_ and the event log.
+  void register_full_blocks(sequence_type& q) {
     if (!config_.enable_prefix_caching) return;
-    const std::size_t bs = config_.block_size;
-    for (std::size_t i = q.num_registered; i < q.hashes.size(); ++i) {
+    const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
+    for (std::size_t i = q.num_registered; i < end; ++i) {
       const BlockHash& h = q.hashes[i];
       const Id own = q.table.blocks()[i];
       if (index_.hash_of(own)) continue;  // already registered (by a sequence sharing it)
       const Id reg = index_.insert(h, own);  // one map probe: inserts, or finds the registered block
       if (reg == own) {
         alloc_.set_hashed(own, true);
-        if (config_.enable_events) record_stored(q, i, h);
+        if (events_.enabled()) record_stored(q, i, h);
         continue;
       }
       if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
@@ -595,24 +699,31 @@ class KVCacheManager {
       q.table.replace_block(i, reg);
       release_block(own);
       ++stats_.dedup_blocks;
-      const std::size_t first_pending_pos = q.table.num_tokens() - q.pending_slots.size();
-      for (std::size_t p = std::max(first_pending_pos, i * bs); p < (i + 1) * bs; ++p) {
-        q.pending_slots[p - first_pending_pos] = -1;
-      }
+      switched_scratch_.push_back(i);
     }
-    q.num_registered = q.hashes.size();
+    q.num_registered = std::max(q.num_registered, end);
   }
 
-  KVEvent& push_event(KVEventType t) {
-    KVEvent& e = events_.emplace_back();
-    e.seq_no = next_event_seq_no_++;
-    e.type = t;
-    return e;
-  }
-
-  void record_stored(const Sequence& q, std::size_t i, const BlockHash& h) {
+  // Slots of positions [first, first + out.size()) of `q`, -1 inside blocks switched by this build.
+  void write_slots(const sequence_type& q, std::size_t first, std::size_t n, std::span<std::int64_t> out) const {
     const std::size_t bs = config_.block_size;
-    KVEvent& e = push_event(KVEventType::kBlockStored);
+    std::size_t k = 0;  // next switched block to consider (ascending)
+    for (std::size_t p = first; p < first + n;) {
+      const std::size_t blk = p / bs;
+      const std::size_t run = std::min(bs - p % bs, first + n - p);
+      while (k < switched_scratch_.size() && switched_scratch_[k] < blk) ++k;
+      const bool switched = k < switched_scratch_.size() && switched_scratch_[k] == blk;
+      const std::int64_t base = static_cast<std::int64_t>(q.table.blocks()[blk]) * static_cast<std::int64_t>(bs);
+      for (std::size_t j = 0; j < run; ++j) {
+        out[p - first + j] = switched ? std::int64_t{-1} : base + static_cast<std::int64_t>((p + j) % bs);
+      }
+      p += run;
+    }
+  }
+
+  void record_stored(const sequence_type& q, std::size_t i, const BlockHash& h) {
+    const std::size_t bs = config_.block_size;
+    KVEvent& e = events_.push(KVEventType::kBlockStored);
     e.hash = h;
     if (i > 0) e.parent_hash = q.hashes[i - 1];
     e.token_ids.assign(q.tokens.begin() + static_cast<std::ptrdiff_t>(i * bs),
@@ -620,9 +731,7 @@ class KVCacheManager {
     if (q.keys) {
       e.adapter_id = q.keys->adapter_id;
       for (const auto& m : q.keys->multimodal) {
-        if (m.offset_tokens < (i + 1) * bs && m.offset_tokens + m.length_tokens > i * bs) {
-          e.multimodal_item_hashes.push_back(m.item_hash);
-        }
+        if (detail::item_overlaps(m, i * bs, (i + 1) * bs)) e.multimodal_item_hashes.push_back(m.item_hash);
       }
     }
   }
@@ -631,13 +740,15 @@ class KVCacheManager {
   allocator_type alloc_;
   index_type index_;
   std::size_t max_tokens_per_seq_;
-  std::unordered_map<SeqId, Sequence> seqs_;
-  std::vector<copy_type> pending_copies_;  // each holds one reference on its src
+  std::unordered_map<SeqId, sequence_type> seqs_;     // node-based: SequenceState addresses are stable
+  std::vector<copy_type> pending_copies_;             // each holds one reference on its src
+  std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
   std::vector<copy_type> copy_scratch_;
   std::vector<Id> hit_scratch_;
-  std::vector<Sequence*> batch_scratch_;
-  std::vector<KVEvent> events_;
-  std::uint64_t next_event_seq_no_ = 1;
+  std::vector<sequence_type*> batch_scratch_;
+  std::vector<std::size_t> switched_scratch_;
+  std::vector<std::int64_t> slot_scratch_;             // AppendResult::slots
+  EventLog events_;
   CacheStats stats_;
 };
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <tsl/hopscotch_map.h>
@@ -17,53 +19,49 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/hash.hpp>
+#include <pagedkv/request_keys.hpp>
 
 namespace pagedkv {
 
-/// A multimodal input (image, audio clip) whose embeddings occupy prompt positions
-/// [offset_tokens, offset_tokens + length_tokens). `item_hash` identifies its content (e.g. a hash of the pixels,
-/// as vLLM's mm_hash does). Every block overlapping the item mixes (item_hash, offset of the item relative to the
-/// block start) into its hash, so equal token ids with different images never share a block.
-struct MultimodalItem {
-  BlockHash item_hash;
-  std::uint64_t offset_tokens = 0;
-  std::uint64_t length_tokens = 0;
-};
-
-/// Per-request extra keys mixed into block hashes (vLLM's "extra keys"): the LoRA adapter id (0 = base model), the
-/// request's multimodal items (sorted by offset), and a tenant salt mixed into the first block only, so requests
-/// with different salts never share any block (vLLM's cache_salt).
-struct RequestKeys {
-  std::uint64_t adapter_id = 0;
-  std::vector<MultimodalItem> multimodal;
-  std::string salt;
-
-  /// True when no key is set (the common case; hashing then skips the per-item scan).
-  [[nodiscard]] bool empty() const noexcept { return adapter_id == 0 && multimodal.empty() && salt.empty(); }
-};
-
 namespace detail {
 
-/// Appends the canonical, little-endian encoding of one block to `out` (docs/design.md "Block hashes"):
+/// Where the fields of one block's canonical encoding come from, and its size in bytes (see `encode_block`).
+struct BlockEncodingLayout {
+  std::size_t size_bytes = 0;
+  std::uint32_t num_items = 0;  ///< Multimodal items overlapping the block.
+  std::string_view salt;        ///< The salt (first block only).
+  bool has_keys = false;
+};
+
+/// Whether multimodal item `m` overlaps token positions [block_start, block_end). Overflow-free for any item.
+[[nodiscard]] inline bool item_overlaps(const MultimodalItem& m, std::uint64_t block_start,
+                                        std::uint64_t block_end) noexcept {
+  if (m.offset_tokens >= block_end) return false;
+  return m.offset_tokens >= block_start || block_start - m.offset_tokens < m.length_tokens;
+}
+
+/// The layout of one block's encoding. O(items).
+[[nodiscard]] inline BlockEncodingLayout block_encoding_layout(std::size_t num_tokens, std::uint64_t block_start,
+                                                               const RequestKeys* keys, bool first_block) noexcept {
+  BlockEncodingLayout l;
+  l.has_keys = keys != nullptr && !keys->empty();
+  if (l.has_keys) {
+    const std::uint64_t block_end = block_start + num_tokens;
+    for (const auto& m : keys->multimodal) l.num_items += item_overlaps(m, block_start, block_end) ? 1U : 0U;
+    if (first_block) l.salt = keys->salt;
+  }
+  l.size_bytes = 16 + 4 + 4 * num_tokens + 8 + 4 + 24 * std::size_t{l.num_items} + 4 + l.salt.size();
+  return l;
+}
+
+/// Writes the canonical, little-endian encoding of one block to `w` (`[layout.size_bytes]` bytes; docs/design.md
+/// "Block hashes"):
 ///   parent[16] | u32 num_tokens | i32 tokens[num_tokens] | u64 adapter_id | u32 num_items |
 ///   (item_hash[16] | i64 item_offset - block_start)[num_items] | u32 salt_len | salt bytes (first block only)
 /// Every variable-length field is length-prefixed, so two different inputs never encode to the same bytes.
-inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, std::span<const TokenId> tokens,
-                         std::uint64_t block_start, const RequestKeys* keys, bool first_block) {
-  const std::uint64_t block_end = block_start + tokens.size();
-  const auto overlaps = [&](const MultimodalItem& m) {
-    return m.offset_tokens < block_end && m.offset_tokens + m.length_tokens > block_start;
-  };
-  const bool has_keys = keys != nullptr && !keys->empty();
-  std::uint32_t num_items = 0;
-  std::string_view salt;
-  if (has_keys) {
-    for (const auto& m : keys->multimodal) num_items += overlaps(m) ? 1U : 0U;
-    if (first_block) salt = keys->salt;
-  }
-  // Size first, then write in place: one resize (no reallocation once the scratch buffer has grown).
-  out.resize(16 + 4 + 4 * tokens.size() + 8 + 4 + 24 * std::size_t{num_items} + 4 + salt.size());
-  std::byte* w = out.data();
+inline void write_block_encoding(std::byte* w, const BlockEncodingLayout& l, const BlockHash& parent,
+                                 std::span<const TokenId> tokens, std::uint64_t block_start,
+                                 const RequestKeys* keys) noexcept {
   const auto put = [&w](const void* p, std::size_t n) {
     if (n == 0) return;  // p may be null (empty salt); memcpy with null is undefined even for 0 bytes
     std::memcpy(w, p, n);
@@ -79,19 +77,26 @@ inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, s
   } else {
     for (TokenId t : tokens) put_le(static_cast<std::uint32_t>(t), 4);
   }
-  put_le(has_keys ? keys->adapter_id : 0, 8);
-  put_le(num_items, 4);
-  if (num_items != 0) {
+  put_le(l.has_keys ? keys->adapter_id : 0, 8);
+  put_le(l.num_items, 4);
+  if (l.num_items != 0) {
+    const std::uint64_t block_end = block_start + tokens.size();
     for (const auto& m : keys->multimodal) {
-      if (!overlaps(m)) continue;
+      if (!item_overlaps(m, block_start, block_end)) continue;
       put(m.item_hash.bytes.data(), m.item_hash.bytes.size());
-      put_le(static_cast<std::uint64_t>(static_cast<std::int64_t>(m.offset_tokens) -
-                                        static_cast<std::int64_t>(block_start)),
-             8);
+      put_le(m.offset_tokens - block_start, 8);  // two's complement: the signed offset, little-endian
     }
   }
-  put_le(salt.size(), 4);
-  put(salt.data(), salt.size());
+  put_le(l.salt.size(), 4);
+  put(l.salt.data(), l.salt.size());
+}
+
+/// The canonical encoding of one block (see `write_block_encoding`), replacing the contents of `out`.
+inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, std::span<const TokenId> tokens,
+                         std::uint64_t block_start, const RequestKeys* keys, bool first_block) {
+  const BlockEncodingLayout l = block_encoding_layout(tokens.size(), block_start, keys, first_block);
+  out.resize(l.size_bytes);
+  write_block_encoding(out.data(), l, parent, tokens, block_start, keys);
 }
 
 }  // namespace detail
@@ -107,8 +112,9 @@ inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, s
 /// Template parameters: `Hasher` (Sha256Hasher by default, Xxh3Hasher for single-tenant speed), `Id`.
 /// Memory: 17 bytes per block (the per-block hash and a mark) + the hash map, reserved for num_blocks entries
 /// (open addressing, 32-byte buckets, power-of-two bucket count: 32-64 bytes per block).
-/// Thread safety: none; one writer. `hash_block` uses an internal scratch buffer, so even const calls must not
-/// run concurrently with each other.
+/// Thread safety: one writer; const calls (`hash_block`, `hash_full_blocks`, `find`, `hash_of`) may run
+/// concurrently with each other (no scratch state: blocks are encoded on the caller's stack, or in a local buffer
+/// beyond 512 bytes), never with a non-const call.
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t>
 class PrefixHashIndex {
  public:
@@ -119,7 +125,6 @@ class PrefixHashIndex {
   PrefixHashIndex(std::size_t num_blocks, std::uint64_t seed)
       : block_hash_(num_blocks), registered_(num_blocks, 0), root_(make_root(seed)) {
     map_.reserve(num_blocks);
-    scratch_.reserve(256);
   }
 
   /// The chain root: the parent hash of every sequence's first block.
@@ -129,8 +134,16 @@ class PrefixHashIndex {
   /// block whose hash is `parent` (root() for the first block). `keys` may be null.
   [[nodiscard]] BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens,
                                      std::uint64_t block_start, const RequestKeys* keys) const {
-    detail::encode_block(scratch_, parent, tokens, block_start, keys, block_start == 0);
-    return Hasher::hash(scratch_);
+    const detail::BlockEncodingLayout l = detail::block_encoding_layout(tokens.size(), block_start, keys,
+                                                                        block_start == 0);
+    if (l.size_bytes <= kStackEncodingBytes) [[likely]] {
+      std::array<std::byte, kStackEncodingBytes> buf;  // a 16-token block without keys takes 100 bytes
+      detail::write_block_encoding(buf.data(), l, parent, tokens, block_start, keys);
+      return Hasher::hash(std::span<const std::byte>(buf.data(), l.size_bytes));
+    }
+    std::vector<std::byte> buf(l.size_bytes);
+    detail::write_block_encoding(buf.data(), l, parent, tokens, block_start, keys);
+    return Hasher::hash(buf);
   }
 
   /// Hashes of the full blocks of `tokens` (a sequence from position 0), appended to `out`, starting at full block
@@ -204,7 +217,7 @@ class PrefixHashIndex {
   std::vector<BlockHash> block_hash_;   // [num_blocks] valid where registered_
   std::vector<std::uint8_t> registered_;
   BlockHash root_;
-  mutable std::vector<std::byte> scratch_;
+  static constexpr std::size_t kStackEncodingBytes = 512;
 };
 
 }  // namespace pagedkv

@@ -256,9 +256,11 @@ TEST_CASE("build_batch_metadata: empty spans skip their output", "[batch_metadat
     CHECK(slots == I64{4, 5, 6, 7, 8, 9, -1, -1});
     CHECK(m.pending_slots(1).empty());
   }
-  SECTION("padded block table only") {
+  SECTION("padded block table (and the slot mapping a build cannot skip)") {
     I32 table(2 * 3, kS), lens(2, kS);
+    I64 slots(6, kS);
     BatchMetadataBuffers b;
+    b.slot_mapping = slots;
     b.block_tables = table;
     b.max_blocks_per_seq = 3;
     b.seq_lens = lens;
@@ -266,11 +268,18 @@ TEST_CASE("build_batch_metadata: empty spans skip their output", "[batch_metadat
     CHECK(table == I32{1, 2, 0, kS, kS, kS});
     CHECK(lens == I32{6, 0});
   }
-  SECTION("nothing at all: only the pending state is consumed") {
+  SECTION("nothing at all: refused while slots are pending (their writes would never be issued)") {
+    const std::string msg = expect_error([&] { m.build_batch_metadata(std::vector<SeqId>{1}, BatchMetadataBuffers{}); },
+                                         pagedkv::Errc::kBadShape);
+    CHECK_THAT(msg, Catch::Contains("slot_mapping is empty") && Catch::Contains("6 new tokens"));
+    CHECK(m.pending_slots(1).size() == 6);
+    CHECK(m.prefix_index().size() == 0);
+    // With nothing pending, an all-empty build is fine (e.g. a batch of sequences waiting for their next token).
+    pagedkv_test::build_step(m, {1});
     const auto sz = m.build_batch_metadata(std::vector<SeqId>{1}, BatchMetadataBuffers{});
     CHECK(sz.batch_size == 1);
-    CHECK(sz.num_new_tokens == 6);
-    CHECK(m.pending_slots(1).empty());
+    CHECK(sz.num_new_tokens == 0);
+    CHECK(sz.num_indices == 2);
   }
   SECTION("an empty batch pads everything") {
     Buffers b(2, 4, 2, 3, 1);

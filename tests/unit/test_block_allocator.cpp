@@ -543,15 +543,14 @@ TEST_CASE("BlockAllocator: a custom EvictionPolicy (MRU) decides the victim", "[
     cfg.block_size = 2;
     pagedkv::KVCacheManager<pagedkv::Sha256Hasher, std::uint32_t, MruEviction> m(cfg);
     const std::vector<pagedkv::TokenId> p1{1, 2, 3}, p2{4, 5, 6}, p3{7, 8, 9};
-    pagedkv::BatchMetadataBuffers none;
     REQUIRE(m.try_admit(1, p1).admitted());  // blocks 1, 2
-    m.build_batch_metadata(std::vector<pagedkv::SeqId>{1}, none);  // registers block 1
+    pagedkv_test::build_step(m, {1});  // registers block 1
     REQUIRE(m.try_admit(2, p2).admitted() == false);  // needs 2, only 1 left
     m.free(1);  // 2 free, 1 cached
     REQUIRE(m.try_admit(2, p2).admitted());  // never-used 3, free 2
     CHECK(std::vector<std::uint32_t>(m.block_ids(2).begin(), m.block_ids(2).end()) ==
           std::vector<std::uint32_t>{3, 2});
-    m.build_batch_metadata(std::vector<pagedkv::SeqId>{2}, none);  // registers block 3
+    pagedkv_test::build_step(m, {2});  // registers block 3
     m.free(2);  // 2 free, 3 cached (after 1)
     REQUIRE(m.try_admit(3, p3).admitted());  // free 2, then the MRU victim 3
     CHECK(std::vector<std::uint32_t>(m.block_ids(3).begin(), m.block_ids(3).end()) ==

@@ -99,11 +99,10 @@ std::unique_ptr<Mgr> busy_manager() {
   c.max_tokens_per_seq = 40;
   auto m = std::make_unique<Mgr>(c);
   REQUIRE(m->try_admit(1, toks(0, 10)).admitted());  // 1, 2, 3
-  pagedkv::BatchMetadataBuffers none;
-  m->build_batch_metadata(std::vector<SeqId>{1}, none);
+  pagedkv_test::build_step(*m, {1});
   REQUIRE(m->try_admit(2, toks(0, 9)).num_cached_tokens == 8);  // 1, 2, 4
   REQUIRE(m->try_admit(3, toks(50, 8)).admitted());             // 5, 6
-  m->build_batch_metadata(std::vector<SeqId>{3}, none);         // registers 5, 6
+  pagedkv_test::build_step(*m, {3});                            // registers 5, 6
   m->free(3);                                                   // cached 6, 5
   m->fork(1, 4);
   REQUIRE(m->try_append(4, Toks{99}).copy.has_value());  // pending copy 3 -> 7

@@ -135,7 +135,9 @@ TEST_CASE("KVCacheManager: configuration", "[kv_cache_manager][config]") {
   CHECK_THAT(expect_error([] { Mgr m(cfg(8, 0)); }, Errc::kInvalidArgument), Catch::Contains("block_size = 0"));
   Mgr m(cfg(9, 4));
   CHECK(m.block_size() == 4);
-  CHECK(m.max_tokens_per_seq() == std::numeric_limits<std::size_t>::max());  // default: no per-sequence limit
+  // Default: no per-sequence limit beyond the int32 seq_lens of the batch metadata.
+  CHECK(m.max_tokens_per_seq() == pagedkv::kMaxMetadataValue);
+  CHECK(pagedkv::kMaxMetadataValue == 2147483647U);
   CHECK(m.config().num_blocks == 9);
   auto c = cfg(9, 4);
   c.max_tokens_per_seq = 5;
@@ -525,18 +527,22 @@ TEST_CASE("KVCacheManager: a newly full block whose content is registered is ded
     CHECK(slots == Slots{-1, -1});
     CHECK(ids(m, 2) == Ids{1, 2});
   }
-  SECTION("a shared duplicate stays as it is, unregistered") {
+  SECTION("a duplicate is switched before anyone can share it: fork waits for the build") {
     build(m, {1, 2});
     REQUIRE(m.try_append(1, Toks{6, 7}).ok());
     REQUIRE(m.try_append(2, Toks{6, 7}).ok());
-    build(m, {1});    // block 2 registered
-    m.fork(2, 3);     // block 3 (a duplicate of 2) now shared by 2 and 3
-    const auto [slots, copies] = build(m, {2, 3});
-    CHECK(slots == Slots{14, 15});
-    CHECK(ids(m, 2) == Ids{1, 3});
-    CHECK(ids(m, 3) == Ids{1, 3});
-    CHECK_FALSE(m.allocator().is_hashed(3));
-    CHECK(m.stats().dedup_blocks == 0);
+    build(m, {1});  // block 2 registered
+    // Forking 2 now would share its unbuilt duplicate block 3: refused, nothing changes.
+    const auto before = snapshot(m);
+    CHECK_THAT(expect_error([&] { m.fork(2, 3); }, Errc::kInvalidArgument),
+               Catch::Contains("parent sequence 2") && Catch::Contains("2 unbuilt slots"));
+    CHECK(snapshot(m) == before);
+    const auto [slots, copies] = build(m, {2});
+    CHECK(slots == Slots{-1, -1});
+    m.fork(2, 3);
+    CHECK(ids(m, 2) == Ids{1, 2});
+    CHECK(ids(m, 3) == Ids{1, 2});
+    CHECK(m.stats().dedup_blocks == 1);
   }
   SECTION("the copy-on-write destination of a deduplicated block is dropped with its copy") {
     build(m, {1, 2});
@@ -591,15 +597,17 @@ TEST_CASE("KVCacheManager: blocks are registered only by the build that issues t
     CHECK(m.stats().dedup_blocks == 2);
     CHECK(drain(m).size() == 2);
   }
-  SECTION("a forked child leaves registration to its parent") {
+  SECTION("a parent is forked only once its blocks are built, so a child never inherits unwritten blocks") {
     REQUIRE(m.try_admit(1, p).admitted());
     build(m, {1});
-    REQUIRE(m.try_append(1, toks(9, 3)).ok());  // block 2 full, unbuilt
-    m.fork(1, 2);
-    build(m, {2});  // the child does not register what the parent is writing
+    REQUIRE(m.try_append(1, toks(9, 3)).ok());  // block 3 full, unbuilt
+    CHECK_THAT(expect_error([&] { m.fork(1, 2); }, Errc::kInvalidArgument), Catch::Contains("3 unbuilt slots"));
+    CHECK_FALSE(m.contains(2));
     CHECK_FALSE(m.allocator().is_hashed(3));
     build(m, {1});
     CHECK(m.allocator().is_hashed(3));
+    m.fork(1, 2);
+    CHECK(ids(m, 2) == ids(m, 1));
     CHECK(m.lookup(toks(0, 13)) == 12);
   }
 }
@@ -999,21 +1007,33 @@ TEST_CASE("KVCacheManager: engine-ordered steps read the right K/V (shadow pool)
   CHECK(kv.reads_own_tokens(m, 3));
 }
 
-TEST_CASE("KVCacheManager: a copy-on-write moves the copier's unbuilt slots of the copied block to the copy",
-          "[kv_cache_manager][cow]") {
-  // Outside the fork precondition (the parent still has unbuilt slots), so only the copier's own slots are pinned
-  // here: they must follow the copy, never stay in a block that is then freed and handed to another sequence.
-  Mgr m(cfg(5, 4));  // 4 usable
-  REQUIRE(m.try_admit(1, toks(100, 6)).admitted());  // 1, 2; unbuilt slots 4..9
-  m.fork(1, 2);
+TEST_CASE("KVCacheManager: no copy list has a block that is both a source and a destination",
+          "[kv_cache_manager][cow][regression]") {
+  // Issue 12, defect 1: admit A, build, fork A->S, append to A (copy 2->3), rewind A by 1 (its pending slot is
+  // gone, the copy still pending), fork A->C, append to C (copy 3->4), build A and C together: the list held
+  // (2->3), (3->4), which reference::validate rejects and a parallel copy kernel would turn into garbage K/V for
+  // C. The fork of a parent with a pending copy into its table is now refused, state unchanged.
+  Mgr m(cfg(8, 4));
+  REQUIRE(m.try_admit(1, toks(100, 6)).admitted());  // A: blocks 1, 2
+  build(m, {1});
+  m.fork(1, 2);                                       // S shares 1, 2
   const auto a = m.try_append(1, Toks{106});
   REQUIRE(a.copy == Copy{2, 3});
-  CHECK(Slots(a.slots.begin(), a.slots.end()) == Slots{14});
-  CHECK(pending(m, 1) == Slots{4, 5, 6, 7, 12, 13, 14});  // positions 4, 5 moved from block 2 to block 3
-  build(m, {2});  // the child's step: the copy is issued and releases block 2's pin
-  m.free(2);      // block 2 is free
-  REQUIRE(m.try_admit(3, toks(0, 5)).admitted());
-  REQUIRE(ids(m, 3) == Ids{4, 2});  // and handed to sequence 3
-  const auto [slots, copies] = build(m, {1, 3});
-  CHECK(slots == Slots{4, 5, 6, 7, 12, 13, 14, 16, 17, 18, 19, 8});  // each slot once, in its owner's blocks
+  m.rewind(1, 1);
+  CHECK(m.pending_slots(1).empty());
+  REQUIRE(m.pending_copies().size() == 1);
+  const auto before = snapshot(m);
+  CHECK_THAT(expect_error([&] { m.fork(1, 3); }, Errc::kInvalidArgument),
+             Catch::Contains("parent sequence 1") && Catch::Contains("1 pending copy-on-write"));
+  CHECK(snapshot(m) == before);
+  // After the build the copy is issued and the fork is legal; C's copy reads a block whose fill was issued in an
+  // earlier launch.
+  const auto [s1, c1] = build(m, {1});
+  CHECK(c1 == std::vector<std::int32_t>{2, 3});
+  m.fork(1, 3);
+  const auto c = m.try_append(3, Toks{107});
+  REQUIRE(c.copy == Copy{3, 4});
+  const auto [s2, c2] = build(m, {1, 3});
+  CHECK(c2 == std::vector<std::int32_t>{3, 4});
+  CHECK(s2 == Slots{18});  // C's position 6: block 4, offset 2
 }

@@ -100,6 +100,7 @@ struct Options {
 
 struct Counters {
   std::uint64_t admitted = 0, admit_hits = 0, no_capacity = 0, never_fits = 0, appends = 0, append_no_capacity = 0,
+                append_never_fits = 0, fork_refused = 0,
                 cow = 0, forks = 0, frees = 0, preempts = 0, rewinds = 0, lookups = 0, builds = 0, resets_ok = 0,
                 resets_refused = 0, misuse = 0, leak_checks = 0, content_checks = 0, dedups = 0;
   std::uint64_t checks = 0;  // individual invariant comparisons
@@ -243,6 +244,24 @@ class Harness {
 
   std::size_t blocks_for(std::size_t len) const { return (len + bs_ - 1) / bs_; }
 
+  // Whether keys `k` are valid for a prompt of `len` tokens (every multimodal item inside it).
+  bool keys_valid(int k, std::size_t len) const {
+    for (const auto& mm : keys_[static_cast<std::size_t>(k)].multimodal) {
+      if (mm.offset_tokens + mm.length_tokens > len) return false;
+    }
+    return true;
+  }
+
+  // Whether `id` may be forked: no unbuilt slot and no pending copy into its table.
+  bool settled(SeqId id) const {
+    if (model_.at(id).pending != 0) return false;
+    const auto blocks = m_.block_ids(id);
+    for (const auto& c : m_.pending_copies()) {
+      if (std::find(blocks.begin(), blocks.end(), c.dst) != blocks.end()) return false;
+    }
+    return true;
+  }
+
   // Pending copies reading block b (each holds a reference; they do not count as holders for copy-on-write).
   std::uint32_t pins(std::uint32_t b) const {
     std::uint32_t n = 0;
@@ -375,6 +394,10 @@ class Harness {
     op_ = "admit " + std::to_string(id) + " len " + std::to_string(prompt.size()) + " keys " + std::to_string(k) +
           (cap ? " cap " + std::to_string(*cap) : "");
 
+    if (!keys_valid(k, prompt.size())) {  // a multimodal item outside the prompt: a typed error, nothing changes
+      return expect_misuse([&] { m_.try_admit(id, prompt, keys_ptr(k), cap); }, Errc::kInvalidArgument,
+                           "multimodal item");
+    }
     // Predict the outcome exactly.
     MSeq s;
     s.keys = k;
@@ -446,15 +469,19 @@ class Harness {
         len % bs_ != 0 && (a.refcount(blocks.back()) - pins(blocks.back()) > 1 || a.is_hashed(blocks.back()));
     const std::uint32_t old_last = nb > 0 ? blocks.back() : 0;
     const std::size_t need = blocks_for(len + n) - nb + (cow ? 1 : 0);
-    const bool fits = need <= a.num_available_blocks();
+    // Never fits: alone in the pool it would still hold more blocks than there are (a copy forced by a hash stays).
+    const std::size_t held_after = blocks_for(len + n) + (cow && a.is_hashed(blocks.back()) ? 1 : 0);
+    const bool never = held_after > usable_;
+    const bool fits = !never && need <= a.num_available_blocks();
     const CacheStats st = m_.stats();
     const Snapshot before = fits ? Snapshot{} : snapshot();
 
     const auto r = m_.try_append(id, add);
     ++c_.appends;
     if (!fits) {
-      ++c_.append_no_capacity;
-      MB_CHECK(r.status == AppendStatus::kNoCapacity);
+      (never ? c_.append_never_fits : c_.append_no_capacity)++;
+      MB_CHECK(r.status == (never ? AppendStatus::kNeverFits : AppendStatus::kNoCapacity));
+      MB_CHECK(r.num_missing_blocks == (never ? held_after - usable_ : need - a.num_available_blocks()));
       MB_CHECK(r.slots.empty() && !r.copy);
       MB_CHECK(snapshot() == before);
       return;
@@ -492,6 +519,11 @@ class Harness {
     const SeqId parent = pick_live(clean);
     const SeqId child = next_id_++;
     op_ = "fork " + std::to_string(parent) + " -> " + std::to_string(child);
+    if (!settled(parent)) {  // unbuilt slots or a pending copy into its table: refused, nothing changes
+      ++c_.fork_refused;
+      return expect_misuse([&] { m_.fork(parent, child); }, Errc::kInvalidArgument,
+                           "parent sequence " + std::to_string(parent) + " has unbuilt state");
+    }
     const auto free_before = m_.stats().blocks_free;
     const auto cached_before = m_.stats().blocks_cached;
     const Ids pb(m_.block_ids(parent).begin(), m_.block_ids(parent).end());
@@ -554,6 +586,13 @@ class Harness {
       const MSeq& s = model_.at(id);
       op_ = "lookup own tokens of " + std::to_string(id);
       const std::size_t len = s.tokens.size();
+      if (len == 0 || !keys_valid(s.keys, len)) {  // rewound below one of its multimodal items (or to nothing)
+        if (len != 0) {
+          expect_misuse([&] { (void)m_.lookup(s.tokens, keys_ptr(s.keys)); }, Errc::kInvalidArgument,
+                        "multimodal item");
+        }
+        return;
+      }
       // The walk over the sequence's own chain hashes, up to the first one not registered.
       std::size_t walk = 0;
       while (walk < s.hashes.size() && m_.prefix_index().find(s.hashes[walk])) ++walk;
@@ -589,7 +628,7 @@ class Harness {
     std::size_t total_blocks = 0, total_slots = 0, max_row = 1;
     for (SeqId id : batch) {
       Row row{Ids(m_.block_ids(id).begin(), m_.block_ids(id).end()), m_.num_tokens(id),
-              Slots(m_.pending_slots(id).begin(), m_.pending_slots(id).end())};
+              m_.pending_slots(id)};
       total_blocks += row.blocks.size();
       total_slots += row.pending.size();
       max_row = std::max(max_row, row.blocks.size());
@@ -689,6 +728,14 @@ class Harness {
       }
     }
     MB_CHECK(j == sz.num_copies);
+    {  // No block is both read and written by one copy_blocks launch (issue 12, defect 1).
+      std::set<std::int32_t> srcs;
+      for (std::size_t i = 0; i < sz.num_copies; ++i) srcs.insert(cp[2 * i]);
+      for (std::size_t i = 0; i < sz.num_copies; ++i) {
+        MB_CHECK_MSG(!srcs.contains(cp[2 * i + 1]), "block " + std::to_string(cp[2 * i + 1]) +
+                                                        " is both a source and a destination of one copy list");
+      }
+    }
     for (std::size_t b = B; b < B + 1 + pad; ++b) {
       MB_CHECK(indptr[b] == static_cast<std::int32_t>(blk));
       MB_CHECK(qo[b] == static_cast<std::int32_t>(tok));
@@ -771,7 +818,7 @@ class Harness {
   }
 
   void op_misuse() {
-    const auto kind = rng_() % 13;
+    const auto kind = rng_() % 14;
     const SeqId bad = unknown_id();
     const std::string bad_s = std::to_string(bad);
     op_ = "misuse " + std::to_string(kind);
@@ -829,6 +876,24 @@ class Harness {
         return expect_misuse([&] { m_.build_batch_metadata(batch, pagedkv::BatchMetadataBuffers{}); },
                              Errc::kInvalidArgument, "sequence " + live_s + " appears twice");
       }
+      case 12:
+        if (model_.at(live).pending > 0) {  // a build cannot drop the writes it would register
+          return expect_misuse(
+              [&] { m_.build_batch_metadata(std::vector<SeqId>{live}, pagedkv::BatchMetadataBuffers{}); },
+              Errc::kBadShape, "slot_mapping is empty");
+        }
+        if (!m_.pending_copies().empty()) {  // nor the copies it would hand out
+          return expect_misuse(
+              [&] { m_.build_batch_metadata(std::vector<SeqId>{}, pagedkv::BatchMetadataBuffers{}); },
+              Errc::kBadShape, "copies is empty");
+        }
+        if (len > 0) {  // a multimodal item past the prompt, or wrapping past 2^64
+          RequestKeys k;
+          k.multimodal.push_back({hash_of_u64(0xC), rng_() % 2 == 0 ? len : ~std::uint64_t{0} - 1, 3});
+          return expect_misuse([&] { m_.try_admit(next_id_ + 9000, model_.at(live).tokens, &k); },
+                               Errc::kInvalidArgument, "multimodal item 0");
+        }
+        [[fallthrough]];
       default: {
         const std::size_t pend = model_.at(live).pending;
         if (pend >= 2) {  // a slot mapping one entry short (an empty span would mean "skip")
@@ -1017,11 +1082,13 @@ Counters run_config(const Options& o) {
   const Counters c = h.run();
   std::printf(
       "  admitted %" PRIu64 " (with hits %" PRIu64 "), no capacity %" PRIu64 ", never fits %" PRIu64
-      ", appends %" PRIu64 " (no capacity %" PRIu64 ", copy-on-write %" PRIu64 "), forks %" PRIu64
+      ", appends %" PRIu64 " (no capacity %" PRIu64 ", never fits %" PRIu64 ", copy-on-write %" PRIu64
+      "), forks %" PRIu64 " (refused %" PRIu64 ")"
       ", frees %" PRIu64 ", preempts %" PRIu64 ", rewinds %" PRIu64 ", lookups %" PRIu64 ", builds %" PRIu64
       ", deduplicated %" PRIu64 ", resets %" PRIu64 "/%" PRIu64 " refused, misuse %" PRIu64 ", leak checks %" PRIu64
       ", content checks %" PRIu64 ", %" PRIu64 " comparisons\n",
-      c.admitted, c.admit_hits, c.no_capacity, c.never_fits, c.appends, c.append_no_capacity, c.cow, c.forks,
+      c.admitted, c.admit_hits, c.no_capacity, c.never_fits, c.appends, c.append_no_capacity, c.append_never_fits,
+      c.cow, c.forks, c.fork_refused,
       c.frees, c.preempts, c.rewinds, c.lookups, c.builds, c.dedups, c.resets_ok, c.resets_refused, c.misuse, c.leak_checks,
       c.content_checks, c.checks);
   std::fflush(stdout);

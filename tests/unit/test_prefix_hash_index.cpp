@@ -431,7 +431,7 @@ TEMPLATE_TEST_CASE("KVCacheManager hashing: reproducible across managers, separa
   const Toks prompt{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
 
   const auto build = [](Mgr& m, std::vector<pagedkv::SeqId> batch) {
-    m.build_batch_metadata(batch, pagedkv::BatchMetadataBuffers{});  // registers the batch's full blocks
+    pagedkv_test::build_step(m, batch);  // registers the batch's full blocks
   };
   auto stored_hashes = [&](Mgr& m) {
     std::vector<pagedkv::KVEvent> ev;

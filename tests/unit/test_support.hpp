@@ -2,11 +2,14 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
+#include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
 
@@ -30,6 +33,35 @@ inline std::vector<pagedkv::TokenId> toks(pagedkv::TokenId first, std::size_t n)
   std::vector<pagedkv::TokenId> t(n);
   for (std::size_t i = 0; i < n; ++i) t[i] = first + static_cast<pagedkv::TokenId>(i);
   return t;
+}
+
+/// What one test build wrote: the sizes, the slot mapping and the copy pairs (the parts tests look at most).
+struct BuiltStep {
+  pagedkv::BatchMetadataSizes sizes;
+  std::vector<std::int64_t> slots;
+  std::vector<std::int32_t> copies;
+};
+
+/// Builds the metadata of `batch` on `m` with exactly sized slot-mapping and copy buffers (a build cannot drop
+/// either), every other output skipped. Stands for "the engine ran this step".
+template <class Mgr>
+BuiltStep build_step(Mgr& m, std::span<const pagedkv::SeqId> batch) {
+  std::size_t n = 0;
+  for (pagedkv::SeqId id : batch) {
+    if (m.contains(id)) n += m.pending_slots(id).size();
+  }
+  BuiltStep out;
+  out.slots.assign(n, -2);
+  out.copies.assign(2 * m.pending_copies().size(), -2);
+  pagedkv::BatchMetadataBuffers buf;
+  buf.slot_mapping = out.slots;
+  buf.copies = out.copies;
+  out.sizes = m.build_batch_metadata(batch, buf);
+  return out;
+}
+template <class Mgr>
+BuiltStep build_step(Mgr& m, std::initializer_list<pagedkv::SeqId> batch) {
+  return build_step(m, std::span<const pagedkv::SeqId>(batch.begin(), batch.size()));
 }
 
 }  // namespace pagedkv_test

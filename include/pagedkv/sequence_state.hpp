@@ -1,0 +1,77 @@
+// pagedkv/sequence_state.hpp: what the cache manager knows about one live sequence (request): its block table, its
+// token ids and block hashes, and the cursors that say which positions have slots, which have had their K/V writes
+// issued, and which hold tokens whose ids are not known yet (speculative lookahead).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include <pagedkv/block_table.hpp>
+#include <pagedkv/config.hpp>
+#include <pagedkv/hash.hpp>
+#include <pagedkv/request_keys.hpp>
+
+namespace pagedkv {
+
+/// One live sequence as the KVCacheManager tracks it. A plain aggregate with derived queries; the manager keeps
+/// every invariant below (the model-based test checks them after every operation).
+///
+/// Positions of a sequence, in token units, split by four cursors
+/// (`num_built <= num_slotted`, `num_slotted <= num_known + num_lookahead`):
+/// ```
+///   [0, num_built)               K/V writes issued by a built step (or found in the prefix cache)
+///   [num_built, num_slotted)     slots reserved, writes not yet issued ("pending": the next builds emit them)
+///   [num_slotted, num_known)     prompt tokens known but without slots yet (chunked admission)
+///   lookahead                    the last `num_lookahead` slotted positions hold tokens whose ids the host does
+///                                not know yet (draft tokens proposed on the GPU); then num_slotted = num_known +
+///                                num_lookahead and every known token has a slot
+/// ```
+/// `num_slotted` is `table.num_tokens()`; `num_known` is `tokens.size()`.
+/// A full block i is *registrable* (may enter the prefix index) when `(i + 1) * block_size <= min(num_built,
+/// num_known)`: its last write has been issued and every one of its token ids is known.
+///
+/// Thread safety: none (owned by the manager, one writer). Invalidation: spans into `tokens` / `table.blocks()`
+/// are invalidated by any change to the sequence.
+template <BlockIdType Id = std::uint32_t>
+struct SequenceState {
+  explicit SequenceState(std::uint32_t block_size) : table(block_size) {}
+
+  BlockTable<Id> table;                     ///< Logical -> physical blocks for the slotted positions.
+  std::vector<TokenId> tokens;              ///< Known token ids, `[num_known]`.
+  std::vector<BlockHash> hashes;            ///< Chain hashes of the known full blocks, `[num_known / block_size]`.
+  std::size_t num_registered = 0;           ///< Leading full blocks that need no registration attempt.
+  std::shared_ptr<const RequestKeys> keys;  ///< Extra keys (salt, adapter, multimodal); null = none.
+  std::size_t num_built = 0;                ///< Positions whose K/V writes have been issued (see above).
+  std::size_t num_lookahead = 0;            ///< Trailing slotted positions whose token ids are unknown.
+  std::uint32_t num_pending_copies = 0;     ///< Copy-on-write copies into this table not yet handed out.
+  bool in_batch = false;                    ///< Scratch mark of build_batch_metadata.
+
+  /// Positions with slots (tokens whose K/V has, or will have, a place in the pool).
+  [[nodiscard]] std::size_t num_slotted() const noexcept { return table.num_tokens(); }
+  /// Known token ids (prompt + committed).
+  [[nodiscard]] std::size_t num_known() const noexcept { return tokens.size(); }
+  /// Slotted positions whose writes a build has not issued yet.
+  [[nodiscard]] std::size_t num_pending() const noexcept { return num_slotted() - num_built; }
+  /// Known prompt tokens that have no slot yet (chunked admission reserves the prompt chunk by chunk).
+  [[nodiscard]] std::size_t num_unslotted() const noexcept {
+    return num_lookahead != 0 ? 0 : num_known() - std::min(num_known(), num_slotted());
+  }
+  /// Full blocks that may be registered now: their writes are issued and their token ids known.
+  [[nodiscard]] std::size_t num_registrable_blocks() const noexcept {
+    return std::min({num_built, num_known(), num_slotted()}) / table.block_size();
+  }
+  /// Nothing outstanding: every known token has a built slot, no lookahead, no copy into the table pending. Fork
+  /// requires a settled parent (a child must never depend on writes or copies not yet issued).
+  [[nodiscard]] bool settled() const noexcept {
+    return num_built == num_slotted() && num_slotted() == num_known() && num_lookahead == 0 &&
+           num_pending_copies == 0;
+  }
+  /// Slot of position `pos` (block id * block_size + offset). Precondition: pos < num_slotted().
+  [[nodiscard]] std::int64_t slot(std::size_t pos) const noexcept { return table.slot(pos); }
+};
+
+}  // namespace pagedkv
