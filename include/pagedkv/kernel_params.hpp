@@ -29,8 +29,11 @@ enum class Status : int {
   kInvalidValue = 1,  ///< A shape, stride, pointer or count is inconsistent (validated before anything runs).
   kUnsupported = 2,   ///< A dtype / head_dim combination outside the compiled set {fp16, bf16, fp32} x {64, 128, 256},
                       ///< or a KV storage dtype the implementation lacks (fp8 KV on CUDA: CPU reference only).
-  kCudaError = 3,     ///< A CUDA runtime call or the launch itself failed (see cudaGetLastError()).
+  kCudaError = 3,     ///< A CUDA runtime call or this launch failed (the launcher checks the launch's own return
+                      ///< value, never the thread's sticky last-error slot; see docs/kernels.md).
   kNoDevice = 4,      ///< No CUDA device is present.
+  kWrongMemorySpace = 5,  ///< A pointer is not in the memory space the op needs: swap_blocks' host side is pageable
+                          ///< (not page-locked), or its device side is not device memory. Nothing was queued.
 };
 
 /// Name of a status, e.g. "unsupported". Never null.
@@ -41,6 +44,7 @@ enum class Status : int {
     case Status::kUnsupported: return "unsupported";
     case Status::kCudaError: return "cuda_error";
     case Status::kNoDevice: return "no_device";
+    case Status::kWrongMemorySpace: return "wrong_memory_space";
   }
   return "unknown_status";
 }

@@ -17,7 +17,8 @@
 //  - decode, one TEST_CASE per dtype (fp32, fp16, bf16): group {1,4,8} x head_dim {64,128,256} x block_size
 //    {1,8,16,32,64} = 45 runs each. A run has 5 sequences of 0, 1, k*block_size (<= 128), 200..300 and 2..100
 //    tokens (shuffled), and checks CSR and padded tables, each with split-KV off and on (chunk 5..80 tokens,
-//    max_num_chunks = needed + 0..2), against the oracle and split against no split. The layout is cycled over the
+//    max_num_chunks = needed + 0..2) and with a random length-aware plan (plan_decode on a small random "device",
+//    random head tile, executed through decode(p, work_list)), against the oracle and split against no split. The layout is cycled over the
 //    runs (each layout meets every value of every other axis); fp16 / group 1 / head_dim 64 runs all 5 layouts.
 //  - prefill: dtype x group x block_size = 45 runs, head_dim and layout cycled. 5 sequences: prefix 0 (q_len =
 //    kv_len in 1..24), prefix > 0 with one query (kv 25..100), prefix > 0 with q_len 1..min(kv - 1, 24) (kv
@@ -548,6 +549,48 @@ void run_decode_case(const AttnCase& c) {
     for (const double x : o_ref) max_ref = std::max(max_ref, std::abs(x));
     const Err e = compare(o_by_split[1], o_by_split[0], max_ref);
     CHECK(e.err <= tolerance(c.dtype));
+
+    // The length-aware plan (pagedkv/decode_plan.hpp), executed by the reference exactly as the CUDA launcher
+    // executes it: a small random "device" (1..8 SMs x 1..4 CTAs, chunk floor 1..48 tokens) so these short
+    // sequences are really cut, with a random query-head tile. Checks the plan's coverage and merge end to end.
+    {
+      pagedkv::DecodePlanConfig cfg;
+      cfg.num_qo_heads = hq;
+      cfg.num_kv_heads = kNumKvHeads;
+      cfg.head_dim = dim;
+      cfg.heads_per_tile = uniform(rng, 0, c.group);
+      cfg.num_sms = uniform(rng, 1, 8);
+      cfg.ctas_per_sm = uniform(rng, 1, 4);
+      cfg.min_chunk_tokens = uniform(rng, 1, 48);
+      cfg.item_overhead_tokens = uniform(rng, 0, 16);
+      cfg.max_waves = uniform(rng, 1, 8);
+      const pagedkv::DecodePlanCapacity cap = pagedkv::decode_plan_capacity(batch, cfg);
+      std::vector<pagedkv::DecodeWorkItem> items(sz(cap.items));
+      std::vector<pagedkv::DecodeMergeItem> merges(sz(cap.merges));
+      pagedkv::DecodePlanInfo info;
+      REQUIRE_STATUS(pagedkv::plan_decode(pb.seq_lens, cfg, {items, merges, cap.partial_rows}, &info),
+                     Status::kSuccess);
+      CAPTURE(cfg.heads_per_tile, cfg.num_sms, cfg.ctas_per_sm, cfg.min_chunk_tokens, info.num_items, info.num_merges,
+              info.chunk_target_tokens);
+      Raw o(c.dtype, std::int64_t{batch} * hq * dim);
+      std::vector<float> lse(sz(batch) * sz(hq), std::numeric_limits<float>::quiet_NaN());
+      std::vector<float> ws(info.workspace_bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
+      DecodeParams p;
+      p.q = q.data();
+      p.o = o.data();
+      p.lse = lse.data();
+      p.kv = pool.view;
+      p.pages = pb.table(fmt);
+      p.num_qo_heads = hq;
+      p.sm_scale = sm_scale;
+      p.workspace = ws.data();
+      p.workspace_bytes = ws.size() * sizeof(float);
+      REQUIRE_STATUS(ref::decode(p, info.work_list, 2), Status::kSuccess);
+      const std::vector<double> o_plan = o.to_double();
+      CHECK_CLOSE(o_plan, o_ref, 1e-30, tolerance(c.dtype));
+      CHECK_CLOSE(floats_to_double(lse), lse_ref, 1.0, kLseTol);
+      CHECK(compare(o_plan, o_by_split[0], max_ref).err <= tolerance(c.dtype));
+    }
   }
   CHECK(first_diff(pool.snapshot(), pool_before) == -1);  // decode never writes the pool
 }
