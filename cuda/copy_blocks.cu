@@ -51,13 +51,14 @@ Status copy_blocks(const CopyBlocksParams& p, Stream stream) noexcept {
       a.layers[i] = {static_cast<char*>(p.layers[l0 + i].k), static_cast<char*>(p.layers[l0 + i].v)};
     }
     const dim3 grid(static_cast<unsigned>(p.capacity), static_cast<unsigned>(n));
+    Status st = Status::kSuccess;
     switch (w) {
-      case 16: copy_blocks_kernel<16><<<grid, 256, 0, s>>>(a); break;
-      case 8: copy_blocks_kernel<8><<<grid, 256, 0, s>>>(a); break;
-      case 4: copy_blocks_kernel<4><<<grid, 256, 0, s>>>(a); break;
-      default: copy_blocks_kernel<2><<<grid, 256, 0, s>>>(a); break;
+      case 16: st = launch_kernel(copy_blocks_kernel<16>, grid, dim3(256), 0, s, a); break;
+      case 8: st = launch_kernel(copy_blocks_kernel<8>, grid, dim3(256), 0, s, a); break;
+      case 4: st = launch_kernel(copy_blocks_kernel<4>, grid, dim3(256), 0, s, a); break;
+      default: st = launch_kernel(copy_blocks_kernel<2>, grid, dim3(256), 0, s, a); break;
     }
-    if (check_launch() != Status::kSuccess) return Status::kCudaError;
+    if (st != Status::kSuccess) return st;
   }
   return Status::kSuccess;
 }

@@ -1,5 +1,5 @@
-// cuda/decode.cu: decode attention launcher, split-KV planning, and the explicit instantiations of the decode
-// kernel family (9 decode kernels + 9 merge kernels).
+// cuda/decode.cu: the decode attention launchers (work-list and chunk-rule entry points), decode_plan_config, and
+// the explicit instantiations of the decode kernel family (9 decode kernels + 9 merge kernels).
 #include <cmath>
 
 #include <pagedkv/cuda/decode.cuh>
@@ -13,56 +13,52 @@ inline namespace v0_1 {
 namespace detail {
 
 #define PAGEDKV_INSTANTIATE_DECODE(T, HD) \
-  template Status launch_decode<T, HD>(const DecodeArgs&, std::int32_t, cudaStream_t);
+  template Status launch_decode<T, HD>(const DecodeArgs&, std::int32_t, bool, cudaStream_t);
 PAGEDKV_CUDA_FOR_EACH_DTYPE_HEAD_DIM(PAGEDKV_INSTANTIATE_DECODE)
 #undef PAGEDKV_INSTANTIATE_DECODE
 
-/// Row slots of the decode CTA for (dtype, head_dim), without instantiating anything (used by decode_plan).
-constexpr std::int32_t decode_slots(DType dt, std::int32_t head_dim) {
-  return (dt != DType::kFloat32 && head_dim == 64) ? 16 : 8;
-}
-static_assert(DecodeTraits<__half, 64>::kSlots == 16 && DecodeTraits<__nv_bfloat16, 64>::kSlots == 16 &&
-                  DecodeTraits<__half, 128>::kSlots == 8 && DecodeTraits<__half, 256>::kSlots == 8 &&
-                  DecodeTraits<float, 64>::kSlots == 8 && DecodeTraits<float, 128>::kSlots == 8 &&
-                  DecodeTraits<float, 256>::kSlots == 8,
-              "decode_slots() must mirror DecodeTraits<T, HD>::kSlots");
+static_assert(DecodeTraits<__half, 64>::kSlots == decode_row_slots(DType::kFloat16, 64) &&
+                  DecodeTraits<__nv_bfloat16, 64>::kSlots == decode_row_slots(DType::kBFloat16, 64) &&
+                  DecodeTraits<__half, 128>::kSlots == decode_row_slots(DType::kFloat16, 128) &&
+                  DecodeTraits<__half, 256>::kSlots == decode_row_slots(DType::kFloat16, 256) &&
+                  DecodeTraits<__nv_bfloat16, 128>::kSlots == decode_row_slots(DType::kBFloat16, 128) &&
+                  DecodeTraits<float, 64>::kSlots == decode_row_slots(DType::kFloat32, 64) &&
+                  DecodeTraits<float, 128>::kSlots == decode_row_slots(DType::kFloat32, 128) &&
+                  DecodeTraits<float, 256>::kSlots == decode_row_slots(DType::kFloat32, 256),
+              "decode_row_slots() (launch.hpp) must mirror DecodeTraits<T, HD>::kSlots");
 
-struct HeadTiling {
-  std::int32_t num_head_tiles, heads_per_tile, phases;
-};
-constexpr HeadTiling head_tiling(std::int32_t group_size, std::int32_t slots) {
-  const auto tiles = static_cast<std::int32_t>(ceil_div(group_size, slots));
-  const auto per_tile = static_cast<std::int32_t>(ceil_div(group_size, tiles));
-  return {tiles, per_tile, slots / per_tile};
+/// The fields of DecodeArgs shared by both modes.
+inline DecodeArgs base_args(const DecodeParams& p, std::int32_t heads_per_tile, std::int32_t slots) {
+  DecodeArgs a{};
+  a.q = p.q;
+  a.o = p.o;
+  a.lse = p.lse;
+  a.k = p.kv.k;
+  a.v = p.kv.v;
+  a.pages = p.pages;
+  a.stride_page = p.kv.stride_page;
+  a.stride_token = p.kv.stride_token;
+  a.stride_head = p.kv.stride_head;
+  a.block_size = p.kv.block_size;
+  a.num_qo_heads = p.num_qo_heads;
+  a.num_kv_heads = p.kv.num_kv_heads;
+  a.group_size = p.num_qo_heads / p.kv.num_kv_heads;
+  a.heads_per_tile = heads_per_tile;
+  a.num_head_tiles = decode_num_head_tiles(a.group_size, heads_per_tile);
+  a.phases = slots / heads_per_tile;
+  a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+  return a;
+}
+
+/// Checks shared by both decode entry points (before anything is launched).
+inline Status validate_decode_common(const DecodeParams& p) {
+  if (const Status s = validate_attention(p.q, p.o, p.kv, p.pages, p.num_qo_heads); s != Status::kSuccess) return s;
+  if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
+  return Status::kSuccess;
 }
 
 }  // namespace detail
 }  // namespace v0_1
-
-DecodePlan decode_plan(std::int32_t batch_size, std::int32_t max_kv_len_tokens, std::int32_t num_qo_heads,
-                       std::int32_t num_kv_heads, std::int32_t head_dim, DType dtype, std::int32_t sm_count) noexcept {
-  DecodePlan plan;
-  if (batch_size <= 0 || max_kv_len_tokens < 0 || num_kv_heads <= 0 || num_qo_heads <= 0 ||
-      num_qo_heads % num_kv_heads != 0 || !is_supported(dtype, head_dim)) {
-    return plan;
-  }
-  const auto tiling = detail::head_tiling(num_qo_heads / num_kv_heads, detail::decode_slots(dtype, head_dim));
-  const std::int64_t base = std::int64_t{batch_size} * num_kv_heads * tiling.num_head_tiles;
-  plan.num_ctas = base;
-  constexpr std::int64_t kChunkQuantum = 256;
-  const std::int64_t target = 2 * std::int64_t{sm_count};
-  if (sm_count <= 0 || base >= target || max_kv_len_tokens <= kChunkQuantum) return plan;
-  const std::int64_t want = detail::ceil_div(target, base);
-  std::int64_t chunk = detail::ceil_div(detail::ceil_div(max_kv_len_tokens, want), kChunkQuantum) * kChunkQuantum;
-  const std::int64_t chunks = detail::ceil_div(max_kv_len_tokens, chunk);
-  if (chunks <= 1) return plan;
-  if (chunks > 65535) chunk = detail::ceil_div(max_kv_len_tokens, 65535);
-  plan.kv_chunk_size_tokens = static_cast<std::int32_t>(chunk);
-  plan.max_num_chunks = static_cast<std::int32_t>(detail::ceil_div(max_kv_len_tokens, chunk));
-  plan.workspace_bytes = decode_workspace_bytes(batch_size, plan.max_num_chunks, num_qo_heads, head_dim);
-  plan.num_ctas = base * plan.max_num_chunks;
-  return plan;
-}
 
 Status device_sm_count(int device, std::int32_t* sm_count) noexcept {
   if (sm_count == nullptr) return Status::kInvalidValue;
@@ -71,16 +67,45 @@ Status device_sm_count(int device, std::int32_t* sm_count) noexcept {
     (void)cudaGetLastError();
     return Status::kNoDevice;
   }
+  if (device < 0 || device >= n) return Status::kInvalidValue;
   int v = 0;
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return Status::kCudaError;
   *sm_count = v;
   return Status::kSuccess;
 }
 
+Status decode_plan_config(int device, DType dtype, std::int32_t head_dim, std::int32_t num_qo_heads,
+                          std::int32_t num_kv_heads, DecodePlanConfig* cfg) noexcept {
+  using namespace detail;
+  if (cfg == nullptr || num_qo_heads <= 0 || num_kv_heads <= 0 || num_qo_heads % num_kv_heads != 0) {
+    return Status::kInvalidValue;
+  }
+  if (!is_supported(dtype, head_dim)) return Status::kUnsupported;
+  std::int32_t sms = 0;
+  if (const Status s = device_sm_count(device, &sms); s != Status::kSuccess) return s;
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) return Status::kCudaError;
+  if (current != device) return Status::kInvalidValue;  // occupancy is a property of the current device
+  int ctas = 0;
+  const Status s = dispatch_dtype_head_dim(dtype, head_dim, [&]<class T, int HD>() -> Status {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_kernel<T, HD>, DecodeTraits<T, HD>::kThreads,
+                                                         0) == cudaSuccess
+               ? Status::kSuccess
+               : Status::kCudaError;
+  });
+  if (s != Status::kSuccess) return s;
+  cfg->num_qo_heads = num_qo_heads;
+  cfg->num_kv_heads = num_kv_heads;
+  cfg->head_dim = head_dim;
+  cfg->heads_per_tile = decode_heads_per_tile(dtype, head_dim, num_qo_heads / num_kv_heads);
+  cfg->num_sms = sms;
+  cfg->ctas_per_sm = ctas < 1 ? 1 : ctas;
+  return Status::kSuccess;
+}
+
 Status decode(const DecodeParams& p, Stream stream) noexcept {
   using namespace detail;
-  if (const Status s = validate_attention(p.q, p.o, p.kv, p.pages, p.num_qo_heads); s != Status::kSuccess) return s;
-  if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
+  if (const Status s = validate_decode_common(p); s != Status::kSuccess) return s;
   if (p.kv_chunk_size_tokens < 0 || p.max_num_chunks < 0 || p.max_num_chunks > 65535) return Status::kInvalidValue;
   if (p.kv_chunk_size_tokens > 0 && p.max_num_chunks < 1) return Status::kInvalidValue;
   const bool split = p.max_num_chunks >= 2;
@@ -93,31 +118,14 @@ Status decode(const DecodeParams& p, Stream stream) noexcept {
   }
   if (!is_supported(p.kv.dtype, p.kv.head_dim)) return Status::kUnsupported;
   if (p.pages.batch_size == 0) return Status::kSuccess;
-  if (std::int64_t{p.kv.num_kv_heads} * detail::ceil_div(p.num_qo_heads / p.kv.num_kv_heads, 8) > 65535) {
+  const std::int32_t group = p.num_qo_heads / p.kv.num_kv_heads;
+  const std::int32_t hpt = decode_heads_per_tile(p.kv.dtype, p.kv.head_dim, group);
+  if (std::int64_t{p.kv.num_kv_heads} * decode_num_head_tiles(group, hpt) > 65535) {
     return Status::kInvalidValue;  // grid.y limit
   }
 
   return dispatch_dtype_head_dim(p.kv.dtype, p.kv.head_dim, [&]<class T, int HD>() -> Status {
-    using Tr = DecodeTraits<T, HD>;
-    const std::int32_t group = p.num_qo_heads / p.kv.num_kv_heads;
-    const HeadTiling tiling = head_tiling(group, Tr::kSlots);
-    DecodeArgs a{};
-    a.q = p.q;
-    a.o = p.o;
-    a.lse = p.lse;
-    a.k = p.kv.k;
-    a.v = p.kv.v;
-    a.pages = p.pages;
-    a.stride_page = p.kv.stride_page;
-    a.stride_token = p.kv.stride_token;
-    a.stride_head = p.kv.stride_head;
-    a.block_size = p.kv.block_size;
-    a.num_qo_heads = p.num_qo_heads;
-    a.group_size = group;
-    a.heads_per_tile = tiling.heads_per_tile;
-    a.num_head_tiles = tiling.num_head_tiles;
-    a.phases = tiling.phases;
-    a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+    DecodeArgs a = base_args(p, hpt, DecodeTraits<T, HD>::kSlots);
     a.split = split;
     a.chunk_request = p.kv_chunk_size_tokens;
     a.max_num_chunks = split ? p.max_num_chunks : 1;
@@ -126,7 +134,39 @@ Status decode(const DecodeParams& p, Stream stream) noexcept {
       a.ws_lse = a.ws_o + static_cast<std::int64_t>(p.pages.batch_size) * p.max_num_chunks * p.num_qo_heads *
                               p.kv.head_dim;
     }
-    return launch_decode<T, HD>(a, p.kv.num_kv_heads, static_cast<cudaStream_t>(stream));
+    return launch_decode<T, HD>(a, 0, split, static_cast<cudaStream_t>(stream));
+  });
+}
+
+Status decode(const DecodeParams& p, const DecodeWorkList& wl, Stream stream) noexcept {
+  using namespace detail;
+  if (const Status s = validate_decode_common(p); s != Status::kSuccess) return s;
+  if (wl.item_capacity < 0 || wl.merge_capacity < 0 || wl.partial_row_capacity < 0) return Status::kInvalidValue;
+  if (wl.item_capacity > 0 && (wl.items == nullptr || !is_aligned(wl.items, 16))) return Status::kInvalidValue;
+  if (wl.merge_capacity > 0 && (wl.merges == nullptr || !is_aligned(wl.merges, 16))) return Status::kInvalidValue;
+  const std::int32_t group = p.num_qo_heads / p.kv.num_kv_heads;
+  if (wl.heads_per_tile < 1 || wl.heads_per_tile > group) return Status::kInvalidValue;
+  if (wl.partial_row_capacity > 0) {
+    if (p.workspace == nullptr || !is_aligned(p.workspace, 16)) return Status::kInvalidValue;
+    if (p.workspace_bytes < decode_plan_workspace_bytes(wl.partial_row_capacity, p.num_qo_heads, p.kv.head_dim)) {
+      return Status::kInvalidValue;
+    }
+  }
+  if (!is_supported(p.kv.dtype, p.kv.head_dim)) return Status::kUnsupported;
+  if (wl.heads_per_tile > decode_row_slots(p.kv.dtype, p.kv.head_dim)) return Status::kInvalidValue;
+  if (p.pages.batch_size == 0) return Status::kSuccess;
+
+  return dispatch_dtype_head_dim(p.kv.dtype, p.kv.head_dim, [&]<class T, int HD>() -> Status {
+    DecodeArgs a = base_args(p, wl.heads_per_tile, DecodeTraits<T, HD>::kSlots);
+    a.items = wl.items;
+    a.merges = wl.merges;
+    a.merge_capacity = wl.merge_capacity;
+    a.partial_row_capacity = wl.partial_row_capacity;
+    if (wl.partial_row_capacity > 0) {
+      a.ws_o = static_cast<float*>(p.workspace);
+      a.ws_lse = a.ws_o + static_cast<std::int64_t>(wl.partial_row_capacity) * p.num_qo_heads * p.kv.head_dim;
+    }
+    return launch_decode<T, HD>(a, wl.item_capacity, wl.partial_row_capacity > 0, static_cast<cudaStream_t>(stream));
   });
 }
 

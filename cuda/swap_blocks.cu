@@ -5,6 +5,8 @@
 // The cost is per-call overhead, kept low by merging: when a block's K is one dense byte range on both sides,
 // K and V adjacent (interleaved NHD/HND pools) are copied as one range, and runs of consecutive (src, dst) blocks
 // with a dense page stride become one copy.
+#include <initializer_list>
+
 #include <pagedkv/cuda/launch.hpp>
 
 #include "validate.cuh"
@@ -18,6 +20,21 @@ struct Side {
   std::int64_t page_bytes, token_bytes, head_bytes;
   bool dense;
 };
+
+/// Where a pointer lives, per cudaPointerGetAttributes: kSuccess when it is in `want` (host: page-locked host
+/// memory; device: device or managed memory), kWrongMemorySpace when not, kNoDevice / kCudaError when the query
+/// itself fails. cudaPointerGetAttributes returns cudaSuccess with type cudaMemoryTypeUnregistered for pageable
+/// host memory (CUDA >= 11).
+enum class Space { kHost, kDevice };
+Status check_space(const void* ptr, Space want) {
+  cudaPointerAttributes attr{};
+  const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) return Status::kNoDevice;
+  if (e != cudaSuccess) return Status::kCudaError;
+  const bool ok = want == Space::kHost ? attr.type == cudaMemoryTypeHost
+                                       : (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
+  return ok ? Status::kSuccess : Status::kWrongMemorySpace;
+}
 
 Side make_side(const KVPoolView& kv) {
   const auto es = static_cast<std::int64_t>(dtype_size_bytes(kv.dtype));
@@ -55,6 +72,18 @@ Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
     }
   }
   if (p.num_layers == 0 || p.num_pairs == 0) return Status::kSuccess;
+  // Pageable host memory would turn every cudaMemcpyAsync below into a synchronous copy (and break stream capture):
+  // refuse it before anything is queued.
+  const Space src_space = p.direction == SwapDirection::kDeviceToHost ? Space::kDevice : Space::kHost;
+  const Space dst_space = p.direction == SwapDirection::kDeviceToHost ? Space::kHost : Space::kDevice;
+  for (std::int32_t l = 0; l < p.num_layers; ++l) {
+    for (const void* ptr : {p.src_layers[l].k, p.src_layers[l].v}) {
+      if (const Status s = check_space(ptr, src_space); s != Status::kSuccess) return s;
+    }
+    for (const void* ptr : {p.dst_layers[l].k, p.dst_layers[l].v}) {
+      if (const Status s = check_space(ptr, dst_space); s != Status::kSuccess) return s;
+    }
+  }
 
   const auto kind = p.direction == SwapDirection::kDeviceToHost ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
   const auto st = static_cast<cudaStream_t>(stream);

@@ -45,14 +45,13 @@ Status write_kv(const WriteKVParams& p, Stream stream) noexcept {
   const int w = widest_access({p.key, p.value, p.kv.k, p.kv.v},
                               {a.src_token_bytes, a.page_bytes, a.token_bytes, a.head_bytes, a.row_bytes});
   const auto s = static_cast<cudaStream_t>(stream);
-  const auto grid = static_cast<unsigned>(p.num_tokens);
+  const dim3 grid(static_cast<unsigned>(p.num_tokens));
   switch (w) {
-    case 16: write_kv_kernel<16><<<grid, 128, 0, s>>>(a); break;
-    case 8: write_kv_kernel<8><<<grid, 128, 0, s>>>(a); break;
-    case 4: write_kv_kernel<4><<<grid, 128, 0, s>>>(a); break;
-    default: write_kv_kernel<2><<<grid, 128, 0, s>>>(a); break;
+    case 16: return launch_kernel(write_kv_kernel<16>, grid, dim3(128), 0, s, a);
+    case 8: return launch_kernel(write_kv_kernel<8>, grid, dim3(128), 0, s, a);
+    case 4: return launch_kernel(write_kv_kernel<4>, grid, dim3(128), 0, s, a);
+    default: return launch_kernel(write_kv_kernel<2>, grid, dim3(128), 0, s, a);
   }
-  return check_launch();
 }
 
 }  // namespace pagedkv::cuda

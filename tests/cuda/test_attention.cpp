@@ -1,6 +1,8 @@
 // tests/cuda/test_attention.cpp: decode and prefill kernels against a float64 oracle and the CPU reference
 // (pagedkv::reference), over dtypes x head dims x GQA group sizes x block sizes x page-table forms x split-KV x
-// layouts, with every unused pool slot NaN and outputs poisoned before each run.
+// layouts, with every unused pool slot NaN and outputs poisoned before each run. Decode runs both entry points:
+// the chunk rule (decode(p)) and work lists from plan_decode (decode(p, work_list)), the latter compared with the
+// reference executing the very same list.
 #include "gpu_test_util.hpp"
 
 #include <pagedkv/reference/decode.hpp>
@@ -55,12 +57,61 @@ struct DecodeCase {
   int kv_heads = 2;
   int chunk = 0;  // split: tokens per chunk (0 = implementation's choice)
   std::uint64_t seed = 1;
+  // Work-list mode (plan_decode + cuda::decode(p, work_list)); `split` is then ignored. num_sms / ctas_per_sm: the
+  // "device" the plan is made for (small values cut short sequences); 0 = the real device (decode_plan_config).
+  bool plan = false;
+  int plan_sms = 0;
+  int plan_ctas_per_sm = 0;
+  int plan_min_chunk = 256;
+  int plan_heads_per_tile = 0;  // 0 = cuda::decode_heads_per_tile
 };
 
 std::string describe(const DecodeCase& c) {
+  const std::string mode = c.plan ? " plan sms=" + std::to_string(c.plan_sms) + "x" + std::to_string(c.plan_ctas_per_sm) +
+                                        " min_chunk=" + std::to_string(c.plan_min_chunk) +
+                                        " hpt=" + std::to_string(c.plan_heads_per_tile)
+                                  : (c.split ? " split chunk=" + std::to_string(c.chunk) : " nosplit");
   return std::string(dtype_name(c.dt)) + " hd=" + std::to_string(c.head_dim) + " group=" + std::to_string(c.group) +
-         " bs=" + std::to_string(c.block_size) + (c.fmt == PageTableFormat::kCsr ? " csr" : " padded") +
-         (c.split ? " split chunk=" + std::to_string(c.chunk) : " nosplit") + " " + layout_name(c.layout);
+         " bs=" + std::to_string(c.block_size) + (c.fmt == PageTableFormat::kCsr ? " csr" : " padded") + mode + " " +
+         layout_name(c.layout);
+}
+
+/// A plan for `lens` copied to the device: host buffers (for the reference), device copies (for the kernel).
+struct DevicePlan {
+  std::vector<pagedkv::DecodeWorkItem> items;
+  std::vector<pagedkv::DecodeMergeItem> merges;
+  pagedkv::DecodePlanInfo info;
+  DevBuf d_items, d_merges;
+  pagedkv::DecodeWorkList host_list() const { return info.work_list; }
+  pagedkv::DecodeWorkList device_list() const {
+    return info.work_list.relocated(d_items.as<pagedkv::DecodeWorkItem>(), d_merges.as<pagedkv::DecodeMergeItem>());
+  }
+};
+
+DevicePlan make_device_plan(const std::vector<int>& lens, const pagedkv::DecodePlanConfig& cfg) {
+  DevicePlan dp;
+  const std::vector<std::int32_t> l32(lens.begin(), lens.end());
+  const auto cap = pagedkv::decode_plan_capacity(static_cast<std::int32_t>(lens.size()), cfg);
+  REQUIRE(cap.items > 0);
+  dp.items.resize(static_cast<std::size_t>(cap.items));
+  dp.merges.resize(static_cast<std::size_t>(std::max(cap.merges, 1)));
+  REQUIRE(pagedkv::plan_decode(l32, cfg, {dp.items, dp.merges, cap.partial_rows}, &dp.info) == Status::kSuccess);
+  REQUIRE(pagedkv::validate_decode_work_list(l32, cfg.num_qo_heads, cfg.num_kv_heads, dp.info.work_list) ==
+          Status::kSuccess);
+  dp.d_items = DevBuf::from(dp.items);
+  dp.d_merges = DevBuf::from(dp.merges);
+  return dp;
+}
+
+/// The plan configuration for a case: the real device's, or the case's small "device".
+pagedkv::DecodePlanConfig plan_config(const DecodeCase& c, int hq) {
+  pagedkv::DecodePlanConfig cfg;
+  REQUIRE(pagedkv::cuda::decode_plan_config(0, c.dt, c.head_dim, hq, c.kv_heads, &cfg) == Status::kSuccess);
+  if (c.plan_sms > 0) cfg.num_sms = c.plan_sms;
+  if (c.plan_ctas_per_sm > 0) cfg.ctas_per_sm = c.plan_ctas_per_sm;
+  if (c.plan_heads_per_tile > 0) cfg.heads_per_tile = std::min(c.plan_heads_per_tile, cfg.heads_per_tile);
+  cfg.min_chunk_tokens = c.plan_min_chunk;
+  return cfg;
 }
 
 void run_decode(const DecodeCase& c) {
@@ -88,7 +139,17 @@ void run_decode(const DecodeCase& c) {
   p.num_qo_heads = hq;
   p.sm_scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
   DevBuf ws;
-  if (c.split) {
+  DevicePlan dplan;
+  if (c.plan) {
+    dplan = make_device_plan(c.lens, plan_config(c, hq));
+    INFO("plan: " << dplan.info.num_items << " items, " << dplan.info.num_merges << " merges, T = "
+                  << dplan.info.chunk_target_tokens);
+    p.workspace_bytes = std::max<std::size_t>(dplan.info.workspace_bytes, 16);
+    ws = DevBuf(p.workspace_bytes);
+    ws.poison();
+    p.workspace = ws.get();
+    REQUIRE(pagedkv::cuda::decode(p, dplan.device_list()) == Status::kSuccess);
+  } else if (c.split) {
     const int max_len = *std::max_element(c.lens.begin(), c.lens.end());
     const int chunk = c.chunk > 0 ? c.chunk : 16;
     p.kv_chunk_size_tokens = c.chunk;
@@ -98,7 +159,7 @@ void run_decode(const DecodeCase& c) {
     ws.poison();
     p.workspace = ws.get();
   }
-  REQUIRE(pagedkv::cuda::decode(p) == Status::kSuccess);
+  if (!c.plan) REQUIRE(pagedkv::cuda::decode(p) == Status::kSuccess);
   PKT_CUDA(cudaDeviceSynchronize());
   o.fetch();
   std::vector<float> got_lse(static_cast<std::size_t>(batch) * hq);
@@ -136,7 +197,9 @@ void run_decode(const DecodeCase& c) {
   hp.pages = bt.host_table(c.fmt);
   hp.workspace = hws.empty() ? nullptr : hws.data();
   if (c.split && c.chunk == 0) hp.kv_chunk_size_tokens = 0;  // implementation's choice: reference does not split
-  if (pagedkv::reference::decode(hp) == Status::kSuccess) {
+  const Status ref_status = c.plan ? pagedkv::reference::decode(hp, dplan.host_list()) : pagedkv::reference::decode(hp);
+  if (c.plan) CHECK(ref_status == Status::kSuccess);  // the same work list, item for item
+  if (ref_status == Status::kSuccess) {
     std::vector<double> rod(got.size());
     for (std::size_t i = 0; i < rod.size(); ++i) rod[i] = ro.at(static_cast<std::int64_t>(i));
     const double rerr = row_rel_error(got, rod, c.head_dim);
@@ -200,15 +263,53 @@ TEST_CASE("decode of a batch padded with empty sequences writes o = 0 and lse = 
   }
 }
 
-TEST_CASE("decode_plan splits batch 1 x 32k tokens across the GPU and stays exact", "[decode]") {
-  std::int32_t sms = 0;
-  REQUIRE(pagedkv::cuda::device_sm_count(0, &sms) == Status::kSuccess);
-  const auto plan = pagedkv::cuda::decode_plan(1, 32768, 32, 8, 128, DType::kBFloat16, sms);
-  REQUIRE(plan.max_num_chunks >= 2);
-  CHECK(plan.num_ctas >= sms);
+TEST_CASE("decode executes length-aware plans over the grid (small devices force splits)", "[decode][plan]") {
+  std::uint64_t seed = 7000;
+  int layout_i = 0;
+  for (DType dt : kDTypes) {
+    for (int hd : kHeadDims) {
+      for (int group : {1, 4, 8, 12}) {
+        for (int bs : {1, 16, 64}) {
+          for (auto fmt : {PageTableFormat::kCsr, PageTableFormat::kPadded}) {
+            Rng lr(seed);
+            DecodeCase c{dt, hd, group, bs, fmt, false, kLayouts[layout_i++ % 5],
+                         {lr.range(50, 700), 0, lr.range(1, 3 * bs + 5), lr.range(1, 40), lr.range(300, 900)}};
+            c.plan = true;
+            c.plan_sms = lr.range(1, 12);
+            c.plan_ctas_per_sm = lr.range(1, 4);
+            c.plan_min_chunk = lr.range(1, 64);
+            c.plan_heads_per_tile = lr.range(0, group);
+            c.seed = seed++;
+            run_decode(c);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("decode with the real device's plan: batch 1 x 32k, and a ragged batch of 256 with one 32k sequence",
+          "[decode][plan]") {
+  SECTION("batch 1 x 32768, 8 kv heads, group 4") {
+    DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kCsr, false, Layout::kNhd, {32768}};
+    c.kv_heads = 8;
+    c.plan = true;
+    run_decode(c);
+  }
+  SECTION("255 x 4096 + 1 x 32768, 2 kv heads, group 4") {
+    std::vector<int> lens(255, 4096);
+    lens.insert(lens.begin() + 100, 32768);
+    DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kPadded, false, Layout::kNhd, lens};
+    c.kv_heads = 2;
+    c.plan = true;
+    run_decode(c);
+  }
+}
+
+TEST_CASE("decode chunk rule: batch 1 x 32k with an explicit split stays exact", "[decode]") {
   DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kCsr, true, Layout::kNhd, {32768}};
   c.kv_heads = 8;
-  c.chunk = plan.kv_chunk_size_tokens;
+  c.chunk = 1024;
   run_decode(c);
 }
 

@@ -1,8 +1,10 @@
 // tests/cuda/test_memory_ops.cpp: write_kv, copy_blocks and swap_blocks against the CPU reference, bit for bit,
-// over dtypes, head dims, block sizes and layouts (dense and padded strides, interleaved and separate K/V); plus
-// launcher validation tests that need no device ("[host]").
+// over dtypes, head dims, block sizes and layouts (dense and padded strides, interleaved and separate K/V);
+// swap_blocks' memory-space check (pageable memory refused); a launch check that ignores an earlier unrelated error;
+// plus launcher validation tests that need no device ("[host]").
 #include "gpu_test_util.hpp"
 
+#include <cstdio>
 #include <memory>
 
 #include <pagedkv/reference/copy_blocks.hpp>
@@ -201,6 +203,89 @@ TEST_CASE("swap_blocks moves blocks device <-> pinned host like the reference", 
   }
 }
 
+TEST_CASE("swap_blocks refuses pageable host memory and non-device memory, queueing nothing", "[swap_blocks]") {
+  Rng r(4242);
+  const int nb = 6, bs = 16, heads = 2, hd = 64;
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    Pool dev(dt, nb, bs, heads, hd, Layout::kNhd);
+    dev.fill_random(r);
+    Pool host(dt, nb, bs, heads, hd, Layout::kNhd);  // its host mirror is plain (pageable) std::vector memory
+    host.fill_random(r);
+    const std::vector<unsigned char> host_before = host.hk;
+    const pagedkv::KVPoolView dview = dev.dev_view();
+    const pagedkv::KVPoolView pageable = host.host_view();
+    const std::vector<std::int32_t> mapping{1, 2, 3, 4};
+    SwapBlocksParams p;
+    p.num_layers = 1;
+    p.block_mapping = mapping.data();
+    p.num_pairs = 2;
+    // Device -> pageable host: refused, the host pool untouched.
+    p.direction = SwapDirection::kDeviceToHost;
+    p.src_layers = &dview;
+    p.dst_layers = &pageable;
+    CHECK(pagedkv::cuda::swap_blocks(p) == Status::kWrongMemorySpace);
+    PKT_CUDA(cudaDeviceSynchronize());
+    CHECK(host.hk == host_before);
+    // Pageable host -> device: refused, the device pool untouched.
+    p.direction = SwapDirection::kHostToDevice;
+    p.src_layers = &pageable;
+    p.dst_layers = &dview;
+    CHECK(pagedkv::cuda::swap_blocks(p) == Status::kWrongMemorySpace);
+    std::vector<unsigned char> gk(dev.k_bytes);
+    PKT_CUDA(cudaMemcpy(gk.data(), dev.dk.get(), gk.size(), cudaMemcpyDeviceToHost));
+    CHECK(gk == dev.hk);
+    // Both sides on the device (the "host" side is device memory): refused too.
+    p.direction = SwapDirection::kDeviceToHost;
+    p.src_layers = &dview;
+    p.dst_layers = &dview;
+    CHECK(pagedkv::cuda::swap_blocks(p) == Status::kWrongMemorySpace);
+    // The same host pool once registered (page-locked) is accepted and copies.
+    PKT_CUDA(cudaHostRegister(host.hk.data(), host.hk.size(), cudaHostRegisterDefault));
+    p.dst_layers = &pageable;
+    CHECK(pagedkv::cuda::swap_blocks(p) == Status::kSuccess);
+    PKT_CUDA(cudaDeviceSynchronize());
+    PKT_CUDA(cudaHostUnregister(host.hk.data()));
+    // Host block 2 now holds device block 1, host block 4 device block 3 (whole pages: K and V interleaved).
+    const std::size_t page_bytes = static_cast<std::size_t>(dview.stride_page) * pagedkv::dtype_size_bytes(dt);
+    CHECK(std::memcmp(host.hk.data() + 2 * page_bytes, dev.hk.data() + 1 * page_bytes, page_bytes) == 0);
+    CHECK(std::memcmp(host.hk.data() + 4 * page_bytes, dev.hk.data() + 3 * page_bytes, page_bytes) == 0);
+    CHECK(std::memcmp(host.hk.data(), host_before.data(), page_bytes) == 0);  // block 0 untouched
+  }
+}
+
+TEST_CASE("a launcher reports its own launch, not an earlier unrelated error", "[launch]") {
+  // Leave a non-sticky error in the thread's last-error slot (a failed allocation), as some other code might.
+  void* never = nullptr;
+  REQUIRE(cudaMalloc(&never, std::size_t{1} << 62) != cudaSuccess);
+  REQUIRE(cudaPeekAtLastError() != cudaSuccess);  // the unrelated error is pending
+  Rng r(77);
+  Pool gpu(DType::kBFloat16, 4, 16, 2, 128, Layout::kNhd);
+  gpu.upload();
+  Pool cpu(DType::kBFloat16, 4, 16, 2, 128, Layout::kNhd);
+  Tensor key(DType::kBFloat16, 3 * 2 * 128), value(DType::kBFloat16, 3 * 2 * 128);
+  key.randomize(r);
+  value.randomize(r);
+  const std::vector<std::int64_t> slots{16, 17, 40};
+  DevBuf d_slots = DevBuf::from(slots);
+  WriteKVParams p;
+  p.key = key.dev.get();
+  p.value = value.dev.get();
+  p.slot_mapping = d_slots.as<std::int64_t>();
+  p.num_tokens = 3;
+  p.kv = gpu.dev_view();
+  CHECK(pagedkv::cuda::write_kv(p) == Status::kSuccess);  // cudaPeekAtLastError would have said kCudaError
+  (void)cudaGetLastError();                               // clear the test's own error
+  PKT_CUDA(cudaDeviceSynchronize());
+  gpu.download();
+  WriteKVParams hp = p;
+  hp.key = key.host.data();
+  hp.value = value.host.data();
+  hp.slot_mapping = slots.data();
+  hp.kv = cpu.host_view();
+  REQUIRE(pagedkv::reference::write_kv(hp) == Status::kSuccess);
+  CHECK(gpu.same_bytes(cpu));
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Launcher validation: no device needed (nothing is launched), so these run in CI without a GPU.
 
@@ -298,20 +383,117 @@ TEST_CASE("launchers validate before launching and name unsupported combinations
   }
 }
 
-TEST_CASE("decode_plan splits only when the batch cannot fill the GPU", "[host][decode_plan]") {
-  const auto one = pagedkv::cuda::decode_plan(1, 32768, 32, 8, 128, DType::kBFloat16, 132);
-  CHECK(one.kv_chunk_size_tokens == 1024);
-  CHECK(one.max_num_chunks == 32);
-  CHECK(one.num_ctas == 256);
-  CHECK(one.workspace_bytes == pagedkv::decode_workspace_bytes(1, 32, 32, 128));
-  const auto big = pagedkv::cuda::decode_plan(64, 4096, 32, 8, 128, DType::kBFloat16, 132);
-  CHECK(big.max_num_chunks == 0);
-  CHECK(big.workspace_bytes == 0);
-  CHECK(big.num_ctas == 512);
-  const auto bad = pagedkv::cuda::decode_plan(1, 32768, 32, 8, 96, DType::kBFloat16, 132);
-  CHECK(bad.max_num_chunks == 0);
+TEST_CASE("decode work-list launcher validates the list's host-side shape", "[host][validation][plan]") {
+  using pagedkv::DecodeParams;
+  const auto* i32 = static_cast<const std::int32_t*>(fake(0x20000));
+  DecodeParams d;
+  d.q = fake();
+  d.o = fake();
+  d.kv = KVPoolView::nhd(fake(0x40000), DType::kBFloat16, 64, 16, 8, 128);
+  d.pages = PageTable::csr(4, i32, i32, i32);
+  d.num_qo_heads = 32;
+  d.sm_scale = 0.088f;
+  d.workspace = fake(0x80000);
+  d.workspace_bytes = pagedkv::decode_plan_workspace_bytes(16, 32, 128);
+  pagedkv::DecodeWorkList wl;
+  wl.items = static_cast<const pagedkv::DecodeWorkItem*>(fake(0x90000));
+  wl.item_capacity = 64;
+  wl.merges = static_cast<const pagedkv::DecodeMergeItem*>(fake(0xa0000));
+  wl.merge_capacity = 4;
+  wl.heads_per_tile = 4;
+  wl.partial_row_capacity = 16;
+  pagedkv::DecodeWorkList x = wl;
+  DecodeParams y = d;
+  SECTION("heads_per_tile 0") { x.heads_per_tile = 0; }
+  SECTION("heads_per_tile above the group") { x.heads_per_tile = 5; }
+  SECTION("null items") { x.items = nullptr; }
+  SECTION("misaligned items") { x.items = static_cast<const pagedkv::DecodeWorkItem*>(fake(0x90008)); }
+  SECTION("misaligned merges") { x.merges = static_cast<const pagedkv::DecodeMergeItem*>(fake(0xa0004)); }
+  SECTION("negative capacity") { x.merge_capacity = -1; }
+  SECTION("workspace too small for the rows") { y.workspace_bytes -= 4; }
+  SECTION("no workspace") { y.workspace = nullptr; }
+  SECTION("q misaligned") { y.q = fake(0x10004); }
+  CHECK(pagedkv::cuda::decode(y, x) == Status::kInvalidValue);
+}
+
+TEST_CASE("decode work-list launcher: heads per item beyond the kernel's row slots, unsupported shapes",
+          "[host][validation][plan]") {
+  using pagedkv::DecodeParams;
+  const auto* i32 = static_cast<const std::int32_t*>(fake(0x20000));
+  DecodeParams d;
+  d.q = fake();
+  d.o = fake();
+  d.kv = KVPoolView::nhd(fake(0x40000), DType::kFloat32, 64, 16, 1, 128);
+  d.pages = PageTable::csr(4, i32, i32, i32);
+  d.num_qo_heads = 24;  // group 24 > 8 row slots at fp32 x 128
+  d.sm_scale = 0.088f;
+  pagedkv::DecodeWorkList wl;
+  wl.items = static_cast<const pagedkv::DecodeWorkItem*>(fake(0x90000));
+  wl.item_capacity = 8;
+  wl.heads_per_tile = 12;
+  CHECK(pagedkv::cuda::decode(d, wl) == Status::kInvalidValue);
+  d.kv.head_dim = 96;
+  wl.heads_per_tile = 8;
+  CHECK(pagedkv::cuda::decode(d, wl) == Status::kUnsupported);
+  d.kv.head_dim = 128;
+  d.pages.batch_size = 0;  // valid, nothing to do
+  CHECK(pagedkv::cuda::decode(d, wl) == Status::kSuccess);
+}
+
+TEST_CASE("decode_row_slots and decode_heads_per_tile mirror the kernel's tiling", "[host][plan]") {
+  using pagedkv::cuda::decode_heads_per_tile;
+  using pagedkv::cuda::decode_row_slots;
+  CHECK(decode_row_slots(DType::kBFloat16, 64) == 16);
+  CHECK(decode_row_slots(DType::kFloat16, 128) == 8);
+  CHECK(decode_row_slots(DType::kFloat32, 64) == 8);
+  CHECK(decode_row_slots(DType::kBFloat16, 96) == 0);
+  CHECK(decode_heads_per_tile(DType::kBFloat16, 128, 4) == 4);
+  CHECK(decode_heads_per_tile(DType::kBFloat16, 128, 8) == 8);
+  CHECK(decode_heads_per_tile(DType::kBFloat16, 128, 12) == 6);   // two tiles of 6
+  CHECK(decode_heads_per_tile(DType::kBFloat16, 64, 12) == 12);   // 16 slots: one tile
+  CHECK(decode_heads_per_tile(DType::kFloat32, 256, 24) == 8);
+  CHECK(decode_heads_per_tile(DType::kFloat32, 256, 17) == 6);    // three tiles of 6, 6, 5
+  CHECK(decode_heads_per_tile(DType::kFloat32, 96, 4) == 0);
   CHECK(pagedkv::cuda::is_supported(DType::kFloat16, 256));
   CHECK_FALSE(pagedkv::cuda::is_supported(DType::kFloat16, 192));
+}
+
+TEST_CASE("decode_plan_config and device_sm_count agree on whether there is a device", "[host][plan]") {
+  pagedkv::DecodePlanConfig cfg;
+  CHECK(pagedkv::cuda::decode_plan_config(0, DType::kBFloat16, 128, 32, 8, nullptr) == Status::kInvalidValue);
+  CHECK(pagedkv::cuda::decode_plan_config(0, DType::kBFloat16, 128, 30, 8, &cfg) == Status::kInvalidValue);
+  CHECK(pagedkv::cuda::decode_plan_config(0, DType::kBFloat16, 96, 32, 8, &cfg) == Status::kUnsupported);
+  std::int32_t sms = 0;
+  const Status dev = pagedkv::cuda::device_sm_count(0, &sms);
+  const Status s = pagedkv::cuda::decode_plan_config(0, DType::kBFloat16, 128, 32, 8, &cfg);
+  if (dev == Status::kNoDevice) {
+    CHECK(s == Status::kNoDevice);
+    CHECK(cfg.num_sms == 0);  // untouched
+  } else {
+    REQUIRE(dev == Status::kSuccess);
+    REQUIRE(s == Status::kSuccess);
+    CHECK(cfg.num_sms == sms);
+    CHECK(cfg.ctas_per_sm >= 1);
+    CHECK(cfg.heads_per_tile == 4);
+    std::printf("decode_plan_config: %d SMs x %d CTAs/SM for the bf16 x d128 decode kernel\n", cfg.num_sms,
+                cfg.ctas_per_sm);
+  }
+}
+
+TEST_CASE("swap_blocks checks memory spaces only after the shapes (no device: kNoDevice)", "[host][validation]") {
+  const KVPoolView v = KVPoolView::nhd(fake(0x40000), DType::kBFloat16, 64, 16, 8, 128);
+  const std::int32_t map[2] = {1, 2};
+  SwapBlocksParams s;
+  s.src_layers = &v;
+  s.dst_layers = &v;
+  s.num_layers = 1;
+  s.block_mapping = map;
+  s.num_pairs = 1;
+  std::int32_t sms = 0;
+  const Status dev = pagedkv::cuda::device_sm_count(0, &sms);
+  // Fake addresses are neither page-locked host nor device memory: with a device that is kWrongMemorySpace,
+  // without one the query fails with kNoDevice. Either way nothing is queued.
+  CHECK(pagedkv::cuda::swap_blocks(s) == (dev == Status::kNoDevice ? Status::kNoDevice : Status::kWrongMemorySpace));
 }
 
 TEST_CASE("launchers reject an fp8 KV pool with kUnsupported (CPU reference only)", "[host][validation][fp8]") {

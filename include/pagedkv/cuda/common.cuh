@@ -1,5 +1,6 @@
 // pagedkv/cuda/common.cuh: device-side building blocks shared by every kernel family: element types and their
-// float conversions, 16-byte vector loads/stores, cp.async, page-table access, and the split-KV chunk rule.
+// float conversions, 16-byte vector loads/stores, cp.async, the launch helper (cudaLaunchKernelEx), page-table
+// access, and the split-KV chunk rule.
 //
 // Device code only (include from .cu files compiled by nvcc). Kernels live in the versioned inline namespace
 // `pagedkv::cuda::v0_1` so that two shared objects which both link pagedkv::cuda do not clash (CUB convention).
@@ -10,7 +11,9 @@
 #include <cuda_runtime.h>
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include <pagedkv/kernel_params.hpp>
 
@@ -116,6 +119,33 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- launching ----
+
+/// Launches `kernel<<<grid, block, smem_bytes, stream>>>(args...)` through cudaLaunchKernelEx and maps *this
+/// launch's* return value to a Status (kSuccess or kCudaError), without synchronizing.
+///
+/// Why not `<<<...>>>` + cudaPeekAtLastError (the CUB convention this replaced): the triple-chevron launch reports
+/// only through the per-thread last-error slot, and that slot also holds any earlier, unrelated non-sticky error
+/// nobody consumed (a failed cudaMalloc elsewhere in the process, say), so a correct launch would be reported as
+/// failed; and consuming the slot with cudaGetLastError would hide the other code's error from it. The return value
+/// of cudaLaunchKernelEx belongs to this launch only: configuration errors (grid, block, shared memory, missing
+/// kernel image). Like every runtime call it also returns a sticky error of an earlier asynchronous fault, which
+/// leaves the context unusable for any launch, so kCudaError is right then too. Faults inside the kernel are
+/// asynchronous and surface at the next synchronizing call, as with any launch.
+template <class... KernelArgs, class... Args>
+Status launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::size_t smem_bytes,
+                     cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cfg.attrs = nullptr;
+  cfg.numAttrs = 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...) == cudaSuccess ? Status::kSuccess
+                                                                                       : Status::kCudaError;
 }
 
 // ---- page tables (DESIGN.md section 3) ----

@@ -2,13 +2,20 @@
 //
 // Sources: PagedAttention (Kwon et al., SOSP'23) for the page indirection; FlashInfer's batch decode for the
 // thread layout (lanes along head_dim with 16-byte vectors, K/V tiles staged in shared memory by cp.async and
-// shared by all query heads of a group); Flash-Decoding (Dao et al., 2023) for split-KV + log-sum-exp merge.
+// shared by all query heads of a group) and its plan/run split; Flash-Decoding (Dao et al., 2023) for split-KV +
+// log-sum-exp merge.
 //
-// CTA = (sequence b, kv head, head tile, chunk). Layout inside a CTA:
+// CTA = one unit of work (sequence b, kv head, head tile, token range). Where the unit comes from:
+//   - work-list mode (DecodeArgs::items != null): CTA i runs work item i of a plan (pagedkv/decode_plan.hpp); the
+//     grid is the list's fixed capacity and padding items exit at once. The plan decides every range, the merge
+//     list names the split requests. This is what the CPU reference executes too.
+//   - grid mode (legacy DecodeParams chunk rule): grid (batch, kv heads * head tiles, chunks), range from
+//     effective_chunk.
+// Layout inside a CTA:
 //   lanes_per_row = head_dim / ept lanes hold one row (ept = elements per thread, 16-byte vectors interleaved
 //   so shared-memory reads are conflict-free); the CTA has kSlots = threads / lanes_per_row row slots.
 //   Slot s works for query head (s % heads_per_tile) of the tile and token phase (s / heads_per_tile); phases
-//   split the chunk's tokens round-robin. Each slot runs an fp32 online softmax (base-2 exponent, q prescaled by
+//   split the range's tokens round-robin. Each slot runs an fp32 online softmax (base-2 exponent, q prescaled by
 //   sm_scale * log2(e)); at the end the phases of a head are merged through shared memory.
 //   K and V tiles of kTileTokens tokens are double-buffered in shared memory; the page id is read per row.
 #pragma once
@@ -16,6 +23,7 @@
 #include <cmath>
 
 #include <pagedkv/cuda/common.cuh>
+#include <pagedkv/decode_plan.hpp>
 
 namespace pagedkv::cuda {
 inline namespace v0_1 {
@@ -45,7 +53,7 @@ struct DecodeTraits {
   static_assert(kSmemBytes <= 48 * 1024, "DecodeTraits: static shared memory must stay under 48 KiB");
 };
 
-/// Kernel arguments derived on the host from DecodeParams (element strides, the head tiling, the split).
+/// Kernel arguments derived on the host from DecodeParams (element strides, the head tiling, the work source).
 struct DecodeArgs {
   const void* q;
   void* o;
@@ -56,52 +64,89 @@ struct DecodeArgs {
   std::int64_t stride_page, stride_token, stride_head;  // elements
   std::int32_t block_size;
   std::int32_t num_qo_heads;
+  std::int32_t num_kv_heads;
   std::int32_t group_size;      // num_qo_heads / num_kv_heads
   std::int32_t heads_per_tile;  // query heads one CTA computes
   std::int32_t num_head_tiles;  // ceil(group_size / heads_per_tile)
   std::int32_t phases;          // kSlots / heads_per_tile
   float scale_log2;             // sm_scale * log2(e)
+  // Work-list mode (items != null): CTA i runs items[i]; the merge kernel runs merges[0, merge_capacity).
+  const DecodeWorkItem* items;
+  const DecodeMergeItem* merges;
+  std::int32_t merge_capacity;
+  std::int64_t partial_row_capacity;  // workspace rows in work-list mode (items and merges naming more are skipped)
+  // Grid mode: split iff `split`; chunk c of sequence b writes partial row b * max_num_chunks + c.
   bool split;
   std::int32_t chunk_request;   // DecodeParams::kv_chunk_size_tokens
   std::int32_t max_num_chunks;
-  float* ws_o;                  // [batch, max_num_chunks, num_qo_heads, HD]
-  float* ws_lse;                // [batch, max_num_chunks, num_qo_heads]
+  float* ws_o;                  // [partial rows, num_qo_heads, HD] (grid mode: rows = batch * max_num_chunks)
+  float* ws_lse;                // [partial rows, num_qo_heads]
 };
 
-/// Decode kernel. grid = (batch, num_kv_heads * num_head_tiles, split ? max_num_chunks : 1), block = kThreads.
+/// Decode kernel. Work-list mode: grid = item capacity; grid mode: grid = (batch, num_kv_heads * num_head_tiles,
+/// split ? max_num_chunks : 1). block = kThreads.
 template <KernelElement T, int HD>
 __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
     decode_kernel(const DecodeArgs a) {
   using Tr = DecodeTraits<T, HD>;
   __shared__ __align__(16) unsigned char smem_raw[Tr::kSmemBytes];
   T* const smem_kv = reinterpret_cast<T*>(smem_raw);
-
-  const std::int32_t b = static_cast<std::int32_t>(blockIdx.x);
-  const std::int32_t kv_head = static_cast<std::int32_t>(blockIdx.y) / a.num_head_tiles;
-  const std::int32_t head_tile = static_cast<std::int32_t>(blockIdx.y) % a.num_head_tiles;
-  const std::int32_t chunk_idx = static_cast<std::int32_t>(blockIdx.z);
   const std::int32_t bs = a.block_size;
 
-  const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
+  // ---- which work: (b, kv head, head tile, [chunk_begin, chunk_end), partial row or -1) ----
+  std::int32_t b, kv_head, head_tile, chunk_begin, chunk_end;
+  std::int64_t partial_row;  // -1: write o and lse
+  if (a.items != nullptr) {
+    const DecodeWorkItem it = a.items[blockIdx.x];
+    if (it.valid == 0 || it.request < 0 || it.request >= a.pages.batch_size || it.kv_head < 0 ||
+        it.kv_head >= a.num_kv_heads || it.head_tile < 0 || it.head_tile >= a.num_head_tiles) {
+      return;  // padding (or a malformed item: precondition violated, skipped)
+    }
+    if (it.partial_row >= a.partial_row_capacity) return;  // a row past the workspace: precondition violated
+    b = it.request;
+    kv_head = it.kv_head;
+    head_tile = it.head_tile;
+    partial_row = it.partial_row < 0 ? -1 : it.partial_row;
+    // Never read past the sequence the page table describes, whatever the plan says.
+    const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
+    chunk_begin = max(it.kv_begin, 0);
+    chunk_end = min(it.kv_end, kv_len);
+  } else {
+    b = static_cast<std::int32_t>(blockIdx.x);
+    kv_head = static_cast<std::int32_t>(blockIdx.y) / a.num_head_tiles;
+    head_tile = static_cast<std::int32_t>(blockIdx.y) % a.num_head_tiles;
+    const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
+    chunk_begin = 0;
+    chunk_end = kv_len;
+    partial_row = -1;
+    if (a.split) {
+      const std::int32_t chunk_idx = static_cast<std::int32_t>(blockIdx.z);
+      const std::int32_t chunk = effective_chunk(kv_len, a.chunk_request, a.max_num_chunks);
+      chunk_begin = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_idx) * chunk,
+                                                  static_cast<std::int64_t>(kv_len)));
+      chunk_end = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_begin) + chunk,
+                                                static_cast<std::int64_t>(kv_len)));
+      if (chunk_begin >= chunk_end) return;  // this chunk does not exist for this sequence (merge skips it)
+      partial_row = static_cast<std::int64_t>(b) * a.max_num_chunks + chunk_idx;
+    }
+  }
   const std::int32_t head0 = kv_head * a.group_size + head_tile * a.heads_per_tile;  // first qo head of the tile
   const std::int32_t tile_heads = min(a.heads_per_tile, a.group_size - head_tile * a.heads_per_tile);
   if (tile_heads <= 0) return;  // balanced head tiling can leave the last tile empty for very large groups
 
-  std::int32_t chunk_begin = 0;
-  std::int32_t chunk_end = kv_len;
-  if (a.split) {
-    const std::int32_t chunk = effective_chunk(kv_len, a.chunk_request, a.max_num_chunks);
-    chunk_begin = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_idx) * chunk,
-                                                static_cast<std::int64_t>(kv_len)));
-    chunk_end = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_begin) + chunk,
-                                              static_cast<std::int64_t>(kv_len)));
-    if (chunk_begin >= chunk_end) return;  // this chunk does not exist for this sequence (merge skips it)
-  } else if (kv_len <= 0) {
-    // Padding sequence: o = 0, lse = -inf.
+  if (chunk_begin >= chunk_end) {
+    // An empty range: a padding sequence (o = 0, lse = -inf), or a plan item whose range the page table does not
+    // have (precondition violated): its partial row gets o = 0, lse = -inf, which the merge weighs 0.
     for (int i = threadIdx.x; i < tile_heads * HD; i += Tr::kThreads) {
       const std::int64_t h = head0 + i / HD;
-      static_cast<T*>(a.o)[(static_cast<std::int64_t>(b) * a.num_qo_heads + h) * HD + i % HD] = from_float<T>(0.f);
-      if (a.lse != nullptr && i % HD == 0) a.lse[static_cast<std::int64_t>(b) * a.num_qo_heads + h] = -INFINITY;
+      if (partial_row >= 0) {
+        const std::int64_t r = partial_row * a.num_qo_heads + h;
+        a.ws_o[r * HD + i % HD] = 0.f;
+        if (i % HD == 0) a.ws_lse[r] = -INFINITY;
+      } else {
+        static_cast<T*>(a.o)[(static_cast<std::int64_t>(b) * a.num_qo_heads + h) * HD + i % HD] = from_float<T>(0.f);
+        if (a.lse != nullptr && i % HD == 0) a.lse[static_cast<std::int64_t>(b) * a.num_qo_heads + h] = -INFINITY;
+      }
     }
     return;
   }
@@ -268,8 +313,8 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
     const float out = num / den;
     const float lse_nat = (mx + log2f(den)) * 0.69314718055994530942f;
     const std::int64_t h = head0 + hl;
-    if (a.split) {
-      const std::int64_t r = (static_cast<std::int64_t>(b) * a.max_num_chunks + chunk_idx) * a.num_qo_heads + h;
+    if (partial_row >= 0) {
+      const std::int64_t r = partial_row * a.num_qo_heads + h;
       a.ws_o[r * HD + dim] = out;
       if (dim == 0) a.ws_lse[r] = lse_nat;
     } else {
@@ -280,38 +325,55 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
   }
 }
 
-/// Merge kernel (Flash-Decoding): o[b, h] = sum_c exp(lse_c - lse) * o_c, lse = log sum_c exp(lse_c).
-/// One warp per (b, h); grid = ceil(batch * num_qo_heads / 4), block = 128.
+/// Merge kernel (Flash-Decoding): o[b, h] = sum_c exp(lse_c - lse) * o_c, lse = log sum_c exp(lse_c), over the
+/// partial rows of request b in row order. One warp per (merge entry, h) in work-list mode (grid =
+/// ceil(merge_capacity * num_qo_heads / 4)), per (b, h) in grid mode (grid = ceil(batch * num_qo_heads / 4));
+/// block = 128.
 template <KernelElement T, int HD>
 __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
   const std::int32_t batch = a.pages.batch_size;
-  if (row >= static_cast<std::int64_t>(batch) * a.num_qo_heads) return;
-  const auto b = static_cast<std::int32_t>(row / a.num_qo_heads);
-  const auto h = static_cast<std::int32_t>(row % a.num_qo_heads);
   const int lane = static_cast<int>(threadIdx.x % 32);
-  T* const out = static_cast<T*>(a.o) + row * HD;
-
-  const std::int32_t kv_len = seq_kv_len(a.pages, b, a.block_size);
   constexpr int kVec = kVecElems<T>;
-  if (kv_len <= 0) {
+  std::int32_t b, h, nc;
+  std::int64_t first_row;  // partial row of chunk 0
+  if (a.merges != nullptr) {
+    if (row >= static_cast<std::int64_t>(a.merge_capacity) * a.num_qo_heads) return;
+    const DecodeMergeItem m = a.merges[row / a.num_qo_heads];
+    if (m.valid == 0 || m.request < 0 || m.request >= batch) return;  // padding
+    if (m.partial_begin < 0 || m.num_partials < 0 ||
+        std::int64_t{m.partial_begin} + m.num_partials > a.partial_row_capacity) {
+      return;  // rows past the workspace: precondition violated
+    }
+    b = m.request;
+    h = static_cast<std::int32_t>(row % a.num_qo_heads);
+    nc = m.num_partials;
+    first_row = m.partial_begin;
+  } else {
+    if (row >= static_cast<std::int64_t>(batch) * a.num_qo_heads) return;
+    b = static_cast<std::int32_t>(row / a.num_qo_heads);
+    h = static_cast<std::int32_t>(row % a.num_qo_heads);
+    const std::int32_t kv_len = seq_kv_len(a.pages, b, a.block_size);
+    nc = kv_len <= 0 ? 0 : static_cast<std::int32_t>(ceil_div(kv_len, effective_chunk(kv_len, a.chunk_request, a.max_num_chunks)));
+    first_row = static_cast<std::int64_t>(b) * a.max_num_chunks;
+  }
+  const std::int64_t orow = static_cast<std::int64_t>(b) * a.num_qo_heads + h;
+  T* const out = static_cast<T*>(a.o) + orow * HD;
+  float mx = -INFINITY;
+  for (int c = 0; c < nc; ++c) mx = fmaxf(mx, a.ws_lse[(first_row + c) * a.num_qo_heads + h]);
+  if (mx == -INFINITY) {  // padding sequence (or only empty partials): o = 0, lse = -inf
     float zeros[kVec] = {};
     for (int v = lane; v < HD / kVec; v += 32) *reinterpret_cast<uint4*>(out + v * kVec) = pack16<T>(zeros);
-    if (lane == 0 && a.lse != nullptr) a.lse[row] = -INFINITY;
+    if (lane == 0 && a.lse != nullptr) a.lse[orow] = -INFINITY;
     return;
   }
-  const std::int32_t chunk = effective_chunk(kv_len, a.chunk_request, a.max_num_chunks);
-  const auto nc = static_cast<std::int32_t>(ceil_div(kv_len, chunk));
-  const std::int64_t base = static_cast<std::int64_t>(b) * a.max_num_chunks;  // chunk rows of sequence b
-  float mx = -INFINITY;
-  for (int c = 0; c < nc; ++c) mx = fmaxf(mx, a.ws_lse[(base + c) * a.num_qo_heads + h]);
   float sum = 0.f;
-  for (int c = 0; c < nc; ++c) sum += expf(a.ws_lse[(base + c) * a.num_qo_heads + h] - mx);
+  for (int c = 0; c < nc; ++c) sum += expf(a.ws_lse[(first_row + c) * a.num_qo_heads + h] - mx);
   const float lse = mx + logf(sum);
   for (int v = lane; v < HD / kVec; v += 32) {
     float accv[kVec] = {};
     for (int c = 0; c < nc; ++c) {
-      const std::int64_t r = (base + c) * a.num_qo_heads + h;
+      const std::int64_t r = (first_row + c) * a.num_qo_heads + h;
       const float w = expf(a.ws_lse[r] - lse);
       const float4* src = reinterpret_cast<const float4*>(a.ws_o + r * HD + v * kVec);
 #pragma unroll
@@ -325,22 +387,39 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a) {
     }
     *reinterpret_cast<uint4*>(out + v * kVec) = pack16<T>(accv);
   }
-  if (lane == 0 && a.lse != nullptr) a.lse[row] = lse;
+  if (lane == 0 && a.lse != nullptr) a.lse[orow] = lse;
 }
 
-/// Host: launches the decode (and, when splitting, the merge) kernel for (T, HD). Arguments validated by the caller.
+/// Host: launches the decode kernel and, when anything can be split, the merge kernel, for (T, HD). Arguments
+/// validated by the caller. Work-list mode: item_capacity attention CTAs and, if merge_capacity > 0 and the list
+/// has partial rows (has_partials), ceil(merge_capacity * num_qo_heads / 4) merge CTAs; grid mode as before.
 template <KernelElement T, int HD>
-Status launch_decode(const DecodeArgs& a, std::int32_t num_kv_heads, cudaStream_t stream) {
+Status launch_decode(const DecodeArgs& a, std::int32_t item_capacity, bool has_partials, cudaStream_t stream) {
   using Tr = DecodeTraits<T, HD>;
   const std::int32_t batch = a.pages.batch_size;
-  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(num_kv_heads * a.num_head_tiles),
+  if (a.items != nullptr) {
+    if (item_capacity > 0) {
+      const Status s = launch_kernel(decode_kernel<T, HD>, dim3(static_cast<unsigned>(item_capacity)),
+                                     dim3(Tr::kThreads), 0, stream, a);
+      if (s != Status::kSuccess) return s;
+    }
+    if (a.merges != nullptr && a.merge_capacity > 0 && has_partials) {
+      const std::int64_t rows = static_cast<std::int64_t>(a.merge_capacity) * a.num_qo_heads;
+      return launch_kernel(decode_merge_kernel<T, HD>, dim3(static_cast<unsigned>(ceil_div(rows, 4))), dim3(128), 0,
+                           stream, a);
+    }
+    return Status::kSuccess;
+  }
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(a.num_kv_heads * a.num_head_tiles),
                   a.split ? static_cast<unsigned>(a.max_num_chunks) : 1u);
-  decode_kernel<T, HD><<<grid, Tr::kThreads, 0, stream>>>(a);
-  if (cudaPeekAtLastError() != cudaSuccess) return Status::kCudaError;
+  if (const Status s = launch_kernel(decode_kernel<T, HD>, grid, dim3(Tr::kThreads), 0, stream, a);
+      s != Status::kSuccess) {
+    return s;
+  }
   if (a.split) {
     const std::int64_t rows = static_cast<std::int64_t>(batch) * a.num_qo_heads;
-    decode_merge_kernel<T, HD><<<static_cast<unsigned>(ceil_div(rows, 4)), 128, 0, stream>>>(a);
-    if (cudaPeekAtLastError() != cudaSuccess) return Status::kCudaError;
+    return launch_kernel(decode_merge_kernel<T, HD>, dim3(static_cast<unsigned>(ceil_div(rows, 4))), dim3(128), 0,
+                         stream, a);
   }
   return Status::kSuccess;
 }

@@ -6,6 +6,8 @@
 // every family's instantiations: count before adding (STYLE.md, "Templates").
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <utility>
 
 #include <pagedkv/cuda/common.cuh>
@@ -46,11 +48,6 @@ Status dispatch_dtype_head_dim(DType dt, int head_dim, F&& f) {
     case DType::kBFloat16: return dispatch_head_dim<__nv_bfloat16>(head_dim, std::forward<F>(f));
   }
   return Status::kUnsupported;
-}
-
-/// Maps the result of a launch to a Status without synchronizing (CUB convention: cudaPeekAtLastError).
-inline Status check_launch() {
-  return cudaPeekAtLastError() == cudaSuccess ? Status::kSuccess : Status::kCudaError;
 }
 
 /// True when p is aligned to `bytes`.

@@ -6,17 +6,23 @@
 // Every launcher follows "validate -> launch -> check" (CUTLASS/CUB): it validates shapes, pointers and alignment
 // on the host and returns Status::kInvalidValue before anything runs; it dispatches (dtype, head_dim) in one place
 // and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}, and for any pool whose
-// KVPoolView::kv_dtype is not KVDType::kSame (fp8 KV on CUDA: not yet implemented; CPU reference only); it checks the launch with
-// cudaPeekAtLastError (-> Status::kCudaError, the error stays for cudaGetLastError). Launchers never synchronize
-// the host, never allocate and never throw, so a sequence of them can be captured into a CUDA graph and replayed
-// (swap_blocks: see its note). Thread safety: launchers keep no state; concurrent calls on different streams are
-// safe. Values that live in device memory (page tables, slot mappings, copy lists) cannot be checked on the host:
-// out-of-range entries there are preconditions, and the kernels skip what they can detect (documented per op).
+// KVPoolView::kv_dtype is not KVDType::kSame (fp8 KV on CUDA: not yet implemented; CPU reference only); it launches
+// through cudaLaunchKernelEx and returns Status::kCudaError when *that launch* fails (its own return value: an
+// earlier, unrelated error left in the thread's last-error slot is neither reported nor consumed; see
+// docs/kernels.md). Launchers never synchronize the host, never allocate and never throw, so a sequence of them can
+// be captured into a CUDA graph and replayed (swap_blocks: see its note). Thread safety: launchers keep no state;
+// concurrent calls on different streams are safe. Values that live in device memory (page tables, slot mappings,
+// copy lists, decode work lists) cannot be checked on the host: out-of-range entries there are preconditions, and
+// the kernels skip what they can detect (documented per op).
+//
+// Status: no launcher has run on a GPU yet (docs/kernels.md, "Status"); they are verified through the CPU
+// reference, which executes the same decode work lists, and compiled for sm_90.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include <pagedkv/decode_plan.hpp>
 #include <pagedkv/kernel_params.hpp>
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
@@ -58,36 +64,79 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// kCudaError if the launch fails. num_tokens == 0 launches nothing.
 [[nodiscard]] PAGEDKV_CUDA_API Status write_kv(const WriteKVParams& p, Stream stream = nullptr) noexcept;
 
-/// How decode() should split each sequence's KV (Flash-Decoding, Dao et al. 2023), chosen by decode_plan().
-struct DecodePlan {
-  std::int32_t kv_chunk_size_tokens = 0;  ///< Goes into DecodeParams::kv_chunk_size_tokens (0 with no split).
-  std::int32_t max_num_chunks = 0;        ///< Goes into DecodeParams::max_num_chunks (0 = no split).
-  std::size_t workspace_bytes = 0;        ///< Device scratch decode() needs; 0 with no split.
-  std::int64_t num_ctas = 0;              ///< CTAs of the attention kernel at max_kv_len (for information).
-};
+/// Row slots of the decode CTA for (dtype, head_dim): the most query heads one decode work item can hold (16 for
+/// fp16/bf16 x 64, 8 otherwise; mirrors DecodeTraits<T, HD>::kSlots, checked by a static_assert in cuda/decode.cu).
+/// 0 outside the compiled set. Pure function.
+[[nodiscard]] constexpr std::int32_t decode_row_slots(DType dtype, std::int32_t head_dim) noexcept {
+  if (!is_supported(dtype, head_dim)) return 0;
+  return (dtype != DType::kFloat32 && head_dim == 64) ? 16 : 8;
+}
 
-/// Plans split-KV for a decode batch (the host "plan" step of FlashInfer's plan/run; call once per shape, e.g.
-/// before capturing a graph). Splits only when the batch alone would not fill the GPU: it targets about two CTAs
-/// per SM, so batch 1 x 32k tokens x 8 kv heads on 132 SMs gets 32 chunks of 1024 tokens, while batch 64 x 8 kv
-/// heads is not split. The chunk is a multiple of 256 tokens and at least 256.
-/// - batch_size: sequences; max_kv_len_tokens: the longest sequence this plan must serve (tokens, >= 0);
-///   num_qo_heads, num_kv_heads, head_dim, dtype as in DecodeParams; sm_count: multiprocessors of the device
-///   (see device_sm_count). Pure host function, no CUDA call. Invalid or unsupported shapes give a no-split plan.
-[[nodiscard]] PAGEDKV_CUDA_API DecodePlan decode_plan(std::int32_t batch_size, std::int32_t max_kv_len_tokens,
-                                                      std::int32_t num_qo_heads, std::int32_t num_kv_heads,
-                                                      std::int32_t head_dim, DType dtype,
-                                                      std::int32_t sm_count) noexcept;
+/// Query heads per work item the CUDA decode kernel uses for a GQA group of `group_size` heads: the group cut into
+/// the fewest tiles of at most decode_row_slots heads, balanced (ceil(group / ceil(group / slots))); e.g. group 4
+/// -> 4 (one tile), group 12 at 8 slots -> 6 (two tiles). Put it in DecodePlanConfig::heads_per_tile. 0 for an
+/// unsupported (dtype, head_dim) or group_size < 1. Pure function.
+[[nodiscard]] constexpr std::int32_t decode_heads_per_tile(DType dtype, std::int32_t head_dim,
+                                                           std::int32_t group_size) noexcept {
+  const std::int32_t slots = decode_row_slots(dtype, head_dim);
+  if (slots == 0 || group_size < 1) return 0;
+  const std::int32_t tiles = (group_size + slots - 1) / slots;
+  return (group_size + tiles - 1) / tiles;
+}
+
+/// Fills the device-dependent fields of a decode plan configuration (pagedkv/decode_plan.hpp) for the decode
+/// kernel of (dtype, head_dim): num_qo_heads, num_kv_heads, head_dim, heads_per_tile (decode_heads_per_tile),
+/// num_sms (cudaDevAttrMultiProcessorCount of `device`) and ctas_per_sm (cudaOccupancyMaxActiveBlocksPerMultiprocessor
+/// of that kernel at its block size, at least 1). The cost knobs (min_chunk_tokens, item_overhead_tokens,
+/// max_waves) are left as they are. Call once per shape, before planning or capturing (not a stream operation; no
+/// synchronization). `device` must be the calling thread's current device (the occupancy API reads the current
+/// one). Returns kNoDevice (no CUDA device), kInvalidValue (null cfg, bad heads, device not current or out of
+/// range), kUnsupported (dtype, head_dim outside the compiled set), kCudaError (a CUDA query failed); *cfg is
+/// written only on kSuccess. Thread safety: writes *cfg only.
+[[nodiscard]] PAGEDKV_CUDA_API Status decode_plan_config(int device, DType dtype, std::int32_t head_dim,
+                                                         std::int32_t num_qo_heads, std::int32_t num_kv_heads,
+                                                         DecodePlanConfig* cfg) noexcept;
 
 /// Multiprocessor count of CUDA device `device` into *sm_count (cudaDeviceGetAttribute; no synchronization).
-/// Returns kNoDevice when no device is present, kInvalidValue for a null out pointer, kCudaError otherwise.
+/// Returns kNoDevice when no device is present, kInvalidValue for a null out pointer or a device index out of
+/// range, kCudaError otherwise.
 [[nodiscard]] PAGEDKV_CUDA_API Status device_sm_count(int device, std::int32_t* sm_count) noexcept;
 
-/// Decode attention over paged KV: one query token per sequence (PagedAttention, Kwon et al. SOSP'23; FlashInfer
-/// batch decode; Flash-Decoding split-KV).
+/// Decode attention over paged KV executing a work list (PagedAttention, Kwon et al. SOSP'23; FlashInfer batch
+/// decode with its plan/run split; Flash-Decoding split-KV). The preferred entry point: plan with plan_decode
+/// (pagedkv/decode_plan.hpp) on the host, copy the item and merge buffers to the device, launch.
 /// - p.q: device `[batch, num_qo_heads, head_dim]` contiguous, dtype p.kv.dtype; p.o: device, same shape;
 ///   p.lse: device float32 `[batch, num_qo_heads]` or null (natural log of the softmax denominator of
-///   sm_scale * q.k). A sequence with no tokens gets o = 0 and lse = -inf.
-/// - p.kv: device pool; p.pages: device CSR or padded page table (int32).
+///   sm_scale * q.k). p.kv: device pool; p.pages: device CSR or padded page table (int32), batch = its batch_size.
+///   p.kv_chunk_size_tokens / p.max_num_chunks are ignored.
+/// - wl: items `[item_capacity]` and merges `[merge_capacity]` in *device* memory, 16-byte aligned, as plan_decode
+///   wrote them (DecodePlanInfo::work_list relocated to the device copies); heads_per_tile in [1, min(group,
+///   decode_row_slots)] (plan with decode_heads_per_tile, or fewer heads per item); p.workspace: device, 16-byte
+///   aligned, >= decode_plan_workspace_bytes(wl.partial_row_capacity, num_qo_heads, head_dim) when
+///   partial_row_capacity > 0 (float32 partial o then partial lse, rows as the items name them).
+/// - Launches item_capacity attention CTAs (one per item; padding items, valid == 0, exit at once) and, when
+///   merge_capacity > 0 and partial_row_capacity > 0, ceil(merge_capacity * num_qo_heads / 4) merge CTAs of 4
+///   warps, on `stream`, in that order. The launch shape depends only on the capacities, so a captured graph
+///   replays any later plan written to the same device buffers.
+/// - Item i computes the query heads of tile head_tile of kv head kv_head (GQA: query head h reads kv head h /
+///   (num_qo_heads / num_kv_heads); each K/V byte of the range is read once per tile) over its token range, and
+///   writes o / lse (partial_row == -1; an empty sequence gets o = 0, lse = -inf) or its normalized partial (o, lse)
+///   to workspace row partial_row; merge entry m combines its rows by log-sum-exp into o / lse.
+/// Preconditions checked (kInvalidValue): as decode(p) for q, o, kv, pages, heads, sm_scale; capacities >= 0;
+/// non-null, 16-byte aligned items / merges when their capacity > 0; heads_per_tile in range; workspace as above.
+/// Preconditions not checked (device data): the list is a correct plan for this batch's lengths (what
+/// validate_decode_work_list checks on the host; the CPU reference checks it on every call). The kernel skips items
+/// and merges naming a request, kv head or head tile out of range, and clamps each range to the sequence length
+/// the page table gives, so it never reads past a sequence; a list that does not cover every (request, head,
+/// token) exactly once gives wrong o, never an out-of-bounds access (items and merges naming workspace rows at or
+/// past partial_row_capacity are skipped too).
+/// Unsupported (kUnsupported): dtype / head_dim outside the compiled set, fp8 pools. kCudaError: a launch failed.
+[[nodiscard]] PAGEDKV_CUDA_API Status decode(const DecodeParams& p, const DecodeWorkList& wl,
+                                            Stream stream = nullptr) noexcept;
+
+/// Decode attention over paged KV with the uniform chunk rule of DecodeParams (no work list; the pre-plan entry
+/// point, kept for callers that split by a fixed chunk).
+/// - p.q, p.o, p.lse, p.kv, p.pages: as decode(p, wl). A sequence with no tokens gets o = 0 and lse = -inf.
 /// - GQA: query head h reads kv head h / (num_qo_heads / num_kv_heads); all query heads of one kv head are computed
 ///   by one CTA, so each K/V byte is read once (group sizes above 8, or above 16 at fp16/bf16 x 64, take
 ///   ceil(group / 8) passes).
@@ -96,7 +145,8 @@ struct DecodePlan {
 ///   rounded up to 16; if a sequence would need more than max_num_chunks chunks, its chunk grows to
 ///   ceil(kv_len_b / max_num_chunks) (never a dropped token). Partials (float32) go to p.workspace (device, >=
 ///   decode_workspace_bytes(batch, max_num_chunks, num_qo_heads, head_dim), 16-byte aligned) and a second kernel
-///   merges them by log-sum-exp. Use decode_plan() to choose.
+///   merges them by log-sum-exp. The grid is (batch, kv heads x head tiles, max_num_chunks): the split does not
+///   look at the actual lengths; decode(p, wl) with plan_decode does.
 /// Preconditions checked (kInvalidValue): non-null q, o, kv.k, kv.v and page-table pointers of the chosen format;
 /// positive block_size, num_kv_heads, num_blocks, num_qo_heads with num_qo_heads % num_kv_heads == 0; q, o, k, v
 /// and workspace 16-byte aligned and kv strides multiples of 16 bytes; kv_chunk_size_tokens >= 0; max_num_chunks
@@ -128,14 +178,20 @@ struct DecodePlan {
 
 /// Moves blocks between a device pool and a pinned-host pool of the same shape (vLLM V0 swap_blocks).
 /// - p.src_layers / p.dst_layers: host arrays of p.num_layers pool views; the device side in device memory, the
-///   host side in page-locked host memory (cudaHostAlloc / cudaHostRegister; pageable memory makes the copies
-///   synchronous). Both sides share dtype, block_size, num_kv_heads and head_dim; strides may differ.
+///   host side in page-locked host memory (cudaHostAlloc / cudaHostRegister). Both sides share dtype, block_size,
+///   num_kv_heads and head_dim; strides may differ.
 /// - p.block_mapping: host int32 `[num_pairs, 2]` (src block, dst block); pairs with src < 0 are skipped; ids are
 ///   checked against num_blocks on the host (kInvalidValue before any copy is queued).
+/// - Memory spaces are checked with cudaPointerGetAttributes on every layer's k and v base pointers before any copy
+///   is queued: a host side that is not page-locked (cudaMemoryTypeUnregistered: pageable memory, where
+///   cudaMemcpyAsync would silently become a synchronous copy, which also breaks stream capture) or a device side
+///   that is not device (or managed) memory gives Status::kWrongMemorySpace. Only the base pointers are checked: a
+///   pool partly registered with cudaHostRegister is a precondition. No device: kNoDevice.
 /// Implementation: batched cudaMemcpyAsync (the copy engines, no SM time). When a block's K (or K and V together)
 /// is one dense byte range on both sides, one copy per (layer, pair) or per run of consecutive blocks; otherwise
-/// one 2D copy per (layer, pair, K/V, token). Asynchronous with respect to the host; graph capturable when the
-/// host side is pinned.
+/// one 2D copy per (layer, pair, K/V, token). Asynchronous with respect to the host. Graph capture: the mapping is
+/// read on the host at call time, so a captured swap replays the same pairs; whether cudaPointerGetAttributes is
+/// accepted during a global-mode capture is unverified (no GPU yet): check the pools before capturing if needed.
 [[nodiscard]] PAGEDKV_CUDA_API Status swap_blocks(const SwapBlocksParams& p, Stream stream = nullptr) noexcept;
 
 }  // namespace pagedkv::cuda

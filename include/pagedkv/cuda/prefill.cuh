@@ -258,8 +258,7 @@ Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStr
     return Status::kCudaError;
   }
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_qo_heads));
-  prefill_kernel<T, HD><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(a);
-  return cudaPeekAtLastError() == cudaSuccess ? Status::kSuccess : Status::kCudaError;
+  return launch_kernel(prefill_kernel<T, HD>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, a);
 }
 
 }  // namespace detail
