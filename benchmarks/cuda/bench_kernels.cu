@@ -1,16 +1,26 @@
-// benchmarks/cuda/bench_kernels.cu: kernel timings of pagedkv::cuda against the device's measured copy bandwidth.
+// benchmarks/cuda/bench_kernels.cu: kernel timings of pagedkv::cuda against the device's bandwidth, measured and spec.
 //
-// Standalone (CUDA events; no Google Benchmark). First measures device-to-device copy bandwidth (cudaMemcpyAsync
-// of a 1 GiB buffer; bytes read + bytes written), then for each kernel configuration the median time over
-// `--iters` launches and the achieved bandwidth (bytes that must move: K/V read once + q read + o written, or
-// read + write for the copy kernels) as a fraction of the copy bandwidth. Pools exceed L2, block ids are shuffled,
-// data random. Prints a table; writes JSON with --json PATH.
+// Standalone (CUDA events; no Google Benchmark, which the GPU machine does not have). In one run:
+//  1. device-to-device copy bandwidth: cudaMemcpyAsync of a 1 GiB buffer, bytes read + bytes written;
+//  2. the spec bandwidth from the device attributes: 2 * memory clock * bus width / 8 (DDR), or --spec-gbps;
+//  3. every row: `--reps` repetitions of N back-to-back launches between one pair of events (N chosen so one
+//     repetition lasts >= 2 ms, at least 1), median over repetitions of time / N; or, for "graph" rows, one CUDA
+//     graph holding N launches per event pair. Achieved bandwidth = bytes that must move (K/V of every token once per
+//     kv head + q + o for decode; read + write for the copy kernels) / time, reported as a fraction of the measured
+//     copy bandwidth and of the spec bandwidth.
+// Decode rows use the length-aware plan (plan_decode with decode_plan_config), computed once on the host per row;
+// "unsplit" rows use a plan with max_waves = 0 (one item per lane), "chunk rule" rows the pre-plan entry point.
+// Pools are larger than L2, block ids shuffled, data random. Rows that do not fit in 85% of free memory are
+// reported as skipped. Prints a table; writes JSON with --json PATH.
 //
-// Usage: bench_kernels [--json PATH] [--iters N]
+// Usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick]
+//   --quick: only the rows of DESIGN.md sec. 5 (for a fast smoke run).
+// Exit: 0 ran, 2 a CUDA or pagedkv error, 77 no CUDA device.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -22,6 +32,7 @@
 #include <vector>
 
 #include <pagedkv/cuda/launch.hpp>
+#include <pagedkv/decode_plan.hpp>
 #include <pagedkv/kernel_params.hpp>
 
 namespace {
@@ -29,26 +40,27 @@ namespace {
 using pagedkv::DType;
 using pagedkv::Status;
 
-#define BENCH_CUDA(expr)                                                                           \
-  do {                                                                                             \
-    const cudaError_t e_ = (expr);                                                                 \
-    if (e_ != cudaSuccess) {                                                                       \
+#define BENCH_CUDA(expr)                                                                                         \
+  do {                                                                                                           \
+    const cudaError_t e_ = (expr);                                                                               \
+    if (e_ != cudaSuccess) {                                                                                     \
       std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorString(e_), __FILE__, __LINE__, #expr); \
-      std::exit(2);                                                                                \
-    }                                                                                              \
+      std::exit(2);                                                                                              \
+    }                                                                                                            \
   } while (0)
 
-#define BENCH_OK(expr)                                                                                   \
-  do {                                                                                                   \
-    const Status s_ = (expr);                                                                            \
-    if (s_ != Status::kSuccess) {                                                                        \
+#define BENCH_OK(expr)                                                                                            \
+  do {                                                                                                            \
+    const Status s_ = (expr);                                                                                     \
+    if (s_ != Status::kSuccess) {                                                                                 \
       std::fprintf(stderr, "pagedkv error %s at %s:%d: %s\n", pagedkv::to_string(s_), __FILE__, __LINE__, #expr); \
-      std::exit(2);                                                                                      \
-    }                                                                                                    \
+      std::exit(2);                                                                                               \
+    }                                                                                                             \
   } while (0)
 
 __global__ void fill_random_bf16(__nv_bfloat16* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
     std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
     x ^= x >> 15;
     x *= 2246822519u;
@@ -59,10 +71,21 @@ __global__ void fill_random_bf16(__nv_bfloat16* p, std::size_t n, std::uint32_t 
 
 struct Buf {
   void* p = nullptr;
-  explicit Buf(std::size_t bytes) { BENCH_CUDA(cudaMalloc(&p, bytes)); }
+  std::size_t bytes = 0;
+  explicit Buf(std::size_t n) : bytes(n) { BENCH_CUDA(cudaMalloc(&p, std::max<std::size_t>(n, 16))); }
   ~Buf() { (void)cudaFree(p); }
   Buf(const Buf&) = delete;
   Buf& operator=(const Buf&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  static Buf* of(const std::vector<T>& v) {
+    auto* b = new Buf(v.size() * sizeof(T));
+    if (!v.empty()) BENCH_CUDA(cudaMemcpy(b->p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return b;
+  }
 };
 
 void fill(void* p, std::size_t elems, std::uint32_t seed) {
@@ -70,131 +93,304 @@ void fill(void* p, std::size_t elems, std::uint32_t seed) {
   BENCH_CUDA(cudaGetLastError());
 }
 
-/// Median time (ms) of `iters` runs of f, each bracketed by events, after 3 warm-up runs.
+struct Timing {
+  double ms = 0;  // median per launch
+  int per_event = 1;
+};
+
+int g_reps = 7;
+cudaStream_t g_stream = nullptr;
+
+/// Median time (ms) per launch of f(stream): `g_reps` repetitions of N launches between one event pair (graph:
+/// one graph of N launches), after a warm-up; N chosen so a repetition lasts >= 2 ms.
 template <class F>
-double median_ms(int iters, F&& f) {
+Timing time_launches(F&& f, bool graph) {
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) f();
-  BENCH_CUDA(cudaDeviceSynchronize());
+  f(g_stream);
+  f(g_stream);
+  BENCH_CUDA(cudaStreamSynchronize(g_stream));
+  // Estimate one launch.
+  BENCH_CUDA(cudaEventRecord(a, g_stream));
+  f(g_stream);
+  BENCH_CUDA(cudaEventRecord(b, g_stream));
+  BENCH_CUDA(cudaEventSynchronize(b));
+  float one = 0;
+  BENCH_CUDA(cudaEventElapsedTime(&one, a, b));
+  const int n = std::clamp(static_cast<int>(std::ceil(2.0 / std::max(one, 1e-3f))), 1, 1000);
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    cudaGraph_t g = nullptr;
+    BENCH_CUDA(cudaStreamBeginCapture(g_stream, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < n; ++i) f(g_stream);
+    BENCH_CUDA(cudaStreamEndCapture(g_stream, &g));
+    BENCH_CUDA(cudaGraphInstantiate(&exec, g, 0));
+    BENCH_CUDA(cudaGraphDestroy(g));
+    BENCH_CUDA(cudaGraphLaunch(exec, g_stream));  // warm-up
+  }
   std::vector<double> t;
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaEventRecord(a));
-    f();
-    BENCH_CUDA(cudaEventRecord(b));
+  for (int r = 0; r < g_reps; ++r) {
+    BENCH_CUDA(cudaEventRecord(a, g_stream));
+    if (graph) {
+      BENCH_CUDA(cudaGraphLaunch(exec, g_stream));
+    } else {
+      for (int i = 0; i < n; ++i) f(g_stream);
+    }
+    BENCH_CUDA(cudaEventRecord(b, g_stream));
     BENCH_CUDA(cudaEventSynchronize(b));
     float ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
+    t.push_back(ms / n);
   }
+  if (exec != nullptr) BENCH_CUDA(cudaGraphExecDestroy(exec));
   BENCH_CUDA(cudaEventDestroy(a));
   BENCH_CUDA(cudaEventDestroy(b));
   std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return {t[t.size() / 2], n};
 }
 
 struct Result {
   std::string name;
-  double ms, bytes, gbps, frac;
+  std::string mode;  // stream | graph
+  double ms = 0, bytes = 0, gbps = 0, frac_copy = 0, frac_spec = 0;
+  int per_event = 0;
+  std::string plan;     // plan summary (decode rows)
+  std::string skipped;  // non-empty: not run, why
 };
+
+double g_copy_gbps = 0, g_spec_gbps = 0;
+
+Result finish(std::string name, const Timing& t, double bytes, bool graph) {
+  Result r;
+  r.name = std::move(name);
+  r.mode = graph ? "graph" : "stream";
+  r.ms = t.ms;
+  r.per_event = t.per_event;
+  r.bytes = bytes;
+  r.gbps = bytes / (t.ms * 1e-3) / 1e9;
+  r.frac_copy = r.gbps / g_copy_gbps;
+  r.frac_spec = g_spec_gbps > 0 ? r.gbps / g_spec_gbps : 0;
+  return r;
+}
+
+enum class Split { kPlan, kUnsplit, kChunkRule };
 
 struct DecodeShape {
   std::string name;
-  int batch, kv_len, qo_heads, kv_heads, head_dim, block_size;
-  bool plan_split;  // use decode_plan (split-KV when the batch is small)
+  std::vector<int> lens;  // per sequence
+  int qo_heads, kv_heads, head_dim, block_size;
+  Split split = Split::kPlan;
+  bool graph = false;
 };
 
-Result bench_decode(const DecodeShape& s, int sms, double copy_gbps, int iters) {
-  const std::int64_t pages_per_seq = (s.kv_len + s.block_size - 1) / s.block_size;
-  const std::int64_t num_blocks = s.batch * pages_per_seq + 1;
+Result bench_decode(const DecodeShape& s) {
+  const int batch = static_cast<int>(s.lens.size());
+  std::int64_t total_pages = 0;
+  std::int64_t total_tokens = 0;
+  for (int len : s.lens) {
+    total_pages += (len + s.block_size - 1) / s.block_size;
+    total_tokens += len;
+  }
+  const std::int64_t num_blocks = total_pages + 1;
   const std::int64_t page_elems = std::int64_t{s.block_size} * s.kv_heads * s.head_dim;
-  Buf pool(static_cast<std::size_t>(num_blocks * 2 * page_elems * 2));
+  const double pool_bytes = static_cast<double>(num_blocks) * 2 * page_elems * 2;
+  std::size_t free_b = 0, total_b = 0;
+  BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  if (pool_bytes > 0.85 * static_cast<double>(free_b)) {
+    Result r;
+    r.name = s.name;
+    char why[96];
+    std::snprintf(why, sizeof why, "needs %.1f GiB, %.1f GiB free", pool_bytes / (1 << 30), free_b / double(1 << 30));
+    r.skipped = why;
+    return r;
+  }
+  Buf pool(static_cast<std::size_t>(pool_bytes));
   fill(pool.p, static_cast<std::size_t>(num_blocks * 2 * page_elems), 7);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(num_blocks - 1));
   std::iota(ids.begin(), ids.end(), 1);
   std::shuffle(ids.begin(), ids.end(), std::mt19937(1));
-  std::vector<std::int32_t> indptr(s.batch + 1), last(s.batch);
-  for (int b = 0; b <= s.batch; ++b) indptr[b] = static_cast<std::int32_t>(b * pages_per_seq);
-  for (int b = 0; b < s.batch; ++b) last[b] = static_cast<std::int32_t>(s.kv_len - (pages_per_seq - 1) * s.block_size);
-  Buf d_indptr(indptr.size() * 4), d_ids(ids.size() * 4), d_last(last.size() * 4);
-  BENCH_CUDA(cudaMemcpy(d_indptr.p, indptr.data(), indptr.size() * 4, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(d_ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(d_last.p, last.data(), last.size() * 4, cudaMemcpyHostToDevice));
-  const std::size_t q_elems = static_cast<std::size_t>(s.batch) * s.qo_heads * s.head_dim;
-  Buf q(q_elems * 2), o(q_elems * 2), lse(static_cast<std::size_t>(s.batch) * s.qo_heads * 4);
+  std::vector<std::int32_t> indptr{0}, last;
+  for (int len : s.lens) {
+    const int pages = (len + s.block_size - 1) / s.block_size;
+    indptr.push_back(indptr.back() + pages);
+    last.push_back(pages == 0 ? 0 : len - (pages - 1) * s.block_size);
+  }
+  Buf* d_indptr = Buf::of(indptr);
+  Buf* d_ids = Buf::of(ids);
+  Buf* d_last = Buf::of(last);
+  const std::size_t q_elems = static_cast<std::size_t>(batch) * s.qo_heads * s.head_dim;
+  Buf q(q_elems * 2), o(q_elems * 2), lse(static_cast<std::size_t>(batch) * s.qo_heads * 4);
   fill(q.p, q_elems, 3);
 
   pagedkv::DecodeParams p;
   p.q = q.p;
   p.o = o.p;
-  p.lse = static_cast<float*>(lse.p);
+  p.lse = lse.as<float>();
   p.kv = pagedkv::KVPoolView::nhd(pool.p, DType::kBFloat16, static_cast<std::int32_t>(num_blocks), s.block_size,
                                   s.kv_heads, s.head_dim);
-  p.pages = pagedkv::PageTable::csr(s.batch, static_cast<std::int32_t*>(d_indptr.p),
-                                    static_cast<std::int32_t*>(d_ids.p), static_cast<std::int32_t*>(d_last.p));
+  p.pages = pagedkv::PageTable::csr(batch, d_indptr->as<std::int32_t>(), d_ids->as<std::int32_t>(),
+                                    d_last->as<std::int32_t>());
   p.num_qo_heads = s.qo_heads;
   p.sm_scale = 1.f / std::sqrt(static_cast<float>(s.head_dim));
-  const auto plan = pagedkv::cuda::decode_plan(s.batch, s.kv_len, s.qo_heads, s.kv_heads, s.head_dim,
-                                               DType::kBFloat16, sms);
-  Buf ws(std::max<std::size_t>(plan.workspace_bytes, 16));
-  if (s.plan_split) {
-    p.kv_chunk_size_tokens = plan.kv_chunk_size_tokens;
-    p.max_num_chunks = plan.max_num_chunks;
-    p.workspace = ws.p;
-    p.workspace_bytes = plan.workspace_bytes;
+
+  // The plan (host), copied to the device once.
+  pagedkv::DecodePlanConfig cfg;
+  BENCH_OK(pagedkv::cuda::decode_plan_config(0, DType::kBFloat16, s.head_dim, s.qo_heads, s.kv_heads, &cfg));
+  if (s.split == Split::kUnsplit) cfg.max_waves = 0;
+  const pagedkv::DecodePlanCapacity cap = pagedkv::decode_plan_capacity(batch, cfg);
+  std::vector<pagedkv::DecodeWorkItem> items(static_cast<std::size_t>(cap.items));
+  std::vector<pagedkv::DecodeMergeItem> merges(static_cast<std::size_t>(std::max(cap.merges, 1)));
+  pagedkv::DecodePlanInfo info;
+  const std::vector<std::int32_t> lens32(s.lens.begin(), s.lens.end());
+  const auto t0 = std::chrono::steady_clock::now();
+  BENCH_OK(pagedkv::plan_decode(lens32, cfg, {items, merges, cap.partial_rows}, &info));
+  const double plan_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  Buf* d_items = Buf::of(items);
+  Buf* d_merges = Buf::of(merges);
+  Buf ws(std::max<std::size_t>(cap.workspace_bytes, 16));
+  p.workspace = ws.p;
+  p.workspace_bytes = ws.bytes;
+  const pagedkv::DecodeWorkList wl =
+      info.work_list.relocated(d_items->as<pagedkv::DecodeWorkItem>(), d_merges->as<pagedkv::DecodeMergeItem>());
+
+  char plan[200];
+  Timing t;
+  if (s.split == Split::kChunkRule) {
+    // The pre-plan entry point with the chunk the plan would use for the longest sequence (or no split).
+    const int max_len = *std::max_element(s.lens.begin(), s.lens.end());
+    const int chunk = info.chunk_target_tokens > 0 ? info.chunk_target_tokens : max_len;
+    const int chunks = (max_len + chunk - 1) / chunk;
+    Buf ws2(pagedkv::decode_workspace_bytes(batch, std::max(chunks, 1), s.qo_heads, s.head_dim));
+    pagedkv::DecodeParams pc = p;
+    pc.kv_chunk_size_tokens = chunks >= 2 ? chunk : 0;
+    pc.max_num_chunks = chunks >= 2 ? chunks : 0;
+    pc.workspace = ws2.p;
+    pc.workspace_bytes = ws2.bytes;
+    std::snprintf(plan, sizeof plan, "chunk rule: %d chunks of %d tokens, grid %d x %d x %d", chunks, chunk, batch,
+                  s.kv_heads, std::max(chunks, 1));
+    t = time_launches([&](cudaStream_t st) { BENCH_OK(pagedkv::cuda::decode(pc, st)); }, s.graph);
+  } else {
+    std::snprintf(plan, sizeof plan,
+                  "%d items (max %d, mean %.0f tokens), %d split requests, T %d, %d SMs x %d CTAs, plan %.0f us",
+                  info.num_items, info.max_item_tokens, info.mean_item_tokens, info.num_merges,
+                  info.chunk_target_tokens, cfg.num_sms, cfg.ctas_per_sm, plan_us);
+    t = time_launches([&](cudaStream_t st) { BENCH_OK(pagedkv::cuda::decode(p, wl, st)); }, s.graph);
   }
-  const double ms = median_ms(iters, [&] { BENCH_OK(pagedkv::cuda::decode(p)); });
-  const double bytes = 2.0 * s.batch * s.kv_len * s.kv_heads * s.head_dim * 2 + 2.0 * q_elems * 2;
-  const double gbps = bytes / (ms * 1e-3) / 1e9;
-  std::string name = s.name;
-  if (s.plan_split && plan.max_num_chunks > 1) {
-    name += " [split " + std::to_string(plan.max_num_chunks) + "x" + std::to_string(plan.kv_chunk_size_tokens) + "]";
+  const double bytes = 2.0 * static_cast<double>(total_tokens) * s.kv_heads * s.head_dim * 2 + 2.0 * q_elems * 2;
+  Result r = finish(s.name, t, bytes, s.graph);
+  r.plan = plan;
+  delete d_indptr;
+  delete d_ids;
+  delete d_last;
+  delete d_items;
+  delete d_merges;
+  return r;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o.push_back('\\');
+    o.push_back(c);
   }
-  return {name, ms, bytes, gbps, gbps / copy_gbps};
+  return o;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const char* json_path = nullptr;
-  int iters = 30;
+  double spec_override = 0;
+  bool quick = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) json_path = argv[++i];
-    else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) iters = std::atoi(argv[++i]);
+    if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+      json_path = argv[++i];
+    } else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
+      g_reps = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--spec-gbps") == 0 && i + 1 < argc) {
+      spec_override = std::atof(argv[++i]);
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick]\n");
+      return 2;
+    }
   }
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    std::printf("bench_kernels: no CUDA device\n");
+  if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0) {
+    std::printf("bench_kernels: no CUDA device (%s)\n", e != cudaSuccess ? cudaGetErrorString(e) : "device count 0");
     return 77;
   }
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::int32_t sms = 0;
   BENCH_OK(pagedkv::cuda::device_sm_count(0, &sms));
+  int mem_clock_khz = 0, bus_bits = 0, sm_clock_khz = 0, l2_bytes = 0;
+  BENCH_CUDA(cudaDeviceGetAttribute(&mem_clock_khz, cudaDevAttrMemoryClockRate, 0));
+  BENCH_CUDA(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0));
+  BENCH_CUDA(cudaDeviceGetAttribute(&sm_clock_khz, cudaDevAttrClockRate, 0));
+  BENCH_CUDA(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0));
+  g_spec_gbps = spec_override > 0 ? spec_override : 2.0 * mem_clock_khz * 1e3 * bus_bits / 8 / 1e9;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
 
   // Device-to-device copy bandwidth: 1 GiB, counting read + write.
-  const std::size_t copy_bytes = std::size_t{1} << 30;
-  double copy_gbps = 0;
   {
+    const std::size_t copy_bytes = std::size_t{1} << 30;
     Buf a(copy_bytes), b(copy_bytes);
     fill(a.p, copy_bytes / 2, 1);
-    const double ms = median_ms(iters, [&] { BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, copy_bytes, cudaMemcpyDeviceToDevice)); });
-    copy_gbps = 2.0 * copy_bytes / (ms * 1e-3) / 1e9;
+    const Timing t = time_launches(
+        [&](cudaStream_t st) { BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, copy_bytes, cudaMemcpyDeviceToDevice, st)); },
+        false);
+    g_copy_gbps = 2.0 * copy_bytes / (t.ms * 1e-3) / 1e9;
   }
 
   std::vector<Result> results;
-  const std::vector<DecodeShape> shapes = {
-      {"decode b64 kv4096 qo32/kv8 d128 bf16 bs16", 64, 4096, 32, 8, 128, 16, true},
-      {"decode b64 kv4096 qo32/kv8 d128 bf16 bs8", 64, 4096, 32, 8, 128, 8, true},
-      {"decode b64 kv4096 qo32/kv8 d128 bf16 bs32", 64, 4096, 32, 8, 128, 32, true},
-      {"decode b64 kv4096 qo32/kv8 d128 bf16 bs64", 64, 4096, 32, 8, 128, 64, true},
-      {"decode b64 kv4096 qo8/kv8 (group 1) d128 bf16 bs16", 64, 4096, 8, 8, 128, 16, true},
-      {"decode b64 kv4096 qo64/kv8 (group 8) d128 bf16 bs16", 64, 4096, 64, 8, 128, 16, true},
-      {"decode b1 kv32768 qo32/kv8 d128 bf16 bs16 no-split", 1, 32768, 32, 8, 128, 16, false},
-      {"decode b1 kv32768 qo32/kv8 d128 bf16 bs16 planned", 1, 32768, 32, 8, 128, 16, true},
+  const auto uniform = [](int batch, int len) { return std::vector<int>(static_cast<std::size_t>(batch), len); };
+  std::vector<int> ragged(63, 4096);
+  ragged.push_back(32768);
+  std::vector<DecodeShape> shapes = {
+      // DESIGN.md sec. 5: batch 64 x 4096, 8 kv heads, d128, bf16, block 16 (>= 85% of copy bandwidth).
+      {"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16},
+      {"decode b64 kv4096 qo32/kv8 d128 bs16 unsplit", uniform(64, 4096), 32, 8, 128, 16, Split::kUnsplit},
+      {"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16, Split::kPlan, true},
+      // Block sizes 8-64 within 3% of each other.
+      {"decode b64 kv4096 qo32/kv8 d128 bs8", uniform(64, 4096), 32, 8, 128, 8},
+      {"decode b64 kv4096 qo32/kv8 d128 bs32", uniform(64, 4096), 32, 8, 128, 32},
+      {"decode b64 kv4096 qo32/kv8 d128 bs64", uniform(64, 4096), 32, 8, 128, 64},
+      // GQA group sizes 1, 4, 8.
+      {"decode b64 kv4096 qo32/kv32 d128 bs16", uniform(64, 4096), 32, 32, 128, 16},
+      {"decode b64 kv4096 qo64/kv8 d128 bs16", uniform(64, 4096), 64, 8, 128, 16},
+      // Ragged (63 x 4k + 1 x 32k) vs the uniform batch of the same total tokens (64 x 4544).
+      {"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16", ragged, 32, 8, 128, 16},
+      {"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged, 32, 8, 128, 16, Split::kUnsplit},
+      {"decode b64 kv4544 qo32/kv8 d128 bs16 (ragged's total)", uniform(64, 4544), 32, 8, 128, 16},
+      // Long context, batch 1.
+      {"decode b1 kv32768 qo32/kv8 d128 bs16", uniform(1, 32768), 32, 8, 128, 16},
+      {"decode b1 kv32768 qo32/kv8 d128 bs16 chunk rule", uniform(1, 32768), 32, 8, 128, 16, Split::kChunkRule},
   };
-  for (const auto& s : shapes) results.push_back(bench_decode(s, sms, copy_gbps, iters));
+  if (!quick) {
+    for (int batch : {1, 64, 256}) {
+      for (int len : {4096, 32768}) {
+        for (auto [hq, hkv] : {std::pair{32, 32}, std::pair{32, 8}, std::pair{64, 8}}) {
+          if (batch == 64 && len == 4096) continue;  // above
+          if (batch == 1 && len == 32768 && hq == 32 && hkv == 8) continue;
+          shapes.push_back({"decode b" + std::to_string(batch) + " kv" + std::to_string(len) + " qo" +
+                                std::to_string(hq) + "/kv" + std::to_string(hkv) + " d128 bs16",
+                            uniform(batch, len), hq, hkv, 128, 16});
+        }
+      }
+    }
+    std::vector<int> ragged256(255, 4096);
+    ragged256.push_back(32768);
+    shapes.push_back({"decode ragged 255x4096+1x32768 qo32/kv8 d128 bs16", ragged256, 32, 8, 128, 16});
+    shapes.push_back({"decode ragged 255x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged256, 32, 8, 128, 16,
+                      Split::kUnsplit});
+  }
+  for (const auto& s : shapes) {
+    results.push_back(bench_decode(s));
+    std::fflush(stdout);
+  }
 
   // write_kv: 65536 tokens x 8 heads x 128 bf16 into a shuffled set of slots (read + write of K and V).
   {
@@ -208,18 +404,17 @@ int main(int argc, char** argv) {
     std::vector<std::int64_t> slots(tokens);
     std::iota(slots.begin(), slots.end(), std::int64_t{bs});
     std::shuffle(slots.begin(), slots.end(), std::mt19937(2));
-    Buf d_slots(slots.size() * 8);
-    BENCH_CUDA(cudaMemcpy(d_slots.p, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice));
+    Buf* d_slots = Buf::of(slots);
     pagedkv::WriteKVParams w;
     w.key = key.p;
     w.value = value.p;
-    w.slot_mapping = static_cast<std::int64_t*>(d_slots.p);
+    w.slot_mapping = d_slots->as<std::int64_t>();
     w.num_tokens = tokens;
     w.kv = pagedkv::KVPoolView::nhd(pool.p, DType::kBFloat16, static_cast<std::int32_t>(num_blocks), bs, heads, hd);
-    const double ms = median_ms(iters, [&] { BENCH_OK(pagedkv::cuda::write_kv(w)); });
+    const Timing t = time_launches([&](cudaStream_t st) { BENCH_OK(pagedkv::cuda::write_kv(w, st)); }, false);
     const double bytes = 2.0 * 2.0 * tokens * heads * hd * 2 + tokens * 8.0;
-    const double gbps = bytes / (ms * 1e-3) / 1e9;
-    results.push_back({"write_kv 65536 tok x 8 heads x 128 bf16 bs16", ms, bytes, gbps, gbps / copy_gbps});
+    results.push_back(finish("write_kv 65536 tok x 8 heads x 128 bf16 bs16", t, bytes, false));
+    delete d_slots;
   }
   // copy_blocks: 4096 (src, dst) pairs of 64 KiB blocks (K + V), one layer; and 8 layers x 512 pairs.
   for (int layers : {1, 8}) {
@@ -231,8 +426,8 @@ int main(int argc, char** argv) {
     for (int l = 0; l < layers; ++l) {
       pools.push_back(new Buf(static_cast<std::size_t>(num_blocks * 2 * page_elems * 2)));
       fill(pools.back()->p, static_cast<std::size_t>(num_blocks * 2 * page_elems), 9 + l);
-      views.push_back(pagedkv::KVPoolView::nhd(pools.back()->p, DType::kBFloat16, static_cast<std::int32_t>(num_blocks),
-                                               bs, heads, hd));
+      views.push_back(pagedkv::KVPoolView::nhd(pools.back()->p, DType::kBFloat16,
+                                               static_cast<std::int32_t>(num_blocks), bs, heads, hd));
     }
     std::vector<std::int32_t> ids(static_cast<std::size_t>(num_blocks - 1));
     std::iota(ids.begin(), ids.end(), 1);
@@ -242,25 +437,37 @@ int main(int argc, char** argv) {
       mapping[2 * i] = ids[i];
       mapping[2 * i + 1] = ids[pairs + i];
     }
-    Buf d_map(mapping.size() * 4);
-    BENCH_CUDA(cudaMemcpy(d_map.p, mapping.data(), mapping.size() * 4, cudaMemcpyHostToDevice));
-    pagedkv::CopyBlocksParams c{views.data(), layers, static_cast<std::int32_t*>(d_map.p), pairs};
-    const double ms = median_ms(iters, [&] { BENCH_OK(pagedkv::cuda::copy_blocks(c)); });
+    Buf* d_map = Buf::of(mapping);
+    const pagedkv::CopyBlocksParams c{views.data(), layers, d_map->as<std::int32_t>(), pairs};
+    const Timing t = time_launches([&](cudaStream_t st) { BENCH_OK(pagedkv::cuda::copy_blocks(c, st)); }, false);
     const double bytes = 2.0 * 2.0 * layers * pairs * page_elems * 2;
-    const double gbps = bytes / (ms * 1e-3) / 1e9;
-    results.push_back({"copy_blocks " + std::to_string(layers) + " layer(s) x " + std::to_string(pairs) +
-                           " pairs, 64 KiB blocks",
-                       ms, bytes, gbps, gbps / copy_gbps});
+    results.push_back(finish("copy_blocks " + std::to_string(layers) + " layer(s) x " + std::to_string(pairs) +
+                                 " pairs, 64 KiB blocks",
+                             t, bytes, false));
     for (Buf* b : pools) delete b;
+    delete d_map;
   }
 
   int driver = 0, runtime = 0;
   BENCH_CUDA(cudaDriverGetVersion(&driver));
   BENCH_CUDA(cudaRuntimeGetVersion(&runtime));
-  std::printf("device: %s (%d SMs), driver %d, runtime %d\n", prop.name, sms, driver, runtime);
-  std::printf("device-to-device copy bandwidth (read + write): %.1f GB/s\n\n", copy_gbps);
-  std::printf("%-62s %10s %10s %9s\n", "kernel", "median ms", "GB/s", "of copy");
-  for (const auto& r : results) std::printf("%-62s %10.4f %10.1f %8.1f%%\n", r.name.c_str(), r.ms, r.gbps, 100 * r.frac);
+  std::printf("device: %s (%d SMs, sm_%d%d), driver %d, runtime %d, memory clock %d MHz x %d bits, L2 %d MiB\n",
+              prop.name, sms, prop.major, prop.minor, driver, runtime, mem_clock_khz / 1000, bus_bits,
+              l2_bytes >> 20);
+  std::printf("bandwidth: device-to-device copy (read + write) %.1f GB/s measured; spec %.1f GB/s%s\n", g_copy_gbps,
+              g_spec_gbps, spec_override > 0 ? " (--spec-gbps)" : " (2 x memory clock x bus width)");
+  std::printf("timing: median of %d repetitions of N launches per event pair (graph: one graph of N launches)\n\n",
+              g_reps);
+  std::printf("%-60s %6s %5s %10s %9s %7s %7s  %s\n", "kernel", "mode", "N", "median us", "GB/s", "% copy", "% spec",
+              "plan");
+  for (const auto& r : results) {
+    if (!r.skipped.empty()) {
+      std::printf("%-60s skipped: %s\n", r.name.c_str(), r.skipped.c_str());
+      continue;
+    }
+    std::printf("%-60s %6s %5d %10.1f %9.1f %6.1f%% %6.1f%%  %s\n", r.name.c_str(), r.mode.c_str(), r.per_event,
+                r.ms * 1e3, r.gbps, 100 * r.frac_copy, 100 * r.frac_spec, r.plan.c_str());
+  }
 
   if (json_path != nullptr) {
     FILE* f = std::fopen(json_path, "w");
@@ -268,16 +475,33 @@ int main(int argc, char** argv) {
       std::perror(json_path);
       return 2;
     }
-    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"driver_version\": %d,\n  \"runtime_version\": %d,\n",
-                 prop.name, sms, driver, runtime);
-    std::fprintf(f, "  \"iters\": %d,\n  \"copy_bandwidth_gbps\": %.3f,\n  \"results\": [\n", iters, copy_gbps);
+    std::fprintf(f,
+                 "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"compute_capability\": \"%d.%d\",\n"
+                 "  \"driver_version\": %d,\n  \"runtime_version\": %d,\n  \"memory_clock_mhz\": %d,\n"
+                 "  \"memory_bus_bits\": %d,\n  \"sm_clock_mhz\": %d,\n  \"l2_bytes\": %d,\n",
+                 json_escape(prop.name).c_str(), sms, prop.major, prop.minor, driver, runtime, mem_clock_khz / 1000,
+                 bus_bits, sm_clock_khz / 1000, l2_bytes);
+    std::fprintf(f, "  \"reps\": %d,\n  \"copy_bandwidth_gbps\": %.3f,\n  \"spec_bandwidth_gbps\": %.3f,\n", g_reps,
+                 g_copy_gbps, g_spec_gbps);
+    std::fprintf(f, "  \"results\": [\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
-      std::fprintf(f, "    {\"name\": \"%s\", \"median_ms\": %.6f, \"bytes\": %.0f, \"gbps\": %.3f, \"fraction_of_copy\": %.4f}%s\n",
-                   r.name.c_str(), r.ms, r.bytes, r.gbps, r.frac, i + 1 < results.size() ? "," : "");
+      if (!r.skipped.empty()) {
+        std::fprintf(f, "    {\"name\": \"%s\", \"skipped\": \"%s\"}", json_escape(r.name).c_str(),
+                     json_escape(r.skipped).c_str());
+      } else {
+        std::fprintf(f,
+                     "    {\"name\": \"%s\", \"mode\": \"%s\", \"launches_per_event_pair\": %d, \"median_us\": %.3f, "
+                     "\"bytes\": %.0f, \"gbps\": %.3f, \"fraction_of_copy\": %.4f, \"fraction_of_spec\": %.4f, "
+                     "\"plan\": \"%s\"}",
+                     json_escape(r.name).c_str(), r.mode.c_str(), r.per_event, r.ms * 1e3, r.bytes, r.gbps,
+                     r.frac_copy, r.frac_spec, json_escape(r.plan).c_str());
+      }
+      std::fprintf(f, "%s\n", i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);
   }
+  BENCH_CUDA(cudaStreamDestroy(g_stream));
   return 0;
 }
