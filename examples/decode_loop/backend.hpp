@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <pagedkv/batch_metadata.hpp>
+#include <pagedkv/decode_plan.hpp>
 #include <pagedkv/kernel_params.hpp>
 
 #include "model.hpp"
@@ -26,7 +27,9 @@ struct Capacity {
   int max_new_tokens = 0;      ///< slot_mapping entries, rows of the new K/V.
   int max_q_rows = 0;          ///< Rows of q / o: max(max_new_tokens, max_batch).
   int max_copies = 0;          ///< (src, dst) pairs of the copy list.
-  int max_num_chunks = 0;      ///< Split-KV chunks per sequence the decode workspace is sized for.
+  int max_num_chunks = 0;      ///< Split-KV chunks per sequence the decode workspace is sized for (chunk rule).
+  pagedkv::DecodePlanConfig plan;       ///< What decode plans are made for (the backend's device).
+  pagedkv::DecodePlanCapacity plan_cap; ///< decode_plan_capacity(max_batch, plan): item / merge / partial-row buffers.
 };
 
 /// Host copies of one step's batch metadata, every buffer at its fixed capacity (what a runtime keeps pinned and
@@ -41,10 +44,14 @@ struct Metadata {
   std::vector<std::int32_t> qo_indptr;      // [max_batch + 1]
   std::vector<std::int64_t> slot_mapping;   // [max_new_tokens]
   std::vector<std::int32_t> copies;         // [max_copies, 2]
+  std::vector<pagedkv::DecodeWorkItem> plan_items;    // [plan_cap.items]: this step's decode plan (decode steps)
+  std::vector<pagedkv::DecodeMergeItem> plan_merges;  // [plan_cap.merges]
 
   explicit Metadata(const Capacity& c);
   /// Spans over every buffer, for KVCacheManager::build_batch_metadata.
   [[nodiscard]] pagedkv::BatchMetadataBuffers buffers();
+  /// The plan buffers, for plan_decode.
+  [[nodiscard]] pagedkv::DecodePlanBuffers plan_buffers();
 };
 
 /// One layer's work of one step. Host pointers; the backend moves them to its memory space.
@@ -56,6 +63,8 @@ struct LayerWork {
   int num_new_tokens = 0;         ///< Rows of key/value that carry data (the rest, to capacity, is skipped: slot -1).
   int kv_chunk_size_tokens = 0;   ///< Decode split-KV (see DecodeParams); 0 with max_num_chunks 0 = no split.
   int max_num_chunks = 0;
+  bool use_plan = false;          ///< Decode: execute the step's plan (Metadata::plan_items / plan_merges).
+  pagedkv::DecodeWorkList plan;   ///< Decode with use_plan: the plan as plan_decode returned it (host pointers).
   const void* q = nullptr;        ///< [total_q_rows, num_qo_heads, head_dim], dtype.
   const void* key = nullptr;      ///< [max_new_tokens, num_kv_heads, head_dim], dtype.
   const void* value = nullptr;
@@ -85,6 +94,14 @@ class Backend {
 
 /// The CPU reference backend (pagedkv::reference). Never fails to construct.
 [[nodiscard]] std::unique_ptr<Backend> make_cpu_backend(const Shape& shape, const Capacity& cap);
+
+/// The plan configuration for the CPU backend: a small "device" (4 SMs x 2 CTAs, chunks of >= 8 tokens) so that
+/// the example's sequences of a few hundred tokens really are cut, with the CUDA kernel's head tiling.
+[[nodiscard]] pagedkv::DecodePlanConfig cpu_plan_config(const Shape& shape);
+
+/// The plan configuration for the CUDA backend: pagedkv::cuda::decode_plan_config of device 0 (SMs, occupancy, head
+/// tiling), with chunks of >= 8 tokens. False with *error set when the build has no CUDA or no device is usable.
+[[nodiscard]] bool cuda_plan_config(const Shape& shape, pagedkv::DecodePlanConfig* cfg, std::string* error);
 
 /// The CUDA backend (pagedkv::cuda), or null with *error set: the build has no CUDA support, or no device is
 /// usable (the error then carries the Status text).

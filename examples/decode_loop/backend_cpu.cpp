@@ -1,5 +1,6 @@
 // examples/decode_loop/backend_cpu.cpp: the CPU reference backend (pagedkv::reference, host memory), and the
 // Metadata buffers both backends share.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -20,7 +21,9 @@ Metadata::Metadata(const Capacity& c)
       seq_lens(static_cast<std::size_t>(c.max_batch), 0),
       qo_indptr(static_cast<std::size_t>(c.max_batch) + 1, 0),
       slot_mapping(static_cast<std::size_t>(c.max_new_tokens), -1),
-      copies(2 * static_cast<std::size_t>(c.max_copies), -1) {}
+      copies(2 * static_cast<std::size_t>(c.max_copies), -1),
+      plan_items(static_cast<std::size_t>(c.plan_cap.items)),
+      plan_merges(static_cast<std::size_t>(c.plan_cap.merges)) {}
 
 pagedkv::BatchMetadataBuffers Metadata::buffers() {
   pagedkv::BatchMetadataBuffers b;
@@ -34,6 +37,28 @@ pagedkv::BatchMetadataBuffers Metadata::buffers() {
   b.slot_mapping = slot_mapping;
   b.copies = copies;
   return b;
+}
+
+pagedkv::DecodePlanBuffers Metadata::plan_buffers() {
+  return pagedkv::DecodePlanBuffers{plan_items, plan_merges, cap.plan_cap.partial_rows};
+}
+
+pagedkv::DecodePlanConfig cpu_plan_config(const Shape& shape) {
+  pagedkv::DecodePlanConfig cfg;
+  cfg.num_qo_heads = shape.num_qo_heads;
+  cfg.num_kv_heads = shape.num_kv_heads;
+  cfg.head_dim = shape.head_dim;
+  // The CUDA kernel's tiling (at most 8 query heads per item, 16 for fp16/bf16 x 64), so the CPU runs the same
+  // plans the GPU would for this shape on a 4-SM device.
+  const int group = shape.num_qo_heads / shape.num_kv_heads;
+  const int slots = (shape.dtype != pagedkv::DType::kFloat32 && shape.head_dim == 64) ? 16 : 8;
+  const int tiles = (group + slots - 1) / slots;
+  cfg.heads_per_tile = (group + tiles - 1) / tiles;
+  cfg.num_sms = 4;
+  cfg.ctas_per_sm = 2;
+  cfg.min_chunk_tokens = 8;
+  cfg.item_overhead_tokens = 16;
+  return cfg;
 }
 
 namespace {
@@ -53,8 +78,10 @@ class CpuBackend final : public Backend {
       v_.emplace_back(shape.v_buffer_bytes(), std::byte{0xff});
       views_.push_back(shape.view(k_.back().data(), v_.back().empty() ? nullptr : v_.back().data()));
     }
-    workspace_.resize(pagedkv::decode_workspace_bytes(cap.max_batch, cap.max_num_chunks, shape.num_qo_heads,
-                                                      shape.head_dim) / sizeof(float));
+    workspace_.resize(std::max(pagedkv::decode_workspace_bytes(cap.max_batch, cap.max_num_chunks, shape.num_qo_heads,
+                                                               shape.head_dim),
+                               cap.plan_cap.workspace_bytes) /
+                      sizeof(float));
   }
 
   std::string name() const override { return "cpu-reference"; }
@@ -112,7 +139,9 @@ class CpuBackend final : public Backend {
     p.max_num_chunks = w.max_num_chunks;
     p.workspace = workspace_.data();
     p.workspace_bytes = workspace_.size() * sizeof(float);
-    if (const Status s = pagedkv::reference::decode(p); s != Status::kSuccess) return fail("decode", s);
+    // With a plan, the reference executes exactly the work list the CUDA backend would launch.
+    const Status s = w.use_plan ? pagedkv::reference::decode(p, w.plan) : pagedkv::reference::decode(p);
+    if (s != Status::kSuccess) return fail("decode", s);
     return {};
   }
 

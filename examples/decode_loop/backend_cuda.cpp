@@ -13,6 +13,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -108,8 +109,11 @@ class CudaBackend final : public Backend {
         key_.allocate(static_cast<std::size_t>(cap_.max_new_tokens) * static_cast<std::size_t>(shape_.kv_row_elems()) *
                       es) &&
         value_.allocate(key_.bytes()) &&
-        workspace_.allocate(pagedkv::decode_workspace_bytes(cap_.max_batch, cap_.max_num_chunks, shape_.num_qo_heads,
-                                                            shape_.head_dim));
+        workspace_.allocate(std::max(pagedkv::decode_workspace_bytes(cap_.max_batch, cap_.max_num_chunks,
+                                                                     shape_.num_qo_heads, shape_.head_dim),
+                                     cap_.plan_cap.workspace_bytes)) &&
+        plan_items_.allocate(static_cast<std::size_t>(cap_.plan_cap.items) * sizeof(pagedkv::DecodeWorkItem)) &&
+        plan_merges_.allocate(static_cast<std::size_t>(cap_.plan_cap.merges) * sizeof(pagedkv::DecodeMergeItem));
     if (!ok) return cuda_fail("cudaMalloc", cudaGetLastError());
     return {};
   }
@@ -131,6 +135,8 @@ class CudaBackend final : public Backend {
         {qo_indptr_, md.qo_indptr.data(), md.qo_indptr.size() * sizeof(std::int32_t)},
         {slot_mapping_, md.slot_mapping.data(), md.slot_mapping.size() * sizeof(std::int64_t)},
         {copies_, md.copies.data(), md.copies.size() * sizeof(std::int32_t)},
+        {plan_items_, md.plan_items.data(), md.plan_items.size() * sizeof(pagedkv::DecodeWorkItem)},
+        {plan_merges_, md.plan_merges.data(), md.plan_merges.size() * sizeof(pagedkv::DecodeMergeItem)},
     };
     for (const Up& u : ups) {
       if (u.bytes == 0) continue;
@@ -204,7 +210,13 @@ class CudaBackend final : public Backend {
       p.max_num_chunks = w.max_num_chunks;
       p.workspace = workspace_.get();
       p.workspace_bytes = workspace_.bytes();
-      if (const Status s = pagedkv::cuda::decode(p, stream_); s != Status::kSuccess) return fail("cuda::decode", s);
+      // With a plan: the same work list, at the device copies set_metadata uploaded.
+      const Status s = w.use_plan ? pagedkv::cuda::decode(p,
+                                                          w.plan.relocated(plan_items_.as<pagedkv::DecodeWorkItem>(),
+                                                                           plan_merges_.as<pagedkv::DecodeMergeItem>()),
+                                                          stream_)
+                                  : pagedkv::cuda::decode(p, stream_);
+      if (s != Status::kSuccess) return fail("cuda::decode", s);
     }
 
     if (q_bytes > 0) e = cudaMemcpyAsync(w.o, o_.get(), q_bytes, cudaMemcpyDeviceToHost, stream_);
@@ -222,10 +234,22 @@ class CudaBackend final : public Backend {
   std::vector<DeviceBuffer> k_, v_;
   std::vector<pagedkv::KVPoolView> views_;
   DeviceBuffer indptr_, indices_, last_page_len_, block_tables_, seq_lens_, qo_indptr_, slot_mapping_, copies_;
-  DeviceBuffer q_, o_, lse_, key_, value_, workspace_;
+  DeviceBuffer q_, o_, lse_, key_, value_, workspace_, plan_items_, plan_merges_;
 };
 
 }  // namespace
+
+bool cuda_plan_config(const Shape& shape, pagedkv::DecodePlanConfig* cfg, std::string* error) {
+  const Status s = pagedkv::cuda::decode_plan_config(0, shape.dtype, shape.head_dim, shape.num_qo_heads,
+                                                     shape.num_kv_heads, cfg);
+  if (s != Status::kSuccess) {
+    *error = std::string("pagedkv::cuda::decode_plan_config: ") + pagedkv::to_string(s) +
+             (s == Status::kNoDevice ? " (no CUDA device is present)" : "");
+    return false;
+  }
+  cfg->min_chunk_tokens = 8;  // cut the example's short sequences too
+  return true;
+}
 
 std::unique_ptr<Backend> make_cuda_backend(const Shape& shape, const Capacity& cap, std::string* error) {
   std::int32_t sms = 0;
@@ -252,6 +276,13 @@ std::unique_ptr<Backend> make_cuda_backend(const Shape& shape, const Capacity& c
 #else  // !PAGEDKV_WITH_CUDA
 
 namespace decode_loop {
+
+bool cuda_plan_config(const Shape& /*shape*/, pagedkv::DecodePlanConfig* /*cfg*/, std::string* error) {
+  *error =
+      "this build has no CUDA support: pagedkv::cuda was not built (no CUDA compiler found at configure time, or "
+      "PAGEDKV_ENABLE_CUDA=OFF); rebuild with CUDA or use --device cpu";
+  return false;
+}
 
 std::unique_ptr<Backend> make_cuda_backend(const Shape& /*shape*/, const Capacity& /*cap*/, std::string* error) {
   *error =

@@ -2,13 +2,16 @@
 //
 // What it does (DESIGN.md sec. 1, the scheduler's step):
 //  1. A KVCacheManager admits a batch of requests whose prompts share prefixes (two groups, each with its own
-//     system prompt, so later requests of a group hit the prefix cache; the last request repeats a block-aligned
-//     piece of the first one's prompt, so its last block is deduplicated and its slots there are -1).
-//  2. Step 0 prefills every prompt; steps 1..S decode one token per sequence. Some sequences are forked (parallel
-//     sampling) before step 1 and halfway, so shared partial blocks are copied on write.
+//     system prompt). Step 0 admits and prefills the first request of each group; its metadata build registers
+//     their full blocks, so the requests admitted at step 1 hit the prefix cache for their group's system prompt
+//     (and the last one, a block-aligned retry of the first request's prompt, for all but its last block, which is
+//     deduplicated into the first request's block when it fills: its slots there are -1).
+//  2. Steps 0 and 1 prefill; steps 2..S+1 decode one token per sequence. Some sequences are forked (parallel
+//     sampling) before the first decode step and halfway, so shared partial blocks are copied on write.
 //  3. Every step builds the batch metadata into fixed-capacity buffers (padded to capacity, CUDA-graph style),
 //     then per layer runs copy_blocks -> write_kv -> attention (prefill: CSR + qo_indptr; decode: CSR and padded
-//     tables on alternating steps, split-KV on some steps) on the chosen backend.
+//     tables on alternating steps; the work split from the length-aware plan (plan_decode, executed by both
+//     backends), or the chunk rule on every 3rd / 5th step) on the chosen backend.
 //  4. Every output row of every layer is compared with attention computed in float64 over the sequence's own
 //     history of K/V (a fork inherits its parent's), and padding rows must be exactly o = 0, lse = -inf.
 // Exit status: 0 PASS, 1 FAIL (an error above tolerance, a NaN, or a kernel/manager error), 2 could not run
@@ -22,11 +25,13 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include <pagedkv/decode_plan.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
 #include <pagedkv/reference/dtype.hpp>
@@ -76,10 +81,16 @@ struct DecodeMode {
   PageTableFormat format = PageTableFormat::kCsr;
   int chunk = 0;       // kv_chunk_size_tokens
   int max_chunks = 0;  // max_num_chunks (0 = no split)
+  bool plan = false;   // the length-aware plan (plan_decode); chunk / max_chunks unused
+  int plan_items = 0, plan_split = 0;
   [[nodiscard]] std::string describe() const {
     std::string s = format == PageTableFormat::kCsr ? "csr   " : "padded";
-    if (max_chunks == 0) return s + " no-split       ";
     char buf[40];
+    if (plan) {
+      std::snprintf(buf, sizeof buf, " plan %3di/%2ds  ", plan_items, plan_split);
+      return s + buf;
+    }
+    if (max_chunks == 0) return s + " no-split       ";
     if (chunk > 0) {
       std::snprintf(buf, sizeof buf, " split %3dt x%-3d", chunk, max_chunks);
     } else {
@@ -111,15 +122,19 @@ class Runtime {
         key_(static_cast<std::size_t>(cap.max_new_tokens * shape.kv_row_elems()) * shape.elem_bytes()),
         value_(key_.size()) {}
 
-  /// Runs the prefill step and every decode step; true when every check passed.
+  /// Runs the two prefill steps and every decode step; true when every check passed.
   bool run() {
-    bool pass = prefill_step();
+    // Wave 1: the first request of each group; wave 2, after wave 1's metadata build registered its blocks: the rest.
+    const std::size_t leaders = std::min<std::size_t>(2, prompts_.size());
+    bool pass = prefill_step(0, 0, leaders);
+    if (leaders < prompts_.size()) pass = prefill_step(1, leaders, prompts_.size()) && pass;
+    const int first = 2;  // the first decode step
     const int first_forks = (opt_.forks + 1) / 2;
-    const int fork_step_2 = opt_.steps >= 2 ? opt_.steps / 2 + 1 : 1;
+    const int fork_step_2 = opt_.steps >= 2 ? first + opt_.steps / 2 : first;
     int forked = 0;
-    for (int step = 1; step <= opt_.steps; ++step) {
+    for (int step = first; step < first + opt_.steps; ++step) {
       // Parallel sampling: fork some sequences (after the previous step's build, as the manager requires).
-      const int want = step == fork_step_2 ? opt_.forks : (step == 1 ? first_forks : forked);
+      const int want = step == fork_step_2 ? opt_.forks : (step == first ? first_forks : forked);
       while (forked < want) {
         const Seq& parent = seqs_[static_cast<std::size_t>((forked * 3) % seqs_.size())];
         Seq child = parent;  // the child's K/V history is its parent's
@@ -136,12 +151,13 @@ class Runtime {
   }
 
  private:
-  // ---- step 0: admission + prefill ------------------------------------------------------------------------------
-  bool prefill_step() {
+  // ---- steps 0 and 1: admission of requests [begin, end) + prefill -------------------------------------------------
+  bool prefill_step(int step, std::size_t begin, std::size_t end) {
     std::size_t prompt_tokens = 0;
     std::size_t cached_tokens = 0;
     int hit_requests = 0;
-    for (std::size_t i = 0; i < prompts_.size(); ++i) {
+    const auto before = mgr_.stats();
+    for (std::size_t i = begin; i < end; ++i) {
       const auto r = mgr_.try_admit(static_cast<SeqId>(i), prompts_[i]);
       if (!r.admitted()) {
         std::printf("admission of sequence %zu failed (%s)\n", i,
@@ -160,15 +176,19 @@ class Runtime {
                     r.num_cached_tokens, r.num_new_blocks);
       }
     }
-    const auto st = mgr_.stats();
-    std::printf("admitted %zu sequences: %zu prompt tokens, %zu served from the prefix cache (%d requests hit), "
-                "%llu deduplicated block(s)\n",
-                prompts_.size(), prompt_tokens, cached_tokens, hit_requests,
-                static_cast<unsigned long long>(st.dedup_blocks));
-    return run_step(0, /*prefill=*/true, DecodeMode{});
+    std::printf("step %3d admits %zu sequence(s): %zu prompt tokens, %zu served from the prefix cache (%d "
+                "request(s) hit)\n",
+                step, end - begin, prompt_tokens, cached_tokens, hit_requests);
+    const bool pass = run_step(step, /*prefill=*/true, DecodeMode{});
+    const auto after = mgr_.stats();
+    if (after.dedup_blocks > before.dedup_blocks) {
+      std::printf("         its build deduplicated %llu full block(s) into cached ones (their slots are -1)\n",
+                  static_cast<unsigned long long>(after.dedup_blocks - before.dedup_blocks));
+    }
+    return pass;
   }
 
-  // ---- steps 1..S: one sampled token per sequence -----------------------------------------------------------------
+  // ---- steps 2..S+1: one sampled token per sequence ---------------------------------------------------------------
   bool decode_step(int step) {
     std::uniform_int_distribution<TokenId> tok(1, 49999);
     std::vector<TokenId> sampled;
@@ -186,6 +206,7 @@ class Runtime {
     }
     DecodeMode mode;
     mode.format = step % 2 == 1 ? PageTableFormat::kCsr : PageTableFormat::kPadded;
+    mode.plan = step % 3 != 0 && step % 5 != 0;  // the length-aware plan, executed item for item by the backend
     if (step % 3 == 0) {  // explicit split-KV chunk: odd sizes that cut through blocks
       const int max_len = max_seq_len();
       mode.chunk = std::uniform_int_distribution<int>(7, 40)(rng_);
@@ -204,7 +225,7 @@ class Runtime {
   }
 
   // ---- one step: metadata -> per layer (copies -> write -> attention) -> float64 check ----------------------------
-  bool run_step(int step, bool prefill, const DecodeMode& mode) {
+  bool run_step(int step, bool prefill, DecodeMode mode) {
     std::vector<SeqId> batch;
     batch.reserve(seqs_.size());
     for (const Seq& s : seqs_) batch.push_back(s.id);
@@ -232,6 +253,19 @@ class Runtime {
         return false;
       }
     }
+    // The decode plan, from this step's lengths over the whole capacity (padding sequences have length 0), into
+    // the fixed plan buffers that set_metadata hands to the backend with the rest of the metadata.
+    pagedkv::DecodePlanInfo plan_info;
+    if (!prefill && mode.plan) {
+      const std::span<const std::int32_t> lens(md_.seq_lens.data(), static_cast<std::size_t>(cap_.max_batch));
+      if (const pagedkv::Status s = pagedkv::plan_decode(lens, cap_.plan, md_.plan_buffers(), &plan_info);
+          s != pagedkv::Status::kSuccess) {
+        std::printf("step %d: plan_decode: %s\n", step, pagedkv::to_string(s));
+        return false;
+      }
+      mode.plan_items = plan_info.nonempty_items;
+      mode.plan_split = plan_info.num_merges;
+    }
     if (const BackendResult r = backend_->set_metadata(md_); !r.ok()) {
       std::printf("step %d: %s\n", step, r.what.c_str());
       return false;
@@ -251,8 +285,10 @@ class Runtime {
       w.format = prefill ? PageTableFormat::kCsr : mode.format;
       w.total_q_rows = q_rows;
       w.num_new_tokens = new_tokens;
-      w.kv_chunk_size_tokens = prefill ? 0 : mode.chunk;
-      w.max_num_chunks = prefill ? 0 : mode.max_chunks;
+      w.kv_chunk_size_tokens = prefill || mode.plan ? 0 : mode.chunk;
+      w.max_num_chunks = prefill || mode.plan ? 0 : mode.max_chunks;
+      w.use_plan = !prefill && mode.plan;
+      w.plan = plan_info.work_list;
       w.q = q_.data();
       w.key = key_.data();
       w.value = value_.data();
@@ -443,7 +479,7 @@ int run_main(int argc, char** argv) {
   app.add_option("--batch", opt.batch, "Requests admitted at step 0")->check(CLI::Range(1, 512));
   app.add_option("--forks", opt.forks, "Sequences forked (parallel sampling): half before step 1, half mid-way")
       ->check(CLI::Range(0, 512));
-  app.add_option("--steps", opt.steps, "Decode steps after the prefill step")->check(CLI::Range(0, 4096));
+  app.add_option("--steps", opt.steps, "Decode steps after the two prefill steps")->check(CLI::Range(0, 4096));
   app.add_option("--layers", opt.layers, "Layers (one KV pool each)")->check(CLI::Range(1, 64));
   app.add_option("--head-dim", opt.head_dim, "Head dim")->check(CLI::IsMember({64, 128}));
   app.add_option("--system-prompt", opt.system_prompt_tokens, "Tokens of each group's shared system prompt")
@@ -497,6 +533,18 @@ int run_main(int argc, char** argv) {
     return 2;
   }
   shape.num_blocks = static_cast<int>(blocks);
+
+  // The decode plan's device description, and buffers that fit every plan of a batch of max_batch sequences.
+  if (opt.device == "cuda") {
+    std::string error;
+    if (!cuda_plan_config(shape, &cap.plan, &error)) {
+      std::fprintf(stderr, "decode_loop: --device cuda: %s\n", error.c_str());
+      return 2;
+    }
+  } else {
+    cap.plan = cpu_plan_config(shape);
+  }
+  cap.plan_cap = pagedkv::decode_plan_capacity(cap.max_batch, cap.plan);
 
   std::unique_ptr<Backend> backend;
   if (opt.device == "cuda") {
