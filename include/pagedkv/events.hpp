@@ -1,4 +1,4 @@
-// pagedkv/events.hpp: KV-cache events for KV-aware routers, and the manager's counters.
+// pagedkv/events.hpp: KV-cache events for KV-aware routers.
 #pragma once
 
 #include <cstddef>
@@ -8,6 +8,7 @@
 
 #include <pagedkv/config.hpp>
 #include <pagedkv/hash.hpp>
+#include <pagedkv/stats.hpp>  // CacheStats used to live here
 
 namespace pagedkv {
 
@@ -30,26 +31,6 @@ struct KVEvent {
   std::vector<TokenId> token_ids;
   std::uint64_t adapter_id = 0;
   std::vector<BlockHash> multimodal_item_hashes;
-};
-
-/// Counters of a KVCacheManager (vLLM's PrefixCacheStats + KVCacheManager usage). Block counts exclude the null
-/// block; `usage` = blocks_used / usable blocks. Prefix counters are updated on successful admission only, so
-/// retries after "no capacity now" do not inflate them.
-struct CacheStats {
-  std::size_t num_usable_blocks = 0;
-  std::size_t blocks_used = 0;    ///< refcount > 0
-  std::size_t blocks_cached = 0;  ///< refcount 0, hashed (evictable)
-  std::size_t blocks_free = 0;    ///< refcount 0, unhashed
-  double usage = 0.0;
-  std::uint64_t prefix_query_requests = 0;
-  std::uint64_t prefix_hit_requests = 0;  ///< admissions with at least one cached block
-  std::uint64_t prefix_query_tokens = 0;  ///< prompt tokens admitted
-  std::uint64_t prefix_hit_tokens = 0;    ///< of which found in the cache
-  std::uint64_t evictions = 0;
-  std::uint64_t cow_copies = 0;
-  std::uint64_t dedup_blocks = 0;  ///< newly full blocks switched to an identical cached block
-  std::uint64_t preemptions = 0;
-  std::uint64_t block_ops = 0;     ///< allocations + acquires + releases, one per block
 };
 
 }  // namespace pagedkv

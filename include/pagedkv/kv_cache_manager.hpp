@@ -11,6 +11,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -27,6 +28,7 @@
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>
 #include <pagedkv/sequence_state.hpp>
+#include <pagedkv/stats.hpp>
 
 namespace pagedkv {
 
@@ -56,6 +58,35 @@ struct AdmitResult {
   std::size_t num_missing_blocks = 0;  ///< kNoCapacity: blocks that would have to become available now;
                                        ///< kNeverFits: blocks beyond the whole pool. 0 when admitted.
   [[nodiscard]] bool admitted() const noexcept { return status == AdmitStatus::kAdmitted; }
+};
+
+/// Options of one admission.
+struct AdmitOptions {
+  /// Most prompt tokens taken from the prefix cache; default prompt_len - 1, so at least one token is computed
+  /// (its logits sample the first output token). Any value is clamped to the prompt length.
+  std::optional<std::size_t> max_cached_tokens = std::nullopt;
+  /// Chunked admission: reserve slots (and blocks) only for the first `num_reserved_tokens` uncached prompt tokens
+  /// now; the rest get them chunk by chunk through `try_reserve`, each all or nothing (then kNoCapacity is a
+  /// preemption signal, as in vLLM's allocate_slots). Default: the whole prompt (vLLM's full-prompt-must-fit
+  /// gate, so a running prefill is never preempted for lack of blocks). Clamped to the uncached tokens.
+  std::optional<std::size_t> num_reserved_tokens = std::nullopt;
+};
+
+/// Outcome of a capacity query (`query_admit`, `query_append`): what the call would answer now.
+enum class CapacityStatus : std::uint8_t {
+  kFits = 0,        ///< It would succeed now.
+  kNoCapacity = 1,  ///< Not now: `num_missing_blocks` more blocks must become free or evictable.
+  kNeverFits = 2,   ///< Never, whatever is preempted: `num_missing_blocks` beyond the whole pool.
+};
+
+/// What an admission or a growth (append, reserve, lookahead) would take from the pool now. Pure: computing it
+/// changes nothing.
+struct CapacityQuery {
+  CapacityStatus status = CapacityStatus::kFits;
+  std::size_t num_blocks = 0;          ///< Blocks it would take from the pool (new blocks + a copy-on-write).
+  std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: how many are missing; 0 when it fits.
+  std::size_t num_cached_tokens = 0;   ///< Admission: prompt tokens the prefix cache would serve.
+  [[nodiscard]] bool fits() const noexcept { return status == CapacityStatus::kFits; }
 };
 
 /// Outcome of an append.
@@ -148,60 +179,36 @@ class KVCacheManager {
   // Admission and growth
 
   /// Admit sequence `seq` with prompt `prompt` (`[prompt_len]` token ids, prompt_len >= 1) and optional extra keys.
-  /// Finds the longest cached prefix of full blocks (at most `max_cached_tokens` tokens; default prompt_len - 1 so
-  /// at least one token is computed), takes those blocks, and allocates blocks for the rest; the uncached tokens'
-  /// slots become pending for the next `build_batch_metadata`. All or nothing: on kNoCapacity / kNeverFits
-  /// nothing changes (no refcount, no LRU position, no counter).
+  /// Finds the longest cached prefix of full blocks (at most `opts.max_cached_tokens`), takes those blocks, and
+  /// allocates blocks for the uncached tokens (all of them, or the first `opts.num_reserved_tokens`: chunked
+  /// admission); their slots become pending for the next builds. All or nothing: on kNoCapacity / kNeverFits
+  /// nothing changes (no refcount, no LRU position, no counter). kNeverFits: the whole prompt needs more blocks
+  /// than the pool, however it is reserved. A sequence id preempted before is counted as a re-admission.
   /// Throws kDuplicateSequence (seq is live), kInvalidArgument (empty prompt; a multimodal item that is empty,
   /// unsorted or not inside the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
-                        std::optional<std::size_t> max_cached_tokens = std::nullopt) {
+                        const AdmitOptions& opts = {}) {
     if (seqs_.contains(seq)) {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
-    if (prompt.empty()) {
-      detail::raise(Errc::kInvalidArgument, "try_admit: sequence " + std::to_string(seq) + " has an empty prompt");
-    }
-    if (prompt.size() > max_tokens_per_seq_) {
-      detail::raise(Errc::kLimitExceeded, "try_admit: prompt of " + std::to_string(prompt.size()) +
-                                              " tokens exceeds max_tokens_per_seq = " +
-                                              std::to_string(max_tokens_per_seq_));
-    }
-    validate_request_keys(keys, prompt.size(), "try_admit");
-    const std::size_t bs = config_.block_size;
-    const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
-    if (total_blocks > alloc_.num_usable_blocks()) {
-      return {AdmitStatus::kNeverFits, 0, 0, total_blocks - alloc_.num_usable_blocks()};
-    }
-
     std::vector<BlockHash> hashes;
-    if (config_.enable_prefix_caching) {
-      hashes.reserve(prompt.size() / bs);
-      index_.hash_full_blocks(prompt, config_.block_size, keys, hashes);
+    const AdmitPlan plan = plan_admit(prompt, keys, opts, "try_admit: sequence " + std::to_string(seq), hashes);
+    if (!plan.query.fits()) {
+      return {static_cast<AdmitStatus>(plan.query.status), 0, 0, plan.query.num_missing_blocks};
     }
-    const std::size_t cap = std::min(max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
-    hit_scratch_.clear();
-    std::size_t evictable_hits = 0;
-    for (std::size_t i = 0; i < std::min(hashes.size(), cap / bs); ++i) {
-      const auto b = index_.find(hashes[i]);
-      if (!b) break;
-      hit_scratch_.push_back(*b);
-      if (alloc_.is_cached(*b)) ++evictable_hits;
-    }
+    const std::size_t bs = config_.block_size;
     const std::size_t hits = hit_scratch_.size();
-    const std::size_t new_blocks = total_blocks - hits;
-    const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
-    if (new_blocks > available) return {AdmitStatus::kNoCapacity, 0, 0, new_blocks - available};
 
     // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
     auto keys_ptr = keys != nullptr && !keys->empty() ? std::make_shared<const RequestKeys>(*keys) : nullptr;
     sequence_type s(config_.block_size);
     s.tokens.assign(prompt.begin(), prompt.end());
     s.keys = std::move(keys_ptr);
-    s.table.reserve_blocks(total_blocks);
+    s.table.reserve_blocks(hits + plan.query.num_blocks);
     slot_scratch_.clear();
-    slot_scratch_.reserve(prompt.size() - hits * bs);
-    events_.reserve_more(new_blocks);  // removed-block events of the evictions below
+    slot_scratch_.reserve(plan.num_reserved);
+    events_.reserve_more(plan.query.num_blocks);  // removed-block events of the evictions below
+    const bool readmission = preempted_.contains(seq);
     auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
     sequence_type& q = it->second;
     Proxy pool{this};
@@ -213,57 +220,43 @@ class KVCacheManager {
     q.num_registered = hits;
     q.num_built = hits * bs;
     std::optional<copy_type> no_copy;
-    const bool ok = q.table.try_append(prompt.size() - hits * bs, pool, evictor(), slot_scratch_, no_copy);
+    const bool ok = q.table.try_append(plan.num_reserved, pool, evictor(), slot_scratch_, no_copy);
     (void)ok;  // guaranteed by the capacity check
+    if (readmission) preempted_.erase(seq);
 
     ++stats_.prefix_query_requests;
     stats_.prefix_query_tokens += prompt.size();
     if (hits > 0) ++stats_.prefix_hit_requests;
     stats_.prefix_hit_tokens += hits * bs;
-    return {AdmitStatus::kAdmitted, hits * bs, new_blocks, 0};
+    if (readmission) {
+      ++stats_.readmitted_requests;
+      stats_.readmitted_query_tokens += prompt.size();
+      stats_.readmitted_hit_tokens += hits * bs;
+    }
+    interval_.record(prompt.size(), hits * bs, readmission);
+    return {AdmitStatus::kAdmitted, hits * bs, plan.query.num_blocks, 0};
   }
 
   /// Append `tokens` (`[n]` token ids, e.g. the one sampled token of a decode step) to live sequence `seq`,
   /// reserving n slots (pending for the next build) and copying a shared or hashed partial last block first
   /// (copy-on-write: one copy, pending too). All or nothing: kNoCapacity and kNeverFits change nothing.
   /// kNeverFits: the sequence would hold more blocks than the pool has even if every other sequence were preempted.
-  /// Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()).
+  /// Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()), kInvalidArgument (the
+  /// sequence still has prompt tokens without slots, or uncommitted lookahead slots).
   AppendResult<Id> try_append(SeqId seq, std::span<const TokenId> tokens) {
     sequence_type& q = live(seq, "try_append");
+    check_growable(q, seq, tokens.size(), "try_append");
     const std::size_t n = tokens.size();
-    if (q.num_known() + n > max_tokens_per_seq_) {
-      detail::raise(Errc::kLimitExceeded, "try_append: sequence " + std::to_string(seq) + " would reach " +
-                                              std::to_string(q.num_known() + n) +
-                                              " tokens, above max_tokens_per_seq = " +
-                                              std::to_string(max_tokens_per_seq_));
-    }
     if (n == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
-    Proxy pool{this};
-    const std::size_t bs = config_.block_size;
-    const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
-    const bool cow = q.table.last_block_needs_copy(pool);
-    // Never fits: even with every other sequence gone, this one would hold more blocks than the pool. (A copy
-    // forced by sharing would vanish with the sharers; one forced by a hash would not.)
-    const bool hashed_partial = cow && alloc_.is_hashed(q.table.blocks().back());
-    const std::size_t held_after = q.table.num_blocks() + new_blocks + (hashed_partial ? 1 : 0);
-    if (held_after > alloc_.num_usable_blocks()) {
-      return {AppendStatus::kNeverFits, {}, std::nullopt, held_after - alloc_.num_usable_blocks()};
+    const CapacityQuery cq = query_growth(q, n);
+    if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
+    prepare_growth(q, n);
+    if (config_.enable_prefix_caching) {
+      detail::reserve_more(q.hashes, (q.num_known() + n) / config_.block_size - q.hashes.size());
     }
-    const std::size_t needed = new_blocks + (cow ? 1 : 0);
-    if (needed > alloc_.num_available_blocks()) {
-      return {AppendStatus::kNoCapacity, {}, std::nullopt, needed - alloc_.num_available_blocks()};
-    }
-    // Reserve everything that could throw before the first change.
-    detail::reserve_more(q.tokens, n);
-    if (config_.enable_prefix_caching) detail::reserve_more(q.hashes, (q.num_known() + n) / bs - q.hashes.size());
-    detail::reserve_more(pending_copies_, 1);
-    detail::reserve_more(copy_owners_, 1);
-    q.table.reserve_blocks(q.table.num_blocks() + new_blocks);
-    slot_scratch_.clear();
-    slot_scratch_.reserve(n);
-    events_.reserve_more(needed);
     // Hash the blocks the new tokens fill (may throw for very large blocks, which encode on the heap): undone on
     // failure, before the table changes.
+    detail::reserve_more(q.tokens, n);
     const std::size_t old_known = q.num_known();
     const std::size_t old_hashes = q.hashes.size();
     q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
@@ -276,24 +269,97 @@ class KVCacheManager {
         throw;
       }
     }
-    std::optional<copy_type> copy;
-    const bool ok = q.table.try_append(n, pool, evictor(), slot_scratch_, copy);
-    (void)ok;  // guaranteed by the capacity check; nothing in it allocates (reserved above)
-    if (copy) {
-      pending_copies_.push_back(*copy);
-      copy_owners_.push_back(&q);
-      ++q.num_pending_copies;
-      ++stats_.cow_copies;
+    return commit_growth(q, n);
+  }
+
+  /// Chunked prefill: reserve slots for the next `n` prompt tokens of `seq` that have none yet (admitted with
+  /// `AdmitOptions::num_reserved_tokens`), all or nothing, copying a hashed partial tail first if needed. The
+  /// slots are pending for the next builds. kNoCapacity is the engine's preemption signal (vLLM's
+  /// allocate_slots returning None).
+  /// Throws kUnknownSequence, kInvalidArgument (n > the prompt tokens without slots).
+  AppendResult<Id> try_reserve(SeqId seq, std::size_t n) {
+    sequence_type& q = live(seq, "try_reserve");
+    if (n > q.num_unslotted()) {
+      detail::raise(Errc::kInvalidArgument, "try_reserve: sequence " + std::to_string(seq) + " has " +
+                                                std::to_string(q.num_unslotted()) +
+                                                " prompt tokens without slots, asked for " + std::to_string(n));
     }
-    return {AppendStatus::kOk, slot_scratch_, copy, 0};
+    if (n == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
+    const CapacityQuery cq = query_growth(q, n);
+    if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
+    prepare_growth(q, n);
+    return commit_growth(q, n);
+  }
+
+  /// Speculative decoding: reserve `k` lookahead slots after the last token of `seq` for tokens whose ids the host
+  /// does not know yet (draft tokens proposed on the GPU), all or nothing. The builds emit them like any pending
+  /// slot (the verification step writes the drafts' K/V there); `commit_lookahead` later keeps the accepted ones
+  /// and rewinds the rest. A block holding a lookahead position is never hashed or registered until its ids are
+  /// committed. Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()),
+  /// kInvalidArgument (prompt tokens without slots, or lookahead already outstanding: commit it first).
+  AppendResult<Id> try_reserve_lookahead(SeqId seq, std::size_t k) {
+    sequence_type& q = live(seq, "try_reserve_lookahead");
+    check_growable(q, seq, k, "try_reserve_lookahead");
+    if (k == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
+    const CapacityQuery cq = query_growth(q, k);
+    if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
+    prepare_growth(q, k);
+    AppendResult<Id> r = commit_growth(q, k);
+    q.num_lookahead = k;
+    return r;
+  }
+
+  /// Resolve the outstanding lookahead of `seq`: the first `accepted.size()` lookahead positions hold the accepted
+  /// token ids (their K/V, written by the verification step, is kept), the remaining positions are rewound
+  /// (blocks left empty are released). Blocks that become full with known ids and whose writes have been issued
+  /// are registered in the prefix index now (deduplicated as at a build). Rejection of every draft is
+  /// `accepted` empty. Throws kUnknownSequence, kInvalidArgument (accepted.size() > the lookahead slots).
+  void commit_lookahead(SeqId seq, std::span<const TokenId> accepted) {
+    sequence_type& q = live(seq, "commit_lookahead");
+    const std::size_t a = accepted.size();
+    if (a > q.num_lookahead) {
+      detail::raise(Errc::kInvalidArgument, "commit_lookahead: sequence " + std::to_string(seq) + " accepts " +
+                                                std::to_string(a) + " tokens but has " +
+                                                std::to_string(q.num_lookahead) + " lookahead slots");
+    }
+    const std::size_t bs = config_.block_size;
+    const std::size_t old_known = q.num_known();
+    const std::size_t old_hashes = q.hashes.size();
+    detail::reserve_more(q.tokens, a);
+    std::size_t max_reg = 0;
+    if (config_.enable_prefix_caching) {
+      detail::reserve_more(q.hashes, (old_known + a) / bs - std::min(old_hashes, (old_known + a) / bs));
+      max_reg = (old_known + a) / bs - std::min((old_known + a) / bs, q.num_registered);
+    }
+    events_.reserve_more(max_reg);
+    switched_scratch_.clear();
+    switched_scratch_.reserve(max_reg);
+    q.tokens.insert(q.tokens.end(), accepted.begin(), accepted.end());
+    if (config_.enable_prefix_caching) {
+      try {
+        index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
+      } catch (...) {
+        q.tokens.resize(old_known);
+        q.hashes.resize(old_hashes);
+        throw;
+      }
+    }
+    // Nothing below throws.
+    const std::size_t rejected = q.num_lookahead - a;
+    q.num_lookahead = 0;
+    Proxy pool{this};
+    q.table.rewind(rejected, pool);
+    q.num_built = std::min(q.num_built, q.num_slotted());
+    register_full_blocks(q);  // the accepted blocks whose writes were issued
   }
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
   /// table is a copy of the parent's, every block's refcount + 1, nothing allocated. The first append to a shared
   /// partial last block, by either side, copies it.
   /// Throws kUnknownSequence (parent), kDuplicateSequence (child live, or child == parent), kInvalidArgument when
-  /// the parent is not settled (slots not yet built, or a copy-on-write into its table not yet handed out: fork
-  /// after the build of the step that wrote them, as engines do after prefill).
+  /// the parent is not settled (slots not yet built, prompt tokens without slots, lookahead outstanding, or a
+  /// copy-on-write into its table not yet handed out: fork after the build of the step that wrote them, as
+  /// engines do after prefill).
   void fork(SeqId parent, SeqId child) {
     if (seqs_.contains(child)) {
       detail::raise(Errc::kDuplicateSequence, "fork: child sequence " + std::to_string(child) + " is already live");
@@ -302,7 +368,8 @@ class KVCacheManager {
     if (!p.settled()) {
       detail::raise(Errc::kInvalidArgument,
                     "fork: parent sequence " + std::to_string(parent) + " has unbuilt state (" +
-                        std::to_string(p.num_pending()) + " unbuilt slots, " +
+                        std::to_string(p.num_pending()) + " unbuilt slots, " + std::to_string(p.num_unslotted()) +
+                        " prompt tokens without slots, " + std::to_string(p.num_lookahead) + " lookahead slots, " +
                         std::to_string(p.num_pending_copies) +
                         " pending copy-on-write copies): build the step's metadata before forking");
     }
@@ -327,30 +394,57 @@ class KVCacheManager {
     seqs_.erase(seq);
   }
 
-  /// `free`, counted as a preemption (recompute: the engine re-admits the request later and its full blocks are
-  /// likely still cached). Throws kUnknownSequence.
+  /// `free`, counted as a preemption (recompute: the engine re-admits the request later under the same id and its
+  /// full blocks are likely still cached; that admission is counted as a re-admission). The manager remembers the
+  /// id until it is admitted again (8-16 bytes per preempted id). Throws kUnknownSequence.
   void preempt(SeqId seq) {
-    free(seq);
+    (void)live(seq, "preempt");  // kUnknownSequence before anything changes
+    preempted_.insert(seq);      // may throw bad_alloc, before anything changed
+    free(seq);                   // cannot fail now
     ++stats_.preemptions;
   }
 
-  /// Drop the last `n` tokens of live sequence `seq` (rejected speculative tokens). Blocks left empty are
-  /// released last first; a partial block that is shared or cached stays intact and is copied on the next append.
-  /// Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens).
+  /// Drop the last `n` tokens of live sequence `seq` (rejected speculative tokens appended with try_append, or
+  /// outstanding lookahead slots, which go first). Blocks left empty are released, last first; a partial block
+  /// that is shared or cached stays intact and is copied on the next append.
+  /// Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens, lookahead included).
   void rewind(SeqId seq, std::size_t n) {
     sequence_type& q = live(seq, "rewind");
-    if (n > q.num_known()) {
+    const std::size_t length = q.num_known() + q.num_lookahead;
+    if (n > length) {
       detail::raise(Errc::kLimitExceeded, "rewind: n = " + std::to_string(n) + " exceeds sequence " +
-                                              std::to_string(seq) + "'s " + std::to_string(q.num_known()) +
-                                              " tokens");
+                                              std::to_string(seq) + "'s " + std::to_string(length) + " tokens");
     }
-    const std::size_t len = q.num_known() - n;
+    const std::size_t drop_lookahead = std::min(n, q.num_lookahead);
+    const std::size_t len = q.num_known() - (n - drop_lookahead);  // known tokens kept
     Proxy pool{this};
-    q.table.rewind(q.num_slotted() - std::min(q.num_slotted(), len), pool);
+    q.num_lookahead -= drop_lookahead;
+    q.table.rewind(q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead), pool);
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
     q.num_registered = std::min(q.num_registered, q.hashes.size());
     q.num_built = std::min(q.num_built, q.num_slotted());
+  }
+
+  // ---------------------------------------------------------------------------------------------------------------
+  // Capacity queries (pure: nothing changes, nothing is counted)
+
+  /// What `try_admit(seq, prompt, keys, opts)` would take now: status (kFits = would be admitted), blocks taken
+  /// from the pool, blocks missing, cached tokens. Hashes the prompt (as admission does).
+  /// Throws as try_admit for invalid input (not for a live id: no id is given).
+  [[nodiscard]] CapacityQuery query_admit(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
+                                          const AdmitOptions& opts = {}) const {
+    std::vector<BlockHash> hashes;
+    std::vector<Id> hits;
+    return plan_admit_into(prompt, keys, opts, "query_admit", hashes, hits).query;
+  }
+
+  /// What growing live sequence `seq` by `n` slots would take now (`try_append` of n tokens, `try_reserve(n)` or
+  /// `try_reserve_lookahead(n)`): new blocks plus a copy-on-write of the tail. Throws kUnknownSequence.
+  [[nodiscard]] CapacityQuery query_append(SeqId seq, std::size_t n) const {
+    const sequence_type& q = live(seq, "query_append");
+    if (n == 0) return {};
+    return query_growth(q, n);
   }
 
   // ---------------------------------------------------------------------------------------------------------------
@@ -420,6 +514,13 @@ class KVCacheManager {
     s.block_ops = alloc_.num_block_ops();
     return s;
   }
+  /// Prefix-cache statistics since the previous call (vLLM's PrefixCacheStats: requests / queries / hits of new
+  /// requests, preempted_* of re-admissions, reset), then starts a new interval. The lifetime totals are in stats().
+  PrefixCacheStats take_prefix_cache_stats() noexcept {
+    const PrefixCacheStats out = interval_;
+    interval_ = {};
+    return out;
+  }
   /// The allocator (read-only: refcounts, states, eviction order). Valid as long as the manager.
   [[nodiscard]] const allocator_type& allocator() const noexcept { return alloc_; }
   /// The prefix index (read-only). Valid as long as the manager.
@@ -436,6 +537,8 @@ class KVCacheManager {
     events_.reserve_more(1);
     alloc_.clear_hashes([](Id) {});
     index_.clear();
+    for (auto& [id, q] : seqs_) q.num_registered = 0;  // (all empty: nothing is referenced)
+    interval_.reset = true;
     if (events_.enabled()) events_.push(KVEventType::kAllCleared);
     return true;
   }
@@ -448,9 +551,14 @@ class KVCacheManager {
   // Batch metadata
 
   /// Write this step's metadata for the sequences `batch` (in that order) into `buf` (see BatchMetadataBuffers for
-  /// shapes and padding), then mark those sequences' pending slots built and hand out every pending copy
-  /// (releasing the references the copies held on their sources). Slots of sequence b occupy
-  /// slot_mapping[qo_indptr[b], qo_indptr[b + 1]); its page table covers seq_lens[b] tokens.
+  /// shapes and padding), then mark the scheduled slots built and hand out every pending copy (releasing the
+  /// references the copies held on their sources).
+  /// `num_scheduled_tokens` (`[batch]`, optional): how many of each sequence's pending positions this step
+  /// computes, in position order (its query length: 1 for a decode token, a chunk for chunked prefill, 1 + k with
+  /// k lookahead slots); empty = all pending. The rest stay pending for later builds. Sequence b's new slots
+  /// occupy slot_mapping[qo_indptr[b], qo_indptr[b + 1]); its page table (indices, block_tables) covers the
+  /// seq_lens[b] tokens written up to the end of this step: its queries are the last qo_indptr[b + 1] -
+  /// qo_indptr[b] of them (a mixed batch of decodes and prefill chunks is one ragged prefill, FlashInfer style).
   /// Before writing, the batch's full blocks whose last write this build issues are registered in the prefix
   /// index (their K/V is written by the kernels of the step this metadata describes). A full block whose hash is
   /// already registered to another block, and that only this sequence holds, is switched to the registered block
@@ -459,12 +567,21 @@ class KVCacheManager {
   /// Every span of `buf` may be empty to skip that output, except two that a build cannot drop: `slot_mapping`
   /// when the batch has new tokens (their writes would never be issued, yet their blocks would be registered) and
   /// `copies` when copies are pending (they would be handed out to nobody).
-  /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`), kBadShape (a buffer too small or
-  /// wrongly empty, or a sequence longer than max_blocks_per_seq), kLimitExceeded (a total beyond the int32
-  /// metadata): then nothing is written and nothing changes.
-  BatchMetadataSizes build_batch_metadata(std::span<const SeqId> batch, const BatchMetadataBuffers& buf) {
+  /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`; more tokens scheduled than pending),
+  /// kBadShape (a buffer too small or wrongly empty, a sequence longer than max_blocks_per_seq,
+  /// num_scheduled_tokens not of the batch's size), kLimitExceeded (a total beyond the int32 metadata): then
+  /// nothing is written and nothing changes.
+  BatchMetadataSizes build_batch_metadata(std::span<const SeqId> batch, const BatchMetadataBuffers& buf,
+                                          std::span<const std::uint32_t> num_scheduled_tokens = {}) {
+    if (!num_scheduled_tokens.empty() && num_scheduled_tokens.size() != batch.size()) {
+      detail::raise(Errc::kBadShape, "build_batch_metadata: num_scheduled_tokens holds " +
+                                         std::to_string(num_scheduled_tokens.size()) + " entries for a batch of " +
+                                         std::to_string(batch.size()));
+    }
     batch_scratch_.clear();
     batch_scratch_.reserve(batch.size());
+    qlen_scratch_.clear();
+    qlen_scratch_.reserve(batch.size());
     BatchMetadataSizes sz;
     sz.batch_size = batch.size();
     const std::size_t bs = config_.block_size;
@@ -473,6 +590,7 @@ class KVCacheManager {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::raise(c, "build_batch_metadata: " + std::move(msg));
     };
+    std::size_t b_in = 0;
     for (SeqId id : batch) {
       const auto it = seqs_.find(id);
       if (it == seqs_.end()) fail(Errc::kUnknownSequence, "sequence " + std::to_string(id) + " is not live");
@@ -480,10 +598,17 @@ class KVCacheManager {
       if (q.in_batch) fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " appears twice");
       q.in_batch = true;
       batch_scratch_.push_back(&q);
-      const std::size_t seq_len = q.num_slotted();
+      const std::size_t q_len = num_scheduled_tokens.empty() ? q.num_pending() : num_scheduled_tokens[b_in];
+      if (q_len > q.num_pending()) {
+        fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " is scheduled " + std::to_string(q_len) +
+                                         " tokens but has " + std::to_string(q.num_pending()) + " pending slots");
+      }
+      qlen_scratch_.push_back(static_cast<std::uint32_t>(q_len));
+      ++b_in;
+      const std::size_t seq_len = q.num_built + q_len;
       const std::size_t blocks = (seq_len + bs - 1) / bs;
       sz.num_indices += blocks;
-      sz.num_new_tokens += q.num_pending();
+      sz.num_new_tokens += q_len;
       if (config_.enable_prefix_caching) {
         const std::size_t reg_end = std::min({seq_len, q.num_known()}) / bs;
         max_registrations += reg_end - std::min(reg_end, q.num_registered);
@@ -546,7 +671,7 @@ class KVCacheManager {
       sequence_type& q = *batch_scratch_[b];
       q.in_batch = false;
       const std::size_t first = q.num_built;
-      const std::size_t q_len = q.num_pending();
+      const std::size_t q_len = qlen_scratch_[b];
       q.num_built += q_len;
       switched_scratch_.clear();
       register_full_blocks(q);
@@ -618,6 +743,128 @@ class KVCacheManager {
     void acquire(Id b) { m->alloc_.acquire(b); }
     void release(Id b) { m->release_block(b); }
   };
+
+  // The allocator as capacity queries see it (read-only).
+  struct ConstProxy {
+    const KVCacheManager* m;
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->alloc_.refcount(b) - m->pins(b); }
+    [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
+  };
+
+  struct AdmitPlan {
+    CapacityQuery query;
+    std::size_t num_reserved = 0;  // uncached prompt tokens that get slots now
+  };
+
+  // Validate an admission and plan it: the prompt's block hashes into `hashes`, the hit blocks into `hits`, what it
+  // would take. Pure. Throws kInvalidArgument / kLimitExceeded for invalid input (`who` starts the message).
+  AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
+                            const std::string& who, std::vector<BlockHash>& hashes, std::vector<Id>& hits) const {
+    if (prompt.empty()) detail::raise(Errc::kInvalidArgument, who + " has an empty prompt");
+    if (prompt.size() > max_tokens_per_seq_) {
+      detail::raise(Errc::kLimitExceeded, who + ": prompt of " + std::to_string(prompt.size()) +
+                                              " tokens exceeds max_tokens_per_seq = " +
+                                              std::to_string(max_tokens_per_seq_));
+    }
+    validate_request_keys(keys, prompt.size(), who.c_str());
+    const std::size_t bs = config_.block_size;
+    const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
+    const std::size_t usable = alloc_.num_usable_blocks();
+    if (total_blocks > usable) {
+      return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0};
+    }
+    if (config_.enable_prefix_caching) {
+      hashes.reserve(prompt.size() / bs);
+      index_.hash_full_blocks(prompt, config_.block_size, keys, hashes);
+    }
+    const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
+    hits.clear();
+    std::size_t evictable_hits = 0;
+    for (std::size_t i = 0; i < std::min(hashes.size(), cap / bs); ++i) {
+      const auto b = index_.find(hashes[i]);
+      if (!b) break;
+      hits.push_back(*b);
+      if (alloc_.is_cached(*b)) ++evictable_hits;
+    }
+    const std::size_t cached = hits.size() * bs;
+    const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
+    const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - hits.size();
+    const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
+    if (new_blocks > available) {
+      return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved};
+    }
+    return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved};
+  }
+  AdmitPlan plan_admit(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
+                       const std::string& who, std::vector<BlockHash>& hashes) {
+    return plan_admit_into(prompt, keys, opts, who, hashes, hit_scratch_);
+  }
+
+  // Misuse checks shared by the calls that add positions after the last token (append, lookahead).
+  void check_growable(const sequence_type& q, SeqId seq, std::size_t n, const char* what) const {
+    if (q.num_unslotted() != 0) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(seq) + " has " +
+                                                std::to_string(q.num_unslotted()) +
+                                                " prompt tokens without slots (try_reserve them first)");
+    }
+    if (q.num_lookahead != 0) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(seq) + " has " +
+                                                std::to_string(q.num_lookahead) +
+                                                " uncommitted lookahead slots (commit_lookahead first)");
+    }
+    if (q.num_known() + n > max_tokens_per_seq_) {
+      detail::raise(Errc::kLimitExceeded, std::string(what) + ": sequence " + std::to_string(seq) +
+                                              " would reach " + std::to_string(q.num_known() + n) +
+                                              " tokens, above max_tokens_per_seq = " +
+                                              std::to_string(max_tokens_per_seq_));
+    }
+  }
+
+  // What growing `q` by n > 0 slots takes now. Never fits: even with every other sequence gone, `q` would hold
+  // more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced by a hash not).
+  [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n) const {
+    const std::size_t bs = config_.block_size;
+    const std::size_t nblocks = q.table.num_blocks();
+    const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - nblocks;
+    const bool cow = q.table.last_block_needs_copy(ConstProxy{this});
+    const bool hashed_partial = cow && alloc_.is_hashed(q.table.blocks().back());
+    const std::size_t needed = new_blocks + (cow ? 1 : 0);
+    const std::size_t held_after = nblocks + new_blocks + (hashed_partial ? 1 : 0);
+    if (held_after > alloc_.num_usable_blocks()) {
+      return {CapacityStatus::kNeverFits, needed, held_after - alloc_.num_usable_blocks(), 0};
+    }
+    if (needed > alloc_.num_available_blocks()) {
+      return {CapacityStatus::kNoCapacity, needed, needed - alloc_.num_available_blocks(), 0};
+    }
+    return {CapacityStatus::kFits, needed, 0, 0};
+  }
+
+  // Reserve everything commit_growth(q, n) needs, so that it cannot throw. May throw; changes nothing visible.
+  void prepare_growth(sequence_type& q, std::size_t n) {
+    const std::size_t bs = config_.block_size;
+    const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
+    detail::reserve_more(pending_copies_, 1);
+    detail::reserve_more(copy_owners_, 1);
+    q.table.reserve_blocks(q.table.num_blocks() + new_blocks);
+    slot_scratch_.clear();
+    slot_scratch_.reserve(n);
+    events_.reserve_more(new_blocks + 1);
+  }
+
+  // Give `q` n more slots (capacity checked by query_growth, room reserved by prepare_growth). Never throws.
+  AppendResult<Id> commit_growth(sequence_type& q, std::size_t n) {
+    Proxy pool{this};
+    std::optional<copy_type> copy;
+    const bool ok = q.table.try_append(n, pool, evictor(), slot_scratch_, copy);
+    (void)ok;
+    if (copy) {
+      pending_copies_.push_back(*copy);
+      copy_owners_.push_back(&q);
+      ++q.num_pending_copies;
+      ++stats_.cow_copies;
+    }
+    return {AppendStatus::kOk, slot_scratch_, copy, 0};
+  }
 
   static CacheConfig checked(const CacheConfig& c) {
     if (c.num_blocks < 2) {
@@ -748,8 +995,11 @@ class KVCacheManager {
   std::vector<sequence_type*> batch_scratch_;
   std::vector<std::size_t> switched_scratch_;
   std::vector<std::int64_t> slot_scratch_;             // AppendResult::slots
+  std::vector<std::uint32_t> qlen_scratch_;            // build: tokens scheduled per batch row
+  std::unordered_set<SeqId> preempted_;                // preempted ids not yet re-admitted
   EventLog events_;
   CacheStats stats_;
+  PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()
 };
 
 }  // namespace pagedkv

@@ -301,7 +301,7 @@ TEST_CASE("KVCacheManager: admission takes cached blocks and honours the cap", "
     CHECK(m.allocator().refcount(3) == 1);
   }
   SECTION("max_cached_tokens above the default: the whole prompt can come from the cache") {
-    const auto r = m.try_admit(2, p, nullptr, 12);
+    const auto r = m.try_admit(2, p, nullptr, {.max_cached_tokens = 12});
     REQUIRE(r.admitted());
     CHECK(r.num_cached_tokens == 12);
     CHECK(r.num_new_blocks == 0);
@@ -310,7 +310,7 @@ TEST_CASE("KVCacheManager: admission takes cached blocks and honours the cap", "
     CHECK(m.stats().blocks_used == 3);
   }
   SECTION("max_cached_tokens below the default") {
-    const auto r = m.try_admit(2, cat(p, Toks{99}), nullptr, 5);
+    const auto r = m.try_admit(2, cat(p, Toks{99}), nullptr, {.max_cached_tokens = 5});
     REQUIRE(r.admitted());
     CHECK(r.num_cached_tokens == 4);
     CHECK(r.num_new_blocks == 3);
@@ -323,7 +323,7 @@ TEST_CASE("KVCacheManager: admission takes cached blocks and honours the cap", "
     CHECK(m.stats().prefix_hit_tokens == 4);
   }
   SECTION("max_cached_tokens 0: no hit at all") {
-    const auto r = m.try_admit(2, cat(p, Toks{99}), nullptr, 0);
+    const auto r = m.try_admit(2, cat(p, Toks{99}), nullptr, {.max_cached_tokens = 0});
     CHECK(r.num_cached_tokens == 0);
     CHECK(m.stats().prefix_hit_requests == 0);
   }

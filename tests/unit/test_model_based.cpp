@@ -1,27 +1,32 @@
 // Randomized model-based test of the host core (KVCacheManager over BlockAllocator, BlockTable, PrefixHashIndex).
 //
-// Random operations -- admit (prompts drawn from a few shared prefixes, so prefix hits and deduplication happen),
-// append 1..20 tokens, fork, free, preempt, rewind, lookup, build_batch_metadata, reset_prefix_cache, and misuse
-// (unknown and duplicate ids, rewind too far, append past the limit, bad batches) -- run on small pools so that
-// "no capacity" and eviction are frequent. After EVERY operation the manager is compared with a plain model
-// (sequence -> token list, fingerprints, chain hashes, pending-slot count) and these invariants are checked:
+// Random operations -- admit (prompts drawn from a few shared prefixes, so prefix hits and deduplication happen;
+// sometimes chunked: only the first chunk reserved), reserve the next prompt chunk, append 1..20 tokens, reserve
+// lookahead slots for draft tokens and commit a random accepted prefix of them, fork, free, preempt, rewind,
+// lookup, build_batch_metadata (each sequence scheduled all or a random part of its pending positions),
+// reset_prefix_cache, and misuse (unknown and duplicate ids, rewind too far, append past the limit or before the
+// prompt is reserved, fork of an unsettled parent, bad batches) -- run on small pools so that "no capacity" and
+// eviction are frequent. After EVERY operation the manager is compared with a plain model (sequence -> known
+// token list, drafts, fingerprints, chain hashes, slotted and built cursors) and these invariants are checked:
 //  - num_tokens, token_ids, block count = ceil(len / block_size), no null block in any table;
 //  - refcount(b) = number of live tables holding b + number of pending copies reading b;
 //  - every usable block is exactly one of free / cached / held, and the counts match stats();
 //  - hashed <=> registered in the index; a registered full block of a live sequence is registered under the chain
-//    hash of the sequence's own tokens (and keys); after a build, every full block the step writes is registered,
-//    switched to the registered duplicate (its slots -1 in the slot mapping), or a shared unregistered duplicate;
-//  - pending slots point at the sequence's own positions;
+//    hash of the sequence's own tokens (and keys); after a build (or a lookahead commit), every full block whose
+//    writes are issued and whose ids are known is registered, or switched to the registered duplicate (its slots
+//    -1 in the slot mapping); a block holding a lookahead position never is;
+//  - pending slots point at the sequence's own positions [built, slotted);
+//  - no block is both a source and a destination of one build's copy list;
 //  - expected outcomes are predicted exactly (admission: hits, no capacity, never fits; append: copy, capacity),
 //    failed operations and every misuse leave a full state snapshot unchanged, with the documented error code;
 //  - release order (tail first, through pending copies) is reproduced in the LRU order;
 //  - events: seq_no +1 each, index size and eviction counter agree with stored/removed events;
 //  - periodically, and at the end, after freeing everything and building an empty batch: no block leaked.
-// In "engine discipline" runs (every build covers all live sequences; a sequence is forked only after its slots
-// have been built), a shadow KV pool executes each built step as the kernels would (the copy list, then the slot
-// mapping) and checks that every position of every live sequence reads the K/V of its own token prefix (a
-// fingerprint), i.e. prefix hits, deduplication, copy-on-write, and freeing or preempting sequences whose step
-// never ran never serve wrong content.
+// In "engine discipline" runs (every build covers all live sequences; a sequence is forked only when settled), a
+// shadow KV pool executes each built step as the kernels would (the copy list, then the slot mapping) and checks
+// that every built position of every live sequence reads the K/V of its own token prefix (a fingerprint; draft
+// positions the fingerprint of the draft), i.e. prefix hits, deduplication, copy-on-write, chunked prefill,
+// lookahead commits, and freeing or preempting sequences whose step never ran never serve wrong content.
 //
 // Seeds are fixed and printed. Six configurations per hasher (block sizes 1, 4, 16; free-form / engine discipline)
 // plus one without prefix caching.
@@ -100,7 +105,8 @@ struct Options {
 
 struct Counters {
   std::uint64_t admitted = 0, admit_hits = 0, no_capacity = 0, never_fits = 0, appends = 0, append_no_capacity = 0,
-                append_never_fits = 0, fork_refused = 0,
+                append_never_fits = 0, fork_refused = 0, chunked_admits = 0, reserves = 0, lookaheads = 0,
+                commits = 0, accepted_drafts = 0, rejected_drafts = 0, partial_builds = 0,
                 cow = 0, forks = 0, frees = 0, preempts = 0, rewinds = 0, lookups = 0, builds = 0, resets_ok = 0,
                 resets_refused = 0, misuse = 0, leak_checks = 0, content_checks = 0, dedups = 0;
   std::uint64_t checks = 0;  // individual invariant comparisons
@@ -135,10 +141,16 @@ class Harness {
     last_stats_ = m_.stats();
     for (step_ = 0; step_ < o_.ops; ++step_) {
       const auto r = rng_() % 1000;
-      if (r < 200) {
+      if (r < 170) {
         op_admit();
-      } else if (r < 450) {
+      } else if (r < 360) {
         op_append();
+      } else if (r < 400) {
+        op_reserve();
+      } else if (r < 430) {
+        op_lookahead();
+      } else if (r < 450) {
+        op_commit();
       } else if (r < 520) {
         op_fork();
       } else if (r < 600) {
@@ -167,12 +179,17 @@ class Harness {
   static constexpr std::uint64_t kHashSeed = 0x5eed;
 
   struct MSeq {
-    Toks tokens;
+    Toks tokens;                    // known token ids
     int keys = 0;
-    std::vector<BlockHash> hashes;  // chain hashes of the full blocks
-    std::vector<std::uint64_t> fp;  // fingerprint of the K/V at each position (depends on the prefix and keys)
-    std::size_t pending = 0;        // slots appended since the last build that covered the sequence
-    bool clean = true;              // nothing appended or admitted since the last build that covered it
+    std::vector<BlockHash> hashes;  // chain hashes of the full blocks of `tokens`
+    std::vector<std::uint64_t> fp;  // fingerprint of the K/V at each known position (prefix and keys)
+    Toks drafts;                    // lookahead: draft ids the manager does not know, after `tokens`
+    std::vector<std::uint64_t> dfp; // their fingerprints
+    std::size_t slotted = 0;        // positions with slots
+    std::size_t built = 0;          // positions whose writes a build issued (or cache hits)
+    [[nodiscard]] std::size_t pending() const { return slotted - built; }
+    [[nodiscard]] std::size_t unslotted() const { return drafts.empty() ? tokens.size() - std::min(tokens.size(), slotted) : 0; }
+    [[nodiscard]] std::size_t length() const { return tokens.size() + drafts.size(); }
   };
 
   static pagedkv::CacheConfig make_config(const Options& o) {
@@ -220,20 +237,30 @@ class Harness {
     return s;
   }
 
-  // Appends `add` to the model sequence: tokens, fingerprints, chain hashes of newly full blocks.
-  void extend(MSeq& s, std::span<const TokenId> add) const {
+  // Fingerprint of token `t` at position `p` after the fingerprint `prev` (the K/V depends on the whole prefix).
+  std::uint64_t next_fp(const MSeq& s, std::uint64_t prev, std::size_t p, TokenId t) const {
     const RequestKeys& keys = keys_[static_cast<std::size_t>(s.keys)];
+    std::uint64_t f = p == 0 ? fp_seed(s.keys) : prev;
+    f = mix64(f ^ (static_cast<std::uint64_t>(static_cast<std::uint32_t>(t)) * 0x100000001b3ULL));
+    for (const auto& mm : keys.multimodal) {
+      if (p >= mm.offset_tokens && p < mm.offset_tokens + mm.length_tokens) f = mix64(f ^ mm.item_hash.low64());
+    }
+    return f;
+  }
+
+  // Appends `add` to the model sequence's known tokens: fingerprints, chain hashes of newly full blocks.
+  void extend(MSeq& s, std::span<const TokenId> add) const {
     for (TokenId t : add) {
       const std::size_t p = s.tokens.size();
-      std::uint64_t f = p == 0 ? fp_seed(s.keys) : s.fp[p - 1];
-      f = mix64(f ^ (static_cast<std::uint64_t>(static_cast<std::uint32_t>(t)) * 0x100000001b3ULL));
-      for (const auto& mm : keys.multimodal) {
-        if (p >= mm.offset_tokens && p < mm.offset_tokens + mm.length_tokens) f = mix64(f ^ mm.item_hash.low64());
-      }
+      s.fp.push_back(next_fp(s, p == 0 ? 0 : s.fp[p - 1], p, t));
       s.tokens.push_back(t);
-      s.fp.push_back(f);
     }
     if (o_.prefix_caching) ref_.hash_full_blocks(s.tokens, bs_, keys_ptr(s.keys), s.hashes);
+  }
+
+  // The fingerprint the K/V at position p holds once written: known token, or draft.
+  std::uint64_t fp_at(const MSeq& s, std::size_t p) const {
+    return p < s.tokens.size() ? s.fp[p] : s.dfp[p - s.tokens.size()];
   }
 
   void truncate(MSeq& s, std::size_t len) const {
@@ -252,9 +279,10 @@ class Harness {
     return true;
   }
 
-  // Whether `id` may be forked: no unbuilt slot and no pending copy into its table.
+  // Whether `id` may be forked: every known token slotted and built, no lookahead, no pending copy into its table.
   bool settled(SeqId id) const {
-    if (model_.at(id).pending != 0) return false;
+    const MSeq& s = model_.at(id);
+    if (s.pending() != 0 || s.slotted != s.tokens.size() || !s.drafts.empty()) return false;
     const auto blocks = m_.block_ids(id);
     for (const auto& c : m_.pending_copies()) {
       if (std::find(blocks.begin(), blocks.end(), c.dst) != blocks.end()) return false;
@@ -269,19 +297,28 @@ class Harness {
     return n;
   }
 
-  SeqId pick_live(bool need_clean) {
+  SeqId pick_live(bool need_settled) {
     std::vector<SeqId> ids;
     for (const auto& [id, s] : model_) {
-      if (!need_clean || s.clean) ids.push_back(id);
+      if (!need_settled || settled(id)) ids.push_back(id);
     }
     if (ids.empty()) return 0;
     return ids[rng_() % ids.size()];
   }
-  bool live_exists(bool need_clean) {
+  bool live_exists(bool need_settled) {
     for (const auto& [id, s] : model_) {
-      if (!need_clean || s.clean) return true;
+      if (!need_settled || settled(id)) return true;
     }
     return false;
+  }
+  // A live sequence satisfying `pred`, or 0 (ids start at 1).
+  template <class P>
+  SeqId pick_where(P&& pred) {
+    std::vector<SeqId> ids;
+    for (const auto& [id, s] : model_) {
+      if (pred(s)) ids.push_back(id);
+    }
+    return ids.empty() ? 0 : ids[rng_() % ids.size()];
   }
   SeqId unknown_id() {
     if (!dead_ids_.empty() && rng_() % 2 == 0) return dead_ids_[rng_() % dead_ids_.size()];
@@ -386,16 +423,34 @@ class Harness {
   // ---- operations ----------------------------------------------------------------------------------------------
   void op_admit() {
     if (model_.size() >= 20) return op_build();
-    const SeqId id = next_id_++;
+    // Sometimes re-admit a preempted sequence id (recompute), which the statistics count apart.
+    SeqId id = next_id_;
+    bool readmission = false;
+    if (!preempted_ids_.empty() && rng_() % 3 == 0) {
+      const std::size_t i = rng_() % preempted_ids_.size();
+      id = preempted_ids_[i];
+      preempted_ids_.erase(preempted_ids_.begin() + static_cast<std::ptrdiff_t>(i));
+      readmission = true;
+    } else {
+      ++next_id_;
+    }
     const Toks prompt = gen_prompt();
     const int k = rng_() % 4 == 0 ? static_cast<int>(1 + rng_() % 6) : 0;
-    std::optional<std::size_t> cap;
-    if (rng_() % 7 == 0) cap = rng_() % (prompt.size() + 2);
+    pagedkv::AdmitOptions opts;
+    if (rng_() % 7 == 0) opts.max_cached_tokens = rng_() % (prompt.size() + 2);
+    if (rng_() % 4 == 0) opts.num_reserved_tokens = rng_() % (prompt.size() + 1);  // chunked admission
+    const auto& cap = opts.max_cached_tokens;
     op_ = "admit " + std::to_string(id) + " len " + std::to_string(prompt.size()) + " keys " + std::to_string(k) +
-          (cap ? " cap " + std::to_string(*cap) : "");
+          (cap ? " cap " + std::to_string(*cap) : "") +
+          (opts.num_reserved_tokens ? " chunk " + std::to_string(*opts.num_reserved_tokens) : "") +
+          (readmission ? " (re-admission)" : "");
 
+    const auto put_back = [&] {  // a failed re-admission stays preempted
+      if (readmission) preempted_ids_.push_back(id);
+    };
     if (!keys_valid(k, prompt.size())) {  // a multimodal item outside the prompt: a typed error, nothing changes
-      return expect_misuse([&] { m_.try_admit(id, prompt, keys_ptr(k), cap); }, Errc::kInvalidArgument,
+      put_back();
+      return expect_misuse([&] { m_.try_admit(id, prompt, keys_ptr(k), opts); }, Errc::kInvalidArgument,
                            "multimodal item");
     }
     // Predict the outcome exactly.
@@ -413,58 +468,157 @@ class Harness {
     }
     const std::size_t total = blocks_for(prompt.size());
     const std::size_t hits = hit_blocks.size();
+    const std::size_t cached = hits * bs_;
+    const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
+    const std::size_t new_blocks = blocks_for(cached + reserved) - hits;
     AdmitStatus want = AdmitStatus::kAdmitted;
+    std::size_t missing = 0;
     if (total > usable_) {
       want = AdmitStatus::kNeverFits;
-    } else if (total - hits > m_.allocator().num_available_blocks() - evictable_hits) {
+      missing = total - usable_;
+    } else if (new_blocks > m_.allocator().num_available_blocks() - evictable_hits) {
       want = AdmitStatus::kNoCapacity;
+      missing = new_blocks - (m_.allocator().num_available_blocks() - evictable_hits);
     }
-    // lookup is pure and agrees with the admission's walk.
-    MB_CHECK(m_.lookup(prompt, keys_ptr(k), cap) == hits * bs_);
+    // lookup and the capacity query are pure and agree with the admission's walk.
+    MB_CHECK(m_.lookup(prompt, keys_ptr(k), cap) == cached);
+    const pagedkv::CapacityQuery q = m_.query_admit(prompt, keys_ptr(k), opts);
+    MB_CHECK(static_cast<int>(q.status) == static_cast<int>(want));
+    MB_CHECK(q.num_missing_blocks == missing);
+    if (want != AdmitStatus::kNeverFits) MB_CHECK(q.num_blocks == new_blocks && q.num_cached_tokens == cached);
 
     const CacheStats st = m_.stats();
     const Snapshot before = want == AdmitStatus::kAdmitted ? Snapshot{} : snapshot();
-    const auto r = m_.try_admit(id, prompt, keys_ptr(k), cap);
+    const auto r = m_.try_admit(id, prompt, keys_ptr(k), opts);
     MB_CHECK_MSG(r.status == want, "status " + std::to_string(static_cast<int>(r.status)) + " want " +
                                        std::to_string(static_cast<int>(want)));
     if (want != AdmitStatus::kAdmitted) {
-      MB_CHECK(r.num_cached_tokens == 0 && r.num_new_blocks == 0);
+      MB_CHECK(r.num_cached_tokens == 0 && r.num_new_blocks == 0 && r.num_missing_blocks == missing);
       MB_CHECK(snapshot() == before);
       MB_CHECK(!m_.contains(id));
       (want == AdmitStatus::kNeverFits ? c_.never_fits : c_.no_capacity)++;
+      put_back();
       return;
     }
     ++c_.admitted;
     if (hits > 0) ++c_.admit_hits;
-    MB_CHECK(r.num_cached_tokens == hits * bs_);
-    MB_CHECK(r.num_new_blocks == total - hits);
+    if (reserved < prompt.size() - cached) ++c_.chunked_admits;
+    MB_CHECK(r.num_cached_tokens == cached);
+    MB_CHECK(r.num_new_blocks == new_blocks);
     const auto ids = m_.block_ids(id);
-    MB_CHECK(ids.size() == total);
+    MB_CHECK(ids.size() == hits + new_blocks);
     MB_CHECK(std::equal(hit_blocks.begin(), hit_blocks.end(), ids.begin()));
     const CacheStats now = m_.stats();
     MB_CHECK(now.prefix_query_requests == st.prefix_query_requests + 1);
     MB_CHECK(now.prefix_query_tokens == st.prefix_query_tokens + prompt.size());
-    MB_CHECK(now.prefix_hit_tokens == st.prefix_hit_tokens + hits * bs_);
+    MB_CHECK(now.prefix_hit_tokens == st.prefix_hit_tokens + cached);
     MB_CHECK(now.prefix_hit_requests == st.prefix_hit_requests + (hits > 0 ? 1 : 0));
-    s.pending = prompt.size() - hits * bs_;
-    s.clean = false;
+    MB_CHECK(now.readmitted_requests == st.readmitted_requests + (readmission ? 1 : 0));
+    MB_CHECK(now.readmitted_query_tokens == st.readmitted_query_tokens + (readmission ? prompt.size() : 0));
+    MB_CHECK(now.readmitted_hit_tokens == st.readmitted_hit_tokens + (readmission ? cached : 0));
+    interval_.record(prompt.size(), cached, readmission);
+    s.slotted = cached + reserved;
+    s.built = cached;
+    if (readmission) std::erase(dead_ids_, id);
     model_.emplace(id, std::move(s));
   }
 
-  void op_append() {
-    if (model_.empty()) return op_admit();
-    const SeqId id = pick_live(false);
+  // Reserve the next chunk of a chunked admission's prompt.
+  void op_reserve() {
+    const SeqId id = pick_where([](const MSeq& s) { return s.unslotted() > 0; });
+    if (id == 0) return op_admit();
     MSeq& s = model_.at(id);
-    const std::size_t len = s.tokens.size();
-    std::size_t n = 1 + rng_() % 20;
-    if (len + n > o_.max_tokens_per_seq) n = o_.max_tokens_per_seq - len;
-    if (n == 0) return op_rewind();
-    const Toks add = gen_decode(len, n);
-    op_ = "append " + std::to_string(id) + " +" + std::to_string(n) + " to " + std::to_string(len);
+    const std::size_t n = rng_() % 8 == 0 ? s.unslotted() + 1 : 1 + rng_() % s.unslotted();
+    op_ = "reserve " + std::to_string(id) + " +" + std::to_string(n) + " of " + std::to_string(s.unslotted());
+    if (n > s.unslotted()) {
+      return expect_misuse([&] { m_.try_reserve(id, n); }, Errc::kInvalidArgument, "prompt tokens without slots");
+    }
+    grow(id, s, n, [&] { return m_.try_reserve(id, n); });
+    ++c_.reserves;
+  }
 
+  // Reserve lookahead slots for k draft tokens (ids unknown to the manager).
+  void op_lookahead() {
+    const SeqId id = pick_where([](const MSeq& s) { return s.unslotted() == 0 && s.drafts.empty(); });
+    if (id == 0) return op_commit();
+    MSeq& s = model_.at(id);
+    const std::size_t k = std::min<std::size_t>(1 + rng_() % 5, o_.max_tokens_per_seq - s.tokens.size());
+    if (k == 0) return op_rewind();
+    op_ = "lookahead " + std::to_string(id) + " +" + std::to_string(k) + " at " + std::to_string(s.tokens.size());
+    if (grow(id, s, k, [&] { return m_.try_reserve_lookahead(id, k); })) {
+      const Toks d = gen_decode(s.tokens.size(), k);
+      for (TokenId t : d) {
+        const std::size_t p = s.tokens.size() + s.drafts.size();
+        const std::uint64_t prev = p == 0 ? 0 : fp_at(s, p - 1);
+        s.dfp.push_back(next_fp(s, prev, p, t));
+        s.drafts.push_back(t);
+      }
+      MB_CHECK(m_.sequence(id).num_lookahead == k);
+      ++c_.lookaheads;
+    }
+  }
+
+  // Commit a random accepted prefix of a sequence's drafts; the rest is rewound.
+  void op_commit() {
+    const SeqId id = pick_where([](const MSeq& s) { return !s.drafts.empty(); });
+    if (id == 0) return op_build();
+    MSeq& s = model_.at(id);
+    const std::size_t k = s.drafts.size();
+    if (rng_() % 10 == 0) {
+      op_ = "commit " + std::to_string(id) + " too many";
+      return expect_misuse([&] { m_.commit_lookahead(id, Toks(k + 1, 1)); }, Errc::kInvalidArgument,
+                           "lookahead slots");
+    }
+    const std::size_t a = rng_() % (k + 1);
+    op_ = "commit " + std::to_string(id) + " " + std::to_string(a) + " of " + std::to_string(k);
+    const Toks accepted(s.drafts.begin(), s.drafts.begin() + static_cast<std::ptrdiff_t>(a));
+    const Ids blocks(m_.block_ids(id).begin(), m_.block_ids(id).end());
+    const std::size_t keep = blocks_for(s.tokens.size() + a);
+    // Registration at commit can only switch blocks whose writes were built; release order as a rewind.
+    const Ids want_lru = expected_lru_after_release(Ids(blocks.begin() + static_cast<std::ptrdiff_t>(keep), blocks.end()));
+    const CacheStats st = m_.stats();
+    m_.commit_lookahead(id, accepted);
+    ++c_.commits;
+    c_.accepted_drafts += a;
+    c_.rejected_drafts += k - a;
+    extend(s, accepted);
+    s.drafts.clear();
+    s.dfp.clear();
+    s.slotted = s.tokens.size();
+    s.built = std::min(s.built, s.slotted);
+    MB_CHECK(m_.num_tokens(id) == s.slotted);
+    if (m_.stats().dedup_blocks == st.dedup_blocks) {  // (a switch releases one more block: LRU differs)
+      MB_CHECK(m_.allocator().eviction_policy().order() == want_lru);
+    }
+    check_registered(id, s);
+  }
+
+  // Every full block of `s` whose writes are built and whose ids are known is registered (under its own hash) or
+  // has been switched to the registered duplicate.
+  void check_registered(SeqId id, const MSeq& s) {
+    if (!o_.prefix_caching) return;
+    const auto blocks = m_.block_ids(id);
+    const std::size_t reg = std::min(s.built, s.tokens.size()) / bs_;
+    for (std::size_t i = 0; i < reg; ++i) {
+      const auto h = m_.prefix_index().hash_of(blocks[i]);
+      MB_CHECK_MSG(h.has_value() && *h == s.hashes[i],
+                   "sequence " + std::to_string(id) + " block " + std::to_string(i) + " not registered");
+    }
+    if (!s.drafts.empty()) {  // a block holding a lookahead position (id unknown) is never hashed
+      for (std::size_t i = s.tokens.size() / bs_; i < blocks.size(); ++i) {
+        MB_CHECK_MSG(!m_.allocator().is_hashed(blocks[i]), "a block holding lookahead positions is hashed");
+      }
+    }
+  }
+
+  // Grow `s` by n slots through `call` (append, reserve or lookahead), predicting capacity, copy-on-write and
+  // slots. Returns whether it succeeded.
+  template <class Call>
+  bool grow(SeqId id, MSeq& s, std::size_t n, Call&& call) {
     const auto& a = m_.allocator();
     const auto blocks = m_.block_ids(id);
     const std::size_t nb = blocks.size();
+    const std::size_t len = s.slotted;
     const bool cow =
         len % bs_ != 0 && (a.refcount(blocks.back()) - pins(blocks.back()) > 1 || a.is_hashed(blocks.back()));
     const std::uint32_t old_last = nb > 0 ? blocks.back() : 0;
@@ -473,18 +627,22 @@ class Harness {
     const std::size_t held_after = blocks_for(len + n) + (cow && a.is_hashed(blocks.back()) ? 1 : 0);
     const bool never = held_after > usable_;
     const bool fits = !never && need <= a.num_available_blocks();
+    const std::size_t missing = never ? held_after - usable_ : fits ? 0 : need - a.num_available_blocks();
+    const pagedkv::CapacityQuery q = m_.query_append(id, n);
+    MB_CHECK(q.num_blocks == need && q.num_missing_blocks == missing);
+    MB_CHECK(q.status == (never ? pagedkv::CapacityStatus::kNeverFits
+                                : fits ? pagedkv::CapacityStatus::kFits : pagedkv::CapacityStatus::kNoCapacity));
     const CacheStats st = m_.stats();
     const Snapshot before = fits ? Snapshot{} : snapshot();
 
-    const auto r = m_.try_append(id, add);
-    ++c_.appends;
+    const auto r = call();
     if (!fits) {
       (never ? c_.append_never_fits : c_.append_no_capacity)++;
       MB_CHECK(r.status == (never ? AppendStatus::kNeverFits : AppendStatus::kNoCapacity));
-      MB_CHECK(r.num_missing_blocks == (never ? held_after - usable_ : need - a.num_available_blocks()));
+      MB_CHECK(r.num_missing_blocks == missing);
       MB_CHECK(r.slots.empty() && !r.copy);
       MB_CHECK(snapshot() == before);
-      return;
+      return false;
     }
     MB_CHECK(r.status == AppendStatus::kOk);
     MB_CHECK(r.slots.size() == n);
@@ -508,15 +666,34 @@ class Harness {
       const std::int64_t want = static_cast<std::int64_t>(after[p / bs_]) * bs_ + static_cast<std::int64_t>(p % bs_);
       MB_CHECK(got[j] == want);
     }
-    extend(s, add);
-    s.pending += n;
-    s.clean = false;
+    s.slotted += n;
+    return true;
+  }
+
+  void op_append() {
+    if (model_.empty()) return op_admit();
+    const SeqId id = pick_live(false);
+    MSeq& s = model_.at(id);
+    const std::size_t len = s.tokens.size();
+    std::size_t n = 1 + rng_() % 20;
+    if (len + n > o_.max_tokens_per_seq) n = o_.max_tokens_per_seq - len;
+    if (n == 0) return op_rewind();
+    const Toks add = gen_decode(len, n);
+    op_ = "append " + std::to_string(id) + " +" + std::to_string(n) + " to " + std::to_string(len);
+    if (s.unslotted() > 0) {  // the prompt must be reserved first
+      return expect_misuse([&] { m_.try_append(id, add); }, Errc::kInvalidArgument, "prompt tokens without slots");
+    }
+    if (!s.drafts.empty()) {  // the lookahead must be committed first
+      return expect_misuse([&] { m_.try_append(id, add); }, Errc::kInvalidArgument, "uncommitted lookahead");
+    }
+    ++c_.appends;
+    if (grow(id, s, n, [&] { return m_.try_append(id, add); })) extend(s, add);
   }
 
   void op_fork() {
-    const bool clean = o_.engine_discipline;
-    if (!live_exists(clean) || model_.size() >= 20) return op_build();
-    const SeqId parent = pick_live(clean);
+    const bool need_settled = o_.engine_discipline;
+    if (!live_exists(need_settled) || model_.size() >= 20) return op_build();
+    const SeqId parent = pick_live(need_settled);
     const SeqId child = next_id_++;
     op_ = "fork " + std::to_string(parent) + " -> " + std::to_string(child);
     if (!settled(parent)) {  // unbuilt slots or a pending copy into its table: refused, nothing changes
@@ -534,7 +711,6 @@ class Harness {
     MB_CHECK(m_.stats().blocks_cached == cached_before);
     MB_CHECK(m_.pending_slots(child).empty());
     MSeq c = model_.at(parent);
-    c.pending = 0;
     model_.emplace(child, std::move(c));
   }
 
@@ -557,25 +733,31 @@ class Harness {
     MB_CHECK(!m_.contains(id));
     model_.erase(id);
     dead_ids_.push_back(id);
+    if (preempt) preempted_ids_.push_back(id);
   }
 
   void op_rewind() {
     if (model_.empty()) return op_build();
     const SeqId id = pick_live(false);
     MSeq& s = model_.at(id);
-    const std::size_t len = s.tokens.size();
+    const std::size_t len = s.length();  // known tokens + drafts
     const std::size_t n = rng_() % 2 == 0 ? rng_() % (std::min<std::size_t>(len, bs_) + 1) : rng_() % (len + 1);
     op_ = "rewind " + std::to_string(id) + " by " + std::to_string(n) + " of " + std::to_string(len);
     const Ids blocks(m_.block_ids(id).begin(), m_.block_ids(id).end());
-    const std::size_t keep = blocks_for(len - n);
+    const std::size_t keep = blocks_for(std::min(s.slotted, len - n));
     const Ids want_lru = expected_lru_after_release(Ids(blocks.begin() + static_cast<std::ptrdiff_t>(keep), blocks.end()));
     m_.rewind(id, n);
     ++c_.rewinds;
     MB_CHECK(m_.allocator().eviction_policy().order() == want_lru);
     MB_CHECK(Ids(m_.block_ids(id).begin(), m_.block_ids(id).end()) ==
              Ids(blocks.begin(), blocks.begin() + static_cast<std::ptrdiff_t>(keep)));
-    truncate(s, len - n);
-    s.pending -= std::min(n, s.pending);
+    const std::size_t drop_drafts = std::min(n, s.drafts.size());
+    s.drafts.resize(s.drafts.size() - drop_drafts);
+    s.dfp.resize(s.drafts.size());
+    truncate(s, s.tokens.size() - (n - drop_drafts));
+    s.slotted = std::min(s.slotted, len - n);
+    s.built = std::min(s.built, s.slotted);
+    MB_CHECK(m_.sequence(id).num_lookahead == s.drafts.size());
   }
 
   void op_lookup() {
@@ -615,23 +797,39 @@ class Harness {
       if (o_.engine_discipline || rng_() % 4 != 0) batch.push_back(id);
     }
     std::shuffle(batch.begin(), batch.end(), rng_);
-    op_ = "build " + std::to_string(batch.size());
+    // Per sequence: all its pending positions, or (chunked prefill, partial scheduling) a random prefix of them.
+    std::vector<std::uint32_t> sched;
+    bool partial = false;
+    for (SeqId id : batch) {
+      const std::size_t pend = model_.at(id).pending();
+      const std::size_t q = pend > 0 && rng_() % 3 == 0 ? rng_() % (pend + 1) : pend;
+      partial = partial || q < pend;
+      sched.push_back(static_cast<std::uint32_t>(q));
+    }
+    const bool use_sched = partial || rng_() % 2 == 0;  // empty = "all pending", the default
+    op_ = "build " + std::to_string(batch.size()) + (partial ? " partial" : "");
     ++c_.builds;
+    if (partial) ++c_.partial_builds;
 
     // The state before the build.
     struct Row {
       Ids blocks;
-      std::size_t len;
-      Slots pending;
+      std::size_t first;  // built positions before
+      std::size_t q_len;  // scheduled now
+      Slots pending;      // slots of the scheduled positions as the tables hold them
     };
     std::vector<Row> rows;
     std::size_t total_blocks = 0, total_slots = 0, max_row = 1;
-    for (SeqId id : batch) {
-      Row row{Ids(m_.block_ids(id).begin(), m_.block_ids(id).end()), m_.num_tokens(id),
-              m_.pending_slots(id)};
-      total_blocks += row.blocks.size();
-      total_slots += row.pending.size();
-      max_row = std::max(max_row, row.blocks.size());
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const SeqId id = batch[b];
+      const MSeq& s = model_.at(id);
+      Row row{Ids(m_.block_ids(id).begin(), m_.block_ids(id).end()), s.built, sched[b], m_.pending_slots(id)};
+      MB_CHECK(row.pending.size() == s.pending());
+      row.pending.resize(row.q_len);
+      const std::size_t nb = blocks_for(s.built + row.q_len);
+      total_blocks += nb;
+      total_slots += row.q_len;
+      max_row = std::max(max_row, nb);
       rows.push_back(std::move(row));
     }
     std::vector<std::pair<std::uint32_t, std::uint32_t>> pre_copies;
@@ -660,7 +858,7 @@ class Harness {
     buf.slot_mapping = slots;
     buf.copies = cp;
 
-    const auto sz = m_.build_batch_metadata(batch, buf);
+    const auto sz = use_sched ? m_.build_batch_metadata(batch, buf, sched) : m_.build_batch_metadata(batch, buf);
     MB_CHECK(sz.batch_size == B);
     MB_CHECK(sz.num_indices == total_blocks);
     MB_CHECK(sz.num_new_tokens == total_slots);
@@ -670,48 +868,39 @@ class Harness {
     std::size_t blk = 0, tok = 0;
     for (std::size_t b = 0; b < B; ++b) {
       const Row& row = rows[b];
-      const MSeq& s = model_.at(batch[b]);
+      MSeq& s = model_.at(batch[b]);
       const Ids post(m_.block_ids(batch[b]).begin(), m_.block_ids(batch[b]).end());
       MB_CHECK(post.size() == row.blocks.size());
-      const std::size_t first = row.len - row.pending.size();
-      std::set<std::size_t> written_blocks;
-      for (std::size_t k = 0; k < row.pending.size(); ++k) written_blocks.insert((first + k) / bs_);
+      const std::size_t seq_len = row.first + row.q_len;
       for (std::size_t i = 0; i < post.size(); ++i) {
-        const bool full = i < row.len / bs_;
         if (post[i] != row.blocks[i]) {  // switched to the registered duplicate
-          MB_CHECK(o_.prefix_caching && full && written_blocks.contains(i));
+          MB_CHECK(o_.prefix_caching && (i + 1) * bs_ <= std::min(seq_len, s.tokens.size()));
+          MB_CHECK((i + 1) * bs_ > row.first);  // its last write is issued by this build
           MB_CHECK(holders[row.blocks[i]] == 1);
           MB_CHECK(m_.prefix_index().hash_of(post[i]) == std::optional<BlockHash>(s.hashes[i]));
           switched_out.insert(row.blocks[i]);
-          continue;
-        }
-        if (!o_.prefix_caching || !full || !written_blocks.contains(i)) continue;
-        const auto h = m_.prefix_index().hash_of(post[i]);
-        if (h) {
-          MB_CHECK(*h == s.hashes[i]);
-        } else {  // a shared duplicate stays unregistered
-          const auto reg = m_.prefix_index().find(s.hashes[i]);
-          MB_CHECK_MSG(reg.has_value() && *reg != post[i] && holders[post[i]] > 1,
-                       "sequence " + std::to_string(batch[b]) + " block " + std::to_string(i) + " not registered");
         }
       }
+      s.built = seq_len;
+      check_registered(batch[b], s);
       // Outputs, against the tables after registration.
+      const std::size_t nb = blocks_for(seq_len);
       MB_CHECK(indptr[b] == static_cast<std::int32_t>(blk));
       MB_CHECK(qo[b] == static_cast<std::int32_t>(tok));
-      const std::uint32_t last = row.len == 0 ? 0 : static_cast<std::uint32_t>(row.len - (post.size() - 1) * bs_);
+      const std::size_t last = seq_len == 0 ? 0 : seq_len - (nb - 1) * bs_;
       MB_CHECK(lpl[b] == static_cast<std::int32_t>(last));
-      MB_CHECK(seq_lens[b] == static_cast<std::int32_t>(row.len));
+      MB_CHECK(seq_lens[b] == static_cast<std::int32_t>(seq_len));
       for (std::size_t i = 0; i < row_len; ++i) {
-        MB_CHECK(tables[b * row_len + i] == (i < post.size() ? static_cast<std::int32_t>(post[i]) : 0));
+        MB_CHECK(tables[b * row_len + i] == (i < nb ? static_cast<std::int32_t>(post[i]) : 0));
       }
-      for (std::size_t i = 0; i < post.size(); ++i) MB_CHECK(indices[blk + i] == static_cast<std::int32_t>(post[i]));
-      for (std::size_t k = 0; k < row.pending.size(); ++k) {
-        const std::size_t p = first + k;
+      for (std::size_t i = 0; i < nb; ++i) MB_CHECK(indices[blk + i] == static_cast<std::int32_t>(post[i]));
+      for (std::size_t k = 0; k < row.q_len; ++k) {
+        const std::size_t p = row.first + k;
         const std::int64_t want = post[p / bs_] != row.blocks[p / bs_] ? -1 : row.pending[k];
         MB_CHECK(slots[tok + k] == want);
       }
-      blk += post.size();
-      tok += row.pending.size();
+      blk += nb;
+      tok += row.q_len;
     }
     MB_CHECK(m_.stats().dedup_blocks == st.dedup_blocks + switched_out.size());
     c_.dedups += switched_out.size();
@@ -747,20 +936,10 @@ class Harness {
     for (std::size_t i = tok; i < slots.size(); ++i) MB_CHECK(slots[i] == -1);
     for (std::size_t i = 2 * sz.num_copies; i < cp.size(); ++i) MB_CHECK(cp[i] == -1);
     MB_CHECK(m_.pending_copies().empty());
-    for (SeqId id : batch) {
-      MB_CHECK(m_.pending_slots(id).empty());
-      model_.at(id).pending = 0;
-      model_.at(id).clean = true;
-    }
+    for (SeqId id : batch) MB_CHECK(m_.pending_slots(id).size() == model_.at(id).pending());
 
     if (o_.engine_discipline) {
       // What the kernels do with this step: copy_blocks over the copy list, then write_kv over the slot mapping.
-      std::set<std::uint32_t> srcs, dsts;
-      for (std::size_t i = 0; i < sz.num_copies; ++i) {
-        srcs.insert(static_cast<std::uint32_t>(cp[2 * i]));
-        dsts.insert(static_cast<std::uint32_t>(cp[2 * i + 1]));
-      }
-      for (auto b : srcs) MB_CHECK_MSG(!dsts.contains(b), "block both read and written by one copy_blocks launch");
       for (std::size_t i = 0; i < sz.num_copies; ++i) {
         const auto src = static_cast<std::size_t>(cp[2 * i]), dst = static_cast<std::size_t>(cp[2 * i + 1]);
         std::copy(kv_.begin() + static_cast<std::ptrdiff_t>(src * bs_),
@@ -772,29 +951,34 @@ class Harness {
         const MSeq& s = model_.at(batch[b]);
         const auto ids = m_.block_ids(batch[b]);
         const std::size_t n = static_cast<std::size_t>(qo[b + 1] - qo[b]);
-        const std::size_t first = s.tokens.size() - n;
+        const std::size_t first = rows[b].first;
         for (std::size_t k = 0; k < n; ++k) {
           const std::int64_t sl = slots[static_cast<std::size_t>(qo[b]) + k];
           if (sl < 0) continue;
           const std::size_t p = first + k;
           MB_CHECK(sl == static_cast<std::int64_t>(ids[p / bs_]) * bs_ + static_cast<std::int64_t>(p % bs_));
           MB_CHECK_MSG(written.insert(sl).second, "two tokens of one step write the same slot");
-          kv_[static_cast<std::size_t>(sl)] = s.fp[p];
+          kv_[static_cast<std::size_t>(sl)] = fp_at(s, p);
         }
       }
-      for (const auto& [id, s] : model_) {
-        const auto ids = m_.block_ids(id);
-        for (std::size_t p = 0; p < s.tokens.size(); ++p) {
-          const std::size_t slot = ids[p / bs_] * bs_ + p % bs_;
-          ++c_.checks;
-          if (kv_[slot] != s.fp[p]) {
-            fail(__LINE__, "shadow K/V mismatch", "sequence " + std::to_string(id) + " position " +
-                                                      std::to_string(p) + " block " + std::to_string(ids[p / bs_]));
-          }
-        }
-      }
-      ++c_.content_checks;
+      check_content();
     }
+  }
+
+  // Every built position of every live sequence reads, through its block table, the K/V of its own prefix.
+  void check_content() {
+    for (const auto& [id, s] : model_) {
+      const auto ids = m_.block_ids(id);
+      for (std::size_t p = 0; p < s.built; ++p) {
+        const std::size_t slot = ids[p / bs_] * bs_ + p % bs_;
+        ++c_.checks;
+        if (kv_[slot] != fp_at(s, p)) {
+          fail(__LINE__, "shadow K/V mismatch", "sequence " + std::to_string(id) + " position " +
+                                                    std::to_string(p) + " block " + std::to_string(ids[p / bs_]));
+        }
+      }
+    }
+    ++c_.content_checks;
   }
 
   void op_reset() {
@@ -813,8 +997,9 @@ class Harness {
     MB_CHECK(m_.prefix_index().size() == 0);
     MB_CHECK(m_.stats().blocks_cached == 0);
     MB_CHECK(m_.stats().blocks_free == usable_);
-    for (auto& [id, s] : model_) s.hashes.clear();  // all live sequences are empty
     expect_cleared_ = true;
+    interval_.reset = true;
+    check_interval_stats();
   }
 
   void op_misuse() {
@@ -851,6 +1036,7 @@ class Harness {
     const SeqId live = pick_live(false);
     const std::string live_s = std::to_string(live);
     const std::size_t len = model_.at(live).tokens.size();
+    const std::size_t length = model_.at(live).length();
     switch (kind) {
       case 7:
         return expect_misuse([&] { m_.try_admit(live, Toks{1, 2, 3}); }, Errc::kDuplicateSequence,
@@ -860,11 +1046,17 @@ class Harness {
         return expect_misuse([&] { m_.fork(parent, live); }, Errc::kDuplicateSequence, "sequence " + live_s);
       }
       case 9:
-        return expect_misuse([&] { m_.rewind(live, len + 1 + rng_() % 5); }, Errc::kLimitExceeded,
+        return expect_misuse([&] { m_.rewind(live, length + 1 + rng_() % 5); }, Errc::kLimitExceeded,
                              "sequence " + live_s);
       case 10: {
+        const MSeq& s = model_.at(live);
         const Toks add(o_.max_tokens_per_seq - len + 1 + rng_() % 3, 1);
-        return expect_misuse([&] { m_.try_append(live, add); }, Errc::kLimitExceeded, "sequence " + live_s);
+        if (s.unslotted() == 0 && s.drafts.empty()) {
+          return expect_misuse([&] { m_.try_append(live, add); }, Errc::kLimitExceeded, "sequence " + live_s);
+        }
+        // Lookahead past the limit is checked the same way; with work outstanding the call is refused first.
+        return expect_misuse([&] { m_.try_reserve_lookahead(live, add.size()); }, Errc::kInvalidArgument,
+                             "sequence " + live_s);
       }
       case 11: {
         std::vector<SeqId> batch{live};
@@ -877,7 +1069,7 @@ class Harness {
                              Errc::kInvalidArgument, "sequence " + live_s + " appears twice");
       }
       case 12:
-        if (model_.at(live).pending > 0) {  // a build cannot drop the writes it would register
+        if (model_.at(live).pending() > 0) {  // a build cannot drop the writes it would register
           return expect_misuse(
               [&] { m_.build_batch_metadata(std::vector<SeqId>{live}, pagedkv::BatchMetadataBuffers{}); },
               Errc::kBadShape, "slot_mapping is empty");
@@ -895,7 +1087,7 @@ class Harness {
         }
         [[fallthrough]];
       default: {
-        const std::size_t pend = model_.at(live).pending;
+        const std::size_t pend = model_.at(live).pending();
         if (pend >= 2) {  // a slot mapping one entry short (an empty span would mean "skip")
           Slots small(pend - 1);
           pagedkv::BatchMetadataBuffers buf;
@@ -917,8 +1109,21 @@ class Harness {
     }
   }
 
+  // The interval statistics equal the model's record since the last take (vLLM's PrefixCacheStats semantics).
+  void check_interval_stats() {
+    const pagedkv::PrefixCacheStats got = m_.take_prefix_cache_stats();
+    MB_CHECK(got.reset == interval_.reset);
+    MB_CHECK(got.requests == interval_.requests && got.queries == interval_.queries && got.hits == interval_.hits);
+    MB_CHECK(got.preempted_requests == interval_.preempted_requests);
+    MB_CHECK(got.preempted_queries == interval_.preempted_queries && got.preempted_hits == interval_.preempted_hits);
+    interval_ = {};
+    const pagedkv::PrefixCacheStats again = m_.take_prefix_cache_stats();
+    MB_CHECK(again.requests == 0 && again.queries == 0 && !again.reset);
+  }
+
   // Free every sequence, hand out the pending copies, and check that no block leaked.
   void drain_all_and_check_no_leak() {
+    check_interval_stats();
     op_ = "drain all";
     while (!model_.empty()) {
       const SeqId id = model_.begin()->first;
@@ -926,6 +1131,7 @@ class Harness {
       model_.erase(id);
       dead_ids_.push_back(id);
     }
+    preempted_ids_.clear();  // (the manager still remembers them as preempted: never re-admitted here)
     const auto sz = m_.build_batch_metadata(std::vector<SeqId>{}, pagedkv::BatchMetadataBuffers{});
     MB_CHECK(sz.batch_size == 0);
     const CacheStats s = m_.stats();
@@ -953,18 +1159,21 @@ class Harness {
     for (const auto& [id, s] : model_) {
       MB_CHECK(m_.contains(id));
       const std::size_t len = s.tokens.size();
-      MB_CHECK(m_.num_tokens(id) == len);
+      MB_CHECK(m_.num_tokens(id) == s.slotted);
+      const auto& st = m_.sequence(id);
+      MB_CHECK(st.num_built == s.built && st.num_lookahead == s.drafts.size() && st.num_known() == len);
+      MB_CHECK(st.settled() == settled(id));
       const auto toks = m_.token_ids(id);
       MB_CHECK(toks.size() == len && (len == 0 || std::memcmp(toks.data(), s.tokens.data(), len * sizeof(TokenId)) == 0));
       const auto blocks = m_.block_ids(id);
-      MB_CHECK(blocks.size() == blocks_for(len));
+      MB_CHECK(blocks.size() == blocks_for(s.slotted));
       for (std::uint32_t b : blocks) {
         MB_CHECK(b != 0 && b < a.num_blocks());
         ++rc[b];
       }
       if (o_.prefix_caching) {
         MB_CHECK(s.hashes.size() == len / bs_);
-        for (std::size_t i = 0; i < len / bs_; ++i) {  // content addressing: a registered block holds its hash
+        for (std::size_t i = 0; i < std::min(len, s.slotted) / bs_; ++i) {  // a registered block holds its hash
           const auto h = idx.hash_of(blocks[i]);
           MB_CHECK_MSG(!h || *h == s.hashes[i], "sequence " + std::to_string(id) + " block " + std::to_string(i) +
                                                     " registered under another hash");
@@ -972,9 +1181,9 @@ class Harness {
       }
       // Pending slots: exactly the sequence's own positions (-1 appears only in the built slot mapping).
       const auto pend = m_.pending_slots(id);
-      MB_CHECK(pend.size() == s.pending);
-      MB_CHECK(s.pending <= len);
-      const std::size_t first = len - pend.size();
+      MB_CHECK(pend.size() == s.pending());
+      MB_CHECK(s.built <= s.slotted && s.slotted <= s.length());
+      const std::size_t first = s.built;
       for (std::size_t k = 0; k < pend.size(); ++k) {
         const std::size_t p = first + k;
         const std::int64_t sl = pend[k];
@@ -1060,6 +1269,8 @@ class Harness {
   std::vector<RequestKeys> keys_;
   std::map<SeqId, MSeq> model_;
   std::vector<SeqId> dead_ids_;
+  std::vector<SeqId> preempted_ids_;      // preempted and not re-admitted (candidates for re-admission)
+  pagedkv::PrefixCacheStats interval_;   // the model of take_prefix_cache_stats()
   SeqId next_id_ = 1;
   std::vector<std::uint64_t> kv_;  // shadow K/V pool: one fingerprint per slot
   std::size_t step_ = 0;
@@ -1086,11 +1297,14 @@ Counters run_config(const Options& o) {
       "), forks %" PRIu64 " (refused %" PRIu64 ")"
       ", frees %" PRIu64 ", preempts %" PRIu64 ", rewinds %" PRIu64 ", lookups %" PRIu64 ", builds %" PRIu64
       ", deduplicated %" PRIu64 ", resets %" PRIu64 "/%" PRIu64 " refused, misuse %" PRIu64 ", leak checks %" PRIu64
-      ", content checks %" PRIu64 ", %" PRIu64 " comparisons\n",
+      ", content checks %" PRIu64 ", chunked admissions %" PRIu64 ", reserves %" PRIu64 ", partial builds %" PRIu64
+      ", lookaheads %" PRIu64 ", commits %" PRIu64 " (drafts accepted %" PRIu64 ", rejected %" PRIu64
+      "), %" PRIu64 " comparisons\n",
       c.admitted, c.admit_hits, c.no_capacity, c.never_fits, c.appends, c.append_no_capacity, c.append_never_fits,
       c.cow, c.forks, c.fork_refused,
       c.frees, c.preempts, c.rewinds, c.lookups, c.builds, c.dedups, c.resets_ok, c.resets_refused, c.misuse, c.leak_checks,
-      c.content_checks, c.checks);
+      c.content_checks, c.chunked_admits, c.reserves, c.partial_builds, c.lookaheads, c.commits, c.accepted_drafts,
+      c.rejected_drafts, c.checks);
   std::fflush(stdout);
   return c;
 }
@@ -1129,6 +1343,13 @@ void run_all(bool engine_discipline, std::uint64_t seed_base) {
     if (s.bs != 4) CHECK(c.never_fits > 0);
     CHECK(c.dedups > 10);
     if (engine_discipline) CHECK(c.content_checks > 200);
+    CHECK(c.chunked_admits > 50);
+    CHECK(c.reserves > 50);
+    CHECK(c.partial_builds > 50);
+    CHECK(c.lookaheads > 50);
+    CHECK(c.commits > 50);
+    CHECK(c.accepted_drafts > 50);
+    CHECK(c.rejected_drafts > 50);
     total.checks += c.checks;
   }
   CHECK(total.checks > 1000000);

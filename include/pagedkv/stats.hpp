@@ -1,0 +1,69 @@
+// pagedkv/stats.hpp: the cache manager's counters: lifetime totals (CacheStats) and per-interval prefix-cache
+// statistics named as vLLM's metrics (PrefixCacheStats), so dashboards map one to one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pagedkv {
+
+/// Lifetime counters of a KVCacheManager (vLLM's KVCacheManager usage + prefix-cache counters). Block counts
+/// exclude the null block; `usage` = blocks_used / usable blocks (vLLM's kv_cache_usage). Prefix counters are
+/// updated on successful admission only, so retries after "no capacity now" do not inflate them. `prefix_*`
+/// count every admission; `readmitted_*` count the subset that re-admits a preempted sequence id.
+struct CacheStats {
+  std::size_t num_usable_blocks = 0;
+  std::size_t blocks_used = 0;    ///< refcount > 0
+  std::size_t blocks_cached = 0;  ///< refcount 0, hashed (evictable)
+  std::size_t blocks_free = 0;    ///< refcount 0, unhashed
+  double usage = 0.0;
+  std::uint64_t prefix_query_requests = 0;
+  std::uint64_t prefix_hit_requests = 0;  ///< admissions with at least one cached block
+  std::uint64_t prefix_query_tokens = 0;  ///< prompt tokens admitted
+  std::uint64_t prefix_hit_tokens = 0;    ///< of which found in the cache
+  std::uint64_t readmitted_requests = 0;      ///< admissions of a sequence id preempted before (recompute)
+  std::uint64_t readmitted_query_tokens = 0;  ///< their prompt tokens
+  std::uint64_t readmitted_hit_tokens = 0;    ///< of which found in the cache
+  std::uint64_t evictions = 0;
+  std::uint64_t cow_copies = 0;
+  std::uint64_t dedup_blocks = 0;  ///< newly full blocks switched to an identical cached block
+  std::uint64_t preemptions = 0;
+  std::uint64_t block_ops = 0;     ///< allocations + acquires + releases, one per block
+};
+
+/// Prefix-cache statistics of one interval (since the previous `take_prefix_cache_stats()`), with vLLM's field
+/// names and meaning (vllm/v1/metrics/stats.py PrefixCacheStats; preempted requests counted apart since vLLM
+/// #25780): `queries` and `hits` are prompt *tokens*; a re-admission after preemption goes to the `preempted_*`
+/// fields only, so recomputing a preempted request does not inflate the hit rate of new traffic.
+struct PrefixCacheStats {
+  bool reset = false;                   ///< reset_prefix_cache() succeeded in the interval.
+  std::uint64_t requests = 0;           ///< New requests admitted.
+  std::uint64_t queries = 0;            ///< Their prompt tokens.
+  std::uint64_t hits = 0;               ///< Of which found in the prefix cache.
+  std::uint64_t preempted_requests = 0; ///< Previously preempted requests re-admitted.
+  std::uint64_t preempted_queries = 0;  ///< Their prompt tokens.
+  std::uint64_t preempted_hits = 0;     ///< Of which found in the prefix cache.
+
+  /// hits / queries of new requests, or 0 when nothing was queried.
+  [[nodiscard]] double hit_rate() const noexcept {
+    return queries == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(queries);
+  }
+  /// preempted_hits / preempted_queries, or 0 when no preempted request was re-admitted.
+  [[nodiscard]] double preempted_hit_rate() const noexcept {
+    return preempted_queries == 0 ? 0.0 : static_cast<double>(preempted_hits) / static_cast<double>(preempted_queries);
+  }
+  /// Record one admission of `num_tokens` prompt tokens of which `num_hits` were cached.
+  void record(std::uint64_t num_tokens, std::uint64_t num_hits, bool preempted) noexcept {
+    if (preempted) {
+      ++preempted_requests;
+      preempted_queries += num_tokens;
+      preempted_hits += num_hits;
+    } else {
+      ++requests;
+      queries += num_tokens;
+      hits += num_hits;
+    }
+  }
+};
+
+}  // namespace pagedkv
