@@ -26,6 +26,9 @@ struct Options {
   double step_ms = 25.0;              ///< serve: simulated time per engine step.
   std::size_t max_num_seqs = 256;     ///< serve: most sequences running at once.
   std::size_t max_model_len = 0;      ///< serve: longest request (prompt + output); 0 = the trace's longest.
+  std::size_t max_num_batched_tokens = 8192;  ///< serve: token budget per step (chunked prefill); 0 = none.
+  std::size_t spec_tokens = 0;        ///< serve: draft tokens per decode step (lookahead slots); 0 = no speculation.
+  double spec_accept = 0.7;           ///< serve: probability that each draft is accepted (until the first rejection).
   std::size_t num_branches = 4;       ///< fork: parallel samples per request.
   bool progress = false;              ///< Show a progress line on stderr.
   bool check = false;                 ///< Cross-check derived block counts by brute force every step (slow).
@@ -39,13 +42,16 @@ struct Options {
 /// Pool: floor(capacity / block_size) usable blocks plus the null block.
 [[nodiscard]] std::vector<Row> run_prefix(const Trace& trace, const Options& opt);
 
-/// Continuous-batching replay in simulated time (vLLM-style scheduler, recompute preemption), with a contiguous
+/// Continuous-batching replay in simulated time (vLLM V1-style scheduler: chunked prefill under a token budget,
+/// optional speculative decoding with lookahead slots, recompute preemption), with a contiguous
 /// max-length-reservation baseline simulated alongside on the same arrivals (Kwon et al., SOSP '23, Fig. 2).
 /// Pool: opt.capacity_tokens.front() tokens. One row: kv_utilization, peak running, preemptions, hit_ratio (over
-/// every admission, re-admissions after preemption included),
-/// the baseline's figures (prefixed contig_), simulated time, and library time: manager_seconds (all calls),
+/// every admission, re-admissions after preemption included), prefill chunks per prompt, with speculation the
+/// drafts, accepted drafts, wasted slot-steps (rejected drafts) and tokens per decode step; the baseline's figures
+/// (prefixed contig_), simulated time, and library time: manager_seconds (all calls), ns_per_scheduled_token,
 /// ns_per_seq_step (all calls per running sequence per step), admit_seconds (try_admit, i.e. prompt hashing and
-/// allocation) and decode_ns_per_seq_step (try_append + build_batch_metadata per running sequence per step).
+/// allocation) and decode_ns_per_seq_step (the step path: appends, lookahead, build, commits, per running
+/// sequence per step).
 [[nodiscard]] Row run_serve(const Trace& trace, const Options& opt);
 
 /// Parallel-sampling replay (Kwon et al., SOSP '23, sec. 6.3): each request is admitted, forked into

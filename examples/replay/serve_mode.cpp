@@ -1,23 +1,29 @@
 // examples/replay/serve_mode.cpp: `--mode serve`, continuous batching in simulated time over a paged pool, with a
 // contiguous max-length-reservation baseline on the same arrivals (vLLM paper, Fig. 2).
 //
-// One engine step (every --step-ms of simulated time), in the order of vLLM's scheduler:
+// One engine step (every --step-ms of simulated time), in the order of vLLM V1's scheduler, under a token budget of
+// --max-num-batched-tokens per step (chunked prefill; 0 = no budget, whole prompts in one step):
 //  1. arrivals up to the step's start join the waiting queue (FIFO);
-//  2. decode: every running sequence appends one generated token (try_append). When the pool has no block for
-//     it, the most recently admitted running sequence is preempted (recompute) and put back at the front of the
-//     waiting queue, until the append fits (possibly preempting the appending sequence itself);
-//  3. admission, unless step 2 preempted (as vLLM V1 does, so a victim is not re-admitted in the step that
-//     evicted it): waiting requests are admitted in order (their whole prompt is prefilled in this step) while
-//     the pool and --max-num-seqs allow; the first that does not fit stops admission;
-//  4. build_batch_metadata for the running batch;
-//  5. utilization is sampled; sequences that have generated output_length tokens are freed.
-// A preempted request is re-admitted with its prompt plus the tokens it had generated (vLLM V1's recompute:
-// the KV of all of them is recomputed, and their full blocks are usually still in the prefix cache); it then
+//  2. running sequences, oldest first, take tokens from the budget: a prefilling sequence its next prompt chunk
+//     (its slots were reserved at admission), a decoding one its sampled token (try_append) plus, with
+//     --spec-tokens k, k lookahead slots for draft tokens (try_reserve_lookahead). When the pool has no block
+//     for a decode, the most recently admitted running sequence is preempted (recompute) and put back at the
+//     front of the waiting queue, until it fits (possibly preempting the decoding sequence itself);
+//  3. admission, unless step 2 preempted (as vLLM V1 does, so a victim is not re-admitted in the step that evicted
+//     it): waiting requests are admitted in order while the pool, --max-num-seqs and the budget allow; admission
+//     reserves the whole prompt (vLLM's gate) and schedules its first chunk; the first that does not fit stops;
+//  4. build_batch_metadata for the scheduled sequences, with their per-sequence token counts;
+//  5. the drafts are verified: each is accepted with probability --spec-accept until the first rejection
+//     (commit_lookahead keeps the accepted ones and rewinds the rest); utilization is sampled; sequences that have
+//     generated output_length tokens are freed.
+// A preempted request is re-admitted with its prompt plus the tokens it had generated (vLLM V1's recompute: the
+// KV of all of them is recomputed, and their full blocks are usually still in the prefix cache); it then
 // generates only its remaining tokens.
 #include <algorithm>
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <random>
 #include <stdexcept>
 #include <unordered_map>
 #include <vector>
@@ -47,7 +53,8 @@ struct Occupancy {
   }
 };
 
-/// The paged scheduler: a KVCacheManager pool, FIFO admission, recompute preemption.
+/// The paged scheduler: a KVCacheManager pool, FIFO admission, chunked prefill under a token budget, optional
+/// speculative decoding with lookahead slots, recompute preemption.
 template <class Hasher>
 class PagedScheduler {
  public:
@@ -56,9 +63,11 @@ class PagedScheduler {
         opt_(opt),
         usable_blocks_(usable_blocks),
         max_model_len_(max_model_len),
+        budget_(opt.max_num_batched_tokens != 0 ? opt.max_num_batched_tokens : std::numeric_limits<std::size_t>::max()),
         manager_(config(opt, usable_blocks, max_model_len)),
         buffers_(opt.max_num_seqs, opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len)),
-                 usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs) {}
+                 usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs),
+        rng_(0x5bec) {}
 
   /// A request arrives. One that can never run (longer than max_model_len, or than the pool) is rejected.
   void enqueue(std::size_t request) {
@@ -78,9 +87,13 @@ class PagedScheduler {
 
   /// Run one engine step ending at simulated time `step_end_ms`.
   void step(double step_end_ms) {
-    if (!decode()) admit();
+    left_ = budget_;
+    batch_.clear();
+    sched_.clear();
+    if (!schedule_running()) admit();
     if (running_.empty()) return;
     build_metadata();
+    verify_drafts();
     sample(step_end_ms);
     free_finished();
   }
@@ -95,9 +108,23 @@ class PagedScheduler {
         .add("peak_running", occupancy_.peak_running)
         .add("preemptions", s.preemptions)
         .add("hit_ratio", hit_ratio(s), 4)
-        .add("evictions", s.evictions);
+        .add("evictions", s.evictions)
+        .add("max_num_batched_tokens", opt_.max_num_batched_tokens)
+        .add("prefill_chunks_per_prompt",
+             prefills_ == 0 ? 0.0 : static_cast<double>(prefill_chunks_) / static_cast<double>(prefills_), 3)
+        .add("max_prefill_chunks", max_chunks_)
+        .add("spec_tokens", opt_.spec_tokens);
+    if (opt_.spec_tokens > 0) {
+      row.add("spec_accept", opt_.spec_accept, 2)
+          .add("drafts", drafts_)
+          .add("drafts_accepted", accepted_)
+          .add("wasted_slot_steps", drafts_ - accepted_)
+          .add("tokens_per_decode_step", decode_steps_ == 0 ? 0.0
+                                                            : static_cast<double>(decode_tokens_) /
+                                                                  static_cast<double>(decode_steps_), 3);
+    }
   }
-  /// Library time: all calls; admissions (try_admit); the decode path (try_append + build_batch_metadata).
+  /// Library time: all calls; admissions (try_admit); the step path (appends, lookahead, build, commits).
   [[nodiscard]] double manager_seconds() const noexcept {
     return admit_timer_.seconds() + decode_timer_.seconds() + release_timer_.seconds();
   }
@@ -105,17 +132,22 @@ class PagedScheduler {
   [[nodiscard]] double decode_seconds() const noexcept { return decode_timer_.seconds(); }
   [[nodiscard]] std::uint64_t block_ops() const noexcept { return manager_.stats().block_ops; }
   [[nodiscard]] std::uint64_t seq_steps() const noexcept { return occupancy_.seq_steps; }
+  [[nodiscard]] std::uint64_t scheduled_tokens() const noexcept { return scheduled_tokens_; }
 
  private:
   using Manager = pagedkv::KVCacheManager<Hasher>;
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
 
   struct Seq {
-    std::size_t request = 0;     // trace index, also the sequence id
-    std::uint32_t generated = 0; // tokens generated so far (kept across preemption)
-    std::size_t tokens = 0;      // tokens held (running only)
-    std::size_t pending = 0;     // tokens appended since the last metadata build (running only)
+    std::size_t request = 0;      // trace index, also the sequence id
+    std::uint32_t generated = 0;  // tokens generated so far (kept across preemption)
+    std::size_t tokens = 0;       // positions holding slots (running only)
+    std::size_t prompt = 0;       // prompt of this admission (input + tokens generated before a preemption)
+    std::size_t computed = 0;     // positions whose K/V a built step computed (or cache hits)
+    std::size_t drafts = 0;       // lookahead slots reserved this step
+    std::uint32_t chunks = 0;     // steps with prompt tokens scheduled, this admission
     std::uint64_t failed_at = kNever;  // releases_ when its admission last failed (waiting only)
+    [[nodiscard]] bool prefilling() const { return computed < prompt; }
   };
 
   static pagedkv::CacheConfig config(const Options& opt, std::size_t usable_blocks, std::size_t max_model_len) {
@@ -130,27 +162,62 @@ class PagedScheduler {
     return (tokens + opt_.block_size - 1) / opt_.block_size;
   }
 
-  // Returns whether a sequence was preempted.
-  bool decode() {
-    step_tokens_.clear();
-    for (const Seq& s : running_) step_tokens_.push_back(generated_token(s.request, 0, s.generated));
+  void schedule(std::size_t k, std::size_t n) {
+    batch_.push_back(running_[k].request);
+    sched_.push_back(static_cast<std::uint32_t>(n));
+    left_ -= n;
+    scheduled_tokens_ += n;
+  }
+
+  // The next prompt chunk of running_[k] (its slots exist since admission), as much as the budget allows.
+  void schedule_prompt_chunk(std::size_t k) {
+    Seq& s = running_[k];
+    const std::size_t n = std::min(s.prompt - s.computed, left_);
+    schedule(k, n);
+    s.computed += n;
+    ++s.chunks;
+    if (!s.prefilling()) {  // the prompt is computed: count its chunks
+      prefill_chunks_ += s.chunks;
+      ++prefills_;
+      max_chunks_ = std::max<std::size_t>(max_chunks_, s.chunks);
+    }
+  }
+
+  // Step 2: the running sequences take their tokens. Returns whether a sequence was preempted.
+  bool schedule_running() {
     bool preempted = false;
-    std::size_t k = 0;
-    while (k < running_.size()) {
-      decode_timer_.start();
-      for (; k < running_.size(); ++k) {
-        if (!manager_.try_append(running_[k].request, {&step_tokens_[k], 1}).ok()) break;
+    for (std::size_t k = 0; k < running_.size() && left_ > 0;) {
+      Seq& s = running_[k];
+      if (s.prefilling()) {
+        schedule_prompt_chunk(k++);
+        continue;
       }
+      // Decode: the sampled token, plus draft slots (as many as the budget and the output length allow).
+      const Request& r = trace_.requests[s.request];
+      const std::size_t remaining = r.output_tokens - s.generated;  // >= 1 while running
+      const std::size_t k_spec = std::min({opt_.spec_tokens, left_ - 1, remaining - 1});
+      decode_timer_.start();
+      const bool fits = manager_.query_append(s.request, 1 + k_spec).fits();
       decode_timer_.stop();
-      if (k < running_.size()) {  // running_[k] got no block: preempt the newest (possibly running_[k] itself)
+      if (!fits) {  // preempt the newest (possibly this one) and retry
         preempt_newest();
         preempted = true;
+        continue;
       }
-    }
-    for (Seq& s : running_) {  // exactly the sequences whose append succeeded
-      ++s.tokens;
-      ++s.pending;
+      const pagedkv::TokenId t = generated_token(s.request, 0, s.generated);
+      decode_timer_.start();
+      const bool ok = manager_.try_append(s.request, {&t, 1}).ok() &&
+                      (k_spec == 0 || manager_.try_reserve_lookahead(s.request, k_spec).ok());
+      decode_timer_.stop();
+      if (!ok) throw std::logic_error("serve: an append that the capacity query accepted failed");
       ++s.generated;
+      s.tokens += 1 + k_spec;
+      s.computed += 1 + k_spec;
+      s.drafts = k_spec;
+      ++decode_steps_;
+      ++decode_tokens_;
+      schedule(k, 1 + k_spec);
+      ++k;
     }
     return preempted;
   }
@@ -159,14 +226,15 @@ class PagedScheduler {
     Seq victim = running_.back();
     running_.pop_back();
     release_timer_.measure([&] { manager_.preempt(victim.request); });
-    victim.tokens = victim.pending = 0;
+    victim.tokens = victim.computed = victim.prompt = victim.drafts = victim.chunks = 0;
     victim.failed_at = kNever;
     waiting_.push_front(victim);
     ++releases_;
   }
 
+  // Step 3: admissions, each with its first prompt chunk.
   void admit() {
-    while (!waiting_.empty() && running_.size() < opt_.max_num_seqs) {
+    while (!waiting_.empty() && running_.size() < opt_.max_num_seqs && left_ > 0) {
       Seq& head = waiting_.front();
       // Nothing was released since this request last failed: blocks only went down, so it would fail again
       // (and re-hashing its prompt every step would dominate the library time; an engine caches the verdict).
@@ -182,29 +250,50 @@ class PagedScheduler {
         head.failed_at = releases_;
         break;
       }
-      head.tokens = prompt_.size();
-      head.pending = prompt_.size() - r.num_cached_tokens;
+      head.tokens = head.prompt = prompt_.size();
+      head.computed = r.num_cached_tokens;
+      ++admissions_;
       running_.push_back(head);
       waiting_.pop_front();
+      schedule_prompt_chunk(running_.size() - 1);
     }
   }
 
   void build_metadata() {
-    batch_.clear();
     std::size_t num_indices = 0;
     std::size_t num_new_tokens = 0;
-    for (const Seq& s : running_) {
-      batch_.push_back(s.request);
-      num_indices += blocks(s.tokens);
-      num_new_tokens += s.pending;
+    for (std::size_t b = 0; b < batch_.size(); ++b) {
+      const auto& q = manager_.sequence(batch_[b]);
+      num_indices += blocks(q.num_built + sched_[b]);
+      num_new_tokens += sched_[b];
     }
     const pagedkv::BatchMetadataBuffers view = buffers_.view(num_indices, num_new_tokens);
-    decode_timer_.measure([&] { (void)manager_.build_batch_metadata(batch_, view); });
-    for (Seq& s : running_) s.pending = 0;
+    decode_timer_.measure([&] { (void)manager_.build_batch_metadata(batch_, view, sched_); });
+  }
+
+  // Step 5: speculative verification. Each draft is accepted with probability spec_accept until the first
+  // rejection; the accepted drafts are the request's next tokens (so a re-admission recomputes the same ones).
+  void verify_drafts() {
+    for (Seq& s : running_) {
+      if (s.drafts == 0) continue;
+      std::size_t a = 0;
+      while (a < s.drafts && unit_(rng_) < opt_.spec_accept) ++a;
+      accepted_tokens_.clear();
+      for (std::size_t i = 0; i < a; ++i) accepted_tokens_.push_back(generated_token(s.request, 0, s.generated + i));
+      decode_timer_.measure([&] { manager_.commit_lookahead(s.request, accepted_tokens_); });
+      drafts_ += s.drafts;
+      accepted_ += a;
+      decode_tokens_ += a;
+      s.generated += static_cast<std::uint32_t>(a);
+      s.tokens -= s.drafts - a;
+      s.computed -= s.drafts - a;
+      s.drafts = 0;
+    }
   }
 
   // Slots of held blocks = blocks_used * block_size (a shared block counted once). Without fork, only full blocks
-  // are shared, so the empty slots are exactly the unfilled tail of each running sequence's last block.
+  // are shared, so the empty slots are exactly the unfilled tail of each running sequence's last block. Slots
+  // reserved for prompt tokens not yet computed count as holding their token (they are assigned to it).
   void sample(double step_end_ms) {
     const std::size_t bs = opt_.block_size;
     std::size_t empty_slots = 0;
@@ -236,15 +325,17 @@ class PagedScheduler {
 
   void free_finished() {
     done_ids_.clear();
+    const auto finished = [&](const Seq& s) {
+      return !s.prefilling() && s.generated >= trace_.requests[s.request].output_tokens;
+    };
     for (const Seq& s : running_) {
-      if (s.generated >= trace_.requests[s.request].output_tokens) done_ids_.push_back(s.request);
+      if (finished(s)) done_ids_.push_back(s.request);
     }
     if (done_ids_.empty()) return;
     release_timer_.start();
     for (const pagedkv::SeqId id : done_ids_) manager_.free(id);
     release_timer_.stop();
-    std::erase_if(running_,
-                  [&](const Seq& s) { return s.generated >= trace_.requests[s.request].output_tokens; });
+    std::erase_if(running_, finished);
     finished_ += done_ids_.size();
     ++releases_;
   }
@@ -253,10 +344,11 @@ class PagedScheduler {
   const Options& opt_;
   std::size_t usable_blocks_;
   std::size_t max_model_len_;
+  std::size_t budget_;  // tokens per step
   Manager manager_;
   MetadataBuffers buffers_;
   LibraryTimer admit_timer_;    // try_admit
-  LibraryTimer decode_timer_;   // try_append, build_batch_metadata
+  LibraryTimer decode_timer_;   // query_append, try_append, try_reserve_lookahead, build_batch_metadata, commits
   LibraryTimer release_timer_;  // free, preempt
   Occupancy occupancy_;
   std::deque<Seq> waiting_;
@@ -264,10 +356,18 @@ class PagedScheduler {
   std::uint64_t releases_ = 0;  // free / preempt events so far
   std::size_t rejected_ = 0;
   std::size_t finished_ = 0;
+  std::size_t left_ = 0;        // budget left in this step
+  std::uint64_t scheduled_tokens_ = 0;
+  std::uint64_t admissions_ = 0, prefills_ = 0, prefill_chunks_ = 0;
+  std::size_t max_chunks_ = 0;
+  std::uint64_t drafts_ = 0, accepted_ = 0, decode_steps_ = 0, decode_tokens_ = 0;
+  std::mt19937_64 rng_;
+  std::uniform_real_distribution<double> unit_{0.0, 1.0};
   // Scratch, reused every step.
   std::vector<pagedkv::TokenId> prompt_;
-  std::vector<pagedkv::TokenId> step_tokens_;
+  std::vector<pagedkv::TokenId> accepted_tokens_;
   std::vector<pagedkv::SeqId> batch_;
+  std::vector<std::uint32_t> sched_;
   std::vector<pagedkv::SeqId> done_ids_;
 };
 
@@ -372,7 +472,11 @@ Row run_serve_with(const Trace& trace, const Options& opt) {
   const auto per_seq_step = [&](double seconds) {
     return paged.seq_steps() == 0 ? 0.0 : seconds * 1e9 / static_cast<double>(paged.seq_steps());
   };
-  row.add("ns_per_seq_step", per_seq_step(paged.manager_seconds()), 1)
+  row.add("ns_per_scheduled_token", paged.scheduled_tokens() == 0 ? 0.0
+                                                                 : paged.manager_seconds() * 1e9 /
+                                                                       static_cast<double>(paged.scheduled_tokens()),
+          1)
+      .add("ns_per_seq_step", per_seq_step(paged.manager_seconds()), 1)
       .add("admit_seconds", paged.admit_seconds(), 3)
       .add("decode_ns_per_seq_step", per_seq_step(paged.decode_seconds()), 1);
   return row;
