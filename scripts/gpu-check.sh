@@ -15,16 +15,19 @@
 # Steps: preflight -> device probe (a 20-line program compiled with nvcc: device, SMs, compute capability, driver,
 # memory clock and bus width; "no CUDA device" stops here with a non-zero exit) -> configure `cmake -S cuda`
 # standalone (kernels + CPU reference + GPU tests + benchmark; headers only) -> build with ptxas reports -> every
-# GPU test (ctest -L gpu --no-tests=error, one at a time), then the host-only launcher tests -> count -> the kernel
-# benchmark (runs even when a test failed) -> summary.
+# GPU test (ctest -L gpu --no-tests=error, one at a time), then the host-only launcher tests -> count ->
+# compute-sanitizer memcheck / racecheck / synccheck / initcheck on the reduced "[sanitize]" grid (when the toolkit
+# has it; GPU_CHECK_SANITIZER=0 skips; errors fail the check) -> the kernel benchmark (runs even when a test failed)
+# -> summary.
 #
 # Results in $OUT (default benchmarks/results/<date>-<device>/): env.json, probe.txt, configure.log, build.log,
-# ptxas.txt, tests.log, host_tests.log, bench.json, bench.txt, summary.json, summary.txt.
+# ptxas.txt, tests.log, host_tests.log, sanitizer_<tool>.log, bench.json, bench.txt, summary.json, summary.txt.
 # The last line of stdout is the verdict: "gpu-check: PASS: N passed, 0 failed, 0 skipped (label gpu) ..." or
 # "gpu-check: FAIL: <reason>: N passed, M failed, K skipped (label gpu)" or "gpu-check: REFUSED: missing: <what>: 0
 # passed, 0 failed, 0 skipped (label gpu)"; summary.json carries the same counts.
 # Exit status: 0 only when the build succeeded, at least one GPU test ran, every registered GPU test passed and none
-# was skipped, and the benchmark ran; 1 FAIL; 2 REFUSED (preflight); 3 no CUDA device.
+# was skipped, compute-sanitizer (if present) reported nothing, and the benchmark ran; 1 FAIL; 2 REFUSED
+# (preflight); 3 no CUDA device.
 #
 # Dry run on a machine without a GPU: GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1 goes on past the failed probe to build and
 # run the tests (which skip), to show the counting; the verdict is still FAIL.
@@ -52,6 +55,7 @@ write_verdict() {  # status reason passed failed skipped registered
         "$(json_str "${skipped_names:-}")"
       printf '  "host_tests": {"label": "cuda_host", "passed": %d, "failed": %d},\n' "${host_passed:-0}" \
         "${host_failed:-0}"
+      printf '  "sanitizer": "%s",\n' "$(json_str "${san_summary:-not run}")"
       printf '  "build_seconds": %d,\n  "tests_seconds": %d,\n  "bench_rc": %s,\n  "total_seconds": %d,\n' \
         "${build_s:-0}" "${tests_s:-0}" "${bench_rc:-null}" "$(( $(date +%s) - start_all ))"
       if [[ -s "$out/env.json" ]]; then printf '  "env": %s,\n' "$(cat "$out/env.json")"; else printf '  "env": null,\n'; fi
@@ -207,6 +211,27 @@ host_passed=$(grep -E 'Test +#[0-9]+:' "$out/host_tests.log" | grep -cE ' Passed
 host_failed=$(( $(grep -cE 'Test +#[0-9]+:' "$out/host_tests.log" || true) - host_passed ))
 say "GPU tests: $passed passed, $failed failed, $skipped skipped of $registered registered (ctest rc $tests_rc, ${tests_s}s); host-only launcher tests: $host_passed passed, $host_failed failed"
 
+# ---- 4b. compute-sanitizer on the reduced grid ("[sanitize]"), when the toolkit has it ------------------------------
+san_summary="not run"
+san_failed=""
+if [[ "${GPU_CHECK_SANITIZER:-1}" == 1 && $probe_rc -eq 0 ]]; then
+  san=$(command -v compute-sanitizer || true)
+  if [[ -z "$san" ]]; then
+    san_summary="compute-sanitizer not found (not gating)"
+  else
+    san_summary=""
+    for tool in memcheck racecheck synccheck initcheck; do
+      rc=0
+      timeout 300 "$san" --tool "$tool" --error-exitcode 99 "$build/tests/cuda/pagedkv_cuda_tests" "[sanitize]" \
+        -w NoTests > "$out/sanitizer_$tool.log" 2>&1 || rc=$?
+      line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log" | tail -n1 | sed 's/^=* *//')
+      san_summary+="$tool: ${line:-no summary} (rc $rc); "
+      (( rc == 0 )) || san_failed+="$tool "
+    done
+  fi
+  say "compute-sanitizer: $san_summary"
+fi
+
 # ---- 5. benchmark (also when a test failed: the numbers are still informative) ------------------------------------
 bench_rc=0
 bench_bin="$build/benchmarks/bench_kernels"
@@ -228,11 +253,13 @@ elif (( skipped > 0 )); then reason="GPU tests skipped: $skipped_names"
 elif (( passed != registered )); then reason="$passed of $registered registered GPU tests passed"
 elif (( tests_rc != 0 )); then reason="ctest exited $tests_rc"
 elif (( host_rc != 0 )); then reason="host-only launcher tests failed"
+elif [[ -n "$san_failed" ]]; then reason="compute-sanitizer reported errors: $san_failed(sanitizer_*.log)"
 elif (( bench_rc != 0 )); then reason="bench_kernels exited $bench_rc"
 fi
 {
   echo "device: $device | driver: $(probe_get driver_version) | nvcc: $nvcc_version | cmake: $cmake_version | sm_$arch | build ${build_s}s | tests ${tests_s}s"
   echo "GPU tests (label gpu): $counts of $registered registered"
+  echo "compute-sanitizer on [sanitize]: $san_summary"
   grep -E '\*\*\*|Failed' "$out/tests.log" | head -n 20
   echo
   cat "$out/bench.txt"

@@ -439,3 +439,27 @@ TEST_CASE("prefill with GQA group 8 and a long prompt", "[prefill]") {
   c.kv_heads = 1;
   run_prefill(c);
 }
+
+TEST_CASE("decode and prefill on a reduced grid, for compute-sanitizer", "[sanitize]") {
+  // Every (dtype, head_dim) once: a plan with splits, the chunk rule with splits, and a causal prefill over a
+  // cached prefix; small enough to run under memcheck / racecheck / synccheck / initcheck (scripts/gpu-check.sh).
+  std::uint64_t seed = 424242;
+  for (DType dt : kDTypes) {
+    for (int hd : kHeadDims) {
+      DecodeCase plan{dt, hd, 4, 16, PageTableFormat::kCsr, false, Layout::kNhd, {70, 0, 33, 5}};
+      plan.plan = true;
+      plan.plan_sms = 2;
+      plan.plan_ctas_per_sm = 2;
+      plan.plan_min_chunk = 8;
+      plan.seed = seed++;
+      run_decode(plan);
+      DecodeCase chunked{dt, hd, 2, 8, PageTableFormat::kPadded, true, Layout::kHnd, {41, 0, 17}};
+      chunked.chunk = 16;
+      chunked.seed = seed++;
+      run_decode(chunked);
+      PrefillCase pre{dt, hd, 2, 16, PageTableFormat::kCsr, Layout::kNhd, {{5, 40}, {0, 9}, {33, 33}}};
+      pre.seed = seed++;
+      run_prefill(pre);
+    }
+  }
+}
