@@ -543,9 +543,19 @@ class KVCacheManager {
     return true;
   }
 
-  /// Move the recorded events (oldest first) to the end of `out`; returns how many. Events are recorded only with
-  /// `enable_events`.
+  /// Move the recorded events (oldest first) to the end of `out`, unbatched; returns how many. Events are recorded
+  /// only with `enable_events`.
   std::size_t drain_events(std::vector<KVEvent>& out) { return events_.drain(out); }
+
+  /// The events recorded since the last take or drain as the next numbered batch (vLLM's KVEventBatch; numbers
+  /// 1, 2, 3, ... without gaps), stamped `ts` (vLLM: seconds since the epoch); nullopt when nothing happened.
+  /// Call once per engine step, after the step's calls, and publish it. Allocates.
+  std::optional<KVEventBatch> take_event_batch(double ts) { return events_.take_batch(ts); }
+
+  /// What the events taken so far say is cached: a stored event per cached (block hash, tier), at the number of the
+  /// last batch taken. A consumer that joins late (or lost batches) applies it, then the batches after its number.
+  /// O(cached blocks); allocates.
+  [[nodiscard]] KVEventSnapshot event_snapshot() const { return events_.snapshot(); }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Batch metadata
@@ -975,11 +985,14 @@ class KVCacheManager {
     if (i > 0) e.parent_hash = q.hashes[i - 1];
     e.token_ids.assign(q.tokens.begin() + static_cast<std::ptrdiff_t>(i * bs),
                        q.tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs));
+    e.block_size = config_.block_size;
+    e.block_start = i * bs;
     if (q.keys) {
       e.adapter_id = q.keys->adapter_id;
       for (const auto& m : q.keys->multimodal) {
-        if (detail::item_overlaps(m, i * bs, (i + 1) * bs)) e.multimodal_item_hashes.push_back(m.item_hash);
+        if (detail::item_overlaps(m, i * bs, (i + 1) * bs)) e.multimodal_items.push_back(m);
       }
+      if (i == 0) e.salt = q.keys->salt;
     }
   }
 

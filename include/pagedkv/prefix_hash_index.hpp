@@ -18,6 +18,7 @@
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
+#include <pagedkv/events.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/request_keys.hpp>
 
@@ -130,10 +131,14 @@ class PrefixHashIndex {
   /// The chain root: the parent hash of every sequence's first block.
   [[nodiscard]] const BlockHash& root() const noexcept { return root_; }
 
+  /// The chain root of a pool with seed `seed`: H("pagedkv.root.v1\0" | u64 seed, little-endian). Equal seeds and
+  /// hashers give equal roots, hence equal block hashes, in every process and on every machine.
+  [[nodiscard]] static BlockHash root_for_seed(std::uint64_t seed) { return make_root(seed); }
+
   /// Hash of the block holding `tokens` (a full block) at token position `block_start` of its sequence, after the
   /// block whose hash is `parent` (root() for the first block). `keys` may be null.
-  [[nodiscard]] BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens,
-                                     std::uint64_t block_start, const RequestKeys* keys) const {
+  [[nodiscard]] static BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens,
+                                            std::uint64_t block_start, const RequestKeys* keys) {
     const detail::BlockEncodingLayout l = detail::block_encoding_layout(tokens.size(), block_start, keys,
                                                                         block_start == 0);
     if (l.size_bytes <= kStackEncodingBytes) [[likely]] {
@@ -219,5 +224,24 @@ class PrefixHashIndex {
   BlockHash root_;
   static constexpr std::size_t kStackEncodingBytes = 512;
 };
+
+/// Recompute the hash of a kBlockStored event from the event alone (what a KV-aware router does to check, or to
+/// index, a stored block): H(parent_hash or the root of `seed`, token_ids, adapter, the event's multimodal items
+/// relative to block_start, salt on the first block). Equals `e.hash` for every event a manager with this
+/// `Hasher` and `seed` emits. Throws kInvalidArgument if `e` is not a kBlockStored event or its token_ids size
+/// differs from block_size.
+template <BlockHasher Hasher>
+[[nodiscard]] BlockHash rehash_stored_event(const KVEvent& e, std::uint64_t seed) {
+  if (e.type != KVEventType::kBlockStored || e.token_ids.size() != e.block_size) {
+    detail::raise(Errc::kInvalidArgument, "rehash_stored_event: event " + std::to_string(e.seq_no) +
+                                              " is not a stored block of block_size tokens");
+  }
+  RequestKeys keys;
+  keys.adapter_id = e.adapter_id;
+  keys.multimodal = e.multimodal_items;
+  keys.salt = e.salt;
+  const BlockHash parent = e.parent_hash ? *e.parent_hash : PrefixHashIndex<Hasher>::root_for_seed(seed);
+  return PrefixHashIndex<Hasher>::hash_block(parent, e.token_ids, e.block_start, &keys);
+}
 
 }  // namespace pagedkv

@@ -831,13 +831,19 @@ TEST_CASE("KVCacheManager: KV events", "[kv_cache_manager][events]") {
   CHECK_FALSE(ev[0].parent_hash.has_value());
   CHECK(ev[0].token_ids == toks(0, 4));
   CHECK(ev[0].adapter_id == 5);
-  CHECK(ev[0].multimodal_item_hashes.empty());
+  CHECK(ev[0].multimodal_items.empty());
+  CHECK(ev[0].block_size == 4);
+  CHECK(ev[0].block_start == 0);
+  CHECK(ev[0].medium == pagedkv::Medium::kGpu);
   CHECK(ev[1].seq_no == 2);
   CHECK(ev[1].hash == *m.prefix_index().hash_of(2));
   CHECK(ev[1].parent_hash == std::optional<BlockHash>(ev[0].hash));
   CHECK(ev[1].token_ids == toks(4, 4));
   CHECK(ev[1].adapter_id == 5);
-  CHECK(ev[1].multimodal_item_hashes == std::vector<BlockHash>{img});
+  REQUIRE(ev[1].multimodal_items.size() == 1);
+  CHECK(ev[1].multimodal_items[0].item_hash == img);
+  CHECK(ev[1].multimodal_items[0].offset_tokens == 6);
+  CHECK(ev[1].block_start == 4);
   CHECK(m.drain_events(ev) == 0);  // drained
   CHECK(ev.size() == 2);           // appended to, not replaced
 
