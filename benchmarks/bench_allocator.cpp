@@ -1,5 +1,5 @@
 // bench_allocator.cpp: BlockAllocator block operations (allocate, release, evict, acquire) against pool size and the
-// number of cached blocks. DESIGN.md sec. 5 target: tens of ns per block operation, flat in pool size (1e3 .. 1e6
+// number of cached blocks. docs/contract.md sec. 5 target: tens of ns per block operation, flat in pool size (1e3 .. 1e6
 // blocks) and in the number of cached blocks; the figure is <= 20 ns for allocate + release of one block.
 //
 // Every benchmark reports, besides Google Benchmark's time per iteration:

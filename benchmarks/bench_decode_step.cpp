@@ -2,7 +2,7 @@
 // (KVCacheManager::try_append: slot reservation, a new block every block_size steps, hashing + registering each
 // block as it fills) and build the step's batch metadata (CSR page table, padded block table for 8192-token
 // sequences, seq_lens, qo_indptr, slot mapping, copy list) into preallocated fixed-capacity buffers.
-// Target (DESIGN.md sec. 5, issue): <= 1 us per sequence per step (256 us for batch 256), linear in the batch,
+// Target (docs/contract.md sec. 5, issue): <= 1 us per sequence per step (256 us for batch 256), linear in the batch,
 // flat in pool size and in the number of cached blocks.
 //
 // Sequence lengths are bounded by a reset every kResetSteps (256) steps, outside the timer (one PauseTiming /

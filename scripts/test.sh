@@ -35,6 +35,22 @@ cmake --install build-ci >/dev/null
 cmake -S tests/package -B build-package -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" >/dev/null
 cmake --build build-package
 ./build-package/pagedkv_consumer
+if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
+  echo "== 3b/4 installed CUDA component consumer (find_package(pagedkv COMPONENTS cuda))"
+  rm -rf build-package-cuda
+  cmake -S tests/package/cuda -B build-package-cuda -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" \
+        -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+  cmake --build build-package-cuda
+  rc=0; ./build-package-cuda/pagedkv_cuda_consumer || rc=$?
+  [ "$rc" -eq 0 ] || [ "$rc" -eq 77 ]   # 77: no GPU; built, linked, host part and launcher validation checked
+fi
+echo "== 3c/4 a CPU-only install ships no CUDA headers, and COMPONENTS cuda fails on it"
+rm -rf build-asan/install build-package-nocuda
+cmake --install build-asan --prefix "$root/build-asan/install" >/dev/null
+test ! -e build-asan/install/include/pagedkv/cuda
+if cmake -S tests/package/cuda -B build-package-nocuda -DCMAKE_PREFIX_PATH="$root/build-asan/install" >/dev/null 2>&1; then
+  echo "find_package(pagedkv COMPONENTS cuda) must fail on a CPU-only install"; exit 1
+fi
 
 echo "== 4/4 pagedkv-replay smoke"
 replay=build-ci/examples/pagedkv-replay

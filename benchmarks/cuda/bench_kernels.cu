@@ -14,7 +14,7 @@
 // reported as skipped. Prints a table; writes JSON with --json PATH.
 //
 // Usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick]
-//   --quick: only the rows of DESIGN.md sec. 5 (for a fast smoke run).
+//   --quick: only the rows of docs/contract.md sec. 5 (for a fast smoke run).
 // Exit: 0 ran, 2 a CUDA or pagedkv error, 77 no CUDA device.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -350,7 +350,7 @@ int main(int argc, char** argv) {
   std::vector<int> ragged(63, 4096);
   ragged.push_back(32768);
   std::vector<DecodeShape> shapes = {
-      // DESIGN.md sec. 5: batch 64 x 4096, 8 kv heads, d128, bf16, block 16 (>= 85% of copy bandwidth).
+      // docs/contract.md sec. 5: batch 64 x 4096, 8 kv heads, d128, bf16, block 16 (>= 85% of copy bandwidth).
       {"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16},
       {"decode b64 kv4096 qo32/kv8 d128 bs16 unsplit", uniform(64, 4096), 32, 8, 128, 16, Split::kUnsplit},
       {"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16, Split::kPlan, true},

@@ -1,6 +1,6 @@
 // examples/decode_loop/main.cpp: decode_loop, an inference runtime in miniature, checked against float64 every step.
 //
-// What it does (DESIGN.md sec. 1, the scheduler's step):
+// What it does (docs/contract.md sec. 1, the scheduler's step):
 //  1. A KVCacheManager admits a batch of requests whose prompts share prefixes (two groups, each with its own
 //     system prompt). Step 0 admits and prefills the first request of each group; its metadata build registers
 //     their full blocks, so the requests admitted at step 1 hit the prefix cache for their group's system prompt

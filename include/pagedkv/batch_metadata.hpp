@@ -28,7 +28,7 @@ inline void check_metadata_value(std::size_t value, const char* what) {
 }
 }  // namespace detail
 
-/// Caller-owned output buffers for one step's batch metadata (DESIGN.md sec. 3), in host memory; the engine
+/// Caller-owned output buffers for one step's batch metadata (docs/contract.md sec. 3), in host memory; the engine
 /// copies them to fixed device buffers (or allocates them pinned and maps them), so a CUDA graph captured once can
 /// be replayed. Every span may be empty, which skips that output. Capacities are the spans' sizes:
 ///  - `indptr`        `[max_batch + 1]` int32, CSR page table row pointers (FlashInfer `paged_kv_indptr`).

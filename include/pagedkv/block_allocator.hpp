@@ -23,7 +23,7 @@ namespace pagedkv {
 ///  - free:    refcount 0, no hash. Never-used blocks, then released unhashed blocks.
 ///  - cached:  refcount 0, hashed. Evictable; held by the eviction policy (LRU by default).
 ///  - held:    refcount > 0 (hashed or not).
-/// Allocation order (DESIGN.md sec. 2): never-used blocks first in increasing id order; then released unhashed
+/// Allocation order (docs/contract.md sec. 2): never-used blocks first in increasing id order; then released unhashed
 /// blocks, most recently released first; then the eviction policy's victim (LRU: least recently released cached
 /// block), whose hash the caller drops through the `on_evict` callback before the block is reused.
 ///

@@ -1,7 +1,7 @@
 // pagedkv/kernel_params.hpp: the params structs shared by the CUDA kernels (cuda/, include/pagedkv/cuda/) and the
 // CPU reference (include/pagedkv/reference/). Plain C++: no CUDA headers, so host-only code can include it.
 //
-// Conventions (DESIGN.md sections 3 and 4):
+// Conventions (docs/contract.md sections 3 and 4):
 //  - Every tensor is described by a base pointer plus strides in *elements*; offsets are computed in 64 bits.
 //    For a KV pool the element is the *storage* element (`KVPoolView::storage_size_bytes()`): 1 byte for an fp8
 //    pool, the element dtype's size otherwise.
@@ -55,7 +55,7 @@ enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 /// Bytes per element of `dt`.
 [[nodiscard]] constexpr std::size_t dtype_size_bytes(DType dt) noexcept { return dt == DType::kFloat32 ? 4 : 2; }
 
-/// Storage dtype of a KV pool (DESIGN.md sec. 4, the KV-dtype axis).
+/// Storage dtype of a KV pool (docs/contract.md sec. 4, the KV-dtype axis).
 ///  - kSame: K/V are stored in the element dtype `KVPoolView::dtype` (the dtype of q, o and write_kv's inputs).
 ///  - kFp8E4M3: K/V are stored as OCP FP8 E4M3FN (1 byte: sign, 4 exponent bits with bias 7, 3 mantissa bits; max
 ///    finite 448, no infinities, NaN = S.1111.111), with per-tensor scales: write_kv stores e4m3(x / k_scale) for K

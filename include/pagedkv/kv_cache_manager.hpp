@@ -111,7 +111,7 @@ struct AppendResult {
 
 /// The KV-cache manager an inference engine's scheduler calls: one per KV pool (all layers share the block ids).
 ///
-/// Behaviour (DESIGN.md sec. 2; PagedAttention, Kwon et al. SOSP'23; vLLM V1 prefix caching):
+/// Behaviour (docs/contract.md sec. 2; PagedAttention, Kwon et al. SOSP'23; vLLM V1 prefix caching):
 ///  - `try_admit` looks up the prompt's longest cached prefix (capped so at least one token is computed), takes
 ///    the hit blocks (protecting them from eviction) and allocates the rest, all or nothing.
 ///  - `try_append` reserves slots for new tokens (one per decode step, or a chunk), copying a shared or hashed

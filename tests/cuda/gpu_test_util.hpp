@@ -303,7 +303,7 @@ inline double row_rel_error(const std::vector<float>& got, const std::vector<dou
   return worst;
 }
 
-/// Tolerance on o (DESIGN.md section 4): 1e-5 fp32, 1e-2 fp16/bf16.
+/// Tolerance on o (docs/contract.md section 4): 1e-5 fp32, 1e-2 fp16/bf16.
 inline double o_tolerance(DType dt) { return dt == DType::kFloat32 ? 1e-5 : 1e-2; }
 
 /// Checks lse against the oracle: -inf exactly where expected, else |err| <= 1e-4 * max(1, |ref|).

@@ -416,7 +416,7 @@ TEST_CASE("KVCacheManager: failed admissions change nothing", "[kv_cache_manager
 
 TEST_CASE("KVCacheManager: a prompt larger than the pool is 'never fits' under the default limits",
           "[kv_cache_manager][admit]") {
-  // DESIGN.md sec. 2: "a request larger than the whole pool gets 'can never fit', a different answer" (a value, not
+  // docs/contract.md sec. 2: "a request larger than the whole pool gets 'can never fit', a different answer" (a value, not
   // an error). Regression: the default per-sequence limit used to be exactly the pool, so this threw kLimitExceeded.
   Mgr m(cfg(5, 4));  // 4 usable blocks = 16 tokens
   pagedkv::AdmitResult r;
@@ -965,7 +965,7 @@ TEST_CASE("KVCacheManager: 16-bit block ids", "[kv_cache_manager][id_type]") {
 
 namespace {
 // A shadow KV pool: each slot holds the token id whose K/V was written there (-1: never written). `step` runs one
-// built step as the kernels do (DESIGN.md sec. 1): copy_blocks over the copy list, then write_kv over the slot
+// built step as the kernels do (docs/contract.md sec. 1): copy_blocks over the copy list, then write_kv over the slot
 // mapping; `reads_own_tokens` checks that every position of a sequence reads its own token's K/V.
 struct ShadowKV {
   std::uint32_t bs;

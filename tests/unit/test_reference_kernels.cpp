@@ -1,6 +1,6 @@
 // Tests of the CPU reference kernels (pagedkv/reference/*.hpp) against a float64 oracle written here.
 //
-// Method (DESIGN.md sec. 4): random inputs (never zero: magnitudes in [0.1, 1], random sign); page tables drawn as
+// Method (docs/contract.md sec. 4): random inputs (never zero: magnitudes in [0.1, 1], random sign); page tables drawn as
 // a random permutation of a pool larger than needed, with two sequences sharing their first full blocks; every
 // slot of every page that no sequence uses (and block 0, the null block that pads padded tables) is NaN, so a
 // kernel that reads past a sequence's length returns NaN and fails. Outputs are pre-filled with NaN so an unwritten

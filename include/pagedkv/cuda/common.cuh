@@ -148,7 +148,7 @@ Status launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::
                                                                                        : Status::kCudaError;
 }
 
-// ---- page tables (DESIGN.md section 3) ----
+// ---- page tables (docs/contract.md section 3) ----
 
 /// Tokens cached for sequence b: CSR (num_pages - 1) * block_size + last_page_len (0 pages -> 0), padded seq_lens[b].
 __device__ __forceinline__ std::int32_t seq_kv_len(const PageTable& pt, std::int32_t b, std::int32_t block_size) {

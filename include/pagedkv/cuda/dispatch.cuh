@@ -3,7 +3,7 @@
 //
 // Supported set: dtype {fp32, fp16, bf16} x head_dim {64, 128, 256} (9 combinations per templated family; see
 // pagedkv::cuda::is_supported in launch.hpp). Anything else is Status::kUnsupported. Adding an axis multiplies
-// every family's instantiations: count before adding (STYLE.md, "Templates").
+// every family's instantiations: count before adding (docs/style.md, "Templates").
 #pragma once
 
 #include <cstddef>
