@@ -1,10 +1,17 @@
 // examples/replay/main.cpp: pagedkv-replay, replays real LLM-serving traces through pagedkv::KVCacheManager.
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <iostream>
+#include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -63,6 +70,123 @@ Examples:
   pagedkv-replay --mode fork --n 4 --limit 500
 )";
 
+// ---- argument validation: every number is checked as typed, and every size against the machine, before anything
+// large is allocated.
+
+/// A number that is finite and > 0 ("nan", "inf", "-3" and "0" are refused, naming the value).
+CLI::Validator positive_finite() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return "\"" + s + "\" is not a number";
+        if (!std::isfinite(v) || !(v > 0)) return s + " must be a finite number > 0";
+        return {};
+      },
+      "NUMBER > 0");
+}
+
+/// A whole number >= 0 written with digits only: "-1" is refused (CLI11 would read it as SIZE_MAX).
+CLI::Validator whole_number() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        std::uint64_t v = 0;
+        const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+        if (s.empty() || ec != std::errc{} || ptr != s.data() + s.size()) {
+          return s + " is not a whole number >= 0" + (ec == std::errc::result_out_of_range ? " below 2^64" : "");
+        }
+        return {};
+      },
+      "UINT");
+}
+
+std::string format_number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+/// Usable blocks of a pool of `capacity` tokens (as replay::usable_blocks_for computes them), or 0 if that does not
+/// fit 32-bit block ids.
+std::uint64_t pool_blocks(double capacity, std::uint32_t block_size) {
+  const double blocks = std::floor(capacity / block_size);
+  return blocks >= static_cast<double>(std::numeric_limits<std::uint32_t>::max()) ? 0 : static_cast<std::uint64_t>(blocks);
+}
+
+/// The replay's host memory before the trace is read: the pools (and serve's pool-sized slot mapping). Returns it.
+std::uint64_t check_pool_memory(const replay::Options& opt, Mode mode, std::uint64_t available) {
+  std::uint64_t needed = 0;
+  std::string what = "--capacity-tokens";
+  for (const double capacity : opt.capacity_tokens) {
+    const std::uint64_t blocks = pool_blocks(capacity, opt.block_size);
+    if (blocks == 0) continue;  // usable_blocks_for explains it (no block, or more than 2^32 - 1)
+    needed += blocks * replay::kHostBytesPerBlock;
+    if (mode == Mode::kServe) needed += blocks * opt.block_size * sizeof(std::int64_t);
+    what += " " + format_number(capacity) + " (" + std::to_string(blocks) + " blocks of " +
+            std::to_string(opt.block_size) + " tokens)";
+  }
+  replay::check_host_memory(needed, available, what, "use a smaller --capacity-tokens or a larger --block-size");
+  return needed;
+}
+
+/// a * b, saturating at 2^64 - 1.
+std::uint64_t saturating_mul(std::uint64_t a, std::uint64_t b) {
+  return b != 0 && a > std::numeric_limits<std::uint64_t>::max() / b ? std::numeric_limits<std::uint64_t>::max() : a * b;
+}
+
+/// The replay's host memory for the trace's requests (synthesized prompts, token copies, metadata buffers sized by
+/// the longest request) on top of `pool_bytes`, and the numbers that depend on the trace.
+void check_trace_sizes(const replay::Trace& trace, const replay::Options& opt, Mode mode, std::uint64_t pool_bytes,
+                       std::uint64_t available) {
+  const replay::LongestRequest longest = replay::longest_request(trace);
+  const std::uint64_t usable = pool_blocks(opt.capacity_tokens.front(), opt.block_size);
+  const std::uint64_t per_token = replay::kHostBytesPerRequestToken;
+  std::uint64_t needed = 0;
+  switch (mode) {
+    case Mode::kPrefix: {  // every prompt is synthesized, and the metadata buffers fit the longest one
+      std::uint64_t max_input = 0;
+      for (const replay::Request& r : trace.requests) max_input = std::max<std::uint64_t>(max_input, r.input_tokens);
+      needed = saturating_mul(max_input, per_token);
+      break;
+    }
+    case Mode::kServe: {  // requests longer than max_model_len or the pool are rejected before synthesis; the
+                          // indices buffer holds max_num_seqs rows of up to max_model_len tokens
+      const std::uint64_t max_len = opt.max_model_len != 0 ? opt.max_model_len : longest.tokens;
+      needed = saturating_mul(std::min({longest.tokens, max_len, usable * opt.block_size}), per_token) +
+               saturating_mul(saturating_mul(opt.max_num_seqs, std::min(usable, (max_len + opt.block_size - 1) / opt.block_size)),
+                              sizeof(std::int32_t));
+      break;
+    }
+    case Mode::kFork:  // the metadata buffers fit the longest request in every branch
+      needed = saturating_mul(saturating_mul(longest.tokens, opt.num_branches), per_token);
+      break;
+  }
+  replay::check_host_memory(
+      needed > std::numeric_limits<std::uint64_t>::max() - pool_bytes ? needed : needed + pool_bytes, available,
+      "the pool with request " + std::to_string(longest.index) + " of " + trace.path.string() + " (" +
+          std::to_string(longest.tokens) + " prompt + output tokens" +
+          (mode == Mode::kFork ? ", " + std::to_string(opt.num_branches) + " branches" : "") +
+          (mode == Mode::kServe ? ", --max-num-seqs " + std::to_string(opt.max_num_seqs) : "") + ")",
+      "replay fewer requests with --limit, remove the request from the trace, or use a smaller pool");
+  if (mode == Mode::kServe) {
+    // The seq_lens of the batch metadata are int32: no sequence may grow past 2^31 - 1 tokens.
+    constexpr std::uint64_t kMaxSeqTokens = std::numeric_limits<std::int32_t>::max();
+    if (opt.max_model_len == 0 && longest.tokens > kMaxSeqTokens) {
+      throw CLI::ValidationError("--max-model-len", "the default, the trace's longest request (request " +
+                                                        std::to_string(longest.index) + ", " +
+                                                        std::to_string(longest.tokens) +
+                                                        " tokens), exceeds 2^31 - 1 tokens; pass a smaller one");
+    }
+    // Simulated time: the last arrival's step number must stay exact in a double and fit 64 bits.
+    const double last_ms = trace.requests.back().arrival_ms;
+    if (last_ms / opt.step_ms >= 9007199254740992.0) {  // 2^53
+      throw CLI::ValidationError("--step-ms", format_number(opt.step_ms) + " makes the last arrival (" +
+                                                  format_number(last_ms) + " ms) step " +
+                                                  format_number(last_ms / opt.step_ms) + ", beyond 2^53 steps");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,7 +214,7 @@ int main(int argc, char** argv) {
                  "comma-separated list, one row each (default 1e6,3e6,1e7,5e7); serve, fork: one value "
                  "(default 1e6)")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber);
+      ->check(positive_finite());
   app.add_option("--block-size", opt.block_size, "Tokens per KV block")
       ->check(CLI::Range(1U, 1U << 16))
       ->capture_default_str();
@@ -98,7 +222,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"sha256", "xxh3"}))
       ->capture_default_str();
   app.add_option("--step-ms", opt.step_ms, "serve: simulated milliseconds per engine step")
-      ->check(CLI::PositiveNumber)
+      ->check(positive_finite())
       ->capture_default_str();
   app.add_option("--max-num-seqs", opt.max_num_seqs, "serve: most sequences running at once")
       ->check(CLI::Range(std::size_t{1}, std::size_t{1} << 20))
@@ -106,11 +230,14 @@ int main(int argc, char** argv) {
   app.add_option("--max-model-len", opt.max_model_len,
                  "serve: longest request in tokens (prompt + output); the contiguous baseline reserves this many "
                  "slots per sequence and longer requests are rejected. Default: the trace's longest request")
-      ->check(CLI::PositiveNumber);
+      ->check(whole_number())
+      ->check(CLI::Range(std::size_t{1}, std::size_t{std::numeric_limits<std::int32_t>::max()}));
   app.add_option("--n", opt.num_branches, "fork: parallel samples (branches) per request")
       ->check(CLI::Range(std::size_t{1}, std::size_t{256}))
       ->capture_default_str();
-  app.add_option("--limit", limit, "Replay only the first N requests (0 = all)")->capture_default_str();
+  app.add_option("--limit", limit, "Replay only the first N requests (0 = all)")
+      ->check(whole_number())
+      ->capture_default_str();
   app.add_flag("--json", json, "Print one JSON object per configuration per line instead of a table");
   app.add_flag("--progress,!--no-progress", opt.progress,
                "Show a progress line on stderr for runs longer than a second (default: when stderr is a terminal)");
@@ -128,8 +255,11 @@ int main(int argc, char** argv) {
     if (mode != Mode::kPrefix && opt.capacity_tokens.size() != 1) {
       throw CLI::ValidationError("--capacity-tokens", "serve and fork modes take a single capacity");
     }
+    const std::uint64_t available = replay::host_memory_available_bytes();
+    const std::uint64_t pool_bytes = check_pool_memory(opt, mode, available);
     const std::filesystem::path path = trace_arg.empty() ? default_trace_path() : std::filesystem::path(trace_arg);
     const replay::Trace trace = replay::load_trace(path, limit);
+    check_trace_sizes(trace, opt, mode, pool_bytes, available);
 
     std::vector<replay::Row> rows;
     switch (mode) {

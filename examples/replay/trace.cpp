@@ -2,9 +2,14 @@
 // synthesis.
 #include "trace.hpp"
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <fstream>
+#include <istream>
 #include <limits>
 #include <optional>
 #include <string_view>
@@ -28,6 +33,21 @@ std::string_view trim(std::string_view s) {
   if (first == std::string_view::npos) return {};
   const auto last = s.find_last_not_of(" \t\r\n");
   return s.substr(first, last - first + 1);
+}
+
+// `s` for a message, quoted, at most 40 characters of it (a malformed line can be megabytes long).
+std::string quote(std::string_view s) {
+  constexpr std::size_t kMax = 40;
+  if (s.size() <= kMax) return "\"" + std::string(s) + "\"";
+  return "\"" + std::string(s.substr(0, kMax)) + "...\" (" + std::to_string(s.size()) + " characters)";
+}
+
+// A JSON value for a message: numbers, booleans and null as written, anything else by type (and, for a string,
+// quoted and cut). Never serializes a whole nested value.
+std::string describe(const nlohmann::json& v) {
+  if (v.is_number() || v.is_boolean() || v.is_null()) return v.dump();
+  if (v.is_string()) return "the string " + quote(v.get_ref<const std::string&>());
+  return std::string("a JSON ") + v.type_name() + " (size " + std::to_string(v.size()) + ")";
 }
 
 // Parse all of `s` as an unsigned integer of type T.
@@ -91,10 +111,13 @@ T json_uint(const nlohmann::json& obj, const char* key, const std::filesystem::p
   const auto it = obj.find(key);
   if (it == obj.end()) fail(path, line, std::string("missing field \"") + key + "\"");
   if (!it->is_number_unsigned()) {
-    fail(path, line, std::string("field \"") + key + "\" must be a non-negative integer, got " + it->dump());
+    fail(path, line, std::string("field \"") + key + "\" must be a non-negative integer, got " + describe(*it));
   }
   const auto v = it->get<std::uint64_t>();
-  if (v > std::numeric_limits<T>::max()) fail(path, line, std::string("field \"") + key + "\" is too large: " + it->dump());
+  if (v > std::numeric_limits<T>::max()) {
+    fail(path, line, std::string("field \"") + key + "\" is too large: " + it->dump() + " > " +
+                         std::to_string(std::numeric_limits<T>::max()));
+  }
   return static_cast<T>(v);
 }
 
@@ -102,15 +125,15 @@ Request parse_mooncake_line(std::string_view text, const std::filesystem::path& 
   nlohmann::json obj;
   try {
     obj = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(path, line, std::string("invalid JSON: ") + e.what());
+  } catch (const nlohmann::json::exception& e) {  // parse_error, and out_of_range for a number overflow (1e400)
+    fail(path, line, "invalid JSON: " + std::string(e.what()).substr(0, 200));
   }
   if (!obj.is_object()) fail(path, line, "expected a JSON object, got " + std::string(obj.type_name()));
   Request r;
   const auto ts = obj.find("timestamp");
   if (ts == obj.end()) fail(path, line, "missing field \"timestamp\"");
   if (!ts->is_number() || ts->get<double>() < 0) {
-    fail(path, line, "field \"timestamp\" must be a non-negative number (ms), got " + ts->dump());
+    fail(path, line, "field \"timestamp\" must be a non-negative number (ms), got " + describe(*ts));
   }
   r.arrival_ms = ts->get<double>();
   r.input_tokens = json_uint<std::uint32_t>(obj, "input_length", path, line);
@@ -122,7 +145,7 @@ Request parse_mooncake_line(std::string_view text, const std::filesystem::path& 
   r.hash_ids.reserve(ids->size());
   for (const auto& id : *ids) {
     if (!id.is_number_unsigned() || id.get<std::uint64_t>() >= kMaxHashId) {
-      fail(path, line, "hash_ids entries must be integers in [0, 2^50), got " + id.dump());
+      fail(path, line, "hash_ids entries must be integers in [0, 2^50), got " + describe(id));
     }
     r.hash_ids.push_back(id.get<std::uint64_t>());
   }
@@ -165,15 +188,14 @@ Request parse_azure_line(std::string_view text, const AzureColumns& cols, const 
   Request r;
   const auto ms = parse_azure_timestamp(fields[cols.timestamp]);
   if (!ms) {
-    fail(path, line, "TIMESTAMP \"" + std::string(fields[cols.timestamp]) +
-                         "\" is not of the form YYYY-MM-DD HH:MM:SS.fffffff");
+    fail(path, line, "TIMESTAMP " + quote(fields[cols.timestamp]) + " is not of the form YYYY-MM-DD HH:MM:SS.fffffff");
   }
   r.arrival_ms = *ms;
   if (!parse_uint(fields[cols.context], r.input_tokens)) {
-    fail(path, line, "ContextTokens \"" + std::string(fields[cols.context]) + "\" is not a non-negative integer");
+    fail(path, line, "ContextTokens " + quote(fields[cols.context]) + " is not an integer in [0, 2^32)");
   }
   if (!parse_uint(fields[cols.generated], r.output_tokens)) {
-    fail(path, line, "GeneratedTokens \"" + std::string(fields[cols.generated]) + "\" is not a non-negative integer");
+    fail(path, line, "GeneratedTokens " + quote(fields[cols.generated]) + " is not an integer in [0, 2^32)");
   }
   if (r.input_tokens == 0) fail(path, line, "ContextTokens is 0 (a prompt needs at least one token)");
   return r;
@@ -204,6 +226,10 @@ std::uint64_t Trace::total_input_tokens() const noexcept {
 Trace load_trace(const std::filesystem::path& path, std::size_t limit) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw TraceError(path.string() + ": cannot open the trace file");
+  return parse_trace(in, path, limit);
+}
+
+Trace parse_trace(std::istream& in, const std::filesystem::path& path, std::size_t limit) {
   Trace trace;
   trace.path = path;
   std::optional<AzureColumns> azure;
@@ -243,6 +269,73 @@ Trace load_trace(const std::filesystem::path& path, std::size_t limit) {
   if (in.bad()) throw TraceError(path.string() + ": read error");
   if (trace.requests.empty()) throw TraceError(path.string() + ": the trace holds no requests");
   return trace;
+}
+
+namespace {
+
+// The first "<key> <n> kB" value of /proc/meminfo in bytes, or nullopt.
+std::optional<std::uint64_t> meminfo_bytes(const char* key) {
+  std::ifstream in("/proc/meminfo");
+  std::string name, unit;
+  std::uint64_t kib = 0;
+  while (in >> name >> kib) {
+    std::getline(in, unit);
+    if (name == key) return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+// A cgroup v2 file holding one number ("max" = no limit), or nullopt.
+std::optional<std::uint64_t> cgroup_value(const char* file) {
+  std::ifstream in(std::string("/sys/fs/cgroup/") + file);
+  std::string v;
+  if (!(in >> v) || v == "max") return std::nullopt;
+  std::uint64_t n = 0;
+  if (!parse_uint(std::string_view(v), n)) return std::nullopt;
+  return n;
+}
+
+std::string gib(std::uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+  return buf;
+}
+
+}  // namespace
+
+std::uint64_t host_memory_available_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGE_SIZE);
+  const std::uint64_t physical = pages > 0 && page_size > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page_size)
+                                                            : std::numeric_limits<std::uint64_t>::max();
+  std::uint64_t avail = meminfo_bytes("MemAvailable:").value_or(physical);
+  for (const int resource : {RLIMIT_AS, RLIMIT_DATA}) {
+    rlimit lim{};
+    if (getrlimit(resource, &lim) == 0 && lim.rlim_cur != RLIM_INFINITY) {
+      avail = std::min<std::uint64_t>(avail, lim.rlim_cur);
+    }
+  }
+  if (const auto max = cgroup_value("memory.max")) {
+    const std::uint64_t used = cgroup_value("memory.current").value_or(0);
+    avail = std::min(avail, *max > used ? *max - used : 0);
+  }
+  return avail != 0 ? avail : physical;
+}
+
+void check_host_memory(std::uint64_t needed_bytes, std::uint64_t available_bytes, const std::string& what,
+                       const std::string& hint) {
+  if (needed_bytes <= available_bytes) return;
+  throw std::length_error(what + " needs about " + gib(needed_bytes) + " of host memory, but only " +
+                          gib(available_bytes) + " are available (" + hint + ")");
+}
+
+LongestRequest longest_request(const Trace& trace) noexcept {
+  LongestRequest l;
+  for (std::size_t i = 0; i < trace.requests.size(); ++i) {
+    const std::uint64_t t = std::uint64_t{trace.requests[i].input_tokens} + trace.requests[i].output_tokens;
+    if (t > l.tokens) l = {i, t};
+  }
+  return l;
 }
 
 void synthesize_prompt(const Trace& trace, std::size_t index, std::vector<pagedkv::TokenId>& out) {

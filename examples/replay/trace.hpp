@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <iosfwd>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,6 +57,40 @@ class TraceError : public std::runtime_error {
 /// a Mooncake line has enough hash_ids to cover its prompt (ceil(input_length / 512)).
 /// Throws TraceError ("<file>:<line>: <what is wrong>") on an unreadable or malformed file.
 [[nodiscard]] Trace load_trace(const std::filesystem::path& path, std::size_t limit = 0);
+
+/// `load_trace` over an open stream: `name` is the file name used in messages and stored in Trace::path.
+/// Throws TraceError as load_trace does (the fuzz target tests/fuzz/fuzz_trace.cpp calls this).
+[[nodiscard]] Trace parse_trace(std::istream& in, const std::filesystem::path& name, std::size_t limit = 0);
+
+// ---------------------------------------------------------------------------------------------------------------
+// What a replay needs from the machine, checked before anything large is allocated.
+
+/// Host bytes the cache manager keeps per pool block: allocator, prefix index and its hash map. An upper bound of
+/// the 97 B per block measured for a manager of 1e6 blocks (docs/design.md, "Host metadata per block").
+inline constexpr std::uint64_t kHostBytesPerBlock = 128;
+
+/// Host bytes per token of a request the replay holds: its synthesized prompt (4), the manager's copy of its token
+/// ids (4), its pending slots (8), the slot-mapping buffer (8), and per block its id, block-table and hash entries
+/// (at most 8 per token at block size 4). An upper bound; the modes hold at most a few requests' worth at once
+/// besides the pool.
+inline constexpr std::uint64_t kHostBytesPerRequestToken = 32;
+
+/// The host memory this process can count on, in bytes: the smallest of the memory available now
+/// (/proc/meminfo MemAvailable, else physical memory), the address-space and data-segment limits (RLIMIT_AS,
+/// RLIMIT_DATA) and the cgroup v2 memory limit less its current usage. Never 0 (falls back to physical memory).
+[[nodiscard]] std::uint64_t host_memory_available_bytes();
+
+/// Throws std::length_error naming `what`, both sizes and the remedy when `needed_bytes` > `available_bytes`:
+/// "<what> needs about N GiB of host memory, but only M GiB are available (<hint>)".
+void check_host_memory(std::uint64_t needed_bytes, std::uint64_t available_bytes, const std::string& what,
+                       const std::string& hint);
+
+/// The longest request of `trace` (prompt + output tokens) and its index, for messages.
+struct LongestRequest {
+  std::size_t index = 0;
+  std::uint64_t tokens = 0;
+};
+[[nodiscard]] LongestRequest longest_request(const Trace& trace) noexcept;
 
 /// SplitMix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014): one step
 /// of the generator from state `z`, i.e. the standard finalizer applied to z + golden gamma.
