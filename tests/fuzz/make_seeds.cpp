@@ -1,0 +1,189 @@
+// tests/fuzz/make_seeds.cpp: writes the manager fuzzer's seed corpus (tests/fuzz/corpus/manager/*.bin), one file
+// per scenario below, in the layout of manager_ops.hpp. Each seed is a short, readable engine story; the fuzzer
+// mutates from there. Usage: make_seeds <output directory>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "byte_reader.hpp"
+#include "manager_ops.hpp"
+
+namespace {
+
+using pagedkv_fuzz::ByteWriter;
+using pagedkv_fuzz::Op;
+
+// Config flags (manager_ops.hpp).
+constexpr std::uint8_t kCachingOff = 0x03, kEventsOff = 0x04, kSmallIds = 0x18, kLimit = 0x20;
+// Block-size selectors: kBlockSizes = {1, 2, 3, 4, 8, 16, 5, 32}.
+constexpr std::uint8_t kBs1 = 0, kBs2 = 1, kBs3 = 2, kBs4 = 3, kBs8 = 4, kBs16 = 5, kBs5 = 6, kBs32 = 7;
+// Keys selectors.
+constexpr std::uint8_t kNoKeys = 0, kSalt = 4, kAdapter = 5, kImage = 6, kCustom = 7;
+constexpr std::uint8_t kNoCap = 0;
+// Append-token modes.
+constexpr std::uint8_t kContinue = 0, kConstant = 2;
+
+class Seed {
+ public:
+  Seed(std::uint8_t flags, std::uint8_t block, std::uint8_t pool, std::uint16_t limit = 0) {
+    w_.u8(flags).u8(block).u8(pool);
+    if (flags & kLimit) w_.u16(limit);
+    w_.u8(7);  // hash seed
+  }
+  Seed& op(Op o) {
+    w_.u8(static_cast<std::uint8_t>(o));
+    return *this;
+  }
+  /// try_admit(id, base[0:len] + extra, keys, cap)
+  Seed& admit(std::uint8_t id, std::uint8_t base, std::uint8_t len, std::initializer_list<std::uint8_t> extra = {},
+              std::uint8_t keys = kNoKeys, std::uint8_t cap = kNoCap) {
+    op(Op::kAdmit).w_.u8(id).u8(static_cast<std::uint8_t>((extra.size() << 2) | base)).u8(len);
+    for (std::uint8_t t : extra) w_.u8(t);
+    w_.u8(keys).u8(cap);
+    return *this;
+  }
+  /// try_admit(id, <raw bytes>) with custom keys given as bytes (after the kCustom selector).
+  Seed& admit_raw(std::uint8_t id, std::initializer_list<std::uint8_t> tokens, std::initializer_list<std::uint8_t> keys,
+                  std::uint8_t cap = kNoCap) {
+    op(Op::kAdmit).w_.u8(id).u8(static_cast<std::uint8_t>(0x80 | tokens.size()));
+    for (std::uint8_t t : tokens) w_.u8(t);
+    for (std::uint8_t k : keys) w_.u8(k);
+    w_.u8(cap);
+    return *this;
+  }
+  /// try_admit(id, <length> tokens of a repeating pattern)
+  Seed& admit_long(std::uint8_t id, std::uint16_t length) {
+    op(Op::kAdmit).w_.u8(id).u8(0xC1).u16(length).u8(kNoKeys).u8(kNoCap);
+    return *this;
+  }
+  Seed& append(std::uint8_t id, std::uint8_t n, std::uint8_t mode = kContinue) {
+    op(Op::kAppend).w_.u8(id).u8(n).u8(mode);
+    return *this;
+  }
+  Seed& fork(std::uint8_t parent, std::uint8_t child) {
+    op(Op::kFork).w_.u8(parent).u8(child);
+    return *this;
+  }
+  Seed& free(std::uint8_t id) {
+    op(Op::kFree).w_.u8(id);
+    return *this;
+  }
+  Seed& preempt(std::uint8_t id) {
+    op(Op::kPreempt).w_.u8(id);
+    return *this;
+  }
+  Seed& rewind(std::uint8_t id, std::uint8_t b) {
+    op(Op::kRewind).w_.u8(id).u8(b);
+    return *this;
+  }
+  Seed& lookup(std::uint8_t base, std::uint8_t len, std::uint8_t keys = kNoKeys, std::uint8_t cap = kNoCap) {
+    op(Op::kLookup).w_.u8(base).u8(len).u8(keys).u8(cap);
+    return *this;
+  }
+  Seed& step() { return op(Op::kStep); }
+  /// build_batch_metadata(all live, buffers with `omit` / `pad` / `fault` as in manager_ops.hpp)
+  Seed& build(std::uint8_t mode, std::initializer_list<std::uint8_t> mode_args, std::uint8_t omit, std::uint8_t pad,
+              std::uint8_t fault) {
+    op(Op::kBuild).w_.u8(mode);
+    for (std::uint8_t a : mode_args) w_.u8(a);
+    w_.u8(omit).u8(pad).u8(fault);
+    return *this;
+  }
+  Seed& reset() { return op(Op::kReset); }
+  Seed& query(std::uint8_t id) {
+    op(Op::kQuery).w_.u8(id);
+    return *this;
+  }
+  Seed& move() { return op(Op::kMove); }
+  Seed& drain() { return op(Op::kDrainAll); }
+  [[nodiscard]] const std::vector<std::uint8_t>& bytes() const { return w_.bytes(); }
+
+ private:
+  ByteWriter w_;
+};
+
+std::vector<std::pair<std::string, Seed>> seeds() {
+  std::vector<std::pair<std::string, Seed>> s;
+  const auto add = [&](const char* name, Seed seed) { s.emplace_back(name, std::move(seed)); };
+
+  add("decode_loop", Seed(0, kBs4, 32).admit(1, 0, 10).step().append(1, 1).step().append(1, 1).step().append(1, 5).step().free(1));
+  add("prefix_hit_after_free", Seed(0, kBs4, 32).admit(1, 0, 40).step().free(1).admit(2, 0, 45).step().lookup(0, 60).free(2));
+  add("same_step_duplicates_dedup", Seed(0, kBs4, 32).admit(1, 1, 21).admit(2, 1, 21).step().admit(3, 1, 30).step().drain());
+  add("fork_copy_on_write", Seed(0, kBs4, 32).admit(1, 2, 10).step().fork(1, 2).append(1, 1).append(2, 1).step().append(2, 3).step());
+  add("beam_prune_before_build", Seed(0, kBs4, 32).admit(1, 2, 10).step().fork(1, 2).fork(1, 3).append(2, 1).append(3, 1).free(1).append(2, 1).step());
+  // Issue 12's manager defects, fixed in f30acb2; found again if they come back.
+  // 1: admit A, build, fork A->S, append A (copy), rewind A 1, fork A->C (rejected now), append C, build.
+  add("issue12_copy_chain_in_one_build", Seed(0, kBs4, 32).admit(1, 0, 6).step().fork(1, 2).append(1, 1).rewind(1, 1).fork(1, 3).append(3, 1).step());
+  // 2: items wrapping past 2^64 (rejected now) with different images at the same place.
+  add("issue12_item_wraps_past_2p64",
+      Seed(0, kBs4, 32)
+          .admit_raw(1, {1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3}, {kCustom, 0, 0, 1, 0, 5, 240})
+          .step()
+          .admit_raw(2, {1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 0}, {kCustom, 0, 0, 1, 1, 5, 240})
+          .step());
+  // 3: an append larger than the whole pool (kNeverFits now).
+  add("issue12_append_never_fits", Seed(0, kBs4, 8).admit(1, 0, 5).step().append(1, 250).append(1, 1).step());
+  // 5: fork with unbuilt slots; a build dropping its slot mapping or its copies (all rejected now).
+  add("issue12_fork_with_unbuilt_slots", Seed(0, kBs4, 32).admit(1, 0, 9).fork(1, 2).step());
+  add("issue12_build_without_slot_mapping", Seed(0, kBs4, 32).admit(1, 0, 9).build(0, {}, 0x40, 0, 0).step());
+  add("issue12_build_without_copies", Seed(0, kBs4, 32).admit(1, 0, 9).step().fork(1, 2).append(2, 1).build(0, {}, 0x80, 0, 0).step());
+  add("eviction_small_pool", Seed(0, kBs4, 6).admit(1, 0, 12).step().free(1).admit(2, 1, 12).step().free(2).admit(3, 0, 12).step().admit(4, 2, 12).step());
+  add("no_capacity_then_preempt", Seed(0, kBs4, 8).admit(1, 0, 12).admit(2, 1, 12).step().append(1, 5).preempt(2).append(1, 5).step());
+  add("rewind_into_cached_block", Seed(0, kBs4, 32).admit(1, 0, 16).step().rewind(1, 2).append(1, 3, kConstant).step().rewind(1, 7).append(1, 1).step());
+  add("speculative_rewind_pending", Seed(0, kBs2, 32).admit(1, 0, 5).step().append(1, 4).rewind(1, 131).append(1, 2).step());
+  add("misuse_unknown_and_duplicate",
+      Seed(0, kBs4, 16).append(3, 1).free(3).preempt(12).rewind(13, 0).fork(14, 1).query(15).admit(1, 0, 4).admit(1, 0, 4).fork(1, 1).rewind(1, 255).step());
+  add("per_sequence_limit", Seed(kLimit, kBs4, 32, 20).admit(1, 0, 18).step().append(1, 5).admit_long(2, 30).append(1, 2).step());
+  add("never_fits_prompt", Seed(0, kBs8, 5).admit_long(1, 40).admit_long(2, 33).admit_long(3, 32).step());
+  add("empty_prompt", Seed(0, kBs4, 8).admit_raw(1, {}, {kNoKeys}).step());
+  add("build_faults",
+      Seed(0, kBs4, 32).admit(1, 0, 9).step().fork(1, 2).build(0, {}, 0, 1, 200).build(0, {}, 0, 0, 201).build(0, {}, 0, 0, 206).build(0, {}, 0, 0, 208).build(0, {}, 0, 0, 209).build(0, {}, 0, 0, 210).build(6, {0, 9}, 0, 0, 0).build(7, {0}, 0, 0, 0).step());
+  add("build_subset_and_padding", Seed(0, kBs4, 32).admit(1, 0, 9).admit(2, 1, 5).build(4, {1}, 0, 3, 0).append(1, 2).build(13, {2}, 0x25, 2, 0).step());
+  add("reset_prefix_cache", Seed(0, kBs4, 16).admit(1, 0, 12).step().reset().free(1).reset().admit(2, 0, 12).step());
+  add("salts_and_adapters", Seed(0, kBs4, 32).admit(1, 0, 12, {}, kSalt).step().admit(2, 0, 12, {}, kSalt | 8).admit(3, 0, 12, {}, kAdapter).admit(4, 0, 12).step());
+  add("images_same_place",
+      Seed(0, kBs4, 32).admit(1, 0, 12, {}, kImage).step().admit(2, 0, 12, {}, kImage | 0x60).admit(3, 0, 12, {}, kImage).step());
+  add("invalid_items",
+      Seed(0, kBs4, 32).admit_raw(1, {1, 2, 3, 1, 2}, {kCustom, 1, 1, 0, 2, 0, 2, 3, 1, 0, 30, 1}).admit_raw(2, {1, 2, 3}, {kCustom, 0, 0, 1, 0, 4, 0}).step());
+  add("cap_full_hit", Seed(0, kBs4, 32).admit(1, 0, 16).step().free(1).admit(2, 0, 16, {}, kNoKeys, 255).step().admit(3, 0, 16, {}, kNoKeys, 192).step());
+  add("block_size_1", Seed(0, kBs1, 40).admit(1, 0, 10).step().fork(1, 2).append(2, 3).append(1, 3).step().rewind(2, 4).step());
+  add("block_size_3_odd", Seed(0, kBs3, 24).admit(1, 3, 10).step().fork(1, 2).append(1, 2).append(2, 2).step().free(1).step());
+  add("block_size_32", Seed(0, kBs32, 10).admit(1, 0, 100).step().append(1, 40).step().fork(1, 2).append(2, 1).step());
+  add("block_size_5_siblings", Seed(0, kBs5, 30).admit(1, 0, 7).step().fork(1, 2).append(1, 8, 3).append(2, 8, 3).step());
+  add("caching_off", Seed(kCachingOff, kBs4, 16).admit(1, 0, 12).step().free(1).admit(2, 0, 12).step().fork(2, 3).append(3, 1).step());
+  add("sha256_uint16_ids", Seed(kSmallIds, kBs16, 64).admit(1, 0, 100).step().free(1).admit(2, 0, 120).step().lookup(0, 150));
+  add("events_off", Seed(kEventsOff, kBs4, 16).admit(1, 0, 12).step().free(1).admit(2, 1, 40).step());
+  add("move_manager", Seed(0, kBs4, 16).admit(1, 0, 9).step().fork(1, 2).move().append(2, 1).step().move().drain());
+  add("invalid_config_block_size_0", Seed(0, 0xFF, 16));
+  add("invalid_config_one_block", Seed(0, kBs4, 1));
+  add("int32_limits_config", Seed(kLimit, kBs4, 0xFD, 5));
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s <output directory>\n", argv[0]);
+    return 2;
+  }
+  const std::filesystem::path dir(argv[1]);
+  std::filesystem::create_directories(dir);
+  std::size_t n = 0;
+  for (const auto& [name, seed] : seeds()) {
+    std::ofstream out(dir / (name + ".bin"), std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(seed.bytes().data()), static_cast<std::streamsize>(seed.bytes().size()));
+    if (!out) {
+      std::fprintf(stderr, "%s: cannot write %s\n", argv[0], (dir / (name + ".bin")).string().c_str());
+      return 1;
+    }
+    ++n;
+  }
+  std::printf("wrote %zu seeds to %s\n", n, dir.string().c_str());
+  return 0;
+}

@@ -1,0 +1,61 @@
+// tests/fuzz/manager_ops.hpp: the operations of the manager fuzzer and the byte layout of their arguments, shared
+// by the driver (fuzz_manager.cpp, which decodes them) and the seed writer (make_seeds.cpp, which encodes them).
+//
+// Input = config, then ops until the input (or kMaxOps) runs out:
+//   config   u8 flags     bit 0-1: prefix caching off when both set; bit 2: events off; bits 3-4 == 3: the
+//                         Sha256Hasher / uint16 block id manager (else Xxh3Hasher / uint32); bit 5: a
+//                         max_tokens_per_seq follows
+//            u8 block     block size kBlockSizes[b % 8]; 0xFF: block size 0 (invalid)
+//            u8 pool      num_blocks = b % 66 (0 and 1 invalid); with the int32 limits in the manager, 0xFE asks
+//                         for 2^31 + 1 blocks and (with bit 5) 0xFD for max_tokens_per_seq 2^31 (both invalid)
+//            [u16 limit]  max_tokens_per_seq = v % 2048 (0 = none)
+//            u8 seed      hash_seed
+//   op       u8           Op (modulo kCount), then its arguments:
+//   seq id   u8           b % 16: 0..11 are ids 0..11; 12..15 are 2^64-1, 2^63, 2^32-1, 2^32
+//   prompt   u8 k         k >> 6 == 0: base k & 3 (200 fixed tokens), u8 prefix length, (k >> 2 & 7) tokens (u8 each)
+//                         k >> 6 == 1: u8 live-sequence index, u8 drop (% 8), (k >> 2 & 7) tokens
+//                         k >> 6 == 2: (k & 63) tokens (u8 each: < 200 -> b % 4; 250.. extreme ids)
+//                         k >> 6 == 3: u16 length (% (4 * pool tokens + 64)), a repeating pattern
+//   keys     u8 k         k % 8: 0-3 none; 4 a salt; 5 adapter 7; 6 one valid image; 7 custom: u8 adapter (% 3),
+//                         u8 salt length (% 4) + that many u8 chars, u8 items (% 4) + per item u8 id (% 3),
+//                         u8 offset (< 240: % (prompt + 3); else 2^64-1 - (b - 240)), u8 length (< 240: % 24;
+//                         else 2^64-1 - (b - 240)); with >= 2 items a u8 whose bit 0 clear sorts them
+//   cap      u8           < 192: none; 255: SIZE_MAX; else (b - 192) % (prompt + 2)
+//   append n u8           < 160: b % 9; < 224: (b - 160) % 40 + 1; < 248: (b - 223) blocks; else more than the pool
+//   tokens   u8 mode      mode % 4: 0 positional continuation; 1 one u8 per token (first 48); 2 constant mode >> 2;
+//                         3 u8 live-sequence index: that sequence's tokens at the same positions
+//   rewind n u8           < 128: b % (block_size + 1); < 254: (b - 128) % (len + 1); 254: len; 255: len + 1
+//   build    u8 mode      mode % 8: 4-5 a subset (u8 bit masks, one per 8 live sequences); 6 all + one more id
+//                         (u8 position, u8 seq id); 7 all + a duplicate (u8 index); else all. bit 3 reverses,
+//                         bit 4 rotates (u8). Then u8 omit (bit i leaves buffer i empty: indptr, indices,
+//                         last_page_len, block_tables, seq_lens, qo_indptr, slot_mapping, copies), u8 pad (% 4
+//                         extra entries), u8 fault (>= 200: (b - 200) % 12 picks a buffer one entry short (0-7),
+//                         a block-table row one short (8), max_blocks_per_seq 0 (9) or negative (10), no copies
+//                         buffer (11))
+#pragma once
+
+#include <cstdint>
+
+namespace pagedkv_fuzz {
+
+/// The operations, one per manager call an engine makes (plus model-level steps). Append new ones before kCount.
+enum class Op : std::uint8_t {
+  kAdmit = 0,  // u8 seq, prompt, keys, cap: try_admit
+  kAppend,     // u8 seq, u8 n, tokens: try_append
+  kFork,       // u8 parent, u8 child: fork
+  kFree,       // u8 seq: free
+  kPreempt,    // u8 seq: preempt
+  kRewind,     // u8 seq, u8 n: rewind
+  kLookup,     // prompt, keys, cap: lookup
+  kBuild,      // build: build_batch_metadata with any batch and buffer shapes
+  kStep,       // (none): build_batch_metadata over every live sequence with exact buffers (an engine step)
+  kReset,      // (none): reset_prefix_cache
+  kQuery,      // u8 seq: contains / num_tokens / token_ids / block_ids / pending_slots
+  kMove,       // (none): move-construct the manager; the new one must carry on exactly
+  kDrainAll,   // (none): free everything, build an empty batch, check that no block leaked
+  kCount
+};
+
+inline constexpr std::uint32_t kBlockSizes[8] = {1, 2, 3, 4, 8, 16, 5, 32};
+
+}  // namespace pagedkv_fuzz
