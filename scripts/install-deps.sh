@@ -2,11 +2,12 @@
 # Installs the Debian packages pagedkv needs (skips the ones already installed). Needs root or sudo.
 #   build:      cmake ninja-build g++
 #   library:    libssl-dev (SHA-256, libcrypto), libxxhash-dev (XXH3-128, used header-only),
-#               libtsl-hopscotch-map-dev (the prefix index's hash map, header-only)
 #   tests:      catch2 (2.13)          benchmarks: libbenchmark-dev
 #   examples:   libcli11-dev (arguments), nlohmann-json3-dev (trace parsing, JSON output)
+#   fuzzing:    clang-14, libclang-rt-14-dev (libFuzzer and the sanitizer runtimes; scripts/fuzz.sh)
 set -euo pipefail
-pkgs=(cmake ninja-build g++ libssl-dev libxxhash-dev libtsl-hopscotch-map-dev catch2 libbenchmark-dev libcli11-dev nlohmann-json3-dev)
+pkgs=(cmake ninja-build g++ libssl-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev nlohmann-json3-dev
+      clang-14 libclang-rt-14-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

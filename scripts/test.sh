@@ -5,6 +5,7 @@
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package)
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
+#  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: both fuzz targets side by side for PAGEDKV_FUZZ_SECONDS (80) each
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -61,4 +62,7 @@ $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode fork -
 echo "== decode_loop (manager + CPU reference kernels, checked against float64 every step)"
 build-ci/examples/decode_loop --block-size 16
 build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3
+echo "== 5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 3 minutes)"
+tests/fuzz/check_replay_args.sh build-ci/examples/pagedkv-replay
+scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-80}"
 echo "== all checks passed"
