@@ -5,9 +5,11 @@
 #   tests:      catch2 (2.13)          benchmarks: libbenchmark-dev
 #   examples:   libcli11-dev (arguments), nlohmann-json3-dev (trace parsing, JSON output)
 #   fuzzing:    clang-14, libclang-rt-14-dev (libFuzzer and the sanitizer runtimes; scripts/fuzz.sh)
+#   events_zmq: libzmq3-dev cppzmq-dev (ZeroMQ), libmsgpack-cxx-dev (msgpack): KV events on the wire
 set -euo pipefail
 pkgs=(cmake ninja-build g++ libssl-dev libxxhash-dev catch2 libbenchmark-dev libcli11-dev nlohmann-json3-dev
-      clang-14 libclang-rt-14-dev)
+      clang-14 libclang-rt-14-dev
+      libzmq3-dev cppzmq-dev libmsgpack-cxx-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
