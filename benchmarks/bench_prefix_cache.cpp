@@ -8,8 +8,11 @@
 // the console prints it with a stray "s" suffix, the number is ns), bytes_per_second for hashing (bytes actually
 // hashed: the canonical block encoding, docs/design.md "Block hashes").
 // Token ids are random in [1, 128000) with fixed seeds (never all zero).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <numeric>
 #include <optional>
@@ -305,5 +308,50 @@ void BM_AdmitFree(benchmark::State& state) {
 }
 BENCHMARK_TEMPLATE(BM_AdmitFree, Sha256Hasher)->ArgName("prompt_tokens")->Arg(512)->Arg(2048)->Arg(8192);
 BENCHMARK_TEMPLATE(BM_AdmitFree, Xxh3Hasher)->ArgName("prompt_tokens")->Arg(512)->Arg(2048)->Arg(8192);
+
+// Resident host memory of a manager (docs/contract.md sec. 5: <= 32 bytes per block). One iteration constructs a
+// KVCacheManager of pool_blocks blocks and fills its whole pool with cached blocks (admit a 1024-token prompt,
+// build, free, until every block was used), then reads the process's resident set: counters rss_bytes_per_block
+// (the growth of the RSS over the manager's life, /proc/self/statm) and index_bytes_per_block (what the prefix
+// index reports). Timing is irrelevant here.
+long resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f == nullptr) return -1;
+  long size = 0, resident = 0;
+  const int n = std::fscanf(f, "%ld %ld", &size, &resident);
+  std::fclose(f);
+  return n == 2 ? resident * sysconf(_SC_PAGESIZE) : -1;
+}
+void BM_HostMemoryPerBlock(benchmark::State& state) {
+  const auto pool_blocks = static_cast<std::size_t>(state.range(0));
+  double rss_per_block = 0, index_per_block = 0;
+  for (auto _ : state) {
+    const long before = resident_bytes();
+    {
+      pagedkv::CacheConfig cfg;
+      cfg.num_blocks = pool_blocks;
+      cfg.block_size = kBlockSize;
+      pagedkv::KVCacheManager<Xxh3Hasher, Id> m(cfg);
+      std::mt19937_64 rng(kSeed);
+      PrefillBuffers buffers(1024);
+      pagedkv::SeqId seq = 1;
+      for (std::size_t used = 0; used < pool_blocks; used += 1024 / kBlockSize, ++seq) {
+        const std::vector<TokenId> prompt = random_tokens(1024, rng);
+        const pagedkv::AdmitResult r = m.try_admit(seq, prompt);
+        (void)m.build_batch_metadata({&seq, 1}, buffers.view(prompt.size(), r.num_cached_tokens));
+        m.free(seq);
+      }
+      const long after = resident_bytes();
+      rss_per_block = static_cast<double>(after - before) / static_cast<double>(pool_blocks);
+      index_per_block = static_cast<double>(m.prefix_index().memory_bytes()) / static_cast<double>(pool_blocks);
+      benchmark::DoNotOptimize(m.stats());
+    }
+  }
+  state.counters["rss_bytes_per_block"] = rss_per_block;
+  state.counters["index_bytes_per_block"] = index_per_block;
+  state.SetLabel("item=manager of pool_blocks blocks, whole pool cached");
+}
+BENCHMARK(BM_HostMemoryPerBlock)->ArgName("pool_blocks")->Arg(1 << 14)->Arg(1 << 17)->Arg(1000000)->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 }  // namespace

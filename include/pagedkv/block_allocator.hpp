@@ -1,12 +1,14 @@
 // pagedkv/block_allocator.hpp: the fixed pool of physical KV blocks with refcounts and eviction.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <optional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -23,32 +25,45 @@ namespace pagedkv {
 ///  - free:    refcount 0, no hash. Never-used blocks, then released unhashed blocks.
 ///  - cached:  refcount 0, hashed. Evictable; held by the eviction policy (LRU by default).
 ///  - held:    refcount > 0 (hashed or not).
-/// Allocation order (docs/contract.md sec. 2): never-used blocks first in increasing id order; then released unhashed
-/// blocks, most recently released first; then the eviction policy's victim (LRU: least recently released cached
-/// block), whose hash the caller drops through the `on_evict` callback before the block is reused.
+/// Allocation order (docs/contract.md sec. 2): never-used blocks first in increasing id order; then released
+/// unhashed blocks, most recently released first; then the eviction policy's victim (LRU: least recently released
+/// cached block), whose hash the caller drops through the `on_evict` callback before the block is reused.
 ///
 /// Cost: every operation O(1) (multi-block calls O(n)); nothing allocates after construction.
-/// Memory: sizeof(uint32_t) + 1 + 3 * sizeof(Id) bytes per block (17 for uint32 ids: refcount, hash mark, LRU
-/// links, free-stack slot). A KVCacheManager adds the PrefixHashIndex (see there).
+/// Memory: one state word per block (4 bytes for ids up to 32 bits: the refcount and the hash mark of a held or
+/// cached block, or the next link of the free stack, which is threaded through the words of free blocks) plus the
+/// eviction policy's (8 bytes for LruEviction<uint32_t>): 12 bytes per block. A KVCacheManager adds the
+/// PrefixHashIndex (see there).
+/// Limits: at most 2^31 blocks (the free-stack links) and 2^30 - 1 references per block with 32-bit ids (a
+/// further acquire is kLimitExceeded).
 /// Thread safety: none; one writer (the scheduler thread). Errors: misuse throws `pagedkv::Error` and changes
 /// nothing (strong guarantee).
 template <BlockIdType Id = std::uint32_t, EvictionPolicy<Id> Evict = LruEviction<Id>>
 class BlockAllocator {
+  using word_type = std::conditional_t<(sizeof(Id) <= 4), std::uint32_t, std::uint64_t>;
+  static constexpr unsigned kWordBits = sizeof(word_type) * 8;
+  static constexpr word_type kFreeBit = word_type{1} << (kWordBits - 1);    // on the free stack; rest = next link
+  static constexpr word_type kHashedBit = word_type{1} << (kWordBits - 2);  // held or cached: carries a hash
+  static constexpr word_type kRefMask = kHashedBit - 1;                     // held or cached: the refcount
+
  public:
   using block_id_type = Id;
   using eviction_policy_type = Evict;
 
+  /// Most references one block can carry (2^30 - 1 with 32-bit ids).
+  static constexpr std::size_t kMaxRefcount = static_cast<std::size_t>(kRefMask);
+
   /// A pool of `num_blocks` blocks, including the null block 0 (so `num_blocks - 1` are usable).
-  /// Throws kInvalidArgument if num_blocks < 2 or does not fit `Id`.
+  /// Throws kInvalidArgument if num_blocks < 2 or does not fit `Id` (or the free-stack links).
   explicit BlockAllocator(std::size_t num_blocks) : BlockAllocator(checked(num_blocks), 0) {}
 
   /// Pool size in blocks, including the null block.
-  [[nodiscard]] std::size_t num_blocks() const noexcept { return refcount_.size(); }
+  [[nodiscard]] std::size_t num_blocks() const noexcept { return state_.size(); }
   /// Blocks that can ever be handed out: num_blocks() - 1.
-  [[nodiscard]] std::size_t num_usable_blocks() const noexcept { return refcount_.size() - 1; }
+  [[nodiscard]] std::size_t num_usable_blocks() const noexcept { return state_.size() - 1; }
   /// Free blocks (never used, or released without a hash).
   [[nodiscard]] std::size_t num_free_blocks() const noexcept {
-    return (refcount_.size() - next_never_used_) + free_.size();
+    return (state_.size() - next_never_used_) + num_released_free_;
   }
   /// Cached blocks: unreferenced but hashed, hence evictable.
   [[nodiscard]] std::size_t num_cached_blocks() const noexcept { return evict_.size(); }
@@ -64,12 +79,12 @@ class BlockAllocator {
   /// Refcount of block `b` (number of block tables holding it). Throws kBlockOutOfRange.
   [[nodiscard]] std::uint32_t refcount(Id b) const {
     check_range(b, "refcount");
-    return refcount_[b];
+    return static_cast<std::uint32_t>(ref_of(state_[b]));
   }
   /// Whether block `b` carries a block hash (registered in a prefix index). Throws kBlockOutOfRange.
   [[nodiscard]] bool is_hashed(Id b) const {
     check_range(b, "is_hashed");
-    return hashed_[b] != 0;
+    return hashed_of(state_[b]);
   }
   /// Whether block `b` is cached (refcount 0 and hashed: evictable). Throws kBlockOutOfRange.
   [[nodiscard]] bool is_cached(Id b) const {
@@ -100,16 +115,20 @@ class BlockAllocator {
   }
 
   /// Take one more reference to a held or cached block (fork, or a prefix hit). A cached block leaves the
-  /// evictable set. Throws kBlockOutOfRange (b == 0 or b >= num_blocks) or kInvalidArgument (b is free).
+  /// evictable set. Throws kBlockOutOfRange (b == 0 or b >= num_blocks), kInvalidArgument (b is free),
+  /// kLimitExceeded (b already carries kMaxRefcount references).
   void acquire(Id b) {
     check_range(b, "acquire");
-    if (refcount_[b] == 0) {
-      if (!evict_.contains(b)) {
-        detail::raise(Errc::kInvalidArgument, "acquire: block " + std::to_string(b) + " is free, not held or cached");
-      }
-      evict_.erase(b);
+    const word_type w = state_[b];
+    if (is_free_word(b, w)) {
+      detail::raise(Errc::kInvalidArgument, "acquire: block " + std::to_string(b) + " is free, not held or cached");
     }
-    ++refcount_[b];
+    if ((w & kRefMask) == kRefMask) {
+      detail::raise(Errc::kLimitExceeded, "acquire: block " + std::to_string(b) + " already carries " +
+                                              std::to_string(kMaxRefcount) + " references (the refcount limit)");
+    }
+    if ((w & kRefMask) == 0) evict_.erase(b);  // cached -> held
+    state_[b] = w + 1;
     ++ops_;
   }
 
@@ -117,15 +136,17 @@ class BlockAllocator {
   /// free. Throws kBlockOutOfRange, or kDoubleFree when the refcount is already 0.
   void release(Id b) {
     check_range(b, "release");
-    if (refcount_[b] == 0) {
+    const word_type w = state_[b];
+    if (ref_of(w) == 0) {
       detail::raise(Errc::kDoubleFree, "release: block " + std::to_string(b) + " has refcount 0");
     }
     ++ops_;
-    if (--refcount_[b] != 0) return;
-    if (hashed_[b] != 0) {
+    state_[b] = w - 1;
+    if (((w - 1) & kRefMask) != 0) return;
+    if ((w & kHashedBit) != 0) {
       evict_.insert(b);
     } else {
-      free_.push_back(b);
+      push_free(b);
     }
   }
 
@@ -133,10 +154,10 @@ class BlockAllocator {
   /// free when released. Throws kBlockOutOfRange, or kInvalidArgument if b is not held.
   void set_hashed(Id b, bool hashed) {
     check_range(b, "set_hashed");
-    if (refcount_[b] == 0) {
+    if (ref_of(state_[b]) == 0) {
       detail::raise(Errc::kInvalidArgument, "set_hashed: block " + std::to_string(b) + " is not held");
     }
-    hashed_[b] = hashed ? 1 : 0;
+    state_[b] = hashed ? (state_[b] | kHashedBit) : (state_[b] & ~kHashedBit);
   }
 
   /// Drop every hash: cached blocks become free (in least-recently-released order), held blocks lose their mark.
@@ -144,13 +165,13 @@ class BlockAllocator {
   template <class OnDrop>
   void clear_hashes(OnDrop&& on_drop) {
     while (auto b = evict_.pop_victim()) {
-      hashed_[*b] = 0;
       on_drop(*b);
-      free_.push_back(*b);
+      push_free(*b);
     }
-    for (std::size_t b = 1; b < hashed_.size(); ++b) {
-      if (hashed_[b] != 0) {
-        hashed_[b] = 0;
+    for (std::size_t b = 1; b < next_never_used_; ++b) {
+      const word_type w = state_[b];
+      if (!is_free_word(static_cast<Id>(b), w) && (w & kHashedBit) != 0) {
+        state_[b] = w & ~kHashedBit;
         on_drop(static_cast<Id>(b));
       }
     }
@@ -165,51 +186,63 @@ class BlockAllocator {
       detail::raise(Errc::kInvalidArgument,
                     "num_blocks = " + std::to_string(num_blocks) + ": need at least 2 (the null block + one usable)");
     }
-    if (num_blocks - 1 > static_cast<std::size_t>(std::numeric_limits<Id>::max() - 1)) {
+    const std::size_t max_id = std::min<std::size_t>(std::numeric_limits<Id>::max() - 1,
+                                                     static_cast<std::size_t>(kFreeBit - 1));
+    if (num_blocks - 1 > max_id) {
       detail::raise(Errc::kInvalidArgument, "num_blocks = " + std::to_string(num_blocks) +
-                                                " does not fit the block id type (max " +
-                                                std::to_string(std::numeric_limits<Id>::max() - 1) + ")");
+                                                " does not fit the block id type (max " + std::to_string(max_id) +
+                                                ")");
     }
     return {num_blocks};
   }
-  BlockAllocator(Checked c, int)
-      : refcount_(c.n, 0), hashed_(c.n, 0), evict_(c.n), next_never_used_(1) {
-    free_.reserve(c.n);
-  }
+  BlockAllocator(Checked c, int) : state_(c.n, 0), evict_(c.n), next_never_used_(1) {}
 
   void check_range(Id b, const char* what) const {
-    if (b == 0 || b >= refcount_.size()) [[unlikely]] out_of_range(b, what);
+    if (b == 0 || b >= state_.size()) [[unlikely]] out_of_range(b, what);
   }
   [[noreturn, gnu::cold, gnu::noinline]] void out_of_range(Id b, const char* what) const {
     detail::raise(Errc::kBlockOutOfRange, std::string(what) + ": block id " + std::to_string(b) + " outside [1, " +
-                                              std::to_string(refcount_.size()) + ")");
+                                              std::to_string(state_.size()) + ")");
+  }
+
+  [[nodiscard]] static word_type ref_of(word_type w) noexcept { return (w & kFreeBit) != 0 ? 0 : (w & kRefMask); }
+  [[nodiscard]] static bool hashed_of(word_type w) noexcept { return (w & (kFreeBit | kHashedBit)) == kHashedBit; }
+  // Free (never used, or on the free stack).
+  [[nodiscard]] bool is_free_word(Id b, word_type w) const noexcept {
+    return (w & kFreeBit) != 0 || b >= next_never_used_;
+  }
+
+  void push_free(Id b) noexcept {
+    state_[b] = kFreeBit | static_cast<word_type>(free_head_);
+    free_head_ = b;
+    ++num_released_free_;
   }
 
   // Precondition: num_available_blocks() > 0.
   template <class OnEvict>
   Id take_one(OnEvict& on_evict) {
     Id b;
-    if (next_never_used_ < refcount_.size()) {
+    if (next_never_used_ < state_.size()) {
       b = static_cast<Id>(next_never_used_++);
-    } else if (!free_.empty()) {
-      b = free_.back();
-      free_.pop_back();
+    } else if (num_released_free_ != 0) {
+      b = free_head_;
+      free_head_ = static_cast<Id>(state_[b] & ~kFreeBit);
+      --num_released_free_;
     } else {
       b = *evict_.pop_victim();
-      hashed_[b] = 0;
       ++evictions_;
       on_evict(b);
     }
-    refcount_[b] = 1;
+    state_[b] = 1;  // held once, no hash
     ++ops_;
     return b;
   }
 
-  std::vector<std::uint32_t> refcount_;  // [num_blocks]
-  std::vector<std::uint8_t> hashed_;     // [num_blocks] 1 = carries a block hash
-  Evict evict_;                          // cached (refcount 0, hashed) blocks
-  std::vector<Id> free_;                 // released unhashed blocks (stack)
-  std::size_t next_never_used_;          // blocks [next_never_used_, num_blocks) were never handed out
+  std::vector<word_type> state_;     // [num_blocks] see kFreeBit / kHashedBit / kRefMask
+  Evict evict_;                      // cached (refcount 0, hashed) blocks
+  Id free_head_ = 0;                 // top of the free stack (released unhashed blocks), threaded through state_
+  std::size_t num_released_free_ = 0;
+  std::size_t next_never_used_;      // blocks [next_never_used_, num_blocks) were never handed out
   std::uint64_t evictions_ = 0;
   std::uint64_t ops_ = 0;
 };

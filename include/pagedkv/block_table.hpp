@@ -84,14 +84,14 @@ class BlockTable {
     return new_blocks + (last_block_needs_copy(alloc) ? 1 : 0);
   }
 
-  /// Reserve slots for `n` new tokens, all or nothing. Appends the n slots to `slots_out` and, when the partial
-  /// last block had to be copied first, sets `copy_out` to (old block, new block). The table's reference on the
+  /// Reserve slots for `n` new tokens, all or nothing. Appends the n slots to `slots_out` (unless it is null) and,
+  /// when the partial last block had to be copied first, sets `copy_out` to (old block, new block). The table's reference on the
   /// old block passes to `copy_out`: the caller releases it once the copy has been issued to the kernel, so the
   /// source cannot be reused (and overwritten) while the copy is pending.
   /// Returns false, changing nothing, when the allocator lacks blocks (an expected outcome). `on_evict` as in
   /// BlockAllocator::try_allocate.
   template <class Alloc, class OnEvict>
-  [[nodiscard]] bool try_append(std::size_t n, Alloc& alloc, OnEvict&& on_evict, std::vector<std::int64_t>& slots_out,
+  [[nodiscard]] bool try_append(std::size_t n, Alloc& alloc, OnEvict&& on_evict, std::vector<std::int64_t>* slots_out,
                                 std::optional<BlockCopy<Id>>& copy_out) {
     copy_out.reset();
     if (n == 0) return true;
@@ -99,7 +99,7 @@ class BlockTable {
     const std::size_t old_blocks = blocks_.size();
     const std::size_t new_blocks = (num_tokens_ + n + block_size_ - 1) / block_size_ - old_blocks;
     if (new_blocks + (cow ? 1 : 0) > alloc.num_available_blocks()) return false;
-    detail::reserve_more(slots_out, n);  // may throw before anything changed
+    if (slots_out != nullptr) detail::reserve_more(*slots_out, n);  // may throw before anything changed
     blocks_.resize(old_blocks + new_blocks);
     if (cow) {
       const Id dst = *alloc.try_allocate_one(on_evict);
@@ -109,16 +109,17 @@ class BlockTable {
     }
     const bool ok = alloc.try_allocate(std::span<Id>(blocks_).subspan(old_blocks), on_evict);
     (void)ok;  // guaranteed by the availability check above
-    // Slots, one contiguous run per block: block * block_size + offset.
-    std::size_t w = slots_out.size();
-    slots_out.resize(w + n);
-    for (std::size_t p = num_tokens_; p < num_tokens_ + n;) {
-      const std::size_t off = p % block_size_;
-      const std::size_t run = std::min<std::size_t>(block_size_ - off, num_tokens_ + n - p);
-      const std::int64_t base = static_cast<std::int64_t>(blocks_[p / block_size_]) * block_size_;
-      for (std::size_t k = 0; k < run; ++k) slots_out[w + k] = base + static_cast<std::int64_t>(off + k);
-      w += run;
-      p += run;
+    if (slots_out != nullptr) {  // one contiguous run per block: block * block_size + offset
+      std::size_t w = slots_out->size();
+      slots_out->resize(w + n);
+      for (std::size_t p = num_tokens_; p < num_tokens_ + n;) {
+        const std::size_t off = p % block_size_;
+        const std::size_t run = std::min<std::size_t>(block_size_ - off, num_tokens_ + n - p);
+        const std::int64_t base = static_cast<std::int64_t>(blocks_[p / block_size_]) * block_size_;
+        for (std::size_t k = 0; k < run; ++k) (*slots_out)[w + k] = base + static_cast<std::int64_t>(off + k);
+        w += run;
+        p += run;
+      }
     }
     num_tokens_ += n;
     return true;

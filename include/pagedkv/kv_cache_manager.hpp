@@ -72,6 +72,17 @@ struct AdmitOptions {
   std::optional<std::size_t> num_reserved_tokens = std::nullopt;
 };
 
+/// A prompt validated and hashed once by `KVCacheManager::prepare_prompt` (its token ids, extra keys and the hashes
+/// of its full blocks, `[prompt_len / block_size]`), for admissions an engine retries step after step while the
+/// pool is full: `try_admit(seq, prepared)` walks the cache without hashing again. Tied to the hasher, seed and
+/// block size of the manager that prepared it (checked through the chain root).
+struct PreparedPrompt {
+  std::vector<TokenId> tokens;
+  std::shared_ptr<const RequestKeys> keys;  ///< null = no extra keys
+  std::vector<BlockHash> hashes;
+  BlockHash root;                           ///< The chain root it was hashed under.
+};
+
 /// Outcome of a capacity query (`query_admit`, `query_append`): what the call would answer now.
 enum class CapacityStatus : std::uint8_t {
   kFits = 0,        ///< It would succeed now.
@@ -191,50 +202,33 @@ class KVCacheManager {
     if (seqs_.contains(seq)) {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
-    std::vector<BlockHash> hashes;
-    const AdmitPlan plan = plan_admit(prompt, keys, opts, "try_admit: sequence " + std::to_string(seq), hashes);
-    if (!plan.query.fits()) {
-      return {static_cast<AdmitStatus>(plan.query.status), 0, 0, plan.query.num_missing_blocks};
-    }
-    const std::size_t bs = config_.block_size;
-    const std::size_t hits = hit_scratch_.size();
+    validate_prompt(prompt, keys, "try_admit", &seq);
+    return admit_prompt(seq, prompt, keys, nullptr, opts, {}, false);
+  }
 
-    // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
-    auto keys_ptr = keys != nullptr && !keys->empty() ? std::make_shared<const RequestKeys>(*keys) : nullptr;
-    sequence_type s(config_.block_size);
-    s.tokens.assign(prompt.begin(), prompt.end());
-    s.keys = std::move(keys_ptr);
-    s.table.reserve_blocks(hits + plan.query.num_blocks);
-    slot_scratch_.clear();
-    slot_scratch_.reserve(plan.num_reserved);
-    events_.reserve_more(plan.query.num_blocks);  // removed-block events of the evictions below
-    const bool readmission = preempted_.contains(seq);
-    auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
-    sequence_type& q = it->second;
-    Proxy pool{this};
-    for (Id b : hit_scratch_) {
-      alloc_.acquire(b);
-      q.table.append_full_block(b);
+  /// `try_admit` of a prompt hashed beforehand by `prepare_prompt`: no hashing, only the walk of the cache and the
+  /// allocation, so an engine that retries an admission every step while the pool is full hashes each prompt once
+  /// per request. Same outcomes and errors as try_admit; also kInvalidArgument when `prompt` was prepared by a
+  /// manager with another hasher or seed (its chain root differs).
+  AdmitResult try_admit(SeqId seq, const PreparedPrompt& prompt, const AdmitOptions& opts = {}) {
+    if (seqs_.contains(seq)) {
+      detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
-    q.hashes = std::move(hashes);
-    q.num_registered = hits;
-    q.num_built = hits * bs;
-    std::optional<copy_type> no_copy;
-    const bool ok = q.table.try_append(plan.num_reserved, pool, evictor(), slot_scratch_, no_copy);
-    (void)ok;  // guaranteed by the capacity check
-    if (readmission) preempted_.erase(seq);
+    check_prepared(prompt, "try_admit");
+    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts, prompt.hashes, true);
+  }
 
-    ++stats_.prefix_query_requests;
-    stats_.prefix_query_tokens += prompt.size();
-    if (hits > 0) ++stats_.prefix_hit_requests;
-    stats_.prefix_hit_tokens += hits * bs;
-    if (readmission) {
-      ++stats_.readmitted_requests;
-      stats_.readmitted_query_tokens += prompt.size();
-      stats_.readmitted_hit_tokens += hits * bs;
-    }
-    interval_.record(prompt.size(), hits * bs, readmission);
-    return {AdmitStatus::kAdmitted, hits * bs, plan.query.num_blocks, 0};
+  /// Validate `prompt` (with `keys`) and hash its full blocks once, for `try_admit` / `query_admit` retries. Pure;
+  /// allocates the result (a copy of the tokens and keys, and 16 bytes per full block). Throws as try_admit for
+  /// invalid input.
+  [[nodiscard]] PreparedPrompt prepare_prompt(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr) const {
+    validate_prompt(prompt, keys, "prepare_prompt", nullptr);
+    PreparedPrompt p;
+    p.tokens.assign(prompt.begin(), prompt.end());
+    if (keys != nullptr && !keys->empty()) p.keys = std::make_shared<const RequestKeys>(*keys);
+    p.root = index_.root();
+    if (config_.enable_prefix_caching) index_.hash_full_blocks(prompt, config_.block_size, keys, p.hashes);
+    return p;
   }
 
   /// Append `tokens` (`[n]` token ids, e.g. the one sampled token of a decode step) to live sequence `seq`,
@@ -434,9 +428,18 @@ class KVCacheManager {
   /// Throws as try_admit for invalid input (not for a live id: no id is given).
   [[nodiscard]] CapacityQuery query_admit(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                                           const AdmitOptions& opts = {}) const {
+    validate_prompt(prompt, keys, "query_admit", nullptr);
     std::vector<BlockHash> hashes;
     std::vector<Id> hits;
-    return plan_admit_into(prompt, keys, opts, "query_admit", hashes, hits).query;
+    return plan_admit_into(prompt, keys, opts, hashes, false, hits).query;
+  }
+  /// `query_admit` of a prompt hashed by `prepare_prompt` (no hashing). Throws kInvalidArgument for a prompt
+  /// prepared by a manager with another hasher or seed.
+  [[nodiscard]] CapacityQuery query_admit(const PreparedPrompt& prompt, const AdmitOptions& opts = {}) const {
+    check_prepared(prompt, "query_admit");
+    std::vector<BlockHash> hashes = prompt.hashes;
+    std::vector<Id> hits;
+    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, hits).query;
   }
 
   /// What growing live sequence `seq` by `n` slots would take now (`try_append` of n tokens, `try_reserve(n)` or
@@ -766,35 +769,72 @@ class KVCacheManager {
     std::size_t num_reserved = 0;  // uncached prompt tokens that get slots now
   };
 
-  // Validate an admission and plan it: the prompt's block hashes into `hashes`, the hit blocks into `hits`, what it
-  // would take. Pure. Throws kInvalidArgument / kLimitExceeded for invalid input (`who` starts the message).
-  AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                            const std::string& who, std::vector<BlockHash>& hashes, std::vector<Id>& hits) const {
-    if (prompt.empty()) detail::raise(Errc::kInvalidArgument, who + " has an empty prompt");
+  void check_prepared(const PreparedPrompt& p, const char* what) const {
+    validate_prompt(p.tokens, p.keys.get(), what, nullptr);
+    if (!(p.root == index_.root()) ||
+        (config_.enable_prefix_caching && p.hashes.size() != p.tokens.size() / config_.block_size)) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) +
+                                                ": the prepared prompt was not prepared by a manager with this "
+                                                "hasher, seed and block size");
+    }
+  }
+
+  // Validate a prompt for admission (`what` and, when given, `seq` name the call in messages; strings are built
+  // only on error). Throws kInvalidArgument / kLimitExceeded.
+  void validate_prompt(std::span<const TokenId> prompt, const RequestKeys* keys, const char* what,
+                       const SeqId* seq) const {
+    const auto who = [&] { return std::string(what) + (seq != nullptr ? ": sequence " + std::to_string(*seq) : ""); };
+    if (prompt.empty()) detail::raise(Errc::kInvalidArgument, who() + " has an empty prompt");
     if (prompt.size() > max_tokens_per_seq_) {
-      detail::raise(Errc::kLimitExceeded, who + ": prompt of " + std::to_string(prompt.size()) +
+      detail::raise(Errc::kLimitExceeded, who() + ": prompt of " + std::to_string(prompt.size()) +
                                               " tokens exceeds max_tokens_per_seq = " +
                                               std::to_string(max_tokens_per_seq_));
     }
-    validate_request_keys(keys, prompt.size(), who.c_str());
+    if (keys != nullptr && !keys->multimodal.empty()) validate_request_keys(keys, prompt.size(), who().c_str());
+  }
+
+  // Plan an admission of a validated prompt: the prompt's block hashes into `hashes` (unless `hashes_ready`: a
+  // PreparedPrompt), the hit blocks into `hits`, what it would take. Pure. The walk is pipelined: the home group of
+  // block i's hash is prefetched while block i + 1 is hashed (or, with ready hashes, while block i - 1 is looked
+  // up), so the probe's cache miss overlaps other work.
+  AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
+                            std::vector<BlockHash>& hashes, bool hashes_ready, std::vector<Id>& hits) const {
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
     const std::size_t usable = alloc_.num_usable_blocks();
     if (total_blocks > usable) {
       return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0};
     }
-    if (config_.enable_prefix_caching) {
-      hashes.reserve(prompt.size() / bs);
-      index_.hash_full_blocks(prompt, config_.block_size, keys, hashes);
-    }
+    const std::size_t full = config_.enable_prefix_caching ? prompt.size() / bs : 0;
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
+    const std::size_t walk = std::min(full, cap / bs);
     hits.clear();
     std::size_t evictable_hits = 0;
-    for (std::size_t i = 0; i < std::min(hashes.size(), cap / bs); ++i) {
-      const auto b = index_.find(hashes[i]);
-      if (!b) break;
+    bool walking = walk > 0;
+    const auto look = [&](std::size_t j) {  // block j of the walk, in order, until the first miss
+      if (!walking) return;
+      const auto b = j < walk ? index_.find(hashes[j]) : std::nullopt;
+      if (!b) {
+        walking = false;
+        return;
+      }
       hits.push_back(*b);
       if (alloc_.is_cached(*b)) ++evictable_hits;
+    };
+    if (!hashes_ready) {
+      hashes.reserve(full);
+      for (std::size_t i = 0; i < full; ++i) {
+        const BlockHash& parent = i == 0 ? index_.root() : hashes[i - 1];
+        hashes.push_back(index_.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys));
+        if (walking && i < walk) index_.prefetch(hashes[i]);
+        if (i > 0) look(i - 1);
+      }
+      if (full > 0) look(full - 1);
+    } else {
+      for (std::size_t j = 0; j < walk && walking; ++j) {
+        if (j + 1 < walk) index_.prefetch(hashes[j + 1]);
+        look(j);
+      }
     }
     const std::size_t cached = hits.size() * bs;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
@@ -805,9 +845,52 @@ class KVCacheManager {
     }
     return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved};
   }
-  AdmitPlan plan_admit(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                       const std::string& who, std::vector<BlockHash>& hashes) {
-    return plan_admit_into(prompt, keys, opts, who, hashes, hit_scratch_);
+
+  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, else none yet).
+  AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
+                           std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
+                           std::vector<BlockHash> hashes, bool hashes_ready) {
+    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, hit_scratch_);
+    if (!plan.query.fits()) {
+      return {static_cast<AdmitStatus>(plan.query.status), 0, 0, plan.query.num_missing_blocks};
+    }
+    const std::size_t bs = config_.block_size;
+    const std::size_t hits = hit_scratch_.size();
+
+    // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
+    if (!shared_keys && keys != nullptr && !keys->empty()) shared_keys = std::make_shared<const RequestKeys>(*keys);
+    sequence_type s(config_.block_size);
+    s.tokens.assign(prompt.begin(), prompt.end());
+    s.keys = std::move(shared_keys);
+    s.table.reserve_blocks(hits + plan.query.num_blocks);
+    events_.reserve_more(plan.query.num_blocks);  // removed-block events of the evictions below
+    const bool readmission = !preempted_.empty() && preempted_.contains(seq);
+    auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
+    sequence_type& q = it->second;
+    Proxy pool{this};
+    for (Id b : hit_scratch_) {
+      alloc_.acquire(b);
+      q.table.append_full_block(b);
+    }
+    q.hashes = std::move(hashes);
+    q.num_registered = hits;
+    q.num_built = hits * bs;
+    std::optional<copy_type> no_copy;
+    const bool ok = q.table.try_append(plan.num_reserved, pool, evictor(), nullptr, no_copy);
+    (void)ok;  // guaranteed by the capacity check
+    if (readmission) preempted_.erase(seq);
+
+    ++stats_.prefix_query_requests;
+    stats_.prefix_query_tokens += prompt.size();
+    if (hits > 0) ++stats_.prefix_hit_requests;
+    stats_.prefix_hit_tokens += hits * bs;
+    if (readmission) {
+      ++stats_.readmitted_requests;
+      stats_.readmitted_query_tokens += prompt.size();
+      stats_.readmitted_hit_tokens += hits * bs;
+    }
+    interval_.record(prompt.size(), hits * bs, readmission);
+    return {AdmitStatus::kAdmitted, hits * bs, plan.query.num_blocks, 0};
   }
 
   // Misuse checks shared by the calls that add positions after the last token (append, lookahead).
@@ -865,7 +948,7 @@ class KVCacheManager {
   AppendResult<Id> commit_growth(sequence_type& q, std::size_t n) {
     Proxy pool{this};
     std::optional<copy_type> copy;
-    const bool ok = q.table.try_append(n, pool, evictor(), slot_scratch_, copy);
+    const bool ok = q.table.try_append(n, pool, evictor(), &slot_scratch_, copy);
     (void)ok;
     if (copy) {
       pending_copies_.push_back(*copy);
@@ -941,6 +1024,7 @@ class KVCacheManager {
     if (!config_.enable_prefix_caching) return;
     const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
     for (std::size_t i = q.num_registered; i < end; ++i) {
+      if (i + 1 < end) index_.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
       const BlockHash& h = q.hashes[i];
       const Id own = q.table.blocks()[i];
       if (index_.hash_of(own)) continue;  // already registered (by a sequence sharing it)
@@ -961,19 +1045,26 @@ class KVCacheManager {
     q.num_registered = std::max(q.num_registered, end);
   }
 
-  // Slots of positions [first, first + out.size()) of `q`, -1 inside blocks switched by this build.
+  // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
+  // per block: a vectorizable fill of consecutive slots.
   void write_slots(const sequence_type& q, std::size_t first, std::size_t n, std::span<std::int64_t> out) const {
     const std::size_t bs = config_.block_size;
+    const auto blocks = q.table.blocks();
+    std::int64_t* w = out.data();
     std::size_t k = 0;  // next switched block to consider (ascending)
     for (std::size_t p = first; p < first + n;) {
       const std::size_t blk = p / bs;
-      const std::size_t run = std::min(bs - p % bs, first + n - p);
+      const std::size_t off = p - blk * bs;
+      const std::size_t run = std::min(bs - off, first + n - p);
       while (k < switched_scratch_.size() && switched_scratch_[k] < blk) ++k;
-      const bool switched = k < switched_scratch_.size() && switched_scratch_[k] == blk;
-      const std::int64_t base = static_cast<std::int64_t>(q.table.blocks()[blk]) * static_cast<std::int64_t>(bs);
-      for (std::size_t j = 0; j < run; ++j) {
-        out[p - first + j] = switched ? std::int64_t{-1} : base + static_cast<std::int64_t>((p + j) % bs);
+      if (k < switched_scratch_.size() && switched_scratch_[k] == blk) {
+        std::fill_n(w, run, std::int64_t{-1});
+      } else {
+        const std::int64_t base = static_cast<std::int64_t>(blocks[blk]) * static_cast<std::int64_t>(bs) +
+                                  static_cast<std::int64_t>(off);
+        for (std::size_t j = 0; j < run; ++j) w[j] = base + static_cast<std::int64_t>(j);
       }
+      w += run;
       p += run;
     }
   }

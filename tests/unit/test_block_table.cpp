@@ -34,7 +34,7 @@ Ids ids(const Table& t) { return Ids(t.blocks().begin(), t.blocks().end()); }
 std::pair<Slots, Copy> append(Table& t, std::size_t n, Alloc& a) {
   Slots slots;
   Copy copy;
-  REQUIRE(t.try_append(n, a, kNoEvict, slots, copy));
+  REQUIRE(t.try_append(n, a, kNoEvict, &slots, copy));
   return {slots, copy};
 }
 
@@ -96,14 +96,14 @@ TEST_CASE("BlockTable: slots are block * block_size + offset", "[block_table][sl
     Table t(4);
     Slots out{-7};
     Copy copy;
-    REQUIRE(t.try_append(2, a, kNoEvict, out, copy));
+    REQUIRE(t.try_append(2, a, kNoEvict, &out, copy));
     CHECK(out == Slots{-7, 4, 5});
   }
   SECTION("appending zero tokens is a no-op that succeeds") {
     Table t(4);
     Slots out;
     Copy copy = BlockCopy<std::uint32_t>{1, 2};
-    REQUIRE(t.try_append(0, a, kNoEvict, out, copy));
+    REQUIRE(t.try_append(0, a, kNoEvict, &out, copy));
     CHECK_FALSE(copy.has_value());  // reset
     CHECK(out.empty());
     CHECK(t.num_blocks() == 0);
@@ -137,7 +137,7 @@ TEST_CASE("BlockTable: append is all or nothing", "[block_table][atomic]") {
   const auto free_before = a.num_free_blocks();
   Slots out{42};
   Copy copy;
-  CHECK_FALSE(t.try_append(7, a, kNoEvict, out, copy));  // needs 2 new blocks, 1 available
+  CHECK_FALSE(t.try_append(7, a, kNoEvict, &out, copy));  // needs 2 new blocks, 1 available
   CHECK(out == Slots{42});
   CHECK_FALSE(copy.has_value());
   CHECK(t.num_tokens() == 6);
@@ -145,7 +145,7 @@ TEST_CASE("BlockTable: append is all or nothing", "[block_table][atomic]") {
   CHECK(a.num_free_blocks() == free_before);
   CHECK(a.refcount(3) == 0);
   // 6 fits exactly (2 in block 2, 4 in block 3).
-  CHECK(t.try_append(6, a, kNoEvict, out, copy));
+  CHECK(t.try_append(6, a, kNoEvict, &out, copy));
   CHECK(out == Slots{42, 10, 11, 12, 13, 14, 15});
 
   SECTION("a copy-on-write that does not fit fails as a whole") {
@@ -157,13 +157,13 @@ TEST_CASE("BlockTable: append is all or nothing", "[block_table][atomic]") {
     append(other, 8, b);  // blocks 2, 3: the pool is full
     Slots s;
     Copy cp;
-    CHECK_FALSE(p.try_append(1, b, kNoEvict, s, cp));  // would write into shared block 1: needs a copy block
+    CHECK_FALSE(p.try_append(1, b, kNoEvict, &s, cp));  // would write into shared block 1: needs a copy block
     CHECK(s.empty());
     CHECK_FALSE(cp.has_value());
     CHECK(b.refcount(1) == 2);
     CHECK(p.num_tokens() == 3);
     other.release_all(b);
-    CHECK(p.try_append(1, b, kNoEvict, s, cp));
+    CHECK(p.try_append(1, b, kNoEvict, &s, cp));
     CHECK(cp.has_value());
   }
 }

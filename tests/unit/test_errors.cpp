@@ -197,7 +197,7 @@ TEST_CASE("Errc::kInvalidArgument", "[errors][invalid_argument]") {
     pagedkv::BlockTable<> t(4);
     Slots s;
     std::optional<pagedkv::BlockCopy<>> c;
-    REQUIRE(t.try_append(3, a, [](std::uint32_t) {}, s, c));
+    REQUIRE(t.try_append(3, a, [](std::uint32_t) {}, &s, c));
     CHECK_THAT(expect_error([&] { t.append_full_block(2); }, Errc::kInvalidArgument), Catch::Contains("3 tokens"));
     CHECK_THAT(expect_error([&] { t.replace_block(1, 2); }, Errc::kInvalidArgument),
                Catch::Contains("logical block 1"));
@@ -268,7 +268,7 @@ TEST_CASE("Errc::kDoubleFree", "[errors][double_free]") {
     pagedkv::BlockTable<> t(2);
     Slots s;
     std::optional<pagedkv::BlockCopy<>> c;
-    REQUIRE(t.try_append(2, b, [](std::uint32_t) {}, s, c));  // block 1
+    REQUIRE(t.try_append(2, b, [](std::uint32_t) {}, &s, c));  // block 1
     b.release(1);                                              // someone else dropped the table's reference
     CHECK_THAT(expect_error([&] { t.rewind(2, b); }, Errc::kDoubleFree), Catch::Contains("block 1"));
   }

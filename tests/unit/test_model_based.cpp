@@ -489,7 +489,16 @@ class Harness {
 
     const CacheStats st = m_.stats();
     const Snapshot before = want == AdmitStatus::kAdmitted ? Snapshot{} : snapshot();
-    const auto r = m_.try_admit(id, prompt, keys_ptr(k), opts);
+    // A third of the admissions go through a prepared (hashed once) prompt: same outcome, same state.
+    const bool prepared = rng_() % 3 == 0;
+    std::optional<pagedkv::PreparedPrompt> pp;
+    if (prepared) {
+      pp = m_.prepare_prompt(prompt, keys_ptr(k));
+      MB_CHECK(pp->hashes == s.hashes);
+      const pagedkv::CapacityQuery q2 = m_.query_admit(*pp, opts);
+      MB_CHECK(q2.status == q.status && q2.num_missing_blocks == q.num_missing_blocks);
+    }
+    const auto r = prepared ? m_.try_admit(id, *pp, opts) : m_.try_admit(id, prompt, keys_ptr(k), opts);
     MB_CHECK_MSG(r.status == want, "status " + std::to_string(static_cast<int>(r.status)) + " want " +
                                        std::to_string(static_cast<int>(want)));
     if (want != AdmitStatus::kAdmitted) {

@@ -27,6 +27,7 @@ using pagedkv::BlockHash;
 using pagedkv::CacheConfig;
 using pagedkv::CapacityStatus;
 using pagedkv::Errc;
+using pagedkv::RequestKeys;
 using pagedkv::SeqId;
 using pagedkv::TokenId;
 using pagedkv_test::build_step;
@@ -248,6 +249,39 @@ TEST_CASE("lookahead slots are built like any slot, never registered until their
   CHECK(m.sequence(1).num_lookahead == 0);
   CHECK(m.num_tokens(1) == 8);
   CHECK(m.sequence(1).num_known() == 8);
+}
+
+TEST_CASE("a prepared prompt is hashed once and admits like the prompt itself", "[scheduler][prepared]") {
+  Mgr m(cfg(8, 4));  // 7 usable
+  const Toks p = toks(0, 14);
+  RequestKeys k;
+  k.salt = "t";
+  const pagedkv::PreparedPrompt pp = m.prepare_prompt(p, &k);
+  CHECK(pp.hashes.size() == 3);
+  CHECK(pp.tokens == p);
+  REQUIRE(m.try_admit(1, toks(0, 14), &k).admitted());  // the same prompt, hashed by try_admit itself
+  build_step(m, {1});
+  CHECK(m.query_admit(pp).num_cached_tokens == 12);
+  REQUIRE(m.try_admit(2, toks(50, 12)).admitted());  // 3 blocks: 0 left
+  auto r = m.try_admit(3, pp);                       // retried while full: no hashing, same answer as the plain call
+  CHECK(r.status == AdmitStatus::kNoCapacity);
+  CHECK(r.num_missing_blocks == 1);
+  m.free(2);
+  r = m.try_admit(3, pp);
+  REQUIRE(r.admitted());
+  CHECK(r.num_cached_tokens == 12);
+  CHECK(ids(m, 3) == Ids{ids(m, 1)[0], ids(m, 1)[1], ids(m, 1)[2], ids(m, 3)[3]});
+  CHECK(m.sequence(3).keys->salt == "t");
+  // A prompt prepared under another seed (or hasher, or block size) is refused, state unchanged.
+  CacheConfig other = cfg(8, 4);
+  other.hash_seed = 1;
+  Mgr m2(other);
+  const auto foreign = m2.prepare_prompt(p);
+  CHECK_THAT(expect_error([&] { m.try_admit(4, foreign); }, Errc::kInvalidArgument),
+             Catch::Contains("not prepared by a manager with this hasher, seed and block size"));
+  CHECK_FALSE(m.contains(4));
+  CHECK_THAT(expect_error([&] { (void)m.prepare_prompt(Toks{}); }, Errc::kInvalidArgument),
+             Catch::Contains("empty prompt"));
 }
 
 TEST_CASE("interval prefix-cache statistics use vLLM's names and count re-admissions apart",

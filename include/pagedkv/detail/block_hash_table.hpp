@@ -1,0 +1,236 @@
+// pagedkv/detail/block_hash_table.hpp: the open-addressing table behind PrefixHashIndex: block ids keyed by the
+// 128-bit block hash that the index stores once per block (so a slot is an id plus one control byte).
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include <pagedkv/config.hpp>
+#include <pagedkv/hash.hpp>
+
+namespace pagedkv::detail {
+
+/// A fixed-capacity set of block ids, looked up by the block's hash, in the style of a Swiss table (Abseil's
+/// flat_hash_map, Google 2017): slots in groups of 16 with one control byte each (empty, deleted, or 7 bits of the
+/// hash); a lookup compares a group's 16 control bytes at once (SSE2) and touches the per-block hash array only
+/// on a 7-bit match. The keys are not stored: `hashes[id]` is the key of `id` (the index's own per-block array),
+/// so a slot costs sizeof(Id) + 1 bytes, and with at most 80% of the slots live the whole table takes
+/// (1 + sizeof(Id)) / 0.8 + 1/12.8 bytes per entry of capacity (6.3 bytes for 32-bit ids). (At 87.5%, Abseil's
+/// load, the eviction churn of a full prefix cache left so few free slots that tombstones forced an in-place
+/// rehash every ~25k evictions; at 80% every ~100k: docs/benchmarks.md.)
+///
+/// Why not a library map: the generic maps store the 16-byte key in every bucket beside the block's own copy of it
+/// (32-64 bytes per block with tsl::hopscotch_map), which is what kept the prefix index of a 1e7-token pool out of
+/// the L3 cache (docs/benchmarks.md); a map of ids keyed through an external array is not something the packaged
+/// maps offer without storing the key or its hash again.
+///
+/// Probing: group-aligned, from the home group fastrange(low64 of the hash, groups), then the following groups
+/// (wrapping). Each group has an "overflowed" bit, set when an insert passes over it because it is full; a lookup
+/// stops at the first group without the bit (most lookups, hits and misses alike, read one group). Deletion writes
+/// "empty" in a group that never overflowed (no probe passes it), else a tombstone; inserts reuse a tombstone of
+/// their first group with room before an empty slot, and an in-place rehash, O(capacity) with no allocation, drops
+/// the tombstones and recomputes the bits when live + tombstones would fill 15/16 of the slots (amortized O(1): at
+/// least capacity/16 erases separate two rehashes).
+/// Capacity is fixed at construction (the index never holds more entries than the pool has blocks), so nothing
+/// ever allocates after construction and no operation throws.
+/// Thread safety: const members may run concurrently with each other; no concurrent writer.
+template <BlockIdType Id>
+class BlockHashTable {
+ public:
+  static constexpr std::size_t kGroup = 16;
+
+  /// A table for up to `max_entries` ids.
+  explicit BlockHashTable(std::size_t max_entries)
+      : groups_(std::max<std::size_t>(1, (max_entries * 5 + 4 * kGroup - 1) / (4 * kGroup))),
+        ctrl_(groups_ * kGroup, kEmpty),
+        slots_(groups_ * kGroup, Id{0}),
+        overflowed_(groups_, 0) {}
+
+  /// The id whose key `hashes[id]` equals `h`, or 0 (not present). One probe sequence; O(1) expected.
+  [[nodiscard]] Id find(const BlockHash& h, const BlockHash* hashes) const noexcept {
+    const std::uint8_t h2 = tag(h);
+    std::size_t g = home(h);
+    for (std::size_t n = 0; n < groups_; ++n) {
+      const std::size_t base = g * kGroup;
+      for (std::uint32_t m = match(base, h2); m != 0; m &= m - 1) {
+        const Id id = slots_[base + static_cast<std::size_t>(std::countr_zero(m))];
+        if (hashes[id] == h) return id;
+      }
+      if (overflowed_[g] == 0) return Id{0};
+      g = g + 1 == groups_ ? 0 : g + 1;
+    }
+    return Id{0};
+  }
+
+  /// Insert `id`, whose key `hashes[id]` is `h`, unless an id with key `h` is present: returns that id, or `id`
+  /// when inserted. Precondition: fewer than the construction's max_entries ids are present.
+  Id insert(const BlockHash& h, Id id, const BlockHash* hashes) noexcept {
+    if (size_ + tombstones_ + 1 > max_fill()) rehash_in_place(hashes);
+    const std::uint8_t h2 = tag(h);
+    std::size_t g = home(h);
+    std::size_t target = kNone;
+    for (std::size_t n = 0; n < groups_; ++n) {
+      const std::size_t base = g * kGroup;
+      for (std::uint32_t m = match(base, h2); m != 0; m &= m - 1) {
+        const Id other = slots_[base + static_cast<std::size_t>(std::countr_zero(m))];
+        if (hashes[other] == h) return other;
+      }
+      if (target == kNone) {  // the first group with room; a tombstone there is reused before an empty slot
+        const std::uint32_t dead = match(base, kDeleted);
+        const std::uint32_t avail = dead != 0 ? dead : available(base);
+        if (avail != 0) {
+          target = base + static_cast<std::size_t>(std::countr_zero(avail));
+        } else {
+          overflowed_[g] = 1;  // full: this insert's probe passes it
+        }
+      }
+      if (overflowed_[g] == 0) break;  // no key with h can be further along
+      g = g + 1 == groups_ ? 0 : g + 1;
+    }
+    if (ctrl_[target] == kDeleted) --tombstones_;
+    ctrl_[target] = h2;
+    slots_[target] = id;
+    ++size_;
+    return id;
+  }
+
+  /// Remove `id`, whose key is `h`. Returns whether it was present.
+  bool erase(const BlockHash& h, Id id) noexcept {
+    const std::uint8_t h2 = tag(h);
+    std::size_t g = home(h);
+    for (std::size_t n = 0; n < groups_; ++n) {
+      const std::size_t base = g * kGroup;
+      for (std::uint32_t m = match(base, h2); m != 0; m &= m - 1) {
+        const std::size_t s = base + static_cast<std::size_t>(std::countr_zero(m));
+        if (slots_[s] != id) continue;
+        // Empty is safe only if no probe ever passed this group.
+        if (overflowed_[g] == 0) {
+          ctrl_[s] = kEmpty;
+        } else {
+          ctrl_[s] = kDeleted;
+          ++tombstones_;
+        }
+        --size_;
+        return true;
+      }
+      if (overflowed_[g] == 0) return false;
+      g = g + 1 == groups_ ? 0 : g + 1;
+    }
+    return false;
+  }
+
+  /// Hint the CPU to load the home group of `h` (control bytes and slots) ahead of a find or insert.
+  void prefetch(const BlockHash& h) const noexcept {
+    const std::size_t base = home(h) * kGroup;
+    __builtin_prefetch(ctrl_.data() + base);
+    __builtin_prefetch(slots_.data() + base);
+  }
+
+  /// Remove every id.
+  void clear() noexcept {
+    std::fill(ctrl_.begin(), ctrl_.end(), kEmpty);
+    std::fill(overflowed_.begin(), overflowed_.end(), std::uint8_t{0});
+    size_ = tombstones_ = 0;
+  }
+
+  /// Ids present.
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// Slots (groups * 16).
+  [[nodiscard]] std::size_t capacity() const noexcept { return ctrl_.size(); }
+  /// Bytes of the table (control bytes + slots).
+  [[nodiscard]] std::size_t memory_bytes() const noexcept {
+    return ctrl_.size() * (1 + sizeof(Id)) + overflowed_.size();
+  }
+  /// In-place rehashes so far (tombstone cleanups).
+  [[nodiscard]] std::uint64_t num_rehashes() const noexcept { return rehashes_; }
+
+ private:
+  static constexpr std::uint8_t kEmpty = 0x80;
+  static constexpr std::uint8_t kDeleted = 0xFE;
+  static constexpr std::size_t kNone = ~std::size_t{0};
+
+  [[nodiscard]] std::size_t max_fill() const noexcept { return capacity() - capacity() / 16; }
+  [[nodiscard]] std::size_t home(const BlockHash& h) const noexcept {
+    return static_cast<std::size_t>((static_cast<unsigned __int128>(h.low64()) * groups_) >> 64);
+  }
+  // 7 bits of the hash independent of the home group's (the hash's second half).
+  [[nodiscard]] static std::uint8_t tag(const BlockHash& h) noexcept { return h.bytes[8] & 0x7F; }
+
+  // Bit i set where ctrl[base + i] == c.
+  [[nodiscard]] std::uint32_t match(std::size_t base, std::uint8_t c) const noexcept {
+#if defined(__SSE2__)
+    const __m128i group = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ctrl_.data() + base));
+    return static_cast<std::uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(group, _mm_set1_epi8(static_cast<char>(c)))));
+#else
+    std::uint32_t m = 0;
+    for (std::size_t i = 0; i < kGroup; ++i) m |= static_cast<std::uint32_t>(ctrl_[base + i] == c) << i;
+    return m;
+#endif
+  }
+  // Bit i set where ctrl[base + i] is empty or deleted (the high bit: full tags are 0..127).
+  [[nodiscard]] std::uint32_t available(std::size_t base) const noexcept {
+#if defined(__SSE2__)
+    const __m128i group = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ctrl_.data() + base));
+    return static_cast<std::uint32_t>(_mm_movemask_epi8(group));
+#else
+    std::uint32_t m = 0;
+    for (std::size_t i = 0; i < kGroup; ++i) m |= static_cast<std::uint32_t>(ctrl_[base + i] >> 7) << i;
+    return m;
+#endif
+  }
+
+  // Drop the tombstones without allocating (Abseil's "drop deletes without resize"): every live slot is marked
+  // unplaced (kDeleted), every tombstone freed (kEmpty); then each unplaced id moves to the first available slot of
+  // its probe sequence: it stays if that slot is in its own group, moves if the slot is empty, or swaps with the
+  // unplaced id there and that one is placed next.
+  void rehash_in_place(const BlockHash* hashes) noexcept {
+    for (std::uint8_t& c : ctrl_) c = (c & 0x80) != 0 ? kEmpty : kDeleted;
+    std::fill(overflowed_.begin(), overflowed_.end(), std::uint8_t{0});
+    for (std::size_t i = 0; i < capacity(); ++i) {
+      while (ctrl_[i] == kDeleted) {
+        const BlockHash& h = hashes[slots_[i]];
+        std::size_t g = home(h);
+        std::size_t target = kNone;
+        for (std::size_t n = 0; n < groups_ && target == kNone; ++n) {
+          const std::uint32_t avail = available(g * kGroup);
+          if (avail != 0) {
+            target = g * kGroup + static_cast<std::size_t>(std::countr_zero(avail));
+          } else {
+            overflowed_[g] = 1;  // full (of placed or still unplaced ids): this id's probe passes it
+          }
+          g = g + 1 == groups_ ? 0 : g + 1;
+        }
+        if (target / kGroup == i / kGroup) {  // already in the first group with room: stays
+          ctrl_[i] = tag(h);
+        } else if (ctrl_[target] == kEmpty) {  // move
+          slots_[target] = slots_[i];
+          ctrl_[target] = tag(h);
+          ctrl_[i] = kEmpty;
+        } else {  // swap with another unplaced id, then place that one (loop)
+          std::swap(slots_[target], slots_[i]);
+          ctrl_[target] = tag(h);
+        }
+      }
+    }
+    tombstones_ = 0;
+    ++rehashes_;
+  }
+
+  std::size_t groups_;
+  std::vector<std::uint8_t> ctrl_;  // [groups * 16] kEmpty, kDeleted or the tag of a live slot
+  std::vector<Id> slots_;           // [groups * 16] ids of live slots
+  std::vector<std::uint8_t> overflowed_;  // [groups] 1: an insert passed this group (full) since the last rehash
+  std::size_t size_ = 0;
+  std::size_t tombstones_ = 0;
+  std::uint64_t rehashes_ = 0;
+};
+
+}  // namespace pagedkv::detail
