@@ -94,6 +94,41 @@ class Seed {
     w_.u8(omit).u8(pad).u8(fault);
     return *this;
   }
+  /// try_admit(id, base[0:len], {num_reserved_tokens: reserve byte (>= 224: all)})
+  Seed& admit_chunked(std::uint8_t id, std::uint8_t base, std::uint8_t len, std::uint8_t reserve,
+                      std::uint8_t keys = kNoKeys, std::uint8_t cap = kNoCap) {
+    op(Op::kAdmitChunked).w_.u8(id).u8(base).u8(len).u8(keys).u8(cap).u8(reserve);
+    return *this;
+  }
+  Seed& reserve(std::uint8_t id, std::uint8_t n) {
+    op(Op::kReserve).w_.u8(id).u8(n);
+    return *this;
+  }
+  Seed& lookahead(std::uint8_t id, std::uint8_t k, std::uint8_t mode = kContinue) {
+    op(Op::kReserveLookahead).w_.u8(id).u8(k).u8(mode);
+    return *this;
+  }
+  Seed& commit(std::uint8_t id, std::uint8_t accepted) {
+    op(Op::kCommitLookahead).w_.u8(id).u8(accepted);
+    return *this;
+  }
+  Seed& query_admit(std::uint8_t base, std::uint8_t len, std::uint8_t reserve = 0xFF) {
+    op(Op::kQueryAdmit).w_.u8(base).u8(len).u8(kNoKeys).u8(kNoCap).u8(reserve);
+    return *this;
+  }
+  Seed& query_append(std::uint8_t id, std::uint8_t n) {
+    op(Op::kQueryAppend).w_.u8(id).u8(n);
+    return *this;
+  }
+  /// build_batch_metadata(all live, exact buffers, num_scheduled_tokens from one byte per live sequence)
+  Seed& step_scheduled(std::initializer_list<std::uint8_t> per_seq, std::uint8_t fault = 0) {
+    op(Op::kBuildScheduled);
+    for (std::uint8_t q : per_seq) w_.u8(q);
+    w_.u8(fault);
+    return *this;
+  }
+  Seed& take_events() { return op(Op::kTakeEventBatch); }
+  Seed& take_stats() { return op(Op::kTakePrefixStats); }
   Seed& reset() { return op(Op::kReset); }
   Seed& query(std::uint8_t id) {
     op(Op::kQuery).w_.u8(id);
@@ -162,6 +197,27 @@ std::vector<std::pair<std::string, Seed>> seeds() {
   add("invalid_config_block_size_0", Seed(0, 0xFF, 16));
   add("invalid_config_one_block", Seed(0, kBs4, 1));
   add("int32_limits_config", Seed(kLimit, kBs4, 0xFD, 5));
+  // Chunked prefill: admit reserving 5 tokens, build chunks of 3, reserve the rest chunk by chunk.
+  add("chunked_prefill",
+      Seed(0, kBs4, 32).admit_chunked(1, 0, 30, 5).step_scheduled({3}).step().reserve(1, 8).step_scheduled({5}).reserve(1, 200)
+          .reserve(1, 130).step().append(1, 1).step());
+  add("chunked_prefill_misuse",
+      Seed(0, kBs4, 32).admit_chunked(1, 0, 30, 4).append(1, 1).lookahead(1, 2).fork(1, 2).reserve(1, 60).step_scheduled({255})
+          .step_scheduled({1}, 250).step());
+  add("chunked_prefill_hits", Seed(0, kBs4, 32).admit(1, 0, 40).step().admit_chunked(2, 0, 44, 0).step().reserve(2, 4).step());
+  // Speculative decoding: 3 drafts, verification step, 1 accepted; then all rejected; rewind through lookahead.
+  add("lookahead_accept_reject",
+      Seed(0, kBs4, 32).admit(1, 0, 7).step().lookahead(1, 3).step().commit(1, 1).append(1, 1).lookahead(1, 4).step()
+          .commit(1, 0).lookahead(1, 2).rewind(1, 3).step());
+  add("lookahead_fills_blocks",
+      Seed(0, kBs2, 32).admit(1, 0, 3).step().lookahead(1, 5).step_scheduled({2}).commit(1, 5).step().lookahead(1, 8).commit(1, 9)
+          .admit(2, 0, 3).step().lookahead(2, 5, 3).step().commit(2, 5).step());
+  add("capacity_queries",
+      Seed(0, kBs4, 8).admit(1, 0, 12).step().query_admit(0, 12).query_admit(1, 30).query_admit(2, 12, 4).query_append(1, 9)
+          .query_append(1, 250).query_append(5, 1));
+  add("events_batches_and_stats",
+      Seed(0, kBs4, 12).admit(1, 0, 16).step().take_events().preempt(1).admit(1, 0, 16).step().take_events().take_stats()
+          .admit(2, 1, 30).take_events().take_events().free(1).free(2).reset().take_events().take_stats());
   return s;
 }
 

@@ -27,18 +27,6 @@
 #include "manager_model.hpp"
 #include "manager_ops.hpp"
 
-// TODO(chunked admission): try_admit takes its cap in AdmitOptions once chunked admission lands; until then this
-// fallback is found only when pagedkv does not declare AdmitOptions (a using-directive is searched after the
-// namespace's own members), and call_try_admit passes the cap directly. Remove both once AdmitOptions is committed.
-namespace pagedkv_fuzz_fallback {
-struct AdmitOptions {
-  std::optional<std::size_t> max_cached_tokens;
-};
-}  // namespace pagedkv_fuzz_fallback
-namespace pagedkv {
-using namespace pagedkv_fuzz_fallback;
-}
-
 namespace pagedkv_fuzz {
 namespace driver_detail {
 
@@ -88,19 +76,6 @@ inline BlockHash item_hash(std::uint64_t id, std::uint64_t length) {
   return h;
 }
 
-// The manager's call signatures as they evolve: try_admit / lookup take the cap directly, or in AdmitOptions.
-template <class Mgr>
-pagedkv::AdmitResult call_try_admit(Mgr& m, SeqId id, std::span<const TokenId> prompt, const RequestKeys* keys,
-                                    std::optional<std::size_t> cap) {
-  if constexpr (requires { m.try_admit(id, prompt, keys, cap); }) {
-    return m.try_admit(id, prompt, keys, cap);
-  } else {
-    pagedkv::AdmitOptions opts{};
-    opts.max_cached_tokens = cap;
-    return m.try_admit(id, prompt, keys, opts);
-  }
-}
-
 inline std::string opt_text(const std::optional<std::size_t>& v) { return v ? std::to_string(*v) : "nullopt"; }
 
 inline std::string allowed_text(const std::set<Errc>& s) {
@@ -136,19 +111,28 @@ class Driver {
 
   void step(Op op, ByteReader& r) {
     switch (op) {
-      case Op::kAdmit: op_admit(r); break;
+      case Op::kAdmit: op_admit(r, false); break;
       case Op::kAppend: op_append(r); break;
       case Op::kFork: op_fork(r); break;
       case Op::kFree: op_free(r, false); break;
       case Op::kPreempt: op_free(r, true); break;
       case Op::kRewind: op_rewind(r); break;
       case Op::kLookup: op_lookup(r); break;
-      case Op::kBuild: op_build(r, false); break;
-      case Op::kStep: op_build(r, true); break;
+      case Op::kBuild: op_build(r, BuildKind::kAny); break;
+      case Op::kStep: op_build(r, BuildKind::kStep); break;
       case Op::kReset: op_reset(); break;
       case Op::kQuery: op_query(r); break;
       case Op::kMove: op_move(); break;
       case Op::kDrainAll: drain_all(); break;
+      case Op::kAdmitChunked: op_admit(r, true); break;
+      case Op::kReserve: op_reserve(r); break;
+      case Op::kReserveLookahead: op_reserve_lookahead(r); break;
+      case Op::kCommitLookahead: op_commit_lookahead(r); break;
+      case Op::kQueryAdmit: op_query_admit(r); break;
+      case Op::kQueryAppend: op_query_append(r); break;
+      case Op::kBuildScheduled: op_build(r, BuildKind::kScheduled); break;
+      case Op::kTakeEventBatch: op_take_event_batch(); break;
+      case Op::kTakePrefixStats: op_take_prefix_stats(); break;
       case Op::kCount: break;
     }
   }
@@ -265,86 +249,138 @@ class Driver {
   }
 
   // ---- admission ------------------------------------------------------------------------------------------------
-  void op_admit(ByteReader& r) {
+  /// What an admission of `prompt` would do now, as the model predicts it (valid input only).
+  struct AdmitPrediction {
+    typename Model::MSeq seq;           // the model sequence it would create (cursors set)
+    std::vector<std::uint64_t> hits;    // hit blocks
+    pagedkv::CapacityStatus status = pagedkv::CapacityStatus::kFits;
+    std::size_t num_blocks = 0;         // blocks taken (kNeverFits: the prompt's blocks)
+    std::size_t missing = 0;
+  };
+
+  AdmitPrediction predict_admit(std::span<const TokenId> prompt, const std::shared_ptr<RequestKeys>& keys,
+                                std::optional<std::size_t> cap, std::optional<std::size_t> reserve) {
+    const std::size_t bs = model_.block_size();
+    AdmitPrediction p;
+    const std::size_t total = model_.blocks_for(prompt.size());
+    if (total > model_.usable()) {
+      p.status = pagedkv::CapacityStatus::kNeverFits;
+      p.num_blocks = total;
+      p.missing = total - model_.usable();
+      return p;
+    }
+    p.seq = model_.make_seq(prompt, keys);
+    const std::size_t eff_cap = std::min(cap.value_or(prompt.size() - 1), prompt.size());
+    std::size_t evictable_hits = 0;
+    for (std::size_t i = 0; i < std::min(p.seq.hashes.size(), eff_cap / bs); ++i) {
+      const auto b = m().prefix_index().find(p.seq.hashes[i]);
+      if (!b) break;
+      p.hits.push_back(*b);
+      if (m().allocator().is_cached(*b)) ++evictable_hits;
+    }
+    const std::size_t cached = p.hits.size() * bs;
+    const std::size_t reserved = std::min(reserve.value_or(prompt.size()), prompt.size() - cached);
+    p.num_blocks = model_.blocks_for(cached + reserved) - p.hits.size();
+    const std::size_t avail = m().allocator().num_available_blocks() - evictable_hits;
+    if (p.num_blocks > avail) {
+      p.status = pagedkv::CapacityStatus::kNoCapacity;
+      p.missing = p.num_blocks - avail;
+    }
+    p.seq.built = cached;
+    p.seq.slotted = cached + reserved;
+    return p;
+  }
+
+  /// The error codes an admission (or query_admit, `id` unset) of `prompt` may raise.
+  std::set<Errc> admit_errors(std::optional<SeqId> id, std::span<const TokenId> prompt, const RequestKeys* keys,
+                              std::string& needle) const {
+    std::set<Errc> errs;
+    if (id && model_.live(*id)) errs.insert(Errc::kDuplicateSequence), needle = std::to_string(*id);
+    if (prompt.empty()) errs.insert(Errc::kInvalidArgument);
+    if (prompt.size() > model_.max_tokens()) errs.insert(Errc::kLimitExceeded), needle = std::to_string(prompt.size());
+    if (!keys_valid(keys, prompt.size())) errs.insert(Errc::kInvalidArgument);
+    return errs;
+  }
+
+  std::optional<std::size_t> decode_reserve(ByteReader& r, std::size_t len) const {
+    const std::uint8_t b = r.u8();
+    if (b >= 224) return std::nullopt;
+    return b % (len + 2);
+  }
+
+  void op_admit(ByteReader& r, bool chunked) {
     const SeqId id = seq_id(r.u8());
     const Toks prompt = decode_prompt(r);
     const std::shared_ptr<RequestKeys> keys_owned = decode_keys(r, prompt.size());
     const RequestKeys* keys = keys_owned.get();
     const auto cap = decode_cap(r, prompt.size());
-    log_.add("m.try_admit(" + std::to_string(id) + ", " + toks_text(prompt) + ", " + keys_text(keys) + ", cap " +
-             opt_text(cap) + ")");
-    std::set<Errc> errs;
+    const auto reserve = chunked ? decode_reserve(r, prompt.size()) : std::nullopt;
+    log_.add("m.try_admit(" + std::to_string(id) + ", " + toks_text(prompt) + ", " + keys_text(keys) +
+             ", {max_cached_tokens " + opt_text(cap) + ", num_reserved_tokens " + opt_text(reserve) + "})");
     std::string needle;
-    if (model_.live(id)) errs.insert(Errc::kDuplicateSequence), needle = std::to_string(id);
-    if (prompt.empty()) errs.insert(Errc::kInvalidArgument);
-    if (prompt.size() > m().max_tokens_per_seq()) errs.insert(Errc::kLimitExceeded), needle = std::to_string(prompt.size());
-    if (!keys_valid(keys, prompt.size())) errs.insert(Errc::kInvalidArgument);
-
-    // Predict the outcome exactly.
+    const std::set<Errc> errs = admit_errors(id, prompt, keys, needle);
     const std::size_t bs = model_.block_size();
-    typename Model::MSeq s;
-    std::vector<std::uint64_t> hit_blocks;
-    pagedkv::AdmitStatus want = pagedkv::AdmitStatus::kAdmitted;
-    std::size_t missing = 0;
+    AdmitPrediction want;
     if (errs.empty()) {
-      s = model_.make_seq(prompt, keys_owned);
-      const std::size_t eff_cap = std::min(cap.value_or(prompt.size() - 1), prompt.size());
-      std::size_t evictable_hits = 0;
-      for (std::size_t i = 0; i < std::min(s.hashes.size(), eff_cap / bs); ++i) {
-        const auto b = m().prefix_index().find(s.hashes[i]);
-        if (!b) break;
-        hit_blocks.push_back(*b);
-        if (m().allocator().is_cached(*b)) ++evictable_hits;
-      }
-      const std::size_t total = model_.blocks_for(prompt.size());
-      const std::size_t avail = m().allocator().num_available_blocks() - evictable_hits;
-      if (total > model_.usable()) {
-        want = pagedkv::AdmitStatus::kNeverFits;
-        missing = total - model_.usable();
-      } else if (total - hit_blocks.size() > avail) {
-        want = pagedkv::AdmitStatus::kNoCapacity;
-        missing = total - hit_blocks.size() - avail;
-      }
+      want = predict_admit(prompt, keys_owned, cap, reserve);
       // lookup is pure and agrees with the admission's walk.
       const std::size_t looked = m().lookup(prompt, keys, cap);
-      expect(looked == hit_blocks.size() * bs, "lookup says " + std::to_string(looked) + " cached tokens, the admission walk " +
-                                                   std::to_string(hit_blocks.size() * bs));
+      expect(want.status == pagedkv::CapacityStatus::kNeverFits || looked == want.hits.size() * bs,
+             "lookup says " + std::to_string(looked) + " cached tokens, the admission walk " +
+                 std::to_string(want.hits.size() * bs));
     }
     const CacheStats st = m().stats();
     std::optional<typename Model::Snapshot> before;
-    if (errs.empty() && want != pagedkv::AdmitStatus::kAdmitted) before.emplace(model_.snapshot(m()));
+    if (errs.empty() && want.status != pagedkv::CapacityStatus::kFits) before.emplace(model_.snapshot(m()));
     pagedkv::AdmitResult res;
-    if (!call(errs, needle, [&] { res = call_try_admit(m(), id, prompt, keys, cap); })) return;
+    pagedkv::AdmitOptions opts;
+    opts.max_cached_tokens = cap;
+    opts.num_reserved_tokens = reserve;
+    if (!call(errs, needle, [&] { res = m().try_admit(id, prompt, keys, opts); })) return;
     if (!errs.empty()) fail("try_admit succeeded, expected " + allowed_text(errs));
     log_.result("status " + std::to_string(static_cast<int>(res.status)) + ", cached " +
                 std::to_string(res.num_cached_tokens) + ", new blocks " + std::to_string(res.num_new_blocks));
-    expect(res.status == want, "try_admit status " + std::to_string(static_cast<int>(res.status)) + ", expected " +
-                                   std::to_string(static_cast<int>(want)));
-    expect(res.num_missing_blocks == missing, "num_missing_blocks " + std::to_string(res.num_missing_blocks) +
-                                                  ", expected " + std::to_string(missing));
-    if (want != pagedkv::AdmitStatus::kAdmitted) {
+    expect(static_cast<int>(res.status) == static_cast<int>(want.status),
+           "try_admit status " + std::to_string(static_cast<int>(res.status)) + ", expected " +
+               std::to_string(static_cast<int>(want.status)));
+    expect(res.num_missing_blocks == want.missing, "num_missing_blocks " + std::to_string(res.num_missing_blocks) +
+                                                       ", expected " + std::to_string(want.missing));
+    if (want.status != pagedkv::CapacityStatus::kFits) {
       expect(res.num_cached_tokens == 0 && res.num_new_blocks == 0, "a failed admission reports blocks");
       model_.expect_unchanged(m(), *before, "an admission answered no capacity / never fits");
       return;
     }
-    const std::size_t hits = hit_blocks.size();
+    const std::size_t hits = want.hits.size();
     expect(res.num_cached_tokens == hits * bs, "num_cached_tokens");
-    expect(res.num_new_blocks == model_.blocks_for(prompt.size()) - hits, "num_new_blocks");
+    expect(res.num_new_blocks == want.num_blocks, "num_new_blocks " + std::to_string(res.num_new_blocks) +
+                                                      ", expected " + std::to_string(want.num_blocks));
     const auto ids = m().block_ids(id);
-    expect(ids.size() == model_.blocks_for(prompt.size()) && std::equal(hit_blocks.begin(), hit_blocks.end(), ids.begin()),
+    expect(ids.size() == model_.blocks_for(want.seq.slotted) && std::equal(want.hits.begin(), want.hits.end(), ids.begin()),
            "the admitted table does not start with the hit blocks");
+    // Counters: every admission in prefix_*, a re-admission of a preempted id also in readmitted_*.
+    const bool readmission = model_.preempted_ids().erase(id) != 0;
     const CacheStats now = m().stats();
     expect(now.prefix_query_requests == st.prefix_query_requests + 1 &&
                now.prefix_query_tokens == st.prefix_query_tokens + prompt.size() &&
                now.prefix_hit_tokens == st.prefix_hit_tokens + hits * bs &&
                now.prefix_hit_requests == st.prefix_hit_requests + (hits > 0 ? 1 : 0),
            "prefix counters after an admission");
-    s.pending = prompt.size() - hits * bs;
-    model_.add_seq(id, std::move(s));
+    const std::size_t re = readmission ? 1 : 0;
+    expect(now.readmitted_requests == st.readmitted_requests + re &&
+               now.readmitted_query_tokens == st.readmitted_query_tokens + re * prompt.size() &&
+               now.readmitted_hit_tokens == st.readmitted_hit_tokens + re * hits * bs,
+           std::string("readmitted counters after ") + (readmission ? "a re-admission" : "a new admission"));
+    pagedkv::PrefixCacheStats& in = model_.interval();
+    if (readmission) {
+      ++in.preempted_requests, in.preempted_queries += prompt.size(), in.preempted_hits += hits * bs;
+    } else {
+      ++in.requests, in.queries += prompt.size(), in.hits += hits * bs;
+    }
+    model_.add_seq(id, std::move(want.seq));
     model_.check_all(m());
   }
 
-  // ---- append ---------------------------------------------------------------------------------------------------
+  // ---- growth: append, reserve, lookahead -------------------------------------------------------------------------
   std::size_t decode_append_len(ByteReader& r) const {
     const std::uint8_t b = r.u8();
     const std::size_t bs = model_.block_size();
@@ -378,85 +414,175 @@ class Driver {
     return t;
   }
 
-  void op_append(ByteReader& r) {
-    const SeqId id = seq_id(r.u8());
-    const std::size_t n = decode_append_len(r);
+  /// What growing live sequence `id` by n > 0 slots takes now (query_growth's rules, from the model's side).
+  struct Growth {
+    bool cow = false;
+    std::size_t held = 0;      // blocks the table holds now
+    std::size_t needed = 0;    // new blocks + the copy
+    std::size_t missing = 0;
+    pagedkv::CapacityStatus status = pagedkv::CapacityStatus::kFits;
+    std::uint64_t old_last = 0;
+  };
+  Growth predict_growth(SeqId id, std::size_t n) {
+    Growth g;
+    if (n == 0) return g;
+    const auto& a = m().allocator();
+    const auto blocks = m().block_ids(id);
+    const std::size_t slotted = model_.seq(id).slotted;
+    const std::size_t bs = model_.block_size();
+    g.held = blocks.size();
+    g.old_last = g.held > 0 ? blocks.back() : 0;
+    g.cow = slotted % bs != 0 && (a.refcount(blocks.back()) - Model::pins(m(), blocks.back()) > 1 || a.is_hashed(blocks.back()));
+    const std::size_t new_blocks = model_.blocks_for(slotted + n) - g.held;
+    g.needed = new_blocks + (g.cow ? 1 : 0);
+    // Never fits: even with every other sequence gone (a copy forced by sharing vanishes with the sharers, one
+    // forced by a hash does not).
+    const std::size_t held_after = g.held + new_blocks + (g.cow && a.is_hashed(blocks.back()) ? 1 : 0);
+    if (held_after > model_.usable()) {
+      g.status = pagedkv::CapacityStatus::kNeverFits;
+      g.missing = held_after - model_.usable();
+    } else if (g.needed > a.num_available_blocks()) {
+      g.status = pagedkv::CapacityStatus::kNoCapacity;
+      g.missing = g.needed - a.num_available_blocks();
+    }
+    return g;
+  }
+
+  enum class Growing { kAppend, kReserve, kLookahead };
+
+  /// try_append / try_reserve / try_reserve_lookahead of `n` positions (`add`: the appended ids, or the drafts).
+  void grow(Growing kind, SeqId id, std::size_t n, const Toks& add) {
     const bool is_live = model_.live(id);
-    const std::size_t len = is_live ? model_.seq(id).tokens.size() : 0;
-    const Toks add = decode_tokens(r, len, n);
-    log_.add("m.try_append(" + std::to_string(id) + ", " + toks_text(add) + ")");
     std::set<Errc> errs;
     std::string needle = std::to_string(id);
     if (!is_live) errs.insert(Errc::kUnknownSequence);
-    if (is_live && len + n > m().max_tokens_per_seq()) errs.insert(Errc::kLimitExceeded);
-    const std::size_t bs = model_.block_size();
-    const auto& a = m().allocator();
-    bool cow = false, never = false, fits = true;
-    std::size_t nb = 0, need = 0, missing = 0;
-    std::uint64_t old_last = 0;
-    if (errs.empty()) {
-      const auto blocks = m().block_ids(id);
-      nb = blocks.size();
-      old_last = nb > 0 ? blocks.back() : 0;
-      cow = n > 0 && len % bs != 0 &&
-            (a.refcount(blocks.back()) - Model::pins(m(), blocks.back()) > 1 || a.is_hashed(blocks.back()));
-      const bool hashed_partial = cow && a.is_hashed(blocks.back());
-      const std::size_t new_blocks = model_.blocks_for(len + n) - nb;
-      need = new_blocks + (cow ? 1 : 0);
-      const std::size_t held_after = nb + new_blocks + (hashed_partial ? 1 : 0);
-      never = n > 0 && held_after > model_.usable();
-      fits = need <= a.num_available_blocks();
-      missing = never ? held_after - model_.usable() : fits ? 0 : need - a.num_available_blocks();
+    if (is_live) {
+      const auto& s = model_.seq(id);
+      if (kind == Growing::kReserve) {
+        if (n > s.unslotted()) errs.insert(Errc::kInvalidArgument);
+      } else {
+        if (s.unslotted() != 0 || s.lookahead() != 0) errs.insert(Errc::kInvalidArgument);
+        if (s.known() + n > model_.max_tokens()) errs.insert(Errc::kLimitExceeded);
+      }
     }
+    Growth g;
+    if (errs.empty()) g = predict_growth(id, n);
     const CacheStats st = m().stats();
     std::optional<typename Model::Snapshot> before;
-    if (errs.empty() && (never || !fits || n == 0)) before.emplace(model_.snapshot(m()));
+    if (errs.empty() && (g.status != pagedkv::CapacityStatus::kFits || n == 0)) before.emplace(model_.snapshot(m()));
     std::optional<pagedkv::AppendResult<Id>> res;
-    if (!call(errs, needle, [&] { res.emplace(m().try_append(id, add)); })) return;
-    if (!errs.empty()) fail("try_append succeeded, expected " + allowed_text(errs));
-    log_.result("status " + std::to_string(static_cast<int>(res->status)) + (res->copy ? ", copy " + std::to_string(res->copy->src) + "->" + std::to_string(res->copy->dst) : ""));
-    if (never) {
-      expect(res->status == pagedkv::AppendStatus::kNeverFits, "try_append status " +
-                                                                   std::to_string(static_cast<int>(res->status)) +
-                                                                   ", expected kNeverFits (the pool can never hold it)");
-    } else if (!fits) {
-      expect(res->status == pagedkv::AppendStatus::kNoCapacity, "try_append status " +
-                                                                    std::to_string(static_cast<int>(res->status)) +
-                                                                    ", expected kNoCapacity");
-    } else {
-      expect(res->status == pagedkv::AppendStatus::kOk, "try_append status " + std::to_string(static_cast<int>(res->status)) +
-                                                            ", expected kOk");
-    }
-    expect(res->num_missing_blocks == missing, "num_missing_blocks " + std::to_string(res->num_missing_blocks) +
-                                                   ", expected " + std::to_string(missing));
+    const bool ok = call(errs, needle, [&] {
+      switch (kind) {
+        case Growing::kAppend: res.emplace(m().try_append(id, add)); break;
+        case Growing::kReserve: res.emplace(m().try_reserve(id, n)); break;
+        case Growing::kLookahead: res.emplace(m().try_reserve_lookahead(id, n)); break;
+      }
+    });
+    if (!ok) return;
+    if (!errs.empty()) fail("the call succeeded, expected " + allowed_text(errs));
+    log_.result("status " + std::to_string(static_cast<int>(res->status)) +
+                (res->copy ? ", copy " + std::to_string(res->copy->src) + "->" + std::to_string(res->copy->dst) : ""));
+    expect(static_cast<int>(res->status) == static_cast<int>(g.status),
+           "status " + std::to_string(static_cast<int>(res->status)) + ", expected " + std::to_string(static_cast<int>(g.status)));
+    expect(res->num_missing_blocks == g.missing, "num_missing_blocks " + std::to_string(res->num_missing_blocks) +
+                                                     ", expected " + std::to_string(g.missing));
     if (res->status != pagedkv::AppendStatus::kOk || n == 0) {
-      expect(res->slots.empty() && !res->copy, "a failed or empty append reports slots or a copy");
-      expect(before.has_value(), "try_append status " + std::to_string(static_cast<int>(res->status)) + " unexpected");
-      model_.expect_unchanged(m(), *before, n == 0 ? "an empty append" : "an append answered no capacity / never fits");
+      expect(res->slots.empty() && !res->copy, "a failed or empty growth reports slots or a copy");
+      model_.expect_unchanged(m(), *before, n == 0 ? "an empty growth" : "a growth answered no capacity / never fits");
       return;
     }
-    expect(res->slots.size() == n, "append returned " + std::to_string(res->slots.size()) + " slots for " + std::to_string(n) + " tokens");
+    expect(res->slots.size() == n, std::to_string(res->slots.size()) + " slots for " + std::to_string(n) + " positions");
     const Slots got(res->slots.begin(), res->slots.end());
     const CacheStats now = m().stats();
-    expect(now.cow_copies == st.cow_copies + (cow ? 1 : 0), "cow_copies counter");
-    expect(now.dedup_blocks == st.dedup_blocks, "deduplication outside a build");
-    expect(now.blocks_cached + now.blocks_free + need == st.blocks_cached + st.blocks_free, "blocks taken by an append");
+    expect(now.cow_copies == st.cow_copies + (g.cow ? 1 : 0), "cow_copies counter");
+    expect(now.dedup_blocks == st.dedup_blocks, "deduplication outside a build or commit");
+    expect(now.blocks_cached + now.blocks_free + g.needed == st.blocks_cached + st.blocks_free, "blocks taken by a growth");
     const auto after = m().block_ids(id);
-    if (cow) {
-      expect(res->copy.has_value() && res->copy->src == old_last && after[nb - 1] == res->copy->dst,
+    if (g.cow) {
+      expect(res->copy.has_value() && res->copy->src == g.old_last && after[g.held - 1] == res->copy->dst,
              "copy-on-write of the shared / hashed partial last block");
       expect(!m().pending_copies().empty() && m().pending_copies().back() == *res->copy, "the copy is pending");
     } else {
-      expect(!res->copy, "an append copied a block it may write in place");
-    }
-    for (std::size_t j = 0; j < n; ++j) {
-      const std::size_t p = len + j;
-      const std::int64_t want = static_cast<std::int64_t>(after[p / bs]) * bs + static_cast<std::int64_t>(p % bs);
-      expect(got[j] == want, "append slot of position " + std::to_string(p));
+      expect(!res->copy, "a growth copied a block it may write in place");
     }
     auto& s = model_.mutable_seq(id);
-    model_.extend(s, add);
-    s.pending += n;
+    const std::size_t bs = model_.block_size();
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t p = s.slotted + j;
+      const std::int64_t want = static_cast<std::int64_t>(after[p / bs]) * bs + static_cast<std::int64_t>(p % bs);
+      expect(got[j] == want, "slot of position " + std::to_string(p));
+    }
+    if (kind == Growing::kAppend) model_.extend(s, add);
+    if (kind == Growing::kLookahead) model_.add_drafts(s, add);
+    s.slotted += n;
+    model_.check_all(m());
+  }
+
+  void op_append(ByteReader& r) {
+    const SeqId id = seq_id(r.u8());
+    const std::size_t n = decode_append_len(r);
+    const Toks add = decode_tokens(r, model_.live(id) ? model_.seq(id).known() : 0, n);
+    log_.add("m.try_append(" + std::to_string(id) + ", " + toks_text(add) + ")");
+    grow(Growing::kAppend, id, n, add);
+  }
+
+  void op_reserve(ByteReader& r) {
+    const SeqId id = seq_id(r.u8());
+    const std::uint8_t b = r.u8();
+    const std::size_t unslotted = model_.live(id) ? model_.seq(id).unslotted() : 0;
+    const std::size_t n = b < 128 ? b % (unslotted + 2) : (b - 128) % 40;
+    log_.add("m.try_reserve(" + std::to_string(id) + ", " + std::to_string(n) + ")");
+    grow(Growing::kReserve, id, n, {});
+  }
+
+  void op_reserve_lookahead(ByteReader& r) {
+    const SeqId id = seq_id(r.u8());
+    const std::uint8_t b = r.u8();
+    const std::size_t k = b < 240 ? b % 9 : model_.usable() * model_.block_size() + (b - 240);
+    const std::size_t pos = model_.live(id) ? model_.seq(id).known() : 0;
+    const Toks drafts = decode_tokens(r, pos, std::min<std::size_t>(k, 1U << 16));
+    log_.add("m.try_reserve_lookahead(" + std::to_string(id) + ", " + std::to_string(k) + ")  [drafts the GPU proposes: " +
+             toks_text(drafts) + "]");
+    grow(Growing::kLookahead, id, k, drafts);
+  }
+
+  void op_commit_lookahead(ByteReader& r) {
+    const SeqId id = seq_id(r.u8());
+    const std::uint8_t b = r.u8();
+    const bool is_live = model_.live(id);
+    const std::size_t la = is_live ? model_.seq(id).lookahead() : 0;
+    const std::size_t a = b % (la + 2);  // la + 1: more than the lookahead (misuse)
+    // The engine commits the drafts the verification accepted (their K/V is what the step wrote).
+    Toks accepted;
+    if (is_live) {
+      const auto& d = model_.seq(id).drafts;
+      accepted.assign(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(std::min(a, d.size())));
+    }
+    accepted.resize(a, 0);
+    log_.add("m.commit_lookahead(" + std::to_string(id) + ", " + toks_text(accepted) + ")");
+    std::set<Errc> errs;
+    if (!is_live) errs.insert(Errc::kUnknownSequence);
+    if (is_live && a > la) errs.insert(Errc::kInvalidArgument);
+    Blocks blocks;
+    if (errs.empty()) {
+      const auto bl = m().block_ids(id);
+      blocks.assign(bl.begin(), bl.end());
+    }
+    const CacheStats st = m().stats();
+    if (!call(errs, std::to_string(id), [&] { m().commit_lookahead(id, accepted); })) return;
+    if (!errs.empty()) fail("commit_lookahead succeeded, expected " + allowed_text(errs));
+    log_.result("ok");
+    auto& s = model_.mutable_seq(id);
+    const std::size_t rejected = la - a;
+    model_.commit_drafts(s, a);
+    s.slotted -= rejected;
+    s.built = std::min(s.built, s.slotted);
+    // The kept blocks are the leading ones, except blocks switched to an identical registered one.
+    const auto after = m().block_ids(id);
+    expect(after.size() == model_.blocks_for(s.slotted), "commit_lookahead kept " + std::to_string(after.size()) + " blocks");
+    std::size_t switched = 0;
+    for (std::size_t i = 0; i < after.size(); ++i) switched += after[i] != blocks[i] ? 1 : 0;
+    expect(m().stats().dedup_blocks == st.dedup_blocks + switched, "dedup_blocks after commit_lookahead");
     model_.check_all(m());
   }
 
@@ -469,8 +595,8 @@ class Driver {
     std::string needle;
     if (model_.live(child)) errs.insert(Errc::kDuplicateSequence), needle = std::to_string(child);
     if (!model_.live(parent)) errs.insert(Errc::kUnknownSequence), needle = std::to_string(parent);
-    // A parent with unbuilt slots or a pending copy into its table is not settled: its child would read K/V no
-    // build has written, or chain copies in one build.
+    // A parent that is not settled (unbuilt slots, prompt tokens without slots, lookahead, a pending copy into its
+    // table): its child would read K/V no build has written, or chain copies in one build.
     if (errs.empty() && !model_.settled(m(), parent)) errs.insert(Errc::kInvalidArgument), needle = std::to_string(parent);
     const CacheStats st = m().stats();
     if (!call(errs, needle, [&] { m().fork(parent, child); })) return;
@@ -481,9 +607,7 @@ class Driver {
     expect(std::equal(pb.begin(), pb.end(), cb.begin(), cb.end()), "the child's table is not the parent's");
     expect(m().stats().blocks_free == st.blocks_free && m().stats().blocks_cached == st.blocks_cached,
            "fork allocated or evicted");
-    auto c = model_.seq(parent);
-    c.pending = 0;
-    model_.add_seq(child, std::move(c));
+    model_.add_seq(child, model_.seq(parent));
     model_.check_all(m());
   }
 
@@ -505,6 +629,7 @@ class Driver {
     expect(m().stats().preemptions == pre + (preempt ? 1 : 0), "preemptions counter");
     const auto lru = m().allocator().eviction_policy().order();
     expect(Blocks(lru.begin(), lru.end()) == want_lru, "LRU order after release (tail first, through pending copies)");
+    if (preempt) model_.preempted_ids().insert(id);
     model_.erase_seq(id);
     model_.check_all(m());
   }
@@ -513,7 +638,7 @@ class Driver {
     const SeqId id = seq_id(r.u8());
     const std::uint8_t b = r.u8();
     const bool is_live = model_.live(id);
-    const std::size_t len = is_live ? model_.seq(id).tokens.size() : 0;
+    const std::size_t len = is_live ? model_.seq(id).known() + model_.seq(id).lookahead() : 0;
     std::size_t n;
     if (b < 128) {
       n = b % (model_.block_size() + 1);
@@ -528,11 +653,13 @@ class Driver {
     if (!is_live) errs.insert(Errc::kUnknownSequence);
     if (is_live && n > len) errs.insert(Errc::kLimitExceeded);
     Blocks blocks, want_lru;
-    std::size_t keep = 0;
+    typename Model::MSeq after_model;
     if (errs.empty()) {
       const auto bl = m().block_ids(id);
       blocks.assign(bl.begin(), bl.end());
-      keep = model_.blocks_for(len - n);
+      after_model = model_.seq(id);
+      model_.rewind(after_model, n);
+      const std::size_t keep = model_.blocks_for(after_model.slotted);
       want_lru = model_.expected_lru_after_release(m(), Blocks(blocks.begin() + static_cast<std::ptrdiff_t>(keep), blocks.end()));
     }
     if (!call(errs, needle, [&] { m().rewind(id, n); })) return;
@@ -540,13 +667,11 @@ class Driver {
     log_.result("ok");
     const auto lru = m().allocator().eviction_policy().order();
     expect(Blocks(lru.begin(), lru.end()) == want_lru, "LRU order after rewind");
+    const std::size_t keep = model_.blocks_for(after_model.slotted);
     const auto after = m().block_ids(id);
-    expect(std::equal(after.begin(), after.end(), blocks.begin(), blocks.begin() + static_cast<std::ptrdiff_t>(keep)) &&
-               after.size() == keep,
+    expect(after.size() == keep && std::equal(after.begin(), after.end(), blocks.begin()),
            "rewind kept other blocks than the leading ones");
-    auto& s = model_.mutable_seq(id);
-    model_.truncate(s, len - n);
-    s.pending -= std::min(n, s.pending);
+    model_.add_seq(id, std::move(after_model));
     model_.check_all(m());
   }
 
@@ -589,17 +714,124 @@ class Driver {
     const bool c = call(errs, needle, [&] { (void)m().block_ids(id); });
     const bool d = call(errs, needle, [&] { (void)m().pending_slots(id); });
     expect(a == is_live && b == is_live && c == is_live && d == is_live, "queries of a sequence that is not live succeeded");
-    if (is_live) expect(n == model_.seq(id).tokens.size(), "num_tokens");
+    if (is_live) expect(n == model_.seq(id).slotted, "num_tokens");
+  }
+
+  /// query_admit: what try_admit would answer now, and nothing changes.
+  void op_query_admit(ByteReader& r) {
+    const Toks prompt = decode_prompt(r);
+    const std::shared_ptr<RequestKeys> keys_owned = decode_keys(r, prompt.size());
+    const RequestKeys* keys = keys_owned.get();
+    const auto cap = decode_cap(r, prompt.size());
+    const auto reserve = decode_reserve(r, prompt.size());
+    log_.add("m.query_admit(" + toks_text(prompt) + ", " + keys_text(keys) + ", {max_cached_tokens " + opt_text(cap) +
+             ", num_reserved_tokens " + opt_text(reserve) + "})");
+    std::string needle;
+    const std::set<Errc> errs = admit_errors(std::nullopt, prompt, keys, needle);
+    AdmitPrediction want;
+    if (errs.empty()) want = predict_admit(prompt, keys_owned, cap, reserve);
+    const auto before = model_.snapshot(m());
+    pagedkv::CapacityQuery q;
+    pagedkv::AdmitOptions opts;
+    opts.max_cached_tokens = cap;
+    opts.num_reserved_tokens = reserve;
+    if (!call(errs, needle, [&] { q = m().query_admit(prompt, keys, opts); })) return;
+    if (!errs.empty()) fail("query_admit succeeded, expected " + allowed_text(errs));
+    log_.result("status " + std::to_string(static_cast<int>(q.status)) + ", blocks " + std::to_string(q.num_blocks) +
+                ", missing " + std::to_string(q.num_missing_blocks) + ", cached " + std::to_string(q.num_cached_tokens));
+    const std::size_t cached = want.status == pagedkv::CapacityStatus::kNeverFits ? 0 : want.hits.size() * model_.block_size();
+    expect(q.status == want.status && q.num_blocks == want.num_blocks && q.num_missing_blocks == want.missing &&
+               q.num_cached_tokens == cached,
+           "query_admit answered status " + std::to_string(static_cast<int>(q.status)) + " blocks " +
+               std::to_string(q.num_blocks) + " missing " + std::to_string(q.num_missing_blocks) + " cached " +
+               std::to_string(q.num_cached_tokens) + "; the model: " + std::to_string(static_cast<int>(want.status)) +
+               " / " + std::to_string(want.num_blocks) + " / " + std::to_string(want.missing) + " / " + std::to_string(cached));
+    model_.expect_unchanged(m(), before, "query_admit (pure)");
+  }
+
+  /// query_append: what growing a sequence by n slots would take now, and nothing changes.
+  void op_query_append(ByteReader& r) {
+    const SeqId id = seq_id(r.u8());
+    const std::size_t n = decode_append_len(r);
+    log_.add("m.query_append(" + std::to_string(id) + ", " + std::to_string(n) + ")");
+    std::set<Errc> errs;
+    if (!model_.live(id)) errs.insert(Errc::kUnknownSequence);
+    Growth g;
+    if (errs.empty()) g = predict_growth(id, n);
+    const auto before = model_.snapshot(m());
+    pagedkv::CapacityQuery q;
+    if (!call(errs, std::to_string(id), [&] { q = m().query_append(id, n); })) return;
+    if (!errs.empty()) fail("query_append succeeded, expected " + allowed_text(errs));
+    log_.result("status " + std::to_string(static_cast<int>(q.status)) + ", blocks " + std::to_string(q.num_blocks) +
+                ", missing " + std::to_string(q.num_missing_blocks));
+    expect(q.status == g.status && q.num_blocks == g.needed && q.num_missing_blocks == g.missing && q.num_cached_tokens == 0,
+           "query_append answered status " + std::to_string(static_cast<int>(q.status)) + " blocks " +
+               std::to_string(q.num_blocks) + " missing " + std::to_string(q.num_missing_blocks) + "; the model: " +
+               std::to_string(static_cast<int>(g.status)) + " / " + std::to_string(g.needed) + " / " +
+               std::to_string(g.missing));
+    model_.expect_unchanged(m(), before, "query_append (pure)");
+  }
+
+  /// take_event_batch: the events since the last take as the next numbered batch (checked by check_all).
+  void op_take_event_batch() {
+    log_.add("m.take_event_batch(ts)");
+    model_.take_event_batch_next();
+    model_.check_all(m());
+  }
+
+  /// take_prefix_cache_stats: the interval's admissions (new and re-admitted apart), then a new interval.
+  void op_take_prefix_stats() {
+    log_.add("m.take_prefix_cache_stats()");
+    const pagedkv::PrefixCacheStats got = m().take_prefix_cache_stats();
+    pagedkv::PrefixCacheStats& want = model_.interval();
+    expect(got.reset == want.reset && got.requests == want.requests && got.queries == want.queries &&
+               got.hits == want.hits && got.preempted_requests == want.preempted_requests &&
+               got.preempted_queries == want.preempted_queries && got.preempted_hits == want.preempted_hits,
+           "take_prefix_cache_stats: requests " + std::to_string(got.requests) + "/" + std::to_string(want.requests) +
+               ", queries " + std::to_string(got.queries) + "/" + std::to_string(want.queries) + ", hits " +
+               std::to_string(got.hits) + "/" + std::to_string(want.hits) + ", preempted requests " +
+               std::to_string(got.preempted_requests) + "/" + std::to_string(want.preempted_requests) + ", reset " +
+               std::to_string(got.reset) + "/" + std::to_string(want.reset) + " (manager/model)");
+    want = {};
+    const pagedkv::PrefixCacheStats again = m().take_prefix_cache_stats();
+    expect(!again.reset && again.requests == 0 && again.preempted_requests == 0, "a second take is not empty");
   }
 
   // ---- builds -----------------------------------------------------------------------------------------------------
-  void op_build(ByteReader& r, bool engine_step) {
+  enum class BuildKind { kAny, kStep, kScheduled };
+
+  /// build_batch_metadata. kAny: any batch and buffer shapes; kStep: every live sequence, exact buffers (an engine
+  /// step); kScheduled: an engine step computing only part of each sequence's pending positions
+  /// (num_scheduled_tokens: prefill chunks, decode + lookahead).
+  void op_build(ByteReader& r, BuildKind kind) {
     std::vector<SeqId> live;
     for (const auto& [id, s] : model_.seqs()) live.push_back(id);
     std::vector<SeqId> batch;
+    std::vector<std::uint32_t> q_lens;  // empty: every pending position
+    bool q_lens_wrong_size = false;
+    bool q_len_too_long = false;
     std::uint8_t omit = 0, pad = 0, fault = 0;
-    if (engine_step) {
+    if (kind == BuildKind::kStep) {
       batch = live;
+    } else if (kind == BuildKind::kScheduled) {
+      batch = live;
+      for (SeqId id : batch) {
+        const std::size_t pending = model_.seq(id).pending();
+        const std::uint8_t q = r.u8();
+        const std::size_t n = q < 200 ? q % (pending + 1) : q <= 250 ? pending : pending + 1 + (q & 1);
+        q_lens.push_back(static_cast<std::uint32_t>(n));
+      }
+      if (r.u8() >= 250) {  // a num_scheduled_tokens span not of the batch's size
+        if (!q_lens.empty() && (q_lens.size() > 1 || r.u8() & 1)) {
+          q_lens.pop_back();
+        } else {
+          q_lens.push_back(0);
+        }
+        q_lens_wrong_size = !q_lens.empty();  // an empty span means "all pending"
+      }
+      for (std::size_t b = 0; b < std::min(q_lens.size(), batch.size()); ++b) {
+        q_len_too_long |= q_lens[b] > model_.seq(batch[b]).pending();
+      }
     } else {
       const std::uint8_t mode = r.u8();
       switch (mode % 8) {
@@ -635,15 +867,21 @@ class Driver {
     std::set<Errc> errs;
     std::set<SeqId> seen;
     std::size_t total_blocks = 0, total_slots = 0, max_row = 0;
-    for (SeqId id : batch) {
+    if (q_lens_wrong_size) errs.insert(Errc::kBadShape);
+    if (q_len_too_long) errs.insert(Errc::kInvalidArgument);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const SeqId id = batch[b];
       if (!model_.live(id)) {
         errs.insert(Errc::kUnknownSequence);
         continue;
       }
       if (!seen.insert(id).second) errs.insert(Errc::kInvalidArgument);
-      total_blocks += model_.blocks_for(model_.seq(id).tokens.size());
-      total_slots += model_.seq(id).pending;
-      max_row = std::max(max_row, model_.blocks_for(model_.seq(id).tokens.size()));
+      const auto& s = model_.seq(id);
+      const std::size_t q_len = q_lens.empty() || b >= q_lens.size() ? s.pending() : std::min<std::size_t>(q_lens[b], s.pending());
+      const std::size_t rows = model_.blocks_for(s.built + q_len);  // the page table covers what is written by then
+      total_blocks += rows;
+      total_slots += q_len;
+      max_row = std::max(max_row, rows);
     }
     const std::size_t B = batch.size();
     const std::size_t num_copies = m().pending_copies().size();
@@ -707,12 +945,17 @@ class Driver {
     text += "}, sizes indptr " + std::to_string(have[0]) + " indices " + std::to_string(have[1]) + " last_page_len " +
             std::to_string(have[2]) + " block_tables " + std::to_string(have[3]) + " (row " + std::to_string(row_len) +
             ") seq_lens " + std::to_string(have[4]) + " qo_indptr " + std::to_string(have[5]) + " slot_mapping " +
-            std::to_string(have[6]) + " copies " + std::to_string(have[7]) + ")";
-    log_.add(text);
+            std::to_string(have[6]) + " copies " + std::to_string(have[7]);
+    if (kind == BuildKind::kScheduled) {
+      text += ", num_scheduled_tokens {";
+      for (std::size_t i = 0; i < q_lens.size(); ++i) text += (i ? "," : "") + std::to_string(q_lens[i]);
+      text += "}";
+    }
+    log_.add(text + ")");
 
-    const auto pre = errs.empty() ? model_.capture_build_pre(m(), batch) : typename Model::BuildPre{};
+    const auto pre = errs.empty() ? model_.capture_build_pre(m(), batch, q_lens) : typename Model::BuildPre{};
     pagedkv::BatchMetadataSizes sz;
-    if (!call(errs, "", [&] { sz = m().build_batch_metadata(batch, buf); })) return;
+    if (!call(errs, "", [&] { sz = m().build_batch_metadata(batch, buf, q_lens); })) return;
     if (!errs.empty()) fail("build_batch_metadata succeeded, expected " + allowed_text(errs));
     log_.result("ok: " + std::to_string(sz.num_copies) + " copies, " + std::to_string(sz.num_new_tokens) + " new tokens");
     model_.check_build_and_run_kernels(m(), pre, out, sz);
@@ -735,7 +978,8 @@ class Driver {
     expect(m().prefix_index().size() == 0 && m().stats().blocks_cached == 0 &&
                m().stats().blocks_free == model_.usable(),
            "reset_prefix_cache left cached blocks");
-    for (const auto& [id, s] : model_.seqs()) expect(s.tokens.empty(), "a live sequence with tokens and no block");
+    for (const auto& [id, s] : model_.seqs()) expect(s.slotted == 0, "a live sequence with slots and no block");
+    model_.interval().reset = true;
     model_.check_all(m(), /*expect_cleared=*/m().config().enable_events);
   }
 

@@ -3,25 +3,29 @@
 // predicts its outcome with the helpers here and tells the model what changed.
 //
 // What the model keeps:
-//  - per live sequence: token ids, extra keys, a K/V fingerprint per position (a function of the token prefix
-//    and the keys covering it), the chain hashes of its full blocks, and how many trailing positions are pending
-//    (slots reserved, writes not yet issued by a build);
+//  - per live sequence: known token ids, lookahead drafts (ids the host does not know yet), extra keys, a K/V
+//    fingerprint per position (a function of the token prefix and the keys covering it), the chain hashes of its
+//    known full blocks, and its cursors: positions written (built), positions with slots (slotted);
 //  - a shadow K/V pool, one fingerprint per slot, that a build updates exactly as the kernels would: every copy
 //    of the copy list (all sources read before any destination is written: copy_blocks runs its copies in
-//    parallel), then every slot of the slot mapping. Blocks that become free or are evicted are poisoned.
+//    parallel), then every slot of the slot mapping. Blocks that become free or are evicted are poisoned;
+//  - sequence ids preempted and not re-admitted, the interval's prefix-cache statistics, event batches taken.
 // What it checks (check_all after every operation, check_build_and_run_kernels after every build):
-//  - per sequence: length, token ids, block count, no null or out-of-range block, pending slots = own positions;
+//  - per sequence: slotted length, token ids, block count, no null or out-of-range block, pending slots = own
+//    positions, the manager's cursors (built / slotted / known / lookahead / settled);
 //  - refcount(b) = tables holding b + pending copies reading b; every usable block exactly one of free / cached /
-//    held, matching stats(); hashed <=> registered; a registered block of a sequence carries that sequence's
-//    chain hash; the LRU holds exactly the cached blocks;
+//    held, matching stats(); hashed <=> registered; a registered block carries its sequence's chain hash, and
+//    every block whose writes are issued and whose ids are known is registered; the LRU holds the cached blocks;
 //  - pending copies: src != dst, no block both a source and a destination, each destination held by a table;
-//  - a build's outputs against the state before it (page table, padded table, seq_lens, qo_indptr, slot mapping
-//    with -1 exactly for deduplicated blocks, the copy list), registration / deduplication of the blocks it
-//    writes, no write into a block that another table holds or that was already registered, no slot written
-//    twice, and then the content: every built position of every live sequence reads, through its block table,
-//    the fingerprint of its own prefix;
-//  - events: seq_no +1 each, stored events carry the block's tokens, parent, adapter and overlapping multimodal
-//    items, index size and eviction counter agree with stored / removed events;
+//  - a build's outputs against the state before it (page table over the positions written by the end of the
+//    step, padded table, seq_lens, qo_indptr, slot mapping with -1 exactly for deduplicated blocks, copy list,
+//    padding), registration / deduplication of the blocks it completes, no write into a block another table
+//    holds or that was registered before, no slot written twice;
+//  - content, after every operation: every written position of every live sequence reads, through its block
+//    table (and through a pending copy into it), the fingerprint of its own prefix;
+//  - events: seq_no +1 each, numbered batches, stored events carry the block's tokens, position, parent, adapter,
+//    salt and overlapping multimodal items and rehash to their hash, index size and eviction counter agree with
+//    stored / removed events, the event snapshot lists exactly the registered hashes;
 //  - snapshots for the strong guarantee: a failed call (error, no capacity, never fits) changes nothing.
 // A violation prints the API calls of the input so far (a reproducer) and aborts.
 #pragma once
@@ -169,21 +173,33 @@ class ManagerModel {
   using Hasher = typename Mgr::hasher_type;
   static constexpr std::uint64_t kPoison = 0xDEADDEADDEADDEADULL;
 
+  /// A live sequence as the model sees it. Positions: [0, built) written (or cache hits), [built, slotted) slots
+  /// reserved, writes pending, [slotted, known) prompt tokens without slots (chunked admission); or, with
+  /// lookahead, the last `lookahead` slotted positions hold draft tokens the host does not know yet.
   struct MSeq {
-    Toks tokens;
+    Toks tokens;                              // known token ids, [known]
+    Toks drafts;                              // lookahead drafts (the verification step's ids), [lookahead]
     std::shared_ptr<const RequestKeys> keys;  // null = none
-    std::vector<std::uint64_t> fp;            // fingerprint of the K/V at each position
-    std::vector<BlockHash> hashes;            // chain hashes of the full blocks (prefix caching on)
-    std::size_t pending = 0;                  // trailing positions whose writes no build has issued yet
+    std::vector<std::uint64_t> fp;            // K/V fingerprint of each position, [known + lookahead]
+    std::vector<BlockHash> hashes;            // chain hashes of the known full blocks (prefix caching on)
+    std::size_t slotted = 0;                  // positions with slots
+    std::size_t built = 0;                    // positions whose writes a build issued (or that hit the cache)
+    [[nodiscard]] std::size_t known() const noexcept { return tokens.size(); }
+    [[nodiscard]] std::size_t lookahead() const noexcept { return drafts.size(); }
+    [[nodiscard]] std::size_t pending() const noexcept { return slotted - built; }
+    [[nodiscard]] std::size_t unslotted() const noexcept {
+      return drafts.empty() ? known() - std::min(known(), slotted) : 0;
+    }
   };
 
   /// The state a build starts from, for checking what it did.
   struct BuildPre {
     struct Row {
       SeqId id;
-      Blocks blocks;
-      std::size_t len;
-      Slots pending;
+      Blocks blocks;       // the table before the build
+      std::size_t first;   // built positions before the build
+      Slots pending;       // slots of the pending positions before the build
+      std::size_t q_len;   // positions this build schedules (a prefix of the pending ones)
     };
     std::vector<Row> rows;
     std::vector<std::pair<std::uint64_t, std::uint64_t>> copies;
@@ -201,10 +217,8 @@ class ManagerModel {
   };
 
   struct Snapshot {
-    std::tuple<std::size_t, std::size_t, std::size_t, std::size_t, std::uint64_t, std::uint64_t, std::uint64_t,
-               std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t>
-        stats;
-    std::map<SeqId, std::tuple<Blocks, std::size_t, Toks, Slots>> seqs;
+    std::vector<std::uint64_t> stats;
+    std::map<SeqId, std::tuple<Blocks, std::size_t, Toks, Slots, std::size_t, std::size_t>> seqs;
     std::vector<std::pair<std::uint64_t, std::uint64_t>> copies;
     std::vector<std::tuple<std::uint32_t, bool, bool, std::optional<BlockHash>>> blocks;
     Blocks lru;
@@ -243,7 +257,7 @@ class ManagerModel {
 #define PKV_MODEL_CHECK(cond, ...) check((cond), #cond, __LINE__ __VA_OPT__(, ) __VA_ARGS__)
 
   // ---- sequence content -------------------------------------------------------------------------------------------
-  /// A new model sequence with `tokens` and `keys` (all pending).
+  /// A new model sequence with `tokens` and `keys` (cursors set by the caller).
   MSeq make_seq(std::span<const TokenId> tokens, std::shared_ptr<const RequestKeys> keys) const {
     MSeq s;
     s.keys = std::move(keys);
@@ -259,28 +273,42 @@ class ManagerModel {
     return h;
   }
 
-  /// Append `add` to `s`: tokens, fingerprints, chain hashes of the newly full blocks.
+  /// Append known tokens `add` to `s` (no lookahead outstanding): ids, fingerprints, chain hashes.
   void extend(MSeq& s, std::span<const TokenId> add) const {
-    const RequestKeys* keys = s.keys.get();
+    PKV_MODEL_CHECK(s.drafts.empty(), "model: extend with lookahead outstanding");
     for (TokenId t : add) {
-      const std::size_t p = s.tokens.size();
-      std::uint64_t f = p == 0 ? fp_seed(keys) : s.fp[p - 1];
-      f = mix64(f ^ (std::uint64_t{static_cast<std::uint32_t>(t)} * 0x100000001b3ULL));
-      if (keys != nullptr) {
-        for (const MultimodalItem& m : keys->multimodal) {
-          if (item_covers(m, p)) f = mix64(f ^ m.item_hash.low64() ^ 0x5bd1e995ULL);
-        }
-      }
+      s.fp.push_back(next_fp(s, s.fp.size(), t));
       s.tokens.push_back(t);
-      s.fp.push_back(f);
     }
-    if (prefix_caching_) ref_.hash_full_blocks(s.tokens, bs_, keys, s.hashes);
+    if (prefix_caching_) ref_.hash_full_blocks(s.tokens, bs_, s.keys.get(), s.hashes);
   }
 
-  void truncate(MSeq& s, std::size_t len) const {
+  /// Lookahead drafts after the known tokens: fingerprints only (the host does not know their ids).
+  void add_drafts(MSeq& s, std::span<const TokenId> drafts) const {
+    for (TokenId t : drafts) {
+      s.fp.push_back(next_fp(s, s.fp.size(), t));
+      s.drafts.push_back(t);
+    }
+  }
+
+  /// commit_lookahead: the first `accepted` drafts become known tokens, the rest are dropped.
+  void commit_drafts(MSeq& s, std::size_t accepted) const {
+    s.tokens.insert(s.tokens.end(), s.drafts.begin(), s.drafts.begin() + static_cast<std::ptrdiff_t>(accepted));
+    s.drafts.clear();
+    s.fp.resize(s.tokens.size());
+    if (prefix_caching_) ref_.hash_full_blocks(s.tokens, bs_, s.keys.get(), s.hashes);
+  }
+
+  /// rewind(n): lookahead drafts go first, then known tokens; slots and built positions follow.
+  void rewind(MSeq& s, std::size_t n) const {
+    const std::size_t drop_lookahead = std::min(n, s.lookahead());
+    s.drafts.resize(s.lookahead() - drop_lookahead);
+    const std::size_t len = s.known() - (n - drop_lookahead);
     s.tokens.resize(len);
-    s.fp.resize(len);
+    s.fp.resize(len + s.lookahead());
     s.hashes.resize(std::min(s.hashes.size(), len / bs_));
+    s.slotted = std::min(s.slotted, len + s.lookahead());
+    s.built = std::min(s.built, s.slotted);
   }
 
   void add_seq(SeqId id, MSeq s) { seqs_.insert_or_assign(id, std::move(s)); }
@@ -294,9 +322,10 @@ class ManagerModel {
     return n;
   }
 
-  /// Whether `id` is settled: no pending position, no pending copy into its table.
+  /// Whether `id` is settled: every known token slotted and built, no lookahead, no pending copy into its table.
   bool settled(const Mgr& m, SeqId id) const {
-    if (seqs_.at(id).pending != 0) return false;
+    const MSeq& s = seqs_.at(id);
+    if (s.pending() != 0 || s.unslotted() != 0 || s.lookahead() != 0) return false;
     const auto blocks = m.block_ids(id);
     for (const auto& c : m.pending_copies()) {
       if (std::find(blocks.begin(), blocks.end(), c.dst) != blocks.end()) return false;
@@ -332,18 +361,29 @@ class ManagerModel {
     return lru;
   }
 
+  // ---- events, interval statistics, preempted ids -------------------------------------------------------------------
+  /// The next check_all takes the events as a numbered batch instead of draining them.
+  void take_event_batch_next() { take_batch_next_ = true; }
+  /// The prefix-cache statistics the manager should report for the current interval (recorded by the driver).
+  pagedkv::PrefixCacheStats& interval() noexcept { return interval_; }
+  /// Sequence ids preempted and not admitted since (their next admission is a re-admission).
+  std::set<SeqId>& preempted_ids() noexcept { return preempted_; }
+
   // ---- snapshots --------------------------------------------------------------------------------------------------
   Snapshot snapshot(const Mgr& m) const {
     Snapshot s;
     const CacheStats st = m.stats();
-    s.stats = {st.num_usable_blocks,     st.blocks_used,          st.blocks_cached,       st.blocks_free,
-               st.prefix_query_requests, st.prefix_hit_requests,  st.prefix_query_tokens, st.prefix_hit_tokens,
-               st.evictions,             st.cow_copies,           st.dedup_blocks,        st.preemptions,
+    s.stats = {st.num_usable_blocks,       st.blocks_used,           st.blocks_cached,       st.blocks_free,
+               st.prefix_query_requests,   st.prefix_hit_requests,   st.prefix_query_tokens, st.prefix_hit_tokens,
+               st.readmitted_requests,     st.readmitted_query_tokens, st.readmitted_hit_tokens,
+               st.evictions,               st.cow_copies,            st.dedup_blocks,        st.preemptions,
                st.block_ops};
     m.for_each_sequence([&](SeqId id, auto blocks, std::size_t n) {
       const auto t = m.token_ids(id);
       const auto p = m.pending_slots(id);
-      s.seqs[id] = {Blocks(blocks.begin(), blocks.end()), n, Toks(t.begin(), t.end()), Slots(p.begin(), p.end())};
+      const auto& q = m.sequence(id);
+      s.seqs[id] = {Blocks(blocks.begin(), blocks.end()), n, Toks(t.begin(), t.end()), Slots(p.begin(), p.end()),
+                    q.num_lookahead, q.num_built};
     });
     for (const auto& c : m.pending_copies()) s.copies.emplace_back(c.src, c.dst);
     const auto& a = m.allocator();
@@ -387,47 +427,54 @@ class ManagerModel {
     }
     for (const auto& [id, s] : seqs_) {
       PKV_MODEL_CHECK(m.contains(id), "sequence " + std::to_string(id));
-      const std::size_t len = s.tokens.size();
-      PKV_MODEL_CHECK(m.num_tokens(id) == len, "sequence " + std::to_string(id) + " has " +
-                                                   std::to_string(m.num_tokens(id)) + " tokens, model " +
-                                                   std::to_string(len));
+      const std::string sid = "sequence " + std::to_string(id);
+      PKV_MODEL_CHECK(m.num_tokens(id) == s.slotted,
+                      sid + " has " + std::to_string(m.num_tokens(id)) + " slotted tokens, model " + std::to_string(s.slotted));
       const auto toks = m.token_ids(id);
-      PKV_MODEL_CHECK(toks.size() == len && std::equal(toks.begin(), toks.end(), s.tokens.begin()),
-                      "token ids of sequence " + std::to_string(id));
+      PKV_MODEL_CHECK(toks.size() == s.known() && std::equal(toks.begin(), toks.end(), s.tokens.begin()),
+                      "token ids of " + sid);
       const auto blocks = m.block_ids(id);
-      PKV_MODEL_CHECK(blocks.size() == blocks_for(len), "sequence " + std::to_string(id));
+      PKV_MODEL_CHECK(blocks.size() == blocks_for(s.slotted), sid);
       for (const auto b : blocks) {
-        PKV_MODEL_CHECK(b != 0 && b < num_blocks_, "sequence " + std::to_string(id) + " holds block " + std::to_string(b));
+        PKV_MODEL_CHECK(b != 0 && b < num_blocks_, sid + " holds block " + std::to_string(b));
         ++rc[b];
         ++holders[b];
       }
       if (prefix_caching_) {
-        PKV_MODEL_CHECK(s.hashes.size() == len / bs_);
-        for (std::size_t i = 0; i < len / bs_; ++i) {
+        PKV_MODEL_CHECK(s.hashes.size() == s.known() / bs_);
+        // Content addressing: a registered block holds its sequence's chain hash, and a block whose writes are
+        // issued and whose ids are known is registered (by the build or commit_lookahead that completed it).
+        const std::size_t registrable = std::min(s.built, s.known()) / bs_;
+        for (std::size_t i = 0; i < blocks.size(); ++i) {
           const auto h = idx.hash_of(blocks[i]);
-          PKV_MODEL_CHECK(!h || *h == s.hashes[i], "sequence " + std::to_string(id) + " block " + std::to_string(i) +
-                                                       " is registered under another hash");
+          if (i < registrable) {
+            PKV_MODEL_CHECK(h == std::optional<BlockHash>(s.hashes[i]),
+                            sid + " block " + std::to_string(i) + " (block " + std::to_string(blocks[i]) +
+                                ") is written and known but " + (h ? "registered under another hash" : "not registered"));
+          } else if (h && (i + 1) * bs_ <= s.known()) {
+            PKV_MODEL_CHECK(*h == s.hashes[i], sid + " block " + std::to_string(i) + " is registered under another hash");
+          }  // (a registered block left partial by a rewind stays registered: it is copied before any write)
         }
       }
-      // The manager's own cursors (sequence_state.hpp) agree: no chunked or lookahead positions in these ops.
+      // The manager's own cursors (sequence_state.hpp).
       const auto& q = m.sequence(id);
-      PKV_MODEL_CHECK(q.num_slotted() == len && q.num_known() == len && q.num_lookahead == 0 &&
-                          q.num_built == len - s.pending,
-                      "cursors of sequence " + std::to_string(id) + ": built " + std::to_string(q.num_built) +
-                          ", slotted " + std::to_string(q.num_slotted()) + ", known " + std::to_string(q.num_known()));
-      PKV_MODEL_CHECK(q.settled() == settled(m, id), "settled() of sequence " + std::to_string(id));
+      PKV_MODEL_CHECK(q.num_slotted() == s.slotted && q.num_known() == s.known() && q.num_lookahead == s.lookahead() &&
+                          q.num_built == s.built,
+                      "cursors of " + sid + ": built " + std::to_string(q.num_built) + "/" + std::to_string(s.built) +
+                          ", slotted " + std::to_string(q.num_slotted()) + "/" + std::to_string(s.slotted) +
+                          ", known " + std::to_string(q.num_known()) + "/" + std::to_string(s.known()) +
+                          ", lookahead " + std::to_string(q.num_lookahead) + "/" + std::to_string(s.lookahead()) +
+                          " (manager/model)");
+      PKV_MODEL_CHECK(q.settled() == settled(m, id), "settled() of " + sid);
+      PKV_MODEL_CHECK(q.num_unslotted() == s.unslotted(), "num_unslotted() of " + sid);
       const auto pend = m.pending_slots(id);
-      PKV_MODEL_CHECK(pend.size() == s.pending, "sequence " + std::to_string(id) + " has " +
-                                                    std::to_string(pend.size()) + " pending slots, model " +
-                                                    std::to_string(s.pending));
-      PKV_MODEL_CHECK(s.pending <= len);
-      const std::size_t first = len - s.pending;
+      PKV_MODEL_CHECK(pend.size() == s.pending(), sid + " has " + std::to_string(pend.size()) +
+                                                      " pending slots, model " + std::to_string(s.pending()));
       for (std::size_t k = 0; k < pend.size(); ++k) {
-        const std::size_t p = first + k;
+        const std::size_t p = s.built + k;
         const std::int64_t want = static_cast<std::int64_t>(blocks[p / bs_]) * bs_ + static_cast<std::int64_t>(p % bs_);
-        PKV_MODEL_CHECK(pend[k] == want, "sequence " + std::to_string(id) + " position " + std::to_string(p) +
-                                             " pending slot " + std::to_string(pend[k]) + ", own slot " +
-                                             std::to_string(want));
+        PKV_MODEL_CHECK(pend[k] == want, sid + " position " + std::to_string(p) + " pending slot " +
+                                             std::to_string(pend[k]) + ", own slot " + std::to_string(want));
       }
     }
     for (std::uint64_t b : dsts) {
@@ -474,19 +521,23 @@ class ManagerModel {
       if (now[b] == BlockState::kFree || evicted) poison(b);
     }
     state_ = std::move(now);
+    check_content(m);
     check_events(m, st, expect_cleared);
     PKV_MODEL_CHECK(st.block_ops >= last_stats_.block_ops);
     last_stats_ = st;
   }
 
   // ---- builds ---------------------------------------------------------------------------------------------------
-  BuildPre capture_build_pre(const Mgr& m, std::span<const SeqId> batch) const {
+  /// `q_lens`: the positions each sequence of `batch` is scheduled (empty: all pending ones).
+  BuildPre capture_build_pre(const Mgr& m, std::span<const SeqId> batch, std::span<const std::uint32_t> q_lens) const {
     BuildPre pre;
-    for (SeqId id : batch) {
-      if (!m.contains(id)) continue;
-      const auto b = m.block_ids(id);
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const SeqId id = batch[b];
+      const auto bl = m.block_ids(id);
       const auto p = m.pending_slots(id);
-      pre.rows.push_back({id, Blocks(b.begin(), b.end()), m.num_tokens(id), Slots(p.begin(), p.end())});
+      const MSeq& s = seqs_.at(id);
+      pre.rows.push_back({id, Blocks(bl.begin(), bl.end()), s.built, Slots(p.begin(), p.end()),
+                          q_lens.empty() ? s.pending() : q_lens[b]});
     }
     for (const auto& c : m.pending_copies()) pre.copies.emplace_back(c.src, c.dst);
     pre.holders.assign(num_blocks_, 0);
@@ -506,8 +557,8 @@ class ManagerModel {
     const std::size_t B = pre.rows.size();
     std::size_t total_blocks = 0, total_slots = 0;
     for (const auto& r : pre.rows) {
-      total_blocks += r.blocks.size();
-      total_slots += r.pending.size();
+      total_blocks += blocks_for(r.first + r.q_len);
+      total_slots += r.q_len;
     }
     PKV_MODEL_CHECK(sz.batch_size == B);
     PKV_MODEL_CHECK(sz.num_indices == total_blocks);
@@ -521,11 +572,13 @@ class ManagerModel {
       const auto post_span = m.block_ids(row.id);
       const Blocks post(post_span.begin(), post_span.end());
       PKV_MODEL_CHECK(post.size() == row.blocks.size());
-      const std::size_t first = row.len - row.pending.size();
+      const std::size_t first = row.first;
+      const std::size_t seq_len = first + row.q_len;  // written up to the end of this step
+      const std::size_t nblocks = blocks_for(seq_len);
       std::set<std::size_t> written;
-      for (std::size_t k = 0; k < row.pending.size(); ++k) written.insert((first + k) / bs_);
+      for (std::size_t k = 0; k < row.q_len; ++k) written.insert((first + k) / bs_);
       for (std::size_t i = 0; i < post.size(); ++i) {
-        const bool full = i < row.len / bs_;
+        const bool full = (i + 1) * bs_ <= std::min(seq_len, s.known());  // registrable after this build
         if (post[i] != row.blocks[i]) {  // switched to the registered duplicate
           PKV_MODEL_CHECK(prefix_caching_ && full && written.contains(i),
                           "sequence " + std::to_string(row.id) + " block " + std::to_string(i) + " replaced");
@@ -548,23 +601,23 @@ class ManagerModel {
       // Outputs, compared in 64 bits (a truncated int32 must not pass).
       if (!out.indptr.empty()) PKV_MODEL_CHECK(std::int64_t{out.indptr[b]} == static_cast<std::int64_t>(blk));
       if (!out.qo_indptr.empty()) PKV_MODEL_CHECK(std::int64_t{out.qo_indptr[b]} == static_cast<std::int64_t>(tok));
-      const std::uint64_t last = row.len == 0 ? 0 : row.len - (post.size() - 1) * bs_;
+      const std::uint64_t last = seq_len == 0 ? 0 : seq_len - (nblocks - 1) * bs_;
       if (!out.last_page_len.empty()) PKV_MODEL_CHECK(std::int64_t{out.last_page_len[b]} == static_cast<std::int64_t>(last));
-      if (!out.seq_lens.empty()) PKV_MODEL_CHECK(std::int64_t{out.seq_lens[b]} == static_cast<std::int64_t>(row.len));
+      if (!out.seq_lens.empty()) PKV_MODEL_CHECK(std::int64_t{out.seq_lens[b]} == static_cast<std::int64_t>(seq_len));
       if (!out.block_tables.empty()) {
         const auto row_len = static_cast<std::size_t>(out.max_blocks_per_seq);
         for (std::size_t i = 0; i < row_len; ++i) {
-          const std::int64_t want = i < post.size() ? static_cast<std::int64_t>(post[i]) : 0;
+          const std::int64_t want = i < nblocks ? static_cast<std::int64_t>(post[i]) : 0;
           PKV_MODEL_CHECK(std::int64_t{out.block_tables[b * row_len + i]} == want, "block_tables row " + std::to_string(b));
         }
       }
       if (!out.indices.empty() && !out.indptr.empty()) {  // the CSR indices are written with their indptr
-        for (std::size_t i = 0; i < post.size(); ++i) {
+        for (std::size_t i = 0; i < nblocks; ++i) {
           PKV_MODEL_CHECK(std::int64_t{out.indices[blk + i]} == static_cast<std::int64_t>(post[i]));
         }
       }
       if (!out.slot_mapping.empty()) {
-        for (std::size_t k = 0; k < row.pending.size(); ++k) {
+        for (std::size_t k = 0; k < row.q_len; ++k) {
           const std::size_t p = first + k;
           const std::int64_t want = post[p / bs_] != row.blocks[p / bs_] ? -1 : row.pending[k];
           PKV_MODEL_CHECK(out.slot_mapping[tok + k] == want, "slot_mapping of sequence " + std::to_string(row.id) +
@@ -573,8 +626,8 @@ class ManagerModel {
                                                                  ", expected " + std::to_string(want));
         }
       }
-      blk += post.size();
-      tok += row.pending.size();
+      blk += nblocks;
+      tok += row.q_len;
     }
     PKV_MODEL_CHECK(m.stats().dedup_blocks == pre.stats.dedup_blocks + switched_out.size());
     // Copies: the pending ones in order, less those whose destination deduplication released (dropped with it).
@@ -606,8 +659,9 @@ class ManagerModel {
     for (std::size_t i = tok; i < out.slot_mapping.size(); ++i) PKV_MODEL_CHECK(out.slot_mapping[i] == -1);
     PKV_MODEL_CHECK(m.pending_copies().empty());
     for (const auto& row : pre.rows) {
-      PKV_MODEL_CHECK(m.pending_slots(row.id).empty());
-      seqs_.at(row.id).pending = 0;
+      MSeq& s = seqs_.at(row.id);
+      s.built += row.q_len;
+      PKV_MODEL_CHECK(m.pending_slots(row.id).size() == s.pending(), "pending slots left after the build");
     }
 
     // The step's kernels on the shadow pool. No block may be both read and written by the copy launch.
@@ -638,8 +692,8 @@ class ManagerModel {
     for (std::size_t b = 0; b < B && !out.slot_mapping.empty(); ++b) {
       const auto& row = pre.rows[b];
       const MSeq& s = seqs_.at(row.id);
-      const std::size_t first = row.len - row.pending.size();
-      for (std::size_t k = 0; k < row.pending.size(); ++k, ++at) {
+      const std::size_t first = row.first;
+      for (std::size_t k = 0; k < row.q_len; ++k, ++at) {
         const std::int64_t sl = out.slot_mapping[at];
         if (sl < 0) continue;  // deduplicated
         const std::size_t p = first + k;
@@ -655,16 +709,23 @@ class ManagerModel {
     check_content(m);
   }
 
-  /// Every position of every live sequence whose writes have been issued reads back its own fingerprint.
+  /// Every position of every live sequence whose writes have been issued reads back its own fingerprint. A
+  /// position in the destination of a pending copy reads the copy's source: the next build's copy_blocks brings
+  /// exactly that content, and nothing writes either block before it (so this holds after every operation).
   void check_content(const Mgr& m) const {
+    std::unordered_map<std::uint64_t, std::uint64_t> copy_src;  // dst -> src
+    for (const auto& c : m.pending_copies()) copy_src[c.dst] = c.src;
     for (const auto& [id, s] : seqs_) {
       const auto ids = m.block_ids(id);
-      const std::size_t built = s.tokens.size() - s.pending;
-      for (std::size_t p = 0; p < built; ++p) {
-        const std::size_t slot = static_cast<std::size_t>(ids[p / bs_]) * bs_ + p % bs_;
+      for (std::size_t p = 0; p < s.built; ++p) {
+        std::uint64_t blk = ids[p / bs_];
+        const auto it = copy_src.find(blk);
+        if (it != copy_src.end()) blk = it->second;
+        const std::size_t slot = static_cast<std::size_t>(blk) * bs_ + p % bs_;
         if (kv_[slot] != s.fp[p]) {
           fail("shadow K/V mismatch: sequence " + std::to_string(id) + " position " + std::to_string(p) + " reads block " +
-               std::to_string(ids[p / bs_]) + " slot " + std::to_string(slot) +
+               std::to_string(ids[p / bs_]) + (blk != ids[p / bs_] ? " (pending copy of block " + std::to_string(blk) + ")" : "") +
+               " slot " + std::to_string(slot) +
                (kv_[slot] == kPoison ? " that no kernel wrote" : " holding another prefix's K/V"));
         }
       }
@@ -673,6 +734,19 @@ class ManagerModel {
 
  private:
   enum class BlockState : std::uint8_t { kFree, kCached, kHeld };
+
+  // Fingerprint of position p holding token t after s's position p - 1 (its prefix, its keys).
+  std::uint64_t next_fp(const MSeq& s, std::size_t p, TokenId t) const {
+    const RequestKeys* keys = s.keys.get();
+    std::uint64_t f = p == 0 ? fp_seed(keys) : s.fp[p - 1];
+    f = mix64(f ^ (std::uint64_t{static_cast<std::uint32_t>(t)} * 0x100000001b3ULL));
+    if (keys != nullptr) {
+      for (const MultimodalItem& m : keys->multimodal) {
+        if (item_covers(m, p)) f = mix64(f ^ m.item_hash.low64() ^ 0x5bd1e995ULL);
+      }
+    }
+    return f;
+  }
 
   static std::uint64_t fp_seed(const RequestKeys* keys) {
     if (keys == nullptr) return mix64(0x1234);
@@ -687,7 +761,20 @@ class ManagerModel {
 
   void check_events(Mgr& m, const CacheStats& st, bool expect_cleared) {
     std::vector<KVEvent> ev;
-    m.drain_events(ev);
+    if (take_batch_next_) {  // the step's events as a numbered batch (vLLM's KVEventBatch)
+      take_batch_next_ = false;
+      const double ts = 1000.0 + static_cast<double>(batches_taken_);
+      auto batch = m.take_event_batch(ts);
+      if (batch) {
+        PKV_MODEL_CHECK(!batch->events.empty(), "an empty event batch (nullopt expected)");
+        PKV_MODEL_CHECK(batch->seq_no == batches_taken_ + 1 && batch->ts == ts,
+                        "event batch number " + std::to_string(batch->seq_no) + " after " + std::to_string(batches_taken_));
+        ++batches_taken_;
+        ev = std::move(batch->events);
+      }
+    } else {
+      m.drain_events(ev);
+    }
     if (!events_) PKV_MODEL_CHECK(ev.empty(), "events recorded with enable_events off");
     const auto& idx = m.prefix_index();
     std::size_t stored = 0, removed = 0;
@@ -758,6 +845,20 @@ class ManagerModel {
     }
     if (events_) {
       PKV_MODEL_CHECK(st.evictions == last_stats_.evictions + removed, "evictions counter vs removed events");
+      // The snapshot a late consumer starts from: exactly the registered hashes, at the last batch taken.
+      const pagedkv::KVEventSnapshot snap = m.event_snapshot();
+      PKV_MODEL_CHECK(snap.seq_no == batches_taken_, "event snapshot at batch " + std::to_string(snap.seq_no) +
+                                                         ", " + std::to_string(batches_taken_) + " taken");
+      std::vector<BlockHash> in_snapshot, registered;
+      for (const KVEvent& e : snap.stored) in_snapshot.push_back(e.hash);
+      for (std::size_t b = 1; b < num_blocks_; ++b) {
+        if (const auto h = idx.hash_of(static_cast<Id>(b))) registered.push_back(*h);
+      }
+      std::sort(in_snapshot.begin(), in_snapshot.end());
+      std::sort(registered.begin(), registered.end());
+      PKV_MODEL_CHECK(in_snapshot == registered, "the event snapshot lists " + std::to_string(in_snapshot.size()) +
+                                                     " stored blocks, " + std::to_string(registered.size()) +
+                                                     " are registered");
     }
     last_index_size_ = idx.size();
   }
@@ -777,6 +878,10 @@ class ManagerModel {
   std::uint64_t last_seq_no_ = 0;
   std::size_t last_index_size_ = 0;
   CacheStats last_stats_;
+  bool take_batch_next_ = false;
+  std::uint64_t batches_taken_ = 0;
+  pagedkv::PrefixCacheStats interval_;
+  std::set<SeqId> preempted_;
 };
 
 #undef PKV_MODEL_CHECK

@@ -21,6 +21,7 @@
 //                         u8 offset (< 240: % (prompt + 3); else 2^64-1 - (b - 240)), u8 length (< 240: % 24;
 //                         else 2^64-1 - (b - 240)); with >= 2 items a u8 whose bit 0 clear sorts them
 //   cap      u8           < 192: none; 255: SIZE_MAX; else (b - 192) % (prompt + 2)
+//   reserve  u8           >= 224: none (the whole prompt); else b % (prompt + 2) uncached tokens get slots now
 //   append n u8           < 160: b % 9; < 224: (b - 160) % 40 + 1; < 248: (b - 223) blocks; else more than the pool
 //   tokens   u8 mode      mode % 4: 0 positional continuation; 1 one u8 per token (first 48); 2 constant mode >> 2;
 //                         3 u8 live-sequence index: that sequence's tokens at the same positions
@@ -53,6 +54,16 @@ enum class Op : std::uint8_t {
   kQuery,      // u8 seq: contains / num_tokens / token_ids / block_ids / pending_slots
   kMove,       // (none): move-construct the manager; the new one must carry on exactly
   kDrainAll,   // (none): free everything, build an empty batch, check that no block leaked
+  kAdmitChunked,      // u8 seq, prompt, keys, cap, reserve: try_admit with AdmitOptions::num_reserved_tokens
+  kReserve,           // u8 seq, u8 n (< 128: % (unslotted + 2); else (b - 128) % 40): try_reserve
+  kReserveLookahead,  // u8 seq, u8 k (< 240: % 9; else more than the pool), tokens (the drafts): try_reserve_lookahead
+  kCommitLookahead,   // u8 seq, u8 accepted (% (lookahead + 2)): commit_lookahead with the accepted drafts
+  kQueryAdmit,        // prompt, keys, cap, reserve: query_admit
+  kQueryAppend,       // u8 seq, u8 n (append n): query_append
+  kBuildScheduled,    // u8 per live sequence (scheduled: < 200 % (pending + 1); <= 250 all; else more than pending),
+                      // u8 (>= 250: a num_scheduled_tokens span of the wrong size): an engine step computing chunks
+  kTakeEventBatch,    // (none): the step's events as a numbered batch (take_event_batch), then event_snapshot
+  kTakePrefixStats,   // (none): take_prefix_cache_stats against the model's interval
   kCount
 };
 
