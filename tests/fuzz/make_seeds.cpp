@@ -100,6 +100,11 @@ class Seed {
     op(Op::kAdmitChunked).w_.u8(id).u8(base).u8(len).u8(keys).u8(cap).u8(reserve);
     return *this;
   }
+  /// p = prepare_prompt(base[0:len]); query_admit(p); try_admit(id, p) (tamper >= 250: p from another manager)
+  Seed& admit_prepared(std::uint8_t id, std::uint8_t base, std::uint8_t len, std::uint8_t tamper = 0) {
+    op(Op::kAdmitPrepared).w_.u8(id).u8(base).u8(len).u8(kNoKeys).u8(kNoCap).u8(0xFF).u8(tamper);
+    return *this;
+  }
   Seed& reserve(std::uint8_t id, std::uint8_t n) {
     op(Op::kReserve).w_.u8(id).u8(n);
     return *this;
@@ -212,6 +217,9 @@ std::vector<std::pair<std::string, Seed>> seeds() {
   add("lookahead_fills_blocks",
       Seed(0, kBs2, 32).admit(1, 0, 3).step().lookahead(1, 5).step_scheduled({2}).commit(1, 5).step().lookahead(1, 8).commit(1, 9)
           .admit(2, 0, 3).step().lookahead(2, 5, 3).step().commit(2, 5).step());
+  add("prepared_prompts",
+      Seed(0, kBs4, 10).admit(1, 0, 20).step().admit_prepared(2, 0, 30).admit_prepared(3, 0, 12).free(1).admit_prepared(3, 0, 12)
+          .admit_prepared(4, 1, 9, 250).admit_prepared(4, 1, 9, 251).admit_prepared(4, 1, 9).step());
   add("capacity_queries",
       Seed(0, kBs4, 8).admit(1, 0, 12).step().query_admit(0, 12).query_admit(1, 30).query_admit(2, 12, 4).query_append(1, 9)
           .query_append(1, 250).query_append(5, 1));

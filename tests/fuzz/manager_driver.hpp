@@ -111,7 +111,7 @@ class Driver {
 
   void step(Op op, ByteReader& r) {
     switch (op) {
-      case Op::kAdmit: op_admit(r, false); break;
+      case Op::kAdmit: op_admit(r, Admission::kPlain); break;
       case Op::kAppend: op_append(r); break;
       case Op::kFork: op_fork(r); break;
       case Op::kFree: op_free(r, false); break;
@@ -124,7 +124,8 @@ class Driver {
       case Op::kQuery: op_query(r); break;
       case Op::kMove: op_move(); break;
       case Op::kDrainAll: drain_all(); break;
-      case Op::kAdmitChunked: op_admit(r, true); break;
+      case Op::kAdmitChunked: op_admit(r, Admission::kChunked); break;
+      case Op::kAdmitPrepared: op_admit(r, Admission::kPrepared); break;
       case Op::kReserve: op_reserve(r); break;
       case Op::kReserveLookahead: op_reserve_lookahead(r); break;
       case Op::kCommitLookahead: op_commit_lookahead(r); break;
@@ -308,20 +309,50 @@ class Driver {
     return b % (len + 2);
   }
 
-  void op_admit(ByteReader& r, bool chunked) {
+  enum class Admission { kPlain, kChunked, kPrepared };
+
+  /// try_admit. kChunked: with num_reserved_tokens; kPrepared: of a prepare_prompt result (checked with
+  /// query_admit first), possibly tampered with as if prepared by another manager.
+  void op_admit(ByteReader& r, Admission how) {
     const SeqId id = seq_id(r.u8());
     const Toks prompt = decode_prompt(r);
     const std::shared_ptr<RequestKeys> keys_owned = decode_keys(r, prompt.size());
     const RequestKeys* keys = keys_owned.get();
     const auto cap = decode_cap(r, prompt.size());
-    const auto reserve = chunked ? decode_reserve(r, prompt.size()) : std::nullopt;
-    log_.add("m.try_admit(" + std::to_string(id) + ", " + toks_text(prompt) + ", " + keys_text(keys) +
-             ", {max_cached_tokens " + opt_text(cap) + ", num_reserved_tokens " + opt_text(reserve) + "})");
+    const auto reserve = how != Admission::kPlain ? decode_reserve(r, prompt.size()) : std::nullopt;
+    const std::uint8_t tamper = how == Admission::kPrepared ? r.u8() : 0;
     std::string needle;
-    const std::set<Errc> errs = admit_errors(id, prompt, keys, needle);
+    std::set<Errc> errs = admit_errors(id, prompt, keys, needle);
+    std::optional<pagedkv::PreparedPrompt> prepared;
+    if (how == Admission::kPrepared) {
+      log_.add("p = m.prepare_prompt(" + toks_text(prompt) + ", " + keys_text(keys) + ")");
+      std::string n2;
+      std::set<Errc> prep_errs = admit_errors(std::nullopt, prompt, keys, n2);
+      if (!call(prep_errs, n2, [&] { prepared.emplace(m().prepare_prompt(prompt, keys)); })) return;
+      if (!prep_errs.empty()) fail("prepare_prompt succeeded, expected " + allowed_text(prep_errs));
+      expect(std::equal(prepared->tokens.begin(), prepared->tokens.end(), prompt.begin(), prompt.end()) &&
+                 prepared->hashes == model_.chain_hashes(prompt, keys),
+             "prepare_prompt's tokens or block hashes");
+      if (tamper >= 250) {  // as if prepared by a manager with another seed, hasher or block size
+        if (tamper & 1) {
+          prepared->root.bytes[0] ^= 1;
+        } else if (!prepared->hashes.empty()) {
+          prepared->hashes.pop_back();
+        } else {
+          prepared->hashes.push_back(prepared->root);
+        }
+        const bool caught = (tamper & 1) || model_.prefix_caching();
+        if (caught) errs.insert(Errc::kInvalidArgument);
+        log_.add(std::string("(p tampered: ") + ((tamper & 1) ? "another chain root" : "another number of block hashes") + ")");
+      }
+    }
+    log_.add("m.try_admit(" + std::to_string(id) + ", " + (prepared ? std::string("p") : toks_text(prompt) + ", " + keys_text(keys)) +
+             ", {max_cached_tokens " + opt_text(cap) + ", num_reserved_tokens " + opt_text(reserve) + "})");
     const std::size_t bs = model_.block_size();
     AdmitPrediction want;
-    if (errs.empty()) {
+    std::set<Errc> input_errs = errs;  // what query_admit would raise (no id)
+    input_errs.erase(Errc::kDuplicateSequence);
+    if (input_errs.empty()) {
       want = predict_admit(prompt, keys_owned, cap, reserve);
       // lookup is pure and agrees with the admission's walk.
       const std::size_t looked = m().lookup(prompt, keys, cap);
@@ -336,7 +367,20 @@ class Driver {
     pagedkv::AdmitOptions opts;
     opts.max_cached_tokens = cap;
     opts.num_reserved_tokens = reserve;
-    if (!call(errs, needle, [&] { res = m().try_admit(id, prompt, keys, opts); })) return;
+    if (prepared && !errs.contains(Errc::kInvalidArgument)) {  // query_admit of the prepared prompt agrees
+      pagedkv::CapacityQuery q;
+      const std::set<Errc>& qerrs = input_errs;
+      if (call(qerrs, "", [&] { q = m().query_admit(*prepared, opts); })) {
+        expect(qerrs.empty(), "query_admit(prepared) succeeded, expected " + allowed_text(qerrs));
+        expect(q.status == want.status && q.num_blocks == want.num_blocks && q.num_missing_blocks == want.missing,
+               "query_admit(prepared) disagrees with the prediction");
+      }
+    }
+    if (!call(errs, needle, [&] {
+          res = prepared ? m().try_admit(id, *prepared, opts) : m().try_admit(id, prompt, keys, opts);
+        })) {
+      return;
+    }
     if (!errs.empty()) fail("try_admit succeeded, expected " + allowed_text(errs));
     log_.result("status " + std::to_string(static_cast<int>(res.status)) + ", cached " +
                 std::to_string(res.num_cached_tokens) + ", new blocks " + std::to_string(res.num_new_blocks));

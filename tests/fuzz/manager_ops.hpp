@@ -64,6 +64,8 @@ enum class Op : std::uint8_t {
                       // u8 (>= 250: a num_scheduled_tokens span of the wrong size): an engine step computing chunks
   kTakeEventBatch,    // (none): the step's events as a numbered batch (take_event_batch), then event_snapshot
   kTakePrefixStats,   // (none): take_prefix_cache_stats against the model's interval
+  kAdmitPrepared,     // u8 seq, prompt, keys, cap, reserve, u8 tamper (>= 250: as if prepared elsewhere):
+                      // prepare_prompt, query_admit(prepared), try_admit(prepared)
   kCount
 };
 
