@@ -65,4 +65,6 @@ build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3
 echo "== 5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 3 minutes)"
 tests/fuzz/check_replay_args.sh build-ci/examples/pagedkv-replay
 scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-80}"
+echo "== router example: 2 engine processes publishing KV events over ZeroMQ on loopback + a KV-aware router (bounded)"
+timeout 60 build-ci/examples/pagedkv-router --instances 2 --limit 300 --capacity-tokens 2e5 --timeout-s 20
 echo "== all checks passed"

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "modes.hpp"
+#include "publish.hpp"
 
 namespace replay {
 namespace {
@@ -50,7 +51,10 @@ Row run_fork_with(const Trace& trace, const Options& opt) {
   pagedkv::CacheConfig config;
   config.num_blocks = usable + 1;  // + the null block
   config.block_size = opt.block_size;
+  EventPublishing events(opt.publish_events, opt.publish_wait_ms);
+  events.configure(config);
   pagedkv::KVCacheManager<Hasher> m(config);
+  events.attach(m);
 
   std::size_t max_input = 0, max_blocks_per_seq = 0;
   for (const Request& r : trace.requests) {
@@ -109,6 +113,7 @@ Row run_fork_with(const Trace& trace, const Options& opt) {
       throw std::logic_error("fork: request " + std::to_string(i) + " not admitted into a pool with no live sequence");
     }
     sample(r.input_tokens);
+    events.step(m, r.arrival_ms / 1000.0);
 
     for (std::uint32_t step = 0; step < r.output_tokens; ++step) {
       for (std::size_t b = 0; b < n; ++b) step_tokens[b] = generated_token(i, b, step);
@@ -123,6 +128,7 @@ Row run_fork_with(const Trace& trace, const Options& opt) {
       });
       if (!ok) throw std::logic_error("fork: request " + std::to_string(i) + " ran out of blocks despite the check");
       sample(branch_tokens);
+      events.step(m, r.arrival_ms / 1000.0);
     }
     timer.measure([&] {
       for (const pagedkv::SeqId id : branches) m.free(id);
@@ -130,6 +136,7 @@ Row run_fork_with(const Trace& trace, const Options& opt) {
     progress.update(i + 1);
   }
   progress.finish();
+  events.finish();
 
   const pagedkv::CacheStats s = m.stats();
   const std::size_t admitted = trace.requests.size() - rejected;

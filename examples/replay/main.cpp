@@ -243,6 +243,14 @@ int main(int argc, char** argv) {
                "Show a progress line on stderr for runs longer than a second (default: when stderr is a terminal)");
   app.add_flag("--check", opt.check,
                "Cross-check the derived block and slot counts against the block tables every step (slow)");
+  app.add_option("--publish-events", opt.publish_events,
+                 "Publish the replay's KV events as it runs on this ZeroMQ endpoint, in vLLM's format (topic "
+                 "kv-events, replay socket on a free port, both printed on stderr; prefix mode: the first "
+                 "capacity's pool), e.g. tcp://127.0.0.1:5557 (docs/events-wire.md)");
+  app.add_option("--publish-wait-ms", opt.publish_wait_ms,
+                 "With --publish-events: wait this long after binding, so subscribers can connect first")
+      ->check(CLI::Range(0, 600000))
+      ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
 

@@ -32,6 +32,8 @@ struct Options {
   std::size_t num_branches = 4;       ///< fork: parallel samples per request.
   bool progress = false;              ///< Show a progress line on stderr.
   bool check = false;                 ///< Cross-check derived block counts by brute force every step (slow).
+  std::string publish_events;         ///< Publish KV events on this ZeroMQ endpoint (publish.hpp); "" = off.
+  int publish_wait_ms = 0;            ///< Wait this long after binding it, for subscribers to connect.
 };
 
 /// Prefix-cache replay (Mooncake FAST '25, Fig. 9): requests one at a time in file order, prompt only; each is

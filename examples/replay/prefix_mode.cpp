@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "modes.hpp"
+#include "publish.hpp"
 
 namespace replay {
 namespace {
@@ -22,6 +23,7 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
   std::size_t max_prompt_tokens = 0;
   for (const Request& r : trace.requests) max_prompt_tokens = std::max<std::size_t>(max_prompt_tokens, r.input_tokens);
   std::vector<Pool> pools;
+  EventPublishing events(opt.publish_events, opt.publish_wait_ms);  // publishes the first pool's events
   for (const double capacity : opt.capacity_tokens) {
     pagedkv::CacheConfig config;
     config.block_size = opt.block_size;
@@ -30,9 +32,11 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
     // Left at 0, the per-sequence limit defaults to the pool's size and a prompt larger than the pool throws
     // kLimitExceeded instead of returning kNeverFits; allow every prompt of the trace so it gets the answer.
     config.max_tokens_per_seq = max_prompt_tokens;
+    if (pools.empty()) events.configure(config);
     pools.push_back({capacity, usable, std::make_unique<Manager>(config), {}, 0});
   }
 
+  events.attach(*pools.front().manager);
   // The prefill step's metadata: building it is what registers the prompt's full blocks in the prefix index
   // (the library registers a block when the metadata that writes its K/V is built).
   const std::size_t bs = opt.block_size;
@@ -57,8 +61,10 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
       // Alone in the pool, a request can only fail by needing more blocks than the pool has.
       if (!result.admitted()) ++pool.rejected;
     }
+    events.step(*pools.front().manager, trace.requests[i].arrival_ms / 1000.0);
     progress.update(i + 1);
   }
+  events.finish();
 
   std::vector<Row> rows;
   for (const Pool& pool : pools) {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "modes.hpp"
+#include "publish.hpp"
 
 namespace replay {
 namespace {
@@ -84,6 +85,9 @@ class PagedScheduler {
   [[nodiscard]] bool idle() const noexcept { return waiting_.empty() && running_.empty(); }
   /// Requests finished or rejected so far.
   [[nodiscard]] std::size_t done() const noexcept { return finished_ + rejected_; }
+
+  /// The paged manager (for --publish-events).
+  [[nodiscard]] auto& manager() noexcept { return manager_; }
 
   /// Run one engine step ending at simulated time `step_end_ms`.
   void step(double step_end_ms) {
@@ -155,6 +159,7 @@ class PagedScheduler {
     c.num_blocks = usable_blocks + 1;  // + the null block
     c.block_size = opt.block_size;
     c.max_tokens_per_seq = max_model_len;
+    c.enable_events = !opt.publish_events.empty();  // --publish-events (publish.hpp)
     return c;
   }
 
@@ -434,6 +439,8 @@ Row run_serve_with(const Trace& trace, const Options& opt) {
   const std::size_t max_model_len = opt.max_model_len != 0 ? opt.max_model_len : trace.max_total_tokens();
   PagedScheduler<Hasher> paged(trace, opt, usable, max_model_len);
   ContiguousScheduler contig(trace, static_cast<std::size_t>(capacity), max_model_len, opt.max_num_seqs);
+  EventPublishing events(opt.publish_events, opt.publish_wait_ms);
+  events.attach(paged.manager());
 
   Progress progress("serve " + trace_name(trace), trace.requests.size(), opt.progress);
   const auto& requests = trace.requests;
@@ -450,10 +457,12 @@ Row run_serve_with(const Trace& trace, const Options& opt) {
     }
     ++step;
     paged.step(static_cast<double>(step) * opt.step_ms);
+    events.step(paged.manager(), static_cast<double>(step) * opt.step_ms / 1000.0);
     contig.step(static_cast<double>(step) * opt.step_ms);
     progress.update(paged.done());
   }
   progress.finish();
+  events.finish();
 
   Row row;
   row.add("trace", trace_name(trace))

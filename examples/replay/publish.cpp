@@ -1,0 +1,81 @@
+// examples/replay/publish.cpp: EventPublishing over pagedkv::events::ZmqPublisher (when pagedkv-replay is built
+// with the events_zmq component; otherwise --publish-events is refused with the reason).
+#include "publish.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <utility>
+
+#if PAGEDKV_REPLAY_WITH_EVENTS_ZMQ
+#include <pagedkv/error.hpp>
+#include <pagedkv/events_zmq/publisher.hpp>
+#endif
+
+namespace replay {
+
+#if PAGEDKV_REPLAY_WITH_EVENTS_ZMQ
+
+struct EventPublishing::Impl {
+  pagedkv::events::ZmqPublisher pub;
+  explicit Impl(pagedkv::events::PublisherOptions o) : pub(std::move(o)) {}
+};
+
+EventPublishing::EventPublishing(const std::string& endpoint, int wait_ms) {
+  if (endpoint.empty()) return;
+  pagedkv::events::PublisherOptions o;
+  o.endpoint = endpoint;
+  o.replay_endpoint = "tcp://127.0.0.1:*";
+  o.topic = "kv-events";
+  o.linger_ms = 2000;
+  try {
+    impl_ = std::make_unique<Impl>(std::move(o));
+  } catch (const pagedkv::Error& e) {
+    throw std::invalid_argument("--publish-events: " + e.message());
+  }
+  std::fprintf(stderr, "pagedkv-replay: publishing KV events on %s (topic kv-events, replay %s)\n",
+               impl_->pub.endpoint().c_str(), impl_->pub.replay_endpoint().c_str());
+  // Let subscribers connect (ZeroMQ drops what a PUB socket sends before a subscription arrives), answering any
+  // replay requests meanwhile.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+  while (std::chrono::steady_clock::now() < until) impl_->pub.service_requests(std::chrono::milliseconds(10));
+}
+
+EventPublishing::~EventPublishing() = default;
+
+void EventPublishing::set_snapshot_source(std::function<pagedkv::KVEventSnapshot()> source) {
+  impl_->pub.set_snapshot_source(std::move(source));
+}
+
+void EventPublishing::publish(const pagedkv::KVEventBatch& batch) { impl_->pub.publish(batch); }
+
+void EventPublishing::finish() {
+  if (!enabled()) return;
+  impl_->pub.service_requests(std::chrono::milliseconds(0));
+  const auto& s = impl_->pub.stats();
+  std::fprintf(stderr, "pagedkv-replay: published %llu event batches (%.1f MB), answered %llu replay and %llu "
+               "snapshot requests\n", static_cast<unsigned long long>(s.batches), static_cast<double>(s.bytes) / 1e6,
+               static_cast<unsigned long long>(s.replay_requests), static_cast<unsigned long long>(s.snapshot_requests));
+  impl_->pub.shutdown();
+  impl_.reset();
+}
+
+#else  // built without the events_zmq component
+
+struct EventPublishing::Impl {};
+
+EventPublishing::EventPublishing(const std::string& endpoint, int /*wait_ms*/) {
+  if (!endpoint.empty()) {
+    throw std::invalid_argument("--publish-events " + endpoint + ": this pagedkv-replay was built without the "
+                                "events_zmq component (install libzmq3-dev cppzmq-dev libmsgpack-cxx-dev and "
+                                "rebuild)");
+  }
+}
+EventPublishing::~EventPublishing() = default;
+void EventPublishing::set_snapshot_source(std::function<pagedkv::KVEventSnapshot()>) {}
+void EventPublishing::publish(const pagedkv::KVEventBatch&) {}
+void EventPublishing::finish() {}
+
+#endif
+
+}  // namespace replay

@@ -1,0 +1,62 @@
+// examples/replay/publish.hpp: `--publish-events`: the replay's KV events on a ZeroMQ endpoint in vLLM's format
+// (pagedkv::events::ZmqPublisher), so any vLLM-format subscriber (vLLM's kv_events_subscriber example, Dynamo's
+// KV router, llm-d) can watch a real trace's cache evolve.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <pagedkv/event_log.hpp>
+#include <pagedkv/events.hpp>
+#include <pagedkv/kv_cache_manager.hpp>
+
+namespace replay {
+
+/// The replay's event publisher: disabled (every call a no-op) without an endpoint. One manager is published per
+/// run (prefix mode: the first --capacity-tokens pool), one batch per engine step, stamped with the step's
+/// simulated time in seconds. Topic "kv-events"; a replay (ROUTER) socket with snapshots is bound on a free
+/// loopback port and announced on stderr with the endpoint. Recording events adds to the manager's library time.
+/// Thread safety: none (the replay's thread).
+class EventPublishing {
+ public:
+  /// Binds `endpoint` (e.g. tcp://127.0.0.1:5557) unless it is empty, then waits `wait_ms` so subscribers can
+  /// connect before the first batch. Throws std::invalid_argument naming the endpoint when it cannot be bound, or
+  /// when this pagedkv-replay was built without the events_zmq component.
+  EventPublishing(const std::string& endpoint, int wait_ms);
+  ~EventPublishing();
+  EventPublishing(const EventPublishing&) = delete;
+  EventPublishing& operator=(const EventPublishing&) = delete;
+
+  [[nodiscard]] bool enabled() const noexcept { return impl_ != nullptr; }
+
+  /// Turns event recording on in the published manager's configuration.
+  void configure(pagedkv::CacheConfig& config) const noexcept {
+    if (enabled()) config.enable_events = true;
+  }
+
+  /// Serves snapshot requests from `manager`'s event snapshot (it must outlive this object's use).
+  template <class Manager>
+  void attach(const Manager& manager) {
+    if (enabled()) set_snapshot_source([&manager] { return manager.event_snapshot(); });
+  }
+
+  /// After an engine step of `manager`: publish its batch, if anything happened, stamped `ts_s`.
+  template <class Manager>
+  void step(Manager& manager, double ts_s) {
+    if (!enabled()) return;
+    if (auto batch = manager.take_event_batch(ts_s)) publish(*batch);
+  }
+
+  /// Serve pending requests, print what was published on stderr, close (bounded: the publisher's linger).
+  void finish();
+
+ private:
+  void set_snapshot_source(std::function<pagedkv::KVEventSnapshot()> source);
+  void publish(const pagedkv::KVEventBatch& batch);
+
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace replay
