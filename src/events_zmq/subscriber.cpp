@@ -92,9 +92,10 @@ struct ZmqSubscriber::Impl {
     if (!dealer) open_dealer();
     const auto deadline = Clock::now() + timeout;
     // ["", body]: the empty delimiter a REQ socket would add, so the ROUTER sees [identity, "", body].
-    (void)dealer.send(zmq::message_t(), zmq::send_flags::sndmore);
-    (void)dealer.send(zmq::buffer(body.data(), body.size()), zmq::send_flags::none);
-    while (r.batches.size() < max_batches) {
+    // Never block: a request that cannot be queued (the socket's queue is full) is an incomplete reply.
+    const bool sent = dealer.send(zmq::message_t(), zmq::send_flags::sndmore | zmq::send_flags::dontwait) &&
+                      dealer.send(zmq::buffer(body.data(), body.size()), zmq::send_flags::dontwait);
+    while (sent && r.batches.size() < max_batches) {
       const milliseconds left = remaining(deadline);
       if (left.count() == 0) break;
       zmq::pollitem_t item{dealer.handle(), 0, ZMQ_POLLIN, 0};

@@ -78,6 +78,7 @@ struct PublisherStats {
 /// Thread safety: none; one thread uses a publisher. Memory: the replay buffer (bounded by both limits).
 /// Errors: pagedkv::Error kInvalidArgument for a bad endpoint (naming it and ZeroMQ's reason) or option, a batch
 /// number not above the last one, or an unencodable batch (see encode_batch); the publisher is unchanged then.
+/// Move: movable, not copyable; a moved-from publisher may only be destroyed or assigned to.
 class PAGEDKV_EVENTS_ZMQ_API ZmqPublisher {
  public:
   /// Binds the sockets. Throws pagedkv::Error kInvalidArgument naming the endpoint when binding fails (address in

@@ -51,6 +51,8 @@ struct SubscriberStats {
 /// uses REQ; DEALER takes the many-part answer a REQ socket cannot). Every call is bounded by its timeout.
 /// Thread safety: none; one thread uses a subscriber. Errors: pagedkv::Error kInvalidArgument for a malformed
 /// endpoint (connecting to an absent publisher is not an error: ZeroMQ reconnects in the background).
+/// Resources: its own ZeroMQ context (one I/O thread, joined on destruction). Move: movable, not copyable; a
+/// moved-from subscriber may only be destroyed or assigned to.
 class PAGEDKV_EVENTS_ZMQ_API ZmqSubscriber {
  public:
   explicit ZmqSubscriber(SubscriberOptions options);
