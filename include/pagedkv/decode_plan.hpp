@@ -92,6 +92,11 @@ struct DecodePlanConfig {
   std::int32_t item_overhead_tokens = 128; ///< Cost model: fixed cost of one item (CTA start, q load, partial
                                            ///< write and merge read) in token-equivalents of K/V streaming (>= 0).
   std::int32_t max_waves = 8;      ///< Candidate granularities k = 1..max_waves (0: never split; at most 64).
+  /// The layer's local attention (DecodeParams::window of the launch this plan is for): the plan covers only each
+  /// request's visible keys [window.first_visible(kv_len - 1), kv_len) and balances those, so pages wholly outside the
+  /// window get no work item at all. Default off (every token). Last member: aggregate initialization that stops
+  /// earlier keeps working.
+  AttentionWindow window;
 };
 
 /// Caller-owned output buffers of plan_decode (host memory; copy them to the device for CUDA). Their sizes are the
@@ -136,7 +141,8 @@ struct DecodePlanInfo {
   std::int32_t waves_candidate = 0;       ///< k of the chosen candidate (0 = no split).
   std::int32_t max_item_tokens = 0;       ///< Longest item.
   std::int32_t nonempty_items = 0;        ///< Items with at least one token.
-  std::int64_t total_tokens = 0;          ///< Tokens over all lanes (each token once per lane).
+  std::int64_t total_tokens = 0;          ///< Visible tokens over all lanes (each token once per lane; with a window,
+                                          ///< only [first visible, kv_len) of each request counts).
   double mean_item_tokens = 0.0;          ///< total_tokens / nonempty_items (0 if none).
   std::int64_t estimated_cost = 0;        ///< Cost model value of the chosen candidate (token-equivalents).
   std::int32_t estimated_waves = 0;       ///< Waves of S slots the cost model expects.
@@ -168,10 +174,17 @@ namespace detail {
   }
   if (c.max_waves < 0 || c.max_waves > 64) return Status::kInvalidValue;
   if (std::int64_t{c.num_sms} * c.ctas_per_sm > (std::int64_t{1} << 24)) return Status::kInvalidValue;
+  if (!c.window.valid()) return Status::kInvalidValue;
   return Status::kSuccess;
 }
 
 [[nodiscard]] constexpr std::int64_t div_up(std::int64_t a, std::int64_t b) noexcept { return (a + b - 1) / b; }
+
+/// First visible token of a decode query over a sequence of len tokens (the query sits at len - 1): the start of
+/// the range a plan must cover. 0 for an empty sequence or no window.
+[[nodiscard]] constexpr std::int64_t decode_visible_begin(std::int64_t len, const AttentionWindow& w) noexcept {
+  return w.first_needed_token(len, 1);
+}
 
 /// Items of a lane of `len` tokens at chunk target `t` (t <= 0: no split): 0 for an empty lane (it still gets one
 /// padding-writing item, counted separately), else ceil(len / t).
@@ -228,31 +241,43 @@ struct PlanCandidate {
 /// Parameters:
 ///  - kv_lens_tokens: host `[batch]` int32, each sequence's KV length in tokens (>= 0; 0 = a padding sequence, which
 ///    gets o = 0 and lse = -inf). These are the lengths the launch will see (seq_lens of the same step's metadata).
-///  - cfg: heads and machine (DecodePlanConfig). out: caller buffers (host memory), every entry overwritten; the
-///    entries past the plan's counts are padding (valid = 0, request = -1).
+///  - cfg: heads, machine and the layer's local-attention window (DecodePlanConfig). out: caller buffers (host
+///    memory), every entry overwritten; the entries past the plan's counts are padding (valid = 0, request = -1).
 ///  - info: optional, receives what was decided (DecodePlanInfo), including the host work list.
 ///
-/// Algorithm (host, O(batch * max_waves + batch log batch + item_capacity), no allocation). Lanes are (request, kv
-/// head, head tile); W = total tokens over lanes; S = num_sms * ctas_per_sm slots. Candidates: "no split" (one item
-/// per lane) and, for k = 1..max_waves, chunk target T_k = max(min_chunk_tokens, ceil(W / (k * S))), each lane of
-/// len tokens cut into n = ceil(len / T_k) items of floor or ceil(len / n) tokens (so no item exceeds T_k and the
-/// items of a lane differ by at most one token). Each candidate is priced by a wave model of the GPU's CTA
-/// scheduler: with h = item_overhead_tokens, N items and the longest item m, the work in "longest-item
-/// equivalents" is E = ceil((W + N h) / (m + h)), and cost = ceil(E / S) * (m + h). The cheapest feasible
-/// candidate wins (ties: fewer items); feasible = its items (plus one per empty lane) fit the item buffer and its
-/// partial rows fit partial_row_capacity. Items are emitted longest-first (LPT order, so the GPU's in-order CTA
-/// dispatch starts the long work first), then request, chunk, kv head, head tile; partial rows are assigned in the
-/// same order. Why these bounds hold: N_k <= W / T_k + lanes <= k * S + lanes (see decode_plan_capacity).
+/// Windows (cfg.window, AttentionWindow: sliding window and/or chunked-local attention). Request b's query sits at
+/// position kv_len_b - 1 and sees only [first_b, kv_len_b) with first_b = cfg.window.first_visible(kv_len_b - 1), so
+/// its lanes have kv_len_b - first_b tokens ("visible tokens") and every item range lies inside [first_b, kv_len_b):
+/// no item covers a token outside the window, and pages wholly before first_b (which the manager may have replaced
+/// by the null block 0) belong to no item. Everything below counts visible tokens (W, T, balance, the LPT order).
+/// Plan with the same window the launch uses (DecodeParams::window): a plan for a narrower window than the
+/// launch's leaves keys uncovered (the reference rejects it; CUDA computes a wrong o); a plan without the window
+/// is correct but wastes work (its items before the window are masked: they write o = 0, lse = -inf partials
+/// that the merge weighs 0).
 ///
-/// Guarantees (tested in tests/unit/test_decode_plan.cpp): every (request, query head, token < kv_len) is covered
-/// by exactly one valid item; a lane is either one item with partial_row -1 or n >= 2 items with distinct partial
-/// rows, the same n and the same rows for every lane of the request, and one merge entry naming exactly those rows;
-/// every item has <= T tokens; and when every non-empty lane is longer than 10 * T, max item < 1.1 * mean item.
+/// Algorithm (host, O(batch * max_waves + batch log batch + item_capacity), no allocation). Lanes are (request, kv
+/// head, head tile); W = total visible tokens over lanes; S = num_sms * ctas_per_sm slots. Candidates: "no split" (one
+/// item per lane) and, for k = 1..max_waves, chunk target T_k = max(min_chunk_tokens, ceil(W / (k * S))), each lane of
+/// len tokens cut into n = ceil(len / T_k) items of floor or ceil(len / n) tokens (so no item exceeds T_k and the items
+/// of a lane differ by at most one token). Each candidate is priced by a wave model of the GPU's CTA scheduler: with h
+/// = item_overhead_tokens, N items and the longest item m, the work in "longest-item equivalents" is E = ceil((W + N h)
+/// / (m + h)), and cost = ceil(E / S) * (m + h). The cheapest feasible candidate wins (ties: fewer items); feasible =
+/// its items (plus one per empty lane) fit the item buffer and its partial rows fit partial_row_capacity. Items are
+/// emitted longest-first (LPT order, so the GPU's in-order CTA dispatch starts the long work first), then request,
+/// chunk, kv head, head tile; partial rows are assigned in the same order. Why these bounds hold: N_k <= W / T_k +
+/// lanes <= k * S + lanes (see decode_plan_capacity).
+///
+/// Guarantees (tested in tests/unit/test_decode_plan.cpp): every (request, query head, visible token) is covered by
+/// exactly one valid item, and no item covers a token that is not visible; a lane is either one item with partial_row
+/// -1 or n >= 2 items with distinct partial rows, the same n and the same rows for every lane of the request, and one
+/// merge entry naming exactly those rows; every item has <= T tokens; and when every non-empty lane is longer than 10 *
+/// T, max item < 1.1 * mean item.
 ///
 /// Returns kSuccess, or kInvalidValue (nothing written) when: cfg is invalid (num_qo_heads or num_kv_heads <= 0 or
 /// not divisible, head_dim <= 0, heads_per_tile outside [0, group], num_sms or ctas_per_sm or min_chunk_tokens < 1,
-/// item_overhead_tokens < 0, max_waves outside [0, 64], more than 2^24 slots); a length is negative; the batch or
-/// a buffer size exceeds int32; items.size() < lanes; merges.size() < batch; partial_row_capacity < 0.
+/// item_overhead_tokens < 0, max_waves outside [0, 64], more than 2^24 slots, a negative window limit); a length
+/// is negative; the batch or a buffer size exceeds int32; items.size() < lanes; merges.size() < batch;
+/// partial_row_capacity < 0.
 /// Thread safety: reads kv_lens_tokens and cfg, writes only out and info. Sources: FlashInfer's plan/run split and
 /// its split-KV scheduler (chunk search bounded by the SMs' CTA slots); Flash-Decoding (Dao et al., 2023) for
 /// split-KV + log-sum-exp merge; LPT list scheduling (Graham, 1969) for the emission order.
@@ -273,14 +298,16 @@ struct PlanCandidate {
   const std::int64_t lanes = std::int64_t{batch} * per_req;
   if (static_cast<std::int64_t>(out.items.size()) < lanes) return Status::kInvalidValue;
   if (out.merges.size() < static_cast<std::size_t>(batch)) return Status::kInvalidValue;
-  std::int64_t total = 0;        // W
+  // A request's lane length is its number of *visible* tokens [first visible, kv_len) (all of them without a window).
+  const auto visible_len = [&](std::int64_t len) { return len - detail::decode_visible_begin(len, cfg.window); };
+  std::int64_t total = 0;        // W (visible tokens over all lanes)
   std::int64_t empty_reqs = 0;
   std::int64_t max_len = 0;
   for (const std::int32_t len : kv_lens_tokens) {
     if (len < 0) return Status::kInvalidValue;
-    total += std::int64_t{len} * per_req;
+    total += visible_len(len) * per_req;
     empty_reqs += len == 0 ? 1 : 0;
-    max_len = std::max<std::int64_t>(max_len, len);
+    max_len = std::max<std::int64_t>(max_len, visible_len(len));
   }
   const std::int64_t slots = std::int64_t{cfg.num_sms} * cfg.ctas_per_sm;
   const std::int64_t h = cfg.item_overhead_tokens;
@@ -290,7 +317,8 @@ struct PlanCandidate {
   const auto evaluate = [&](std::int64_t target) {
     detail::PlanCandidate c;
     c.target = target;
-    for (const std::int32_t len : kv_lens_tokens) {
+    for (const std::int32_t kv_len : kv_lens_tokens) {
+      const std::int64_t len = visible_len(kv_len);
       const std::int64_t n = detail::lane_items(len, target);
       c.items += n * per_req;
       if (n >= 2) c.partial_rows += n;
@@ -326,8 +354,9 @@ struct PlanCandidate {
   // ---- emit: requests longest-item first (LPT), using the merge buffer as scratch for the order ----
   // merges[i].request = request, merges[i].partial_begin = its longest item (sort key); read back before rewrite.
   for (std::int32_t b = 0; b < batch; ++b) {
-    const std::int64_t n = detail::lane_items(kv_lens_tokens[static_cast<std::size_t>(b)], best.target);
-    const std::int64_t longest = n == 0 ? 0 : div_up(kv_lens_tokens[static_cast<std::size_t>(b)], n);
+    const std::int64_t len = visible_len(kv_lens_tokens[static_cast<std::size_t>(b)]);
+    const std::int64_t n = detail::lane_items(len, best.target);
+    const std::int64_t longest = n == 0 ? 0 : div_up(len, n);
     out.merges[static_cast<std::size_t>(b)] = DecodeMergeItem{b, static_cast<std::int32_t>(longest), 0, 0};
   }
   std::sort(out.merges.begin(), out.merges.begin() + batch, [](const DecodeMergeItem& x, const DecodeMergeItem& y) {
@@ -340,11 +369,15 @@ struct PlanCandidate {
   std::int32_t nonempty = 0;
   for (std::int32_t i = 0; i < batch; ++i) {
     const std::int32_t b = out.merges[static_cast<std::size_t>(i)].request;  // read before merges[num_merges] is written
-    const std::int64_t len = kv_lens_tokens[static_cast<std::size_t>(b)];
+    const std::int64_t kv_len = kv_lens_tokens[static_cast<std::size_t>(b)];
+    const std::int64_t first = detail::decode_visible_begin(kv_len, cfg.window);  // the lane is [first, kv_len)
+    const std::int64_t len = kv_len - first;
     const std::int64_t n = detail::lane_items(len, best.target);
     const std::int32_t row0 = next_row;
     for (std::int64_t j = 0; j < std::max<std::int64_t>(n, 1); ++j) {
-      const auto [begin, end] = n == 0 ? std::pair<std::int64_t, std::int64_t>{0, 0} : detail::chunk_range(len, n, j);
+      auto [begin, end] = n == 0 ? std::pair<std::int64_t, std::int64_t>{0, 0} : detail::chunk_range(len, n, j);
+      begin += first;
+      end += first;
       for (std::int32_t kvh = 0; kvh < cfg.num_kv_heads; ++kvh) {
         for (std::int32_t t = 0; t < tiles; ++t) {
           DecodeWorkItem& it = out.items[next_item++];
@@ -406,7 +439,10 @@ struct PlanCandidate {
 /// num_kv_heads * max(1, max_num_chunks), merges >= batch, partial_row_capacity >= batch * max_num_chunks when
 /// chunk_tokens > 0. Returns kInvalidValue (nothing written) for a negative
 /// length or chunk, num_kv_heads < 1, a sequence needing more than max_num_chunks chunks, or too small buffers.
-/// Used by the CPU reference to run the legacy split through the same executor. No allocation.
+/// Used by the CPU reference to run the legacy split through the same executor. No allocation. The chunks do not
+/// depend on a window: under DecodeParams::window the executors clamp each range to the visible keys, so a chunk
+/// wholly before the window is a *masked* item (it reads nothing and writes the partial o = 0, lse = -inf, which the
+/// merge weighs 0), exactly what the CUDA chunk rule does (validate_decode_work_list accepts such lists).
 [[nodiscard]] inline Status plan_decode_uniform_chunks(std::span<const std::int32_t> kv_lens_tokens,
                                                        std::int32_t num_kv_heads, std::int32_t chunk_tokens,
                                                        std::int32_t max_num_chunks, DecodePlanBuffers out) noexcept {
@@ -454,12 +490,19 @@ struct PlanCandidate {
 /// do not tile [0, kv_len) exactly once; a lane with one item uses a partial row, or a lane with several items does
 /// not use distinct rows; the lanes of one request do not use the same set of rows; two requests share a row; a
 /// split request has no valid merge entry, or more than one, or one whose rows are not exactly its rows; a merge
-/// entry names a request that is not split. Padding entries (valid == 0) are ignored. kSuccess otherwise.
+/// entry names a request that is not split; the window is invalid (a negative limit). Padding entries (valid == 0)
+/// are ignored. kSuccess otherwise.
+/// Windows: with `window` (the launch's DecodeParams::window), "tile [0, kv_len)" becomes "tile [s, kv_len) for
+/// some s <= first visible token" (first = window.first_visible(kv_len - 1)): the items must cover every visible
+/// token exactly once and may also cover earlier tokens (masked items, which executors clamp to nothing: the chunk
+/// rule emits them). plan_decode's lists start exactly at the first visible token.
 /// Allocates O(batch * lanes + items) host memory (std::bad_alloc terminates: noexcept). Thread safety: reads only.
 [[nodiscard]] inline Status validate_decode_work_list(std::span<const std::int32_t> kv_lens_tokens,
                                                       std::int32_t num_qo_heads, std::int32_t num_kv_heads,
-                                                      const DecodeWorkList& wl) noexcept {
+                                                      const DecodeWorkList& wl,
+                                                      const AttentionWindow& window = {}) noexcept {
   if (num_qo_heads <= 0 || num_kv_heads <= 0 || num_qo_heads % num_kv_heads != 0) return Status::kInvalidValue;
+  if (!window.valid()) return Status::kInvalidValue;
   if (wl.item_capacity < 0 || wl.merge_capacity < 0 || wl.partial_row_capacity < 0) return Status::kInvalidValue;
   if ((wl.item_capacity > 0 && wl.items == nullptr) || (wl.merge_capacity > 0 && wl.merges == nullptr)) {
     return Status::kInvalidValue;
@@ -501,11 +544,13 @@ struct PlanCandidate {
   for (std::int64_t lane = 0; lane < batch * per_req; ++lane) {
     const auto b = static_cast<std::size_t>(lane / per_req);
     const std::int32_t len = kv_lens_tokens[b];
+    const std::int64_t first = detail::decode_visible_begin(len, window);
     std::int32_t pos = 0;
     lane_rows.clear();
     std::size_t n = 0;
     while (p < pieces.size() && pieces[p].lane == lane) {
-      if (pieces[p].begin != pos) return Status::kInvalidValue;  // gap or overlap
+      if (n == 0 && pieces[p].begin <= first) pos = pieces[p].begin;  // may start early (masked items), never late
+      if (pieces[p].begin != pos) return Status::kInvalidValue;  // gap, overlap, or a late start
       pos = pieces[p].end;
       lane_rows.push_back(pieces[p].row);
       ++p;

@@ -193,6 +193,64 @@ struct PageTable {
   }
 };
 
+/// Local-attention mask of one attention layer (a KV-cache group's policy, docs/contract.md sec. 6): which earlier
+/// keys a query may see besides causality. Both limits default to 0 = off, so a value-initialized struct (what
+/// every params struct holds unless told otherwise) is plain causal attention, exactly the behaviour before these
+/// fields existed.
+///
+/// Semantics. A query at position p (0-based token index within its own sequence) sees the keys at positions t with
+///     first_visible(p) <= t <= p,
+///     first_visible(p) = max(0,  p - sliding_window_tokens + 1  [when sliding_window_tokens > 0],
+///                                floor(p / attention_chunk_tokens) * attention_chunk_tokens  [when > 0]).
+///  - sliding_window_tokens = W >= 1 (sliding-window attention: Mistral, Gemma 2/3, gpt-oss): the last W positions,
+///    the query's own included: p - W < t <= p, W keys once p >= W - 1. W counts the *visible keys*, like the
+///    `sliding_window` of those models' configs as vLLM applies it (it runs FlashAttention with window_size =
+///    (W - 1, 0)). FlashInfer's `window_left` counts the keys *left of* the query instead: window_left = W - 1
+///    (and window_left = -1 is "off", where here off is 0). W = 1: each query sees only itself.
+///  - attention_chunk_tokens = C >= 1 (chunked-local attention, Llama 4's `attention_chunk_size`): positions are cut
+///    into chunks [kC, (k + 1)C); a query sees the keys of its own chunk up to itself. Not to be confused with the
+///    split-KV chunk DecodeParams::kv_chunk_size_tokens, which only divides the work and never changes the result.
+///  - both set: the intersection, which is again one range ending at p.
+/// The visible keys are one contiguous range, so the pages wholly before first_visible(p) of the earliest query of a
+/// sequence in a launch are never read, by the CPU reference or the CUDA kernels: the page table may hold anything
+/// there (the manager writes the null block 0 for blocks a sliding-window group released). Values < 0 are invalid
+/// (kInvalidValue from every op that takes them).
+struct AttentionWindow {
+  std::int32_t sliding_window_tokens = 0;   ///< W: keys visible to a query, itself included; 0 = no sliding window.
+  std::int32_t attention_chunk_tokens = 0;  ///< C: chunked-local attention chunk; 0 = no chunking.
+
+  /// True when some key can be masked (W > 0 or C > 0).
+  [[nodiscard]] constexpr bool enabled() const noexcept {
+    return sliding_window_tokens > 0 || attention_chunk_tokens > 0;
+  }
+  /// True when both limits are >= 0.
+  [[nodiscard]] constexpr bool valid() const noexcept {
+    return sliding_window_tokens >= 0 && attention_chunk_tokens >= 0;
+  }
+  /// first_visible(pos) as defined above (0 when nothing is masked; pos itself when W == 1). Precondition: pos >= 0,
+  /// valid(). Pure function.
+  [[nodiscard]] constexpr std::int64_t first_visible(std::int64_t pos) const noexcept {
+    std::int64_t lo = 0;
+    if (sliding_window_tokens > 0 && pos - sliding_window_tokens + 1 > lo) lo = pos - sliding_window_tokens + 1;
+    if (attention_chunk_tokens > 0) {
+      const std::int64_t chunk_start = pos - pos % attention_chunk_tokens;
+      if (chunk_start > lo) lo = chunk_start;
+    }
+    return lo;
+  }
+  /// The first key position read for a sequence of kv_len_tokens keys whose last num_queries positions are queries
+  /// (decode: num_queries = 1; prefill: q_len): first_visible(kv_len_tokens - num_queries), the earliest query's
+  /// first visible key (first_visible is non-decreasing in the position). 0 for an empty sequence or no queries.
+  /// Every page wholly before this position (page index < first_needed_token / block_size) is never read: those
+  /// page-table entries may be the null block 0. num_queries > kv_len_tokens counts as kv_len_tokens. Precondition:
+  /// valid(). Pure function.
+  [[nodiscard]] constexpr std::int64_t first_needed_token(std::int64_t kv_len_tokens,
+                                                          std::int64_t num_queries) const noexcept {
+    if (kv_len_tokens <= 0 || num_queries <= 0) return 0;
+    return first_visible(kv_len_tokens - (num_queries < kv_len_tokens ? num_queries : kv_len_tokens));
+  }
+};
+
 /// write_kv: scatter new K/V rows into pages by slot mapping (vLLM `reshape_and_cache`).
 /// key, value: `[num_tokens, num_kv_heads, head_dim]`, row stride `stride_token_elems` (0 = num_kv_heads*head_dim),
 /// in the pool's element dtype (`kv.dtype`; an fp8 pool quantizes them on write). slot_mapping: `[num_tokens]` int64; slot < 0 is skipped.
@@ -205,7 +263,7 @@ struct WriteKVParams {
   KVPoolView kv;
 };
 
-/// Decode attention: one query token per sequence against all its cached tokens.
+/// Decode attention: one query token per sequence against its cached tokens (all of them, or those in `window`).
 /// q: `[batch, num_qo_heads, head_dim]` contiguous; o: same shape and dtype; lse (optional, may be null):
 /// `[batch, num_qo_heads]` float32, natural log of the softmax denominator (after scaling).
 /// GQA: query head h reads kv head h / (num_qo_heads / num_kv_heads); num_qo_heads % num_kv_heads == 0.
@@ -224,6 +282,10 @@ struct DecodeParams {
   std::int32_t max_num_chunks = 0;       ///< Upper bound on chunks per sequence the workspace was sized for.
   void* workspace = nullptr;             ///< Scratch in the kernel's memory space, >= decode_workspace_bytes().
   std::size_t workspace_bytes = 0;
+  /// Local attention (sliding window / chunked-local): the query of sequence b sits at position kv_len_b - 1 and sees
+  /// keys [window.first_visible(kv_len_b - 1), kv_len_b). Default: off (all kv_len_b keys). Last member, so aggregate
+  /// initialization that stops earlier keeps working.
+  AttentionWindow window;
 };
 
 /// Bytes of split-KV scratch a decode launch needs: float32 partial o `[batch, max_num_chunks, num_qo_heads,
@@ -239,7 +301,8 @@ struct DecodeParams {
 /// qo_indptr: `[batch + 1]` int32 (same memory space as q); q: `[qo_indptr[batch], num_qo_heads, head_dim]`; o like
 /// q; lse optional `[qo_indptr[batch], num_qo_heads]` float32. The page table describes each sequence's full KV
 /// (prefix + the new tokens, already written by write_kv), kv_len_b tokens; the i-th query of sequence b sits at
-/// position kv_len_b - q_len_b + i and attends to positions <= its own (causal), i.e. q_len_b <= kv_len_b.
+/// position kv_len_b - q_len_b + i and attends to positions <= its own (causal), i.e. q_len_b <= kv_len_b, and, with a
+/// window, to positions >= window.first_visible(its position) only.
 struct PrefillParams {
   const void* q = nullptr;
   void* o = nullptr;
@@ -250,6 +313,9 @@ struct PrefillParams {
   PageTable pages;
   std::int32_t num_qo_heads = 0;
   float sm_scale = 0.f;
+  /// Local attention: the query at position pos sees keys [window.first_visible(pos), pos]. Default: off (causal
+  /// only). Last member (aggregate initialization that stops earlier keeps working).
+  AttentionWindow window;
 };
 
 /// copy_blocks: whole-block copies (K and V, every given layer) for copy-on-write.

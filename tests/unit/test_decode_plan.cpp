@@ -14,6 +14,9 @@
 //    unit in the last place), and each matches a float64 oracle (1e-5 / 1e-2).
 //  - Errors: bad configs and too small buffers change nothing; corrupted lists are rejected by
 //    validate_decode_work_list and by reference::decode(p, work_list), which then writes nothing.
+//  - Windows (DecodePlanConfig::window): coverage of exactly the visible tokens (brute-force window, none before it)
+//    on random batches; a windowed plan is the plan of the visible lengths shifted to the window (balance over visible
+//    tokens); 64 x 32k under W = 4096 plans like 64 x 4096; validate_decode_work_list with a window.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -84,7 +87,23 @@ DecodePlanConfig config(int hq, int hkv, int sms, int cps) {
   return c;
 }
 
+/// The first key a decode query over len tokens sees (it sits at len - 1), from the definition (brute force, not the
+/// library's AttentionWindow::first_visible): the smallest t such that every u in [t, len - 1] satisfies (len - 1) - u
+/// < W (when W > 0) and u / C == (len - 1) / C (when C > 0). 0 for an empty sequence.
+int visible_begin(int len, const pagedkv::AttentionWindow& w) {
+  if (len == 0) return 0;
+  const int p = len - 1;
+  const auto visible = [&](int u) {
+    return (w.sliding_window_tokens <= 0 || p - u < w.sliding_window_tokens) &&
+           (w.attention_chunk_tokens <= 0 || u / w.attention_chunk_tokens == p / w.attention_chunk_tokens);
+  };
+  int t = p;
+  while (t > 0 && visible(t - 1)) --t;
+  return t;
+}
+
 /// Every property of a plan, checked by brute force (independently of validate_decode_work_list, which must agree).
+/// With cfg.window, "every token" means every visible token [visible_begin, len), and no item may reach before it.
 void check_plan(const std::vector<std::int32_t>& lens, const DecodePlanConfig& cfg, const DecodeWorkList& wl,
                 const DecodePlanInfo& info) {
   const int batch = static_cast<int>(lens.size());
@@ -116,8 +135,9 @@ void check_plan(const std::vector<std::int32_t>& lens, const DecodePlanConfig& c
       FAIL("item " << i << " names request " << it.request << ", kv head " << it.kv_head << ", tile " << it.head_tile);
     }
     const int len = lens[sz(it.request)];
-    if (!(it.kv_begin >= 0 && it.kv_begin <= it.kv_end && it.kv_end <= len)) {
-      FAIL("item " << i << " range [" << it.kv_begin << ", " << it.kv_end << ") of a " << len << "-token sequence");
+    if (!(it.kv_begin >= visible_begin(len, cfg.window) && it.kv_begin <= it.kv_end && it.kv_end <= len)) {
+      FAIL("item " << i << " range [" << it.kv_begin << ", " << it.kv_end << ") of a " << len
+                   << "-token sequence whose first visible token is " << visible_begin(len, cfg.window));
     }
     const int n = it.kv_end - it.kv_begin;
     max_item = std::max(max_item, n);
@@ -151,10 +171,27 @@ void check_plan(const std::vector<std::int32_t>& lens, const DecodePlanConfig& c
   CHECK(nonempty == info.nonempty_items);
   CHECK(max_item == info.max_item_tokens);
   CHECK(tokens == info.total_tokens);  // each lane's items add up to its length
-  // Each (request, head, token) exactly once.
-  const auto bad = std::find_if(covered.begin(), covered.end(), [](std::uint8_t c) { return c != 1; });
-  INFO("first (request, head, token) not covered exactly once: flat index " << (bad - covered.begin()));
-  CHECK(bad == covered.end());
+  // Each visible (request, head, token) exactly once, the tokens before the window never.
+  std::int64_t bad_cover = -1;
+  for (int b = 0; b < batch && bad_cover < 0; ++b) {
+    const int len = lens[sz(b)], first = visible_begin(len, cfg.window);
+    for (int h = 0; h < hq && bad_cover < 0; ++h) {
+      for (int t = 0; t < len; ++t) {
+        const std::int64_t i = base[sz(b)] + std::int64_t{h} * len + t;
+        if (covered[sz(i)] != (t >= first ? 1 : 0)) {
+          bad_cover = i;
+          break;
+        }
+      }
+    }
+  }
+  INFO("first (request, head, token) not covered as it should be: flat index " << bad_cover);
+  CHECK(bad_cover == -1);
+  std::int64_t visible_tokens = 0;  // over all lanes: what the plan balances
+  for (int b = 0; b < batch; ++b) {
+    visible_tokens += std::int64_t{lens[sz(b)] - visible_begin(lens[sz(b)], cfg.window)} * hkv * tiles;
+  }
+  CHECK(info.total_tokens == visible_tokens);
   int bad_empty = 0;  // an empty sequence's (b, h) must be written (o = 0, lse = -inf) by exactly one item
   for (int b = 0; b < batch; ++b) {
     for (int h = 0; h < hq; ++h) bad_empty += lens[sz(b)] == 0 && empty_seen[sz(b) * sz(hq) + sz(h)] != 1 ? 1 : 0;
@@ -212,7 +249,8 @@ void check_plan(const std::vector<std::int32_t>& lens, const DecodePlanConfig& c
   for (int b = 0; b < batch; ++b) uneven += hi[sz(b)] - lo[sz(b)] > 1 ? 1 : 0;
   CHECK(uneven == 0);
   // The library's own checker agrees.
-  CHECK(pagedkv::to_string(pagedkv::validate_decode_work_list(lens, hq, hkv, wl)) == std::string("success"));
+  CHECK(pagedkv::to_string(pagedkv::validate_decode_work_list(lens, hq, hkv, wl, cfg.window)) ==
+        std::string("success"));
 }
 
 /// A random ragged batch: a mix of empty, tiny, medium and long sequences.
@@ -745,4 +783,179 @@ TEST_CASE("reference::decode(p, work_list) needs the workspace the list's rows n
   CHECK(s == Status::kInvalidValue);
   (void)run_plan(bt, p.info.work_list, p.info.workspace_bytes, &s);
   CHECK(s == Status::kSuccess);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Windows (DecodePlanConfig::window: sliding window W and / or chunked-local attention C): the plan covers exactly
+// the visible tokens [first visible, kv_len) of each request and balances those.
+
+namespace {
+
+/// A random window: sliding only, chunked only, or both, with W = 1 and sizes around the lengths.
+pagedkv::AttentionWindow random_window(std::mt19937_64& rng, int max_len) {
+  const int hi = std::max(2, max_len);
+  switch (uniform(rng, 0, 3)) {
+    case 0: return {uniform(rng, 1, hi), 0};
+    case 1: return {0, uniform(rng, 1, hi)};
+    case 2: return {uniform(rng, 1, hi), uniform(rng, 1, hi)};
+    default: return {1, 0};
+  }
+}
+
+}  // namespace
+
+TEST_CASE("plan_decode with a window covers exactly the visible tokens of random ragged batches",
+          "[decode_plan][coverage][window]") {
+  const std::uint64_t seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  int split_plans = 0, windowed_requests = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int hkv = 1 << uniform(rng, 0, 3);
+    const int group = std::vector<int>{1, 2, 3, 4, 6, 8}[sz(uniform(rng, 0, 5))];
+    DecodePlanConfig cfg = config(hkv * group, hkv, uniform(rng, 1, 160), uniform(rng, 1, 8));
+    cfg.heads_per_tile = uniform(rng, 0, group);
+    cfg.min_chunk_tokens = std::vector<int>{1, 16, 64, 256}[sz(uniform(rng, 0, 3))];
+    cfg.item_overhead_tokens = uniform(rng, 0, 256);
+    cfg.max_waves = uniform(rng, 0, 12);
+    const int batch = uniform(rng, 0, 40);
+    const int max_len = std::max(1, std::min(20000, 16'000'000 / std::max(1, batch * hkv * group)));
+    const std::vector<std::int32_t> lens = ragged_lengths(rng, batch, max_len);
+    cfg.window = random_window(rng, uniform(rng, 1, 2) == 1 ? 64 : max_len);
+    CAPTURE(trial, batch, hkv, group, cfg.heads_per_tile, cfg.num_sms, cfg.ctas_per_sm, cfg.min_chunk_tokens,
+            cfg.window.sliding_window_tokens, cfg.window.attention_chunk_tokens, lens);
+    const Planned p = plan(lens, cfg);
+    REQUIRE(p.status == Status::kSuccess);
+    check_plan(lens, cfg, p.info.work_list, p.info);
+    split_plans += p.info.num_merges > 0 ? 1 : 0;
+    for (const std::int32_t len : lens) windowed_requests += visible_begin(len, cfg.window) > 0 ? 1 : 0;
+  }
+  CHECK(split_plans >= 30);
+  CHECK(windowed_requests >= 500);  // the windows really cut most requests
+}
+
+TEST_CASE("plan_decode with a window is the plan of the visible lengths, shifted to the window",
+          "[decode_plan][balance][window]") {
+  // Balance is over visible tokens: planning kv_len with the window must give the very plan of the visible lengths
+  // without a window, every item moved by its request's first visible token (same T, same items, same rows).
+  const std::uint64_t seed = fresh_seed();
+  CAPTURE(seed);
+  std::mt19937_64 rng(seed);
+  int differs_from_unwindowed = 0;
+  for (int trial = 0; trial < 150; ++trial) {
+    const int hkv = 1 << uniform(rng, 0, 3);
+    const int group = uniform(rng, 1, 8);
+    DecodePlanConfig cfg = config(hkv * group, hkv, uniform(rng, 1, 132), uniform(rng, 1, 8));
+    cfg.min_chunk_tokens = std::vector<int>{1, 16, 64, 256}[sz(uniform(rng, 0, 3))];
+    const int batch = uniform(rng, 1, 64);
+    const std::vector<std::int32_t> lens = ragged_lengths(rng, batch, 40000);
+    DecodePlanConfig wcfg = cfg;
+    wcfg.window = random_window(rng, 8192);
+    CAPTURE(trial, lens, wcfg.window.sliding_window_tokens, wcfg.window.attention_chunk_tokens);
+    std::vector<std::int32_t> visible(lens.size());
+    for (std::size_t b = 0; b < lens.size(); ++b) visible[b] = lens[b] - visible_begin(lens[b], wcfg.window);
+    const Planned w = plan(lens, wcfg);
+    const Planned v = plan(visible, cfg);
+    const Planned full = plan(lens, cfg);
+    REQUIRE(w.status == Status::kSuccess);
+    REQUIRE(v.status == Status::kSuccess);
+    CHECK(w.info.num_items == v.info.num_items);
+    CHECK(w.info.chunk_target_tokens == v.info.chunk_target_tokens);
+    CHECK(w.info.max_item_tokens == v.info.max_item_tokens);
+    CHECK(w.info.total_tokens == v.info.total_tokens);
+    CHECK(w.info.estimated_cost == v.info.estimated_cost);
+    int bad_items = 0;
+    for (std::size_t i = 0; i < w.items.size(); ++i) {
+      DecodeWorkItem shifted = v.items[i];
+      if (shifted.valid != 0) {
+        const int first = visible_begin(lens[sz(shifted.request)], wcfg.window);
+        shifted.kv_begin += first;
+        shifted.kv_end += first;
+      }
+      bad_items += std::memcmp(&shifted, &w.items[i], sizeof(DecodeWorkItem)) != 0 ? 1 : 0;
+    }
+    CHECK(bad_items == 0);
+    CHECK(std::memcmp(w.merges.data(), v.merges.data(), w.merges.size() * sizeof(DecodeMergeItem)) == 0);
+    differs_from_unwindowed += full.info.total_tokens != w.info.total_tokens ? 1 : 0;
+  }
+  CHECK(differs_from_unwindowed >= 100);
+}
+
+TEST_CASE("plan_decode: 64 x 32k under a 4096-token sliding window plans like 64 x 4096", "[decode_plan][shapes][window]") {
+  // Gemma / gpt-oss style sliding-window layers: the work is the window, not the sequence.
+  const DecodePlanConfig cfg = config(32, 8, 132, 6);
+  DecodePlanConfig wcfg = cfg;
+  wcfg.window.sliding_window_tokens = 4096;
+  const std::vector<std::int32_t> lens(64, 32768);
+  const Planned w = plan(lens, wcfg);
+  const Planned ref4k = plan(std::vector<std::int32_t>(64, 4096), cfg);
+  REQUIRE(w.status == Status::kSuccess);
+  check_plan(lens, wcfg, w.info.work_list, w.info);
+  CHECK(w.info.num_items == ref4k.info.num_items);  // 2048 items of 1024 tokens (docs/kernels.md)
+  CHECK(w.info.num_items == 2048);
+  CHECK(w.info.max_item_tokens == 1024);
+  CHECK(w.info.total_tokens == std::int64_t{64} * 8 * 4096);
+  for (int i = 0; i < w.info.num_items; ++i) {
+    if (w.items[sz(i)].kv_begin < 32768 - 4096) FAIL("item " << i << " starts before the window");
+  }
+  // Chunked-local 8192 (Llama 4) at 32768 tokens: the query at 32767 sees its chunk [24576, 32768).
+  DecodePlanConfig ccfg = cfg;
+  ccfg.window.attention_chunk_tokens = 8192;
+  const Planned c = plan(lens, ccfg);
+  REQUIRE(c.status == Status::kSuccess);
+  check_plan(lens, ccfg, c.info.work_list, c.info);
+  CHECK(c.info.total_tokens == std::int64_t{64} * 8 * 8192);
+}
+
+TEST_CASE("validate_decode_work_list with a window: visible tokens exactly once, an early start allowed, a late one not",
+          "[decode_plan][validation][window]") {
+  const std::vector<std::int32_t> lens = {700, 0, 90, 1300, 5};
+  const pagedkv::AttentionWindow w{300, 0};
+  DecodePlanConfig cfg = config(6, 2, 16, 4);
+  cfg.min_chunk_tokens = 50;
+  DecodePlanConfig wcfg = cfg;
+  wcfg.window = w;
+  const Planned full = plan(lens, cfg);
+  const Planned win = plan(lens, wcfg);
+  REQUIRE(win.info.num_merges >= 1);
+  // The window's plan under the window; the unwindowed plan under the window too (its early items are masked).
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list, w) == Status::kSuccess);
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, full.info.work_list, w) == Status::kSuccess);
+  // The window's plan without the window, or under a wider one: keys uncovered.
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list) == Status::kInvalidValue);
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list, {301, 0}) == Status::kInvalidValue);
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list, {0, 2048}) == Status::kInvalidValue);
+  // ... but a narrower window is fine (the plan starts early).
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list, {299, 0}) == Status::kSuccess);
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list, {300, 64}) == Status::kSuccess);
+  // A negative window is invalid.
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, win.info.work_list, {-1, 0}) == Status::kInvalidValue);
+  // The uniform chunk rule's list (from token 0) is valid under any window.
+  std::vector<DecodeWorkItem> items(lens.size() * 2 * 40);
+  std::vector<DecodeMergeItem> merges(lens.size());
+  const pagedkv::DecodePlanBuffers buf{items, merges, static_cast<std::int32_t>(lens.size()) * 40};
+  REQUIRE(pagedkv::plan_decode_uniform_chunks(lens, 2, 37, 40, buf) == Status::kSuccess);
+  const DecodeWorkList uwl{items.data(), static_cast<std::int32_t>(items.size()), merges.data(),
+                           static_cast<std::int32_t>(merges.size()), 3, buf.partial_row_capacity};
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, uwl, w) == Status::kSuccess);
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, uwl, {1, 7}) == Status::kSuccess);
+  // Moving the first item of a windowed lane one token later leaves the first visible token uncovered.
+  Planned broken = win;
+  for (auto& it : broken.items) {
+    if (it.valid != 0 && it.request == 3 && it.kv_begin == 1300 - 300) {
+      it.kv_begin += 1;
+      break;
+    }
+  }
+  DecodeWorkList bwl = broken.info.work_list.relocated(broken.items.data(), broken.merges.data());
+  CHECK(pagedkv::validate_decode_work_list(lens, 6, 2, bwl, w) == Status::kInvalidValue);
+  // A negative window in the plan config is rejected, nothing written.
+  DecodePlanConfig bad = wcfg;
+  bad.window.attention_chunk_tokens = -1;
+  std::vector<DecodeWorkItem> bitems(win.items.size(), DecodeWorkItem{1, 2, 3, 1, 4, 5, 6, 0});
+  std::vector<DecodeMergeItem> bmerges(win.merges.size(), DecodeMergeItem{1, 2, 3, 1});
+  CHECK(pagedkv::plan_decode(lens, bad, {bitems, bmerges, win.rows}) == Status::kInvalidValue);
+  CHECK(bitems[0].request == 1);
+  CHECK(bmerges[0].request == 1);
+  CHECK(pagedkv::decode_plan_capacity(5, bad).items == 0);
 }

@@ -27,6 +27,13 @@
 //    or with a padded row stride; ~1/4 of slots -1). copy_blocks: dtype x layout = 15 runs, 3 layers.
 //    swap_blocks: dtype x layout x direction = 30 runs, 2 layers, dst pool in the next layout (other strides).
 //  - validation: every rejected launch returns the expected Status and leaves outputs / pools bitwise unchanged.
+//  - local attention ([window]: sliding window W / chunked-local C, AttentionWindow): decode and prefill, dtype x
+//    block size {1, 8, 16, 32} x 7 window cases = 84 runs each (edges inside a block and on block boundaries, W = 1,
+//    W above every length, C a block multiple or not, W and C together), group / head_dim {32, 64, 128} / layout
+//    cycled; pages wholly before the window are the null block 0 (CSR) or ids outside the pool (padded); decode in 4
+//    modes (no split, chunk rule with masked chunks, window-aware plan, window-unaware plan); the oracle's window
+//    comes from the definition by brute force. Plus first_visible vs brute force, an fp8 pool with windows, and
+//    window validation.
 //
 // Seeds: each run draws a fresh seed (printed on failure via CAPTURE); PAGEDKV_TEST_SEED=<n> pins every run to n.
 #include <catch2/catch.hpp>
@@ -365,33 +372,40 @@ Gathered gather(const TestPool& pool, const std::vector<std::int32_t>& pages, in
   return g;
 }
 
-/// float64 attention of one query row against the first n gathered tokens (n <= g.n). n == 0: o = 0, lse = -inf.
-void oracle_attend(const Gathered& g, int n, const double* q, double sm_scale, double* o, double* lse) {
+/// float64 attention of one query row against gathered tokens [begin, end) (end <= g.n). An empty range: o = 0,
+/// lse = -inf.
+void oracle_attend_range(const Gathered& g, int begin, int end, const double* q, double sm_scale, double* o,
+                         double* lse) {
   const auto dim = sz(g.dim);
   std::fill(o, o + dim, 0.0);
-  if (n == 0) {
+  if (end <= begin) {
     *lse = -kInf;
     return;
   }
-  std::vector<double> scores(sz(n));
+  std::vector<double> scores(sz(end - begin));
   double* s = scores.data();
   double m = -kInf;
-  for (std::size_t t = 0; t < sz(n); ++t) {
-    const double* k = g.k.data() + t * dim;
+  for (std::size_t i = 0; i < scores.size(); ++i) {
+    const double* k = g.k.data() + (sz(begin) + i) * dim;
     double acc = 0;
     for (std::size_t d = 0; d < dim; ++d) acc += q[d] * k[d];
-    s[t] = acc * sm_scale;
-    m = std::max(m, s[t]);
+    s[i] = acc * sm_scale;
+    m = std::max(m, s[i]);
   }
   double denom = 0;
-  for (std::size_t t = 0; t < sz(n); ++t) {
-    const double p = std::exp(s[t] - m);
-    const double* v = g.v.data() + t * dim;
+  for (std::size_t i = 0; i < scores.size(); ++i) {
+    const double p = std::exp(s[i] - m);
+    const double* v = g.v.data() + (sz(begin) + i) * dim;
     denom += p;
     for (std::size_t d = 0; d < dim; ++d) o[d] += p * v[d];
   }
   for (std::size_t d = 0; d < dim; ++d) o[d] /= denom;
   *lse = m + std::log(denom);
+}
+
+/// float64 attention of one query row against the first n gathered tokens (n <= g.n). n == 0: o = 0, lse = -inf.
+void oracle_attend(const Gathered& g, int n, const double* q, double sm_scale, double* o, double* lse) {
+  oracle_attend_range(g, 0, n, q, sm_scale, o, lse);
 }
 
 // ----------------------------------------------------------------------------------------------- comparison
@@ -1260,4 +1274,695 @@ TEST_CASE("reference::swap_blocks rejects bad launches and writes nothing", "[re
   CHECK_STATUS(ref::swap_blocks(p), want);
   CHECK(first_diff(dev.snapshot(), dev0) == -1);
   CHECK(first_diff(host.snapshot(), host0) == -1);
+}
+
+// ================================================================================================= local attention
+// Sliding windows and chunked-local attention (AttentionWindow): decode and prefill against the float64 oracle over
+// the visible keys only, with every page wholly before the window replaced in the page table: by the null block 0
+// in the CSR table (what the manager writes for a sliding-window group) and by ids that are not even in the pool
+// in the padded table (-1, INT32_MAX, num_blocks + 7), so a kernel that dereferences such an entry reads NaN (block
+// 0) or crashes / trips ASan. Everything else in the pool that no sequence uses is NaN, as above.
+
+namespace {
+
+using pagedkv::AttentionWindow;
+
+/// The first key the query at position `pos` sees, straight from the definition and independent of the library
+/// (brute force): the smallest t <= pos such that every u in [t, pos] is visible, u visible iff pos - u < W (when
+/// W > 0) and u / C == pos / C (when C > 0). The oracles and the null-page placement of these tests use this, never
+/// AttentionWindow::first_visible, so a wrong mask in the library cannot agree with itself.
+std::int64_t oracle_first_visible(std::int64_t pos, const AttentionWindow& w) {
+  const auto visible = [&](std::int64_t u) {
+    const bool in_window = w.sliding_window_tokens <= 0 || pos - u < w.sliding_window_tokens;
+    const std::int64_t c = w.attention_chunk_tokens;
+    const bool in_chunk = c <= 0 || u / c == pos / c;
+    return in_window && in_chunk;
+  };
+  std::int64_t t = pos;
+  while (t > 0 && visible(t - 1)) --t;
+  return t;
+}
+
+/// The first key any of the last num_queries positions of a kv_len-token sequence sees (0 when nothing is read).
+std::int64_t oracle_first_needed(std::int64_t kv_len, std::int64_t num_queries, const AttentionWindow& w) {
+  return kv_len == 0 || num_queries == 0 ? 0 : oracle_first_visible(kv_len - num_queries, w);
+}
+
+/// One window configuration of the grid, relative to the block size.
+struct WindowCase {
+  const char* name;
+  int window;  // sliding_window_tokens
+  int chunk;   // attention_chunk_tokens
+};
+
+/// The 7 window configurations of the grid at block size bs: window edges inside a block and at a block boundary,
+/// W = 1, W above every length, chunk sizes that are and are not multiples of bs, and both limits at once.
+WindowCase window_case(int i, int bs) {
+  switch (i) {
+    case 0: return {"W inside a block", bs == 1 ? 3 : 2 * bs + bs / 2 + 1, 0};
+    case 1: return {"W = 2 blocks", 2 * bs, 0};
+    case 2: return {"W = 1 (each query sees itself)", 1, 0};
+    case 3: return {"W above every length", 100000, 0};
+    case 4: return {"C = 3 blocks", 0, 3 * bs};
+    case 5: return {"C not a multiple of the block size", 0, bs == 1 ? 5 : 2 * bs + 3};
+    default: return {"W and C together", bs + 3, 4 * bs + 2};
+  }
+}
+constexpr int kNumWindowCases = 7;
+
+/// Decode lengths that put the window edge everywhere that matters: padding (0), 1 token, W - 1, W, W + 1 (all of
+/// the sequence visible, exactly W, one token masked), W + k*bs (first visible token on a block boundary), W + k*bs
+/// + r (inside a block), C and C + 1 (the query at the end / the start of a chunk), 2C + r, 3C, and a long one.
+std::vector<int> window_decode_lengths(Rng& rng, int bs, const AttentionWindow& w) {
+  std::vector<int> lens = {0, 1, uniform(rng, 150, 300)};
+  const auto add = [&](std::int64_t v) {
+    if (v >= 1 && v <= 600) lens.push_back(static_cast<int>(v));
+  };
+  const int W = w.sliding_window_tokens, C = w.attention_chunk_tokens;
+  if (W > 0) {
+    add(W - 1);
+    add(W);
+    add(W + 1);
+    add(W + std::int64_t{bs} * uniform(rng, 1, 3));
+    if (bs > 1) add(W + std::int64_t{bs} * uniform(rng, 1, 3) + uniform(rng, 1, bs - 1));
+  }
+  if (C > 0) {
+    add(C);
+    add(C + 1);
+    add(2 * std::int64_t{C} + uniform(rng, 2, std::max(2, C)));
+    add(3 * std::int64_t{C});
+  }
+  std::shuffle(lens.begin(), lens.end(), rng);
+  return lens;
+}
+
+/// The page tables of `pb` with every page wholly before first_read[b] (tokens) replaced: CSR entries by the null
+/// block 0, padded entries by ids outside the pool. Both tables must never be dereferenced there.
+struct WindowTables {
+  std::vector<std::int32_t> indices, block_tables;
+  int nulled_pages = 0;
+  WindowTables(const PagedBatch& pb, const std::vector<std::int64_t>& first_read) {
+    indices = pb.indices;
+    block_tables = pb.block_tables;
+    const std::int32_t garbage[] = {-1, std::numeric_limits<std::int32_t>::max(), pb.num_blocks + 7};
+    for (int b = 0; b < pb.batch(); ++b) {
+      const std::int64_t skip = first_read[sz(b)] / pb.block_size;
+      for (std::int64_t i = 0; i < skip; ++i) {
+        indices[sz(pb.indptr[sz(b)] + i)] = 0;
+        block_tables[sz(std::int64_t{b} * pb.max_blocks_per_seq + i)] = garbage[(b + i) % 3];
+        ++nulled_pages;
+      }
+    }
+  }
+  [[nodiscard]] PageTable table(const PagedBatch& pb, PageTableFormat f) const {
+    return f == PageTableFormat::kCsr
+               ? PageTable::csr(pb.batch(), pb.indptr.data(), indices.data(), pb.last_page_len.data())
+               : PageTable::padded(pb.batch(), block_tables.data(), pb.max_blocks_per_seq, pb.seq_lens.data());
+  }
+};
+
+/// What a windowed grid saw, summed over its runs, so the test can insist that the interesting paths ran.
+struct WindowStats {
+  int nulled_pages = 0;     // page-table entries replaced (never to be read)
+  int masked_chunks = 0;    // chunk-rule chunks wholly before the window (masked partials merged with weight 0)
+  int split_plans = 0;      // window-aware plans that split some request
+  int multi_chunk_rows = 0; // prefill steps whose queries span >= 2 attention chunks
+};
+
+struct WindowRun {
+  DType dtype;
+  int group, head_dim, block_size;
+  Layout layout;
+  WindowCase wc;
+};
+
+void run_window_decode_case(const WindowRun& c, WindowStats& stats) {
+  const std::uint64_t seed = fresh_seed();
+  const std::string dtype = dtype_name(c.dtype), layout = layout_name(c.layout), window_case_name = c.wc.name;
+  CAPTURE(seed, dtype, layout, c.group, c.head_dim, c.block_size, window_case_name, c.wc.window, c.wc.chunk);
+  Rng rng(seed);
+  const AttentionWindow w{c.wc.window, c.wc.chunk};
+  const int hq = kNumKvHeads * c.group, dim = c.head_dim;
+  const PagedBatch pb = make_batch(rng, window_decode_lengths(rng, c.block_size, w), c.block_size);
+  const int batch = pb.batch();
+  CAPTURE(pb.kv_lens);
+  TestPool pool(c.layout, c.dtype, pb.num_blocks, c.block_size, kNumKvHeads, dim);
+  fill_sequences(pool, pb, rng);
+  const auto pool_before = pool.snapshot();
+  std::vector<std::int64_t> first(sz(batch));
+  for (int b = 0; b < batch; ++b) first[sz(b)] = oracle_first_needed(pb.kv_lens[b], 1, w);
+  const WindowTables wt(pb, first);
+  stats.nulled_pages += wt.nulled_pages;
+  Raw q(c.dtype, std::int64_t{batch} * hq * dim);
+  q.fill_random(rng, 0.1f, 2.0f);
+  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(dim));
+
+  // Oracle: the query at kv_len - 1 against keys [first, kv_len), gathered through the *original* pages.
+  std::vector<double> o_ref(sz(batch) * sz(hq) * sz(dim));
+  std::vector<double> lse_ref(sz(batch) * sz(hq));
+  const std::vector<double> qd = q.to_double();
+  for (int b = 0; b < batch; ++b) {
+    const int len = pb.kv_lens[b];
+    for (int kvh = 0; kvh < kNumKvHeads; ++kvh) {
+      const Gathered g = gather(pool, pb.pages[b], len, kvh);
+      for (int h = kvh * c.group; h < (kvh + 1) * c.group; ++h) {
+        const std::size_t row = sz(b) * sz(hq) + sz(h);
+        oracle_attend_range(g, static_cast<int>(first[sz(b)]), len, qd.data() + row * sz(dim), sm_scale,
+                            o_ref.data() + row * sz(dim), &lse_ref[row]);
+      }
+    }
+  }
+  double max_ref = 1e-30;
+  for (const double x : o_ref) max_ref = std::max(max_ref, std::abs(x));
+  const int max_len = *std::max_element(pb.kv_lens.begin(), pb.kv_lens.end());
+
+  for (const PageTableFormat fmt : {PageTableFormat::kCsr, PageTableFormat::kPadded}) {
+    const std::string table = fmt == PageTableFormat::kCsr ? "csr, null block 0" : "padded, ids outside the pool";
+    CAPTURE(table);
+    DecodeParams base;
+    base.q = q.data();
+    base.kv = pool.view;
+    base.pages = wt.table(pb, fmt);
+    base.num_qo_heads = hq;
+    base.sm_scale = sm_scale;
+    base.window = w;
+    std::vector<double> o_nosplit;
+    // mode 0: no split; 1: chunk rule (chunks before the window are masked); 2: plan with the window; 3: plan made
+    // without the window (its items before the window are masked by the executor).
+    for (int mode = 0; mode < 4; ++mode) {
+      CAPTURE(mode);
+      Raw o(c.dtype, std::int64_t{batch} * hq * dim);  // NaN-filled: every element must be written
+      std::vector<float> lse(sz(batch) * sz(hq), std::numeric_limits<float>::quiet_NaN());
+      DecodeParams p = base;
+      p.o = o.data();
+      p.lse = lse.data();
+      std::vector<float> ws;
+      std::vector<pagedkv::DecodeWorkItem> items;
+      std::vector<pagedkv::DecodeMergeItem> merges;
+      Status st = Status::kInvalidValue;
+      if (mode <= 1) {
+        if (mode == 1) {
+          p.kv_chunk_size_tokens = uniform(rng, 3, 40);
+          p.max_num_chunks = static_cast<std::int32_t>(ref::num_kv_chunks(max_len, p.kv_chunk_size_tokens));
+          p.workspace_bytes = pagedkv::decode_workspace_bytes(batch, p.max_num_chunks, hq, dim);
+          ws.assign(p.workspace_bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
+          p.workspace = ws.data();
+          for (int b = 0; b < batch; ++b) {
+            if (ref::num_kv_chunks(pb.kv_lens[b], p.kv_chunk_size_tokens) >= 2) {
+              stats.masked_chunks += static_cast<int>(first[sz(b)] / p.kv_chunk_size_tokens);
+            }
+          }
+          CAPTURE(p.kv_chunk_size_tokens);
+        }
+        st = ref::decode(p, 2);
+      } else {
+        pagedkv::DecodePlanConfig cfg;
+        cfg.num_qo_heads = hq;
+        cfg.num_kv_heads = kNumKvHeads;
+        cfg.head_dim = dim;
+        cfg.heads_per_tile = uniform(rng, 0, c.group);
+        cfg.num_sms = uniform(rng, 1, 8);
+        cfg.ctas_per_sm = uniform(rng, 1, 4);
+        cfg.min_chunk_tokens = uniform(rng, 1, 8);
+        cfg.item_overhead_tokens = uniform(rng, 0, 16);
+        cfg.max_waves = uniform(rng, 1, 8);
+        if (mode == 2) cfg.window = w;
+        const pagedkv::DecodePlanCapacity cap = pagedkv::decode_plan_capacity(batch, cfg);
+        items.resize(sz(cap.items));
+        merges.resize(sz(cap.merges));
+        pagedkv::DecodePlanInfo info;
+        REQUIRE_STATUS(pagedkv::plan_decode(pb.seq_lens, cfg, {items, merges, cap.partial_rows}, &info),
+                       Status::kSuccess);
+        CAPTURE(cfg.num_sms, cfg.ctas_per_sm, cfg.min_chunk_tokens, info.num_items, info.num_merges);
+        if (mode == 2) {
+          stats.split_plans += info.num_merges > 0 ? 1 : 0;
+          // The plan covers visible tokens only: no item reaches before its request's window.
+          int before_window = 0;
+          for (int i = 0; i < info.num_items; ++i) {
+            before_window += items[sz(i)].kv_begin < first[sz(items[sz(i)].request)] ? 1 : 0;
+          }
+          CHECK(before_window == 0);
+        }
+        ws.assign(info.workspace_bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
+        p.workspace = ws.data();
+        p.workspace_bytes = ws.size() * sizeof(float);
+        st = ref::decode(p, info.work_list, 2);
+      }
+      REQUIRE_STATUS(st, Status::kSuccess);
+      const std::vector<double> got = o.to_double();
+      CHECK_CLOSE(got, o_ref, 1e-30, tolerance(c.dtype));
+      CHECK_CLOSE(floats_to_double(lse), lse_ref, 1.0, kLseTol);
+      if (mode == 0) {
+        o_nosplit = got;
+      } else {
+        CHECK(compare(got, o_nosplit, max_ref).err <= tolerance(c.dtype));
+      }
+    }
+  }
+  CHECK(first_diff(pool.snapshot(), pool_before) == -1);
+}
+
+void window_decode_grid(DType dtype, WindowStats& stats) {
+  const int bs_i = GENERATE(0, 1, 2, 3);
+  const int case_i = GENERATE(range(0, kNumWindowCases));
+  const int block_size = std::array<int, 4>{1, 8, 16, 32}[sz(bs_i)];
+  const int group = std::array<int, 3>{1, 4, 8}[sz((bs_i + case_i + index_of(dtype)) % 3)];
+  const int head_dim = std::array<int, 3>{32, 64, 128}[sz((case_i + index_of(dtype)) % 3)];
+  run_window_decode_case({dtype, group, head_dim, block_size, kAllLayouts[(bs_i + case_i) % 5],
+                          window_case(case_i, block_size)},
+                         stats);
+}
+
+}  // namespace
+
+TEST_CASE("reference::decode with sliding windows and chunked-local attention matches the float64 oracle",
+          "[reference][decode][window]") {
+  // dtype x block size {1, 8, 16, 32} x 7 window cases = 84 runs; each: CSR (null block 0) and padded (ids outside
+  // the pool) tables x {no split, chunk rule, window-aware plan, window-unaware plan}.
+  static WindowStats stats;  // Catch2 re-enters the test case once per GENERATE value: accumulate over all of them
+  static int runs = 0;
+  const DType dtype = GENERATE(DType::kFloat32, DType::kFloat16, DType::kBFloat16);
+  window_decode_grid(dtype, stats);
+  if (++runs == 3 * 4 * kNumWindowCases) {
+    // The grid really exercised what it is about.
+    CHECK(stats.nulled_pages >= 200);
+    CHECK(stats.masked_chunks >= 100);
+    CHECK(stats.split_plans >= 30);  // typically ~50 of the 168 window-aware plans split
+  }
+}
+
+namespace {
+
+/// Ragged prefill steps for a window: a whole prompt long enough to cross several windows / chunks, a cached prefix
+/// followed by several queries whose first window starts inside a block, one query after a prefix, a sequence with
+/// no query, and padding; shuffled. q_len <= kv_len throughout.
+std::vector<PrefillSeq> window_prefill_lengths(Rng& rng, const AttentionWindow& w) {
+  const int W = w.sliding_window_tokens, C = w.attention_chunk_tokens;
+  int whole = uniform(rng, 40, 100);
+  if (C > 0) whole = std::max(whole, 2 * C + uniform(rng, 1, 30));          // >= 3 chunks
+  if (W > 0 && W < 1000) whole = std::max(whole, W + uniform(rng, 1, 40));  // the window slides
+  const int kv_b = uniform(rng, 60, 240);
+  const int kv_c = uniform(rng, 20, 200);
+  std::vector<PrefillSeq> s = {{std::min(whole, 400), std::min(whole, 400)},
+                               {kv_b, uniform(rng, 2, std::min(kv_b - 1, 70))},
+                               {kv_c, 1},
+                               {uniform(rng, 1, 60), 0},
+                               {0, 0}};
+  std::shuffle(s.begin(), s.end(), rng);
+  return s;
+}
+
+void run_window_prefill_case(const WindowRun& c, WindowStats& stats) {
+  const std::uint64_t seed = fresh_seed();
+  const std::string dtype = dtype_name(c.dtype), layout = layout_name(c.layout), window_case_name = c.wc.name;
+  CAPTURE(seed, dtype, layout, c.group, c.head_dim, c.block_size, window_case_name, c.wc.window, c.wc.chunk);
+  Rng rng(seed);
+  const AttentionWindow w{c.wc.window, c.wc.chunk};
+  const int hq = kNumKvHeads * c.group, dim = c.head_dim;
+  const std::vector<PrefillSeq> seqs = window_prefill_lengths(rng, w);
+  std::vector<int> lens;
+  std::vector<std::int32_t> qo_indptr = {0};
+  for (const PrefillSeq& sq : seqs) {
+    lens.push_back(sq.kv_len);
+    qo_indptr.push_back(qo_indptr.back() + sq.q_len);
+  }
+  CAPTURE(lens, qo_indptr);
+  const PagedBatch pb = make_batch(rng, lens, c.block_size);
+  const int batch = pb.batch();
+  const int total_q = qo_indptr.back();
+  TestPool pool(c.layout, c.dtype, pb.num_blocks, c.block_size, kNumKvHeads, dim);
+  fill_sequences(pool, pb, rng);
+  const auto pool_before = pool.snapshot();
+  std::vector<std::int64_t> first(sz(batch));
+  for (int b = 0; b < batch; ++b) {
+    const int q_len = qo_indptr[sz(b) + 1] - qo_indptr[sz(b)];
+    first[sz(b)] = oracle_first_needed(lens[sz(b)], q_len, w);
+    if (c.wc.chunk > 0 && q_len > 0) {
+      const int last = lens[sz(b)] - 1, earliest = lens[sz(b)] - q_len;
+      stats.multi_chunk_rows += last / c.wc.chunk > earliest / c.wc.chunk ? 1 : 0;
+    }
+  }
+  const WindowTables wt(pb, first);
+  stats.nulled_pages += wt.nulled_pages;
+  Raw q(c.dtype, std::int64_t{total_q} * hq * dim);
+  q.fill_random(rng, 0.1f, 2.0f);
+  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(dim));
+
+  std::vector<double> o_ref(sz(total_q) * sz(hq) * sz(dim));
+  std::vector<double> lse_ref(sz(total_q) * sz(hq));
+  const std::vector<double> qd = q.to_double();
+  for (int b = 0; b < batch; ++b) {
+    const int q_len = qo_indptr[sz(b) + 1] - qo_indptr[sz(b)];
+    const int len = pb.kv_lens[b];
+    for (int kvh = 0; kvh < kNumKvHeads; ++kvh) {
+      const Gathered g = gather(pool, pb.pages[b], len, kvh);
+      for (int i = 0; i < q_len; ++i) {
+        const int pos = len - q_len + i;  // sees [first_visible(pos), pos]
+        const auto lo = static_cast<int>(oracle_first_visible(pos, w));
+        for (int h = kvh * c.group; h < (kvh + 1) * c.group; ++h) {
+          const std::size_t row = (sz(qo_indptr[sz(b)]) + sz(i)) * sz(hq) + sz(h);
+          oracle_attend_range(g, lo, pos + 1, qd.data() + row * sz(dim), sm_scale, o_ref.data() + row * sz(dim),
+                              &lse_ref[row]);
+        }
+      }
+    }
+  }
+
+  for (const PageTableFormat fmt : {PageTableFormat::kCsr, PageTableFormat::kPadded}) {
+    const std::string table = fmt == PageTableFormat::kCsr ? "csr, null block 0" : "padded, ids outside the pool";
+    CAPTURE(table);
+    Raw o(c.dtype, std::int64_t{total_q} * hq * dim);
+    std::vector<float> lse(sz(total_q) * sz(hq), std::numeric_limits<float>::quiet_NaN());
+    PrefillParams p;
+    p.q = q.data();
+    p.o = o.data();
+    p.lse = lse.data();
+    p.qo_indptr = qo_indptr.data();
+    p.total_q_tokens = total_q;
+    p.kv = pool.view;
+    p.pages = wt.table(pb, fmt);
+    p.num_qo_heads = hq;
+    p.sm_scale = sm_scale;
+    p.window = w;
+    REQUIRE_STATUS(ref::prefill(p, 2), Status::kSuccess);
+    CHECK_CLOSE(o.to_double(), o_ref, 1e-30, tolerance(c.dtype));
+    CHECK_CLOSE(floats_to_double(lse), lse_ref, 1.0, kLseTol);
+  }
+  CHECK(first_diff(pool.snapshot(), pool_before) == -1);
+}
+
+}  // namespace
+
+TEST_CASE("reference::prefill with sliding windows and chunked-local attention matches the float64 oracle",
+          "[reference][prefill][window]") {
+  // dtype x block size {1, 8, 16, 32} x 7 window cases = 84 runs, CSR and padded tables each; ragged steps whose
+  // queries span several windows / chunks.
+  static WindowStats stats;
+  static int runs = 0;
+  const DType dtype = GENERATE(DType::kFloat32, DType::kFloat16, DType::kBFloat16);
+  const int bs_i = GENERATE(0, 1, 2, 3);
+  const int case_i = GENERATE(range(0, kNumWindowCases));
+  const int block_size = std::array<int, 4>{1, 8, 16, 32}[sz(bs_i)];
+  const int group = std::array<int, 2>{1, 4}[sz((bs_i + case_i + index_of(dtype)) % 2)];
+  const int head_dim = std::array<int, 3>{32, 64, 128}[sz((bs_i + index_of(dtype)) % 3)];
+  run_window_prefill_case({dtype, group, head_dim, block_size, kAllLayouts[(bs_i + case_i + 1) % 5],
+                           window_case(case_i, block_size)},
+                          stats);
+  if (++runs == 3 * 4 * kNumWindowCases) {
+    CHECK(stats.nulled_pages >= 100);
+    CHECK(stats.multi_chunk_rows >= 36);  // every chunked run has a whole prompt of >= 3 chunks
+  }
+}
+
+TEST_CASE("reference::decode and plans reject bad windows and uncovered keys, and write nothing",
+          "[reference][decode][window][validation]") {
+  Rng rng(17);
+  const int bs = 4, dim = 16, hq = 4;
+  const PagedBatch pb = make_batch(rng, {11, 3}, bs);
+  TestPool pool(Layout::kNhd, DType::kFloat32, pb.num_blocks, bs, kNumKvHeads, dim);
+  fill_sequences(pool, pb, rng);
+  const AttentionWindow w{5, 0};  // sequence 0: query at 10 sees [6, 11): page 0 [0, 4) is never read
+  REQUIRE(w.first_needed_token(11, 1) == 6);
+  std::vector<std::int32_t> indices = pb.indices;
+  indices[sz(pb.indptr[0])] = 0;  // the null block, as the manager writes it
+  Raw q(DType::kFloat32, 2 * hq * dim);
+  q.fill_random(rng);
+  Raw o(DType::kFloat32, 2 * hq * dim);
+  std::vector<float> lse(2 * hq, 42.f);
+  DecodeParams p;
+  p.q = q.data();
+  p.o = o.data();
+  p.lse = lse.data();
+  p.kv = pool.view;
+  p.pages = PageTable::csr(2, pb.indptr.data(), indices.data(), pb.last_page_len.data());
+  p.num_qo_heads = hq;
+  p.sm_scale = 0.25f;
+  p.window = w;
+  REQUIRE_STATUS(ref::validate(p), Status::kSuccess);
+  // A plan for this window (it starts at token 6, so it covers nothing the window hides).
+  pagedkv::DecodePlanConfig cfg;
+  cfg.num_qo_heads = hq;
+  cfg.num_kv_heads = kNumKvHeads;
+  cfg.head_dim = dim;
+  cfg.num_sms = 2;
+  cfg.min_chunk_tokens = 2;
+  cfg.window = w;
+  const pagedkv::DecodePlanCapacity cap = pagedkv::decode_plan_capacity(2, cfg);
+  std::vector<pagedkv::DecodeWorkItem> items(sz(cap.items));
+  std::vector<pagedkv::DecodeMergeItem> merges(sz(cap.merges));
+  pagedkv::DecodePlanInfo info;
+  REQUIRE_STATUS(pagedkv::plan_decode(pb.seq_lens, cfg, {items, merges, cap.partial_rows}, &info), Status::kSuccess);
+  std::vector<float> ws(info.workspace_bytes / sizeof(float) + 1, 42.f);
+  p.workspace = ws.data();
+  p.workspace_bytes = ws.size() * sizeof(float);
+  REQUIRE_STATUS(ref::validate(p, info.work_list), Status::kSuccess);
+  const auto o_before = o.words;
+  const auto lse_before = lse;
+  const auto ws_before = ws;
+  bool with_plan = false;
+  SECTION("negative sliding window") { p.window.sliding_window_tokens = -1; }
+  SECTION("negative attention chunk") { p.window.attention_chunk_tokens = -3; }
+  SECTION("an id outside the pool inside the window") { indices[sz(pb.indptr[0]) + 1] = pb.num_blocks; }
+  SECTION("the window's plan run without the window leaves keys [0, 6) uncovered") {
+    p.window = AttentionWindow{};
+    with_plan = true;
+  }
+  SECTION("a plan for a narrower window than the launch's leaves key 5 uncovered") {
+    p.window.sliding_window_tokens = 6;
+    with_plan = true;
+  }
+  const Status got = with_plan ? ref::decode(p, info.work_list) : ref::decode(p);
+  CHECK_STATUS(got, Status::kInvalidValue);
+  CHECK(first_diff(o.words, o_before) == -1);
+  CHECK(first_diff(lse, lse_before) == -1);
+  CHECK(std::memcmp(ws.data(), ws_before.data(), ws.size() * sizeof(float)) == 0);
+}
+
+TEST_CASE("reference::prefill rejects bad windows and ids inside the window, accepts anything before it",
+          "[reference][prefill][window][validation]") {
+  Rng rng(23);
+  const int bs = 4, dim = 16, hq = 2;
+  const PagedBatch pb = make_batch(rng, {14, 3}, bs);
+  TestPool pool(Layout::kHnd, DType::kBFloat16, pb.num_blocks, bs, kNumKvHeads, dim);
+  fill_sequences(pool, pb, rng);
+  std::vector<std::int32_t> qo_indptr = {0, 3, 5};  // sequence 0: queries at 11, 12, 13
+  const AttentionWindow w{4, 0};                    // the query at 11 sees [8, 12): pages 0 and 1 are never read
+  REQUIRE(w.first_needed_token(14, 3) == 8);
+  std::vector<std::int32_t> indices = pb.indices;
+  indices[sz(pb.indptr[0])] = -5;                        // not even a block id: never read, never checked
+  indices[sz(pb.indptr[0]) + 1] = pb.num_blocks + 1000;  // likewise
+  Raw q(DType::kBFloat16, 5 * hq * dim);
+  q.fill_random(rng);
+  Raw o(DType::kBFloat16, 5 * hq * dim);
+  std::vector<float> lse(5 * hq, 42.f);
+  PrefillParams p;
+  p.q = q.data();
+  p.o = o.data();
+  p.lse = lse.data();
+  p.qo_indptr = qo_indptr.data();
+  p.total_q_tokens = 5;
+  p.kv = pool.view;
+  p.pages = PageTable::csr(2, pb.indptr.data(), indices.data(), pb.last_page_len.data());
+  p.num_qo_heads = hq;
+  p.sm_scale = 0.25f;
+  p.window = w;
+  REQUIRE_STATUS(ref::validate(p), Status::kSuccess);
+  const auto o_before = o.words;
+  const auto lse_before = lse;
+  SECTION("negative sliding window") { p.window.sliding_window_tokens = -2; }
+  SECTION("negative attention chunk") { p.window.attention_chunk_tokens = -1; }
+  SECTION("a wider window reaches the bad ids") { p.window.sliding_window_tokens = 5; }
+  SECTION("an earlier query reaches the bad ids") {
+    qo_indptr = {0, 4, 6};  // queries at 10..13: the one at 10 sees [7, 11), page 1
+    p.total_q_tokens = 6;
+  }
+  SECTION("no window") { p.window = AttentionWindow{}; }
+  CHECK_STATUS(ref::prefill(p), Status::kInvalidValue);
+  CHECK(first_diff(o.words, o_before) == -1);
+  CHECK(first_diff(lse, lse_before) == -1);
+}
+
+TEST_CASE("reference decode and prefill with a window over an fp8 e4m3 pool match the float64 oracle",
+          "[reference][fp8][window]") {
+  // Separate NHD fp8 pools, unused bytes 0x7f (e4m3 NaN), power-of-two scales (dequantization exact), pages before
+  // the window replaced by the null block 0 (whose bytes are NaN too). The oracle uses the dequantized values.
+  const std::uint64_t seed = fresh_seed();
+  CAPTURE(seed);
+  Rng rng(seed);
+  const int bs = 8, hkv = 2, group = 2, hq = hkv * group, dim = 32;
+  const float k_scale = 1.f / 256, v_scale = 1.f / 128;
+  for (const DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (const AttentionWindow w : {AttentionWindow{13, 0}, AttentionWindow{0, 20}, AttentionWindow{11, 24}}) {
+      const std::string dtype = dtype_name(dt);
+      CAPTURE(dtype, w.sliding_window_tokens, w.attention_chunk_tokens);
+      const std::vector<int> lens = {0, 1, 13, 14, 45, 70};
+      const std::vector<int> q_lens = {0, 1, 5, 1, 30, 47};  // prefill: the last q_len tokens of each are queries
+      const int batch = static_cast<int>(lens.size());
+      std::vector<std::vector<std::int32_t>> pages(sz(batch));
+      int nb = 1;
+      for (int b = 0; b < batch; ++b) {
+        for (int i = 0; i < (lens[sz(b)] + bs - 1) / bs; ++i) pages[sz(b)].push_back(nb++);
+      }
+      const std::size_t page_bytes = sz(bs) * sz(hkv) * sz(dim);
+      std::vector<std::uint8_t> kb(sz(nb) * page_bytes, 0x7f), vb(kb.size(), 0x7f);
+      std::vector<double> kd(kb.size(), std::nan("")), vd(kb.size(), std::nan(""));  // dequantized, for the oracle
+      const auto at = [&](std::int32_t blk, int t, int h, int d) {
+        return sz(blk) * page_bytes + (sz(t) * sz(hkv) + sz(h)) * sz(dim) + sz(d);
+      };
+      for (int b = 0; b < batch; ++b) {
+        for (int t = 0; t < lens[sz(b)]; ++t) {
+          for (int h = 0; h < hkv; ++h) {
+            for (int d = 0; d < dim; ++d) {
+              const std::size_t i = at(pages[sz(b)][sz(t / bs)], t % bs, h, d);
+              kb[i] = ref::float_to_fp8_e4m3_bits(nonzero(rng) / k_scale);
+              vb[i] = ref::float_to_fp8_e4m3_bits(nonzero(rng) / v_scale);
+              kd[i] = static_cast<double>(ref::fp8_e4m3_bits_to_float(kb[i])) * k_scale;
+              vd[i] = static_cast<double>(ref::fp8_e4m3_bits_to_float(vb[i])) * v_scale;
+            }
+          }
+        }
+      }
+      const KVPoolView kv = KVPoolView::separate_nhd(kb.data(), vb.data(), dt, nb, bs, hkv, dim,
+                                                     pagedkv::KVDType::kFp8E4M3, k_scale, v_scale);
+      // float64 attention of query row `qrow` (double) of sequence b against keys [lo, hi).
+      const auto oracle = [&](int b, int kvh, const double* qv, std::int64_t lo, std::int64_t hi, double scale,
+                              double* o, double* lse) {
+        std::fill(o, o + dim, 0.0);
+        double m = -kInf;
+        std::vector<double> s(sz(hi - lo));
+        for (std::int64_t t = lo; t < hi; ++t) {
+          double acc = 0;
+          for (int d = 0; d < dim; ++d) acc += qv[d] * kd[at(pages[sz(b)][sz(t / bs)], static_cast<int>(t % bs), kvh, d)];
+          s[sz(t - lo)] = acc * scale;
+          m = std::max(m, s[sz(t - lo)]);
+        }
+        double den = 0;
+        for (std::int64_t t = lo; t < hi; ++t) {
+          const double e = std::exp(s[sz(t - lo)] - m);
+          den += e;
+          for (int d = 0; d < dim; ++d) o[d] += e * vd[at(pages[sz(b)][sz(t / bs)], static_cast<int>(t % bs), kvh, d)];
+        }
+        for (int d = 0; d < dim; ++d) o[d] /= den;
+        *lse = m + std::log(den);
+      };
+      // CSR table with the null block before each sequence's first needed token (decode and prefill differ).
+      const auto table = [&](bool prefill, std::vector<std::int32_t>& indptr, std::vector<std::int32_t>& indices,
+                             std::vector<std::int32_t>& last) {
+        indptr = {0};
+        indices.clear();
+        last.clear();
+        for (int b = 0; b < batch; ++b) {
+          const std::int64_t first = oracle_first_needed(lens[sz(b)], prefill ? q_lens[sz(b)] : 1, w);
+          for (std::size_t i = 0; i < pages[sz(b)].size(); ++i) {
+            indices.push_back(static_cast<std::int64_t>(i) < first / bs ? 0 : pages[sz(b)][i]);
+          }
+          indptr.push_back(static_cast<std::int32_t>(indices.size()));
+          last.push_back(lens[sz(b)] == 0 ? 0 : lens[sz(b)] - (static_cast<int>(pages[sz(b)].size()) - 1) * bs);
+        }
+      };
+      const float sm_scale = 1.f / std::sqrt(static_cast<float>(dim));
+      {  // decode
+        std::vector<std::int32_t> indptr, indices, last;
+        table(false, indptr, indices, last);
+        Raw q(dt, std::int64_t{batch} * hq * dim), o(dt, std::int64_t{batch} * hq * dim);
+        q.fill_random(rng);
+        const std::vector<double> qd = q.to_double();
+        std::vector<float> lse(sz(batch) * sz(hq), std::numeric_limits<float>::quiet_NaN());
+        DecodeParams p;
+        p.q = q.data();
+        p.o = o.data();
+        p.lse = lse.data();
+        p.kv = kv;
+        p.pages = PageTable::csr(batch, indptr.data(), indices.data(), last.data());
+        p.num_qo_heads = hq;
+        p.sm_scale = sm_scale;
+        p.window = w;
+        REQUIRE_STATUS(ref::decode(p, 2), Status::kSuccess);
+        std::vector<double> o_ref(sz(batch) * sz(hq) * sz(dim)), lse_ref(sz(batch) * sz(hq));
+        for (int b = 0; b < batch; ++b) {
+          for (int h = 0; h < hq; ++h) {
+            const std::size_t row = sz(b) * sz(hq) + sz(h);
+            if (lens[sz(b)] == 0) {
+              lse_ref[row] = -kInf;
+              continue;
+            }
+            oracle(b, h / group, qd.data() + row * sz(dim), oracle_first_needed(lens[sz(b)], 1, w), lens[sz(b)], sm_scale,
+                   o_ref.data() + row * sz(dim), &lse_ref[row]);
+          }
+        }
+        CHECK_CLOSE(o.to_double(), o_ref, 1e-30, tolerance(dt));
+        CHECK_CLOSE(floats_to_double(lse), lse_ref, 1.0, kLseTol);
+      }
+      {  // prefill
+        std::vector<std::int32_t> indptr, indices, last, qo_indptr = {0};
+        table(true, indptr, indices, last);
+        for (const int ql : q_lens) qo_indptr.push_back(qo_indptr.back() + ql);
+        const int total_q = qo_indptr.back();
+        Raw q(dt, std::int64_t{total_q} * hq * dim), o(dt, std::int64_t{total_q} * hq * dim);
+        q.fill_random(rng);
+        const std::vector<double> qd = q.to_double();
+        std::vector<float> lse(sz(total_q) * sz(hq), std::numeric_limits<float>::quiet_NaN());
+        PrefillParams p;
+        p.q = q.data();
+        p.o = o.data();
+        p.lse = lse.data();
+        p.qo_indptr = qo_indptr.data();
+        p.total_q_tokens = total_q;
+        p.kv = kv;
+        p.pages = PageTable::csr(batch, indptr.data(), indices.data(), last.data());
+        p.num_qo_heads = hq;
+        p.sm_scale = sm_scale;
+        p.window = w;
+        REQUIRE_STATUS(ref::prefill(p, 2), Status::kSuccess);
+        std::vector<double> o_ref(sz(total_q) * sz(hq) * sz(dim)), lse_ref(sz(total_q) * sz(hq));
+        for (int b = 0; b < batch; ++b) {
+          for (int i = 0; i < q_lens[sz(b)]; ++i) {
+            const int pos = lens[sz(b)] - q_lens[sz(b)] + i;
+            for (int h = 0; h < hq; ++h) {
+              const std::size_t row = (sz(qo_indptr[sz(b)]) + sz(i)) * sz(hq) + sz(h);
+              oracle(b, h / group, qd.data() + row * sz(dim), oracle_first_visible(pos, w), pos + 1, sm_scale,
+                     o_ref.data() + row * sz(dim), &lse_ref[row]);
+            }
+          }
+        }
+        CHECK_CLOSE(o.to_double(), o_ref, 1e-30, tolerance(dt));
+        CHECK_CLOSE(floats_to_double(lse), lse_ref, 1.0, kLseTol);
+      }
+    }
+  }
+}
+
+TEST_CASE("AttentionWindow::first_visible and first_needed_token follow the definition", "[reference][window]") {
+  // Every position up to 300 against the brute-force definition, for windows and chunks around the interesting
+  // sizes (1, block-like powers of two, odd sizes, larger than every position), alone and together.
+  int checked = 0;
+  for (const int W : {0, 1, 2, 3, 7, 16, 33, 128, 1000}) {
+    for (const int C : {0, 1, 2, 5, 16, 24, 100, 1000}) {
+      const AttentionWindow w{W, C};
+      CHECK(w.enabled() == (W > 0 || C > 0));
+      for (std::int64_t pos = 0; pos <= 300; ++pos) {
+        const std::int64_t want = oracle_first_visible(pos, w);
+        if (w.first_visible(pos) != want) {
+          FAIL("W " << W << ", C " << C << ", pos " << pos << ": " << w.first_visible(pos) << " != " << want);
+        }
+        for (const std::int64_t q : {1, 2, 17}) {
+          if (pos + 1 >= q && w.first_needed_token(pos + 1, q) != oracle_first_needed(pos + 1, q, w)) {
+            FAIL("first_needed_token(" << pos + 1 << ", " << q << ") with W " << W << ", C " << C);
+          }
+        }
+        ++checked;
+      }
+    }
+  }
+  CHECK(checked == 9 * 8 * 301);
+  // The conventions spelled out: W counts the visible keys including the query (vLLM sliding_window; FlashInfer
+  // window_left = W - 1); C cuts positions into [kC, (k + 1)C) (Llama 4 attention_chunk_size).
+  CHECK(AttentionWindow{4096, 0}.first_visible(5000) == 5000 - 4095);
+  CHECK(AttentionWindow{1, 0}.first_visible(9) == 9);
+  CHECK(AttentionWindow{0, 8192}.first_visible(8191) == 0);
+  CHECK(AttentionWindow{0, 8192}.first_visible(8192) == 8192);
+  CHECK(AttentionWindow{}.first_needed_token(0, 0) == 0);
+  CHECK(AttentionWindow{3, 0}.first_needed_token(10, 20) == 0);  // more queries than keys: counts as kv_len
+  CHECK_FALSE(AttentionWindow{-1, 0}.valid());
+  CHECK_FALSE(AttentionWindow{0, -1}.valid());
 }

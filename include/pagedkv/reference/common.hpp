@@ -102,13 +102,17 @@ namespace detail {
 /// Validates a page table against the pool it indexes, reading it (host memory). Rules:
 ///  - batch_size >= 0 (0: nothing else is read, pointers may be null); format is kCsr or kPadded.
 ///  - CSR: indptr and last_page_len non-null; indptr[0] >= 0 and non-decreasing; indices non-null when any page
-///    exists; every index in [0, num_blocks); last_page_len[b] in [1, block_size] for every non-empty sequence
-///    (it is not read for an empty one).
+///    exists; last_page_len[b] in [1, block_size] for every non-empty sequence (it is not read for an empty one);
+///    every index that will be read in [0, num_blocks).
 ///  - Padded: seq_lens non-null; max_blocks_per_seq >= 0; block_tables non-null when max_blocks_per_seq > 0;
-///    seq_lens[b] in [0, max_blocks_per_seq * block_size]; the ceil(seq_lens[b] / block_size) used entries of
-///    row b in [0, num_blocks) (padding entries beyond them are not read).
-/// Returns kSuccess or kInvalidValue. Precondition: `validate_pool(kv) == kSuccess`.
-[[nodiscard]] inline Status validate_page_table(const PageTable& t, const KVPoolView& kv) noexcept {
+///    seq_lens[b] in [0, max_blocks_per_seq * block_size]; the used entries of row b that will be read in
+///    [0, num_blocks) (padding entries beyond the ceil(seq_lens[b] / block_size) used ones are not read).
+///  - "Will be read": the entries of pages [first_read(b, kv_len_b) / block_size, ceil(kv_len_b / block_size)),
+///    first_read being the first token position the op reads for sequence b (0 without a window). Entries of pages
+///    wholly before it (the null block 0 of a sliding-window group, or anything else) are never read and not checked.
+/// Returns kSuccess or kInvalidValue. Precondition: `validate_pool(kv) == kSuccess`; first_read(b, len) in [0, len].
+template <class FirstRead>
+[[nodiscard]] Status validate_page_table(const PageTable& t, const KVPoolView& kv, FirstRead&& first_read) noexcept {
   if (t.batch_size < 0) return Status::kInvalidValue;
   if (t.format != PageTableFormat::kCsr && t.format != PageTableFormat::kPadded) return Status::kInvalidValue;
   if (t.batch_size == 0) return Status::kSuccess;
@@ -123,7 +127,9 @@ namespace detail {
     for (std::int32_t b = 0; b < t.batch_size; ++b) {
       if (t.indptr[b + 1] == t.indptr[b]) continue;
       if (t.last_page_len[b] < 1 || t.last_page_len[b] > kv.block_size) return Status::kInvalidValue;
-      for (std::int32_t i = t.indptr[b]; i < t.indptr[b + 1]; ++i) {
+      const std::int64_t len = std::int64_t{t.indptr[b + 1] - t.indptr[b] - 1} * kv.block_size + t.last_page_len[b];
+      const std::int64_t skip = first_read(b, len) / kv.block_size;
+      for (std::int64_t i = t.indptr[b] + skip; i < t.indptr[b + 1]; ++i) {
         if (!in_range(t.indices[i])) return Status::kInvalidValue;
       }
     }
@@ -137,11 +143,16 @@ namespace detail {
     if (len < 0 || len > max_len) return Status::kInvalidValue;
     const std::int64_t pages = (len + kv.block_size - 1) / kv.block_size;
     const std::int32_t* row = t.block_tables + std::int64_t{b} * t.max_blocks_per_seq;
-    for (std::int64_t i = 0; i < pages; ++i) {
+    for (std::int64_t i = len > 0 ? first_read(b, len) / kv.block_size : 0; i < pages; ++i) {
       if (!in_range(row[i])) return Status::kInvalidValue;
     }
   }
   return Status::kSuccess;
+}
+
+/// validate_page_table for an op that reads every token of every sequence (no window): every used entry checked.
+[[nodiscard]] inline Status validate_page_table(const PageTable& t, const KVPoolView& kv) noexcept {
+  return validate_page_table(t, kv, [](std::int32_t, std::int64_t) { return std::int64_t{0}; });
 }
 
 /// One sequence's pages: `block_ids[i]` holds its tokens [i * block_size, (i + 1) * block_size).

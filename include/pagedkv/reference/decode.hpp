@@ -14,6 +14,8 @@
 //        partial_lse [batch, max_num_chunks, num_qo_heads]           float32, right after partial_o;
 //      slots c >= num_chunks_b, and every slot of a sequence with one chunk (computed directly, bit-identical to
 //      merging its single partial), are neither written nor read.
+// With a window (DecodeParams::window) the chunks stay where they are and each is clamped to the visible keys: a chunk
+// wholly before the window is masked (nothing read; partial o = 0, lse = -inf, weight 0 in the merge).
 // The merge over a request's partials (in row / chunk order) is
 //     M = max_c lse_c,  w_c = exp(lse_c - M),  o = sum_c w_c * o_c / sum_c w_c,  lse = M + log(sum_c w_c).
 // Where the CUDA launcher's decode(p) differs: with kv_chunk_size_tokens == 0 it may split with a chunk of its own
@@ -50,11 +52,15 @@ namespace pagedkv::reference {
 /// finite; kv_chunk_size_tokens < 0; or, when kv_chunk_size_tokens > 0: max_num_chunks < 0, some sequence needs
 /// more than max_num_chunks chunks, or (when decode_workspace_bytes(...) > 0) workspace is null, not 4-byte
 /// aligned, or workspace_bytes is smaller than decode_workspace_bytes(batch, max_num_chunks, num_qo_heads,
-/// head_dim). kUnsupported when the dtype is not one of the three enumerators (the reference supports every
+/// head_dim); p.window has a negative limit. Page-table entries of pages wholly before a sequence's first visible
+/// token (p.window.first_needed_token(kv_len_b, 1)) are never read and not checked: they may be the null block 0
+/// or anything else. kUnsupported when the dtype is not one of the three enumerators (the reference supports every
 /// head_dim and every dtype; the CUDA launcher restricts head_dim to {64, 128, 256}). Thread safety: reads only.
 [[nodiscard]] inline Status validate(const DecodeParams& p) noexcept {
   if (const Status s = detail::validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (detail::validate_page_table(p.pages, p.kv) != Status::kSuccess) return Status::kInvalidValue;
+  if (!p.window.valid()) return Status::kInvalidValue;
+  const auto first_read = [&](std::int32_t, std::int64_t len) { return p.window.first_needed_token(len, 1); };
+  if (detail::validate_page_table(p.pages, p.kv, first_read) != Status::kSuccess) return Status::kInvalidValue;
   if (p.num_qo_heads <= 0 || p.num_qo_heads % p.kv.num_kv_heads != 0) return Status::kInvalidValue;
   if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
   const std::int32_t batch = p.pages.batch_size;
@@ -78,7 +84,8 @@ namespace pagedkv::reference {
 /// Checks a decode launch that executes a work list (see pagedkv/decode_plan.hpp) without running it; reads the
 /// page table and the work list (host memory). kInvalidValue when: the pool, page table, heads, sm_scale or q/o
 /// fail the checks of validate(const DecodeParams&) (kv_chunk_size_tokens and max_num_chunks are ignored);
-/// validate_decode_work_list rejects the list for the page table's lengths; or wl.partial_row_capacity > 0 and the
+/// validate_decode_work_list rejects the list for the page table's lengths and p.window (so a list must cover every
+/// visible token exactly once; it may start before the window, never after); or wl.partial_row_capacity > 0 and the
 /// workspace is null, not 4-byte aligned, or smaller than decode_plan_workspace_bytes(wl.partial_row_capacity,
 /// num_qo_heads, head_dim). kUnsupported as validate(const DecodeParams&). Allocates (the list check); thread
 /// safety: reads only.
@@ -92,7 +99,7 @@ namespace pagedkv::reference {
   for (std::int32_t b = 0; b < batch; ++b) {
     lens[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(detail::seq_pages(p.pages, p.kv.block_size, b).kv_len);
   }
-  if (validate_decode_work_list(lens, p.num_qo_heads, p.kv.num_kv_heads, wl) != Status::kSuccess) {
+  if (validate_decode_work_list(lens, p.num_qo_heads, p.kv.num_kv_heads, wl, p.window) != Status::kSuccess) {
     return Status::kInvalidValue;
   }
   if (wl.partial_row_capacity > 0) {
@@ -106,10 +113,13 @@ namespace pagedkv::reference {
 namespace detail {
 
 /// Executes a validated work list: phase 1, every (valid item, query head of its tile) in parallel, each attending
-/// to its token range and writing o / lse (partial_row == -1; an empty sequence gets o = 0, lse = -inf) or its
-/// normalized partial (o_c, lse_c) to the workspace row; phase 2, every (valid merge entry, query head) in parallel,
-/// merging the rows in row order: M = max_c lse_c, w_c = exp(lse_c - M), o = sum_c w_c o_c / sum_c w_c, lse = M +
-/// log(sum_c w_c). Each unit writes only its own outputs, so the result does not depend on the thread count.
+/// to its token range clamped to the visible keys [p.window.first_visible(kv_len - 1), kv_len) and writing o / lse
+/// (partial_row == -1; an empty sequence gets o = 0, lse = -inf) or its normalized partial (o_c, lse_c) to the
+/// workspace row; an item whose clamped range is empty (a chunk wholly before the window: a masked item) reads
+/// nothing and writes o_c = 0, lse_c = -inf. Phase 2, every (valid merge entry, query head) in parallel, merging the
+/// rows in row order: M = max_c lse_c, w_c = exp(lse_c - M) (0 for a masked partial), o = sum_c w_c o_c / sum_c
+/// w_c, lse = M + log(sum_c w_c); o = 0, lse = -inf if every partial is masked. Each unit writes only its own
+/// outputs, so the result does not depend on the thread count.
 template <ElementType T, KVStorageType KV = T>
 void run_work_list(const DecodeParams& p, const DecodeWorkList& wl, int num_threads) noexcept {
   const std::int32_t dim = p.kv.head_dim;
@@ -137,8 +147,11 @@ void run_work_list(const DecodeParams& p, const DecodeWorkList& wl, int num_thre
     for (std::int32_t i = 0; i < dim; ++i) qf[i] = load_as_float<T>(p.q, row * dim + i);
     std::fill(acc, acc + dim, 0.f);
     OnlineSoftmax st;
-    attend_range<T, KV>(p.kv, seq, it.kv_head, p.sm_scale, it.kv_begin, it.kv_end, st, sc);
-    const float inv = 1.f / st.d;
+    // The visible keys of the query at position kv_len - 1; nothing before `first` is read (null pages live there).
+    const std::int64_t first = p.window.first_needed_token(seq.kv_len, 1);
+    attend_range<T, KV>(p.kv, seq, it.kv_head, p.sm_scale, std::max<std::int64_t>(it.kv_begin, first), it.kv_end, st,
+                        sc);
+    const float inv = st.empty() ? 0.f : 1.f / st.d;  // a masked item: o = 0, lse = -inf
     if (it.partial_row < 0) {
       for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
       if (p.lse != nullptr) p.lse[row] = st.lse();
@@ -157,6 +170,11 @@ void run_work_list(const DecodeParams& p, const DecodeWorkList& wl, int num_thre
     const auto prow = [&](std::int64_t c) { return (std::int64_t{mg.partial_begin} + c) * hq + h; };
     float m = -std::numeric_limits<float>::infinity();
     for (std::int64_t c = 0; c < mg.num_partials; ++c) m = std::max(m, ws_lse[prow(c)]);
+    if (m == -std::numeric_limits<float>::infinity()) {  // every partial masked (not produced by a valid list)
+      for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, 0.f);
+      if (p.lse != nullptr) p.lse[row] = m;
+      return;
+    }
     float* acc = sc.acc();
     std::fill(acc, acc + dim, 0.f);
     float sum_w = 0.f;
@@ -175,10 +193,13 @@ void run_work_list(const DecodeParams& p, const DecodeWorkList& wl, int num_thre
 }  // namespace detail
 
 /// Paged decode attention, CPU reference: for every sequence b and query head h,
-///   o[b, h, :] = softmax_t(sm_scale * <q[b, h, :], K_b[t, g(h), :]>) @ V_b[:, g(h), :],   t in [0, kv_len_b),
+///   o[b, h, :] = softmax_t(sm_scale * <q[b, h, :], K_b[t, g(h), :]>) @ V_b[:, g(h), :],   t in [f_b, kv_len_b),
 ///   lse[b, h]  = log(sum_t exp(sm_scale * <q[b, h, :], K_b[t, g(h), :]>))                 (natural log),
-/// with g(h) = h / (num_qo_heads / num_kv_heads) (GQA / MQA by integer division of heads; group size 1 = MHA) and
-/// K_b / V_b the tokens of sequence b gathered through its pages.
+/// with g(h) = h / (num_qo_heads / num_kv_heads) (GQA / MQA by integer division of heads; group size 1 = MHA),
+/// K_b / V_b the tokens of sequence b gathered through its pages, and f_b the first key the query (at position
+/// kv_len_b - 1) sees: 0 by default, p.window.first_visible(kv_len_b - 1) with a sliding window and / or
+/// chunked-local attention (AttentionWindow, kernel_params.hpp). Tokens before f_b are never read: their pages may be
+/// the null block 0 (or any id) in the page table.
 /// Parameters (host memory, same struct as the CUDA launcher):
 ///  - p.q: `[batch, num_qo_heads, head_dim]` contiguous, pool dtype; p.o: same shape/dtype, written;
 ///  - p.lse: optional (null = not written) `[batch, num_qo_heads]` float32;

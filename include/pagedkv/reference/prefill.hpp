@@ -17,11 +17,20 @@ namespace pagedkv::reference {
 /// num_qo_heads <= 0 or num_qo_heads % num_kv_heads != 0; sm_scale is not finite; total_q_tokens < 0;
 /// qo_indptr is null with batch > 0; qo_indptr[0] != 0, qo_indptr decreases, or qo_indptr[batch] !=
 /// total_q_tokens (batch 0: total_q_tokens != 0); q or o is null with total_q_tokens > 0; some sequence has
-/// more queries than KV tokens (q_len_b > kv_len_b). kUnsupported when the dtype is not one of the three
-/// enumerators. Thread safety: reads only.
+/// more queries than KV tokens (q_len_b > kv_len_b); p.window has a negative limit. Page-table entries of pages
+/// wholly before the first key the sequence's earliest query sees (p.window.first_needed_token(kv_len_b, q_len_b))
+/// are never read and not checked (the null block 0 of a sliding-window group, or anything). kUnsupported when the
+/// dtype is not one of the three enumerators. Thread safety: reads only.
 [[nodiscard]] inline Status validate(const PrefillParams& p) noexcept {
   if (const Status s = detail::validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (detail::validate_page_table(p.pages, p.kv) != Status::kSuccess) return Status::kInvalidValue;
+  if (!p.window.valid()) return Status::kInvalidValue;
+  // The first key read for sequence b; 0 (check everything) while qo_indptr is unusable (rejected below anyway).
+  const auto first_read = [&](std::int32_t b, std::int64_t len) -> std::int64_t {
+    if (!p.window.enabled() || p.qo_indptr == nullptr) return 0;
+    const std::int64_t q_len = std::int64_t{p.qo_indptr[b + 1]} - p.qo_indptr[b];
+    return q_len < 0 ? 0 : p.window.first_needed_token(len, q_len);
+  };
+  if (detail::validate_page_table(p.pages, p.kv, first_read) != Status::kSuccess) return Status::kInvalidValue;
   if (p.num_qo_heads <= 0 || p.num_qo_heads % p.kv.num_kv_heads != 0) return Status::kInvalidValue;
   if (!std::isfinite(p.sm_scale) || p.total_q_tokens < 0) return Status::kInvalidValue;
   const std::int32_t batch = p.pages.batch_size;
@@ -56,7 +65,8 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScr
   for (std::int32_t i = 0; i < dim; ++i) qf[i] = load_as_float<T>(p.q, row * dim + i);
   std::fill(acc, acc + dim, 0.f);
   OnlineSoftmax st;
-  attend_range<T, KV>(p.kv, seq, h / (hq / p.kv.num_kv_heads), p.sm_scale, 0, pos + 1, st, sc);
+  attend_range<T, KV>(p.kv, seq, h / (hq / p.kv.num_kv_heads), p.sm_scale, p.window.first_visible(pos), pos + 1, st,
+                      sc);
   const float inv = 1.f / st.d;
   for (std::int32_t i = 0; i < dim; ++i) store_from_float<T>(p.o, row * dim + i, acc[i] * inv);
   if (p.lse != nullptr) p.lse[row] = st.lse();
@@ -66,10 +76,13 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScr
 
 /// Causal prefill attention over paged KV, CPU reference. Sequence b has q_len_b = qo_indptr[b + 1] -
 /// qo_indptr[b] new query tokens and kv_len_b KV tokens in its pages (cached prefix + the new tokens); its i-th
-/// query (row r = qo_indptr[b] + i) sits at position pos = kv_len_b - q_len_b + i and attends to tokens [0, pos]:
-///   o[r, h, :] = softmax_t(sm_scale * <q[r, h, :], K_b[t, g(h), :]>) @ V_b[:, g(h), :],  t in [0, pos],
-///   lse[r, h]  = log(sum_{t <= pos} exp(sm_scale * <q[r, h, :], K_b[t, g(h), :]>))   (natural log),
-/// with g(h) = h / (num_qo_heads / num_kv_heads) (GQA).
+/// query (row r = qo_indptr[b] + i) sits at position pos = kv_len_b - q_len_b + i and attends to tokens [f, pos]:
+///   o[r, h, :] = softmax_t(sm_scale * <q[r, h, :], K_b[t, g(h), :]>) @ V_b[:, g(h), :],  t in [f, pos],
+///   lse[r, h]  = log(sum_{f <= t <= pos} exp(sm_scale * <q[r, h, :], K_b[t, g(h), :]>))   (natural log),
+/// with g(h) = h / (num_qo_heads / num_kv_heads) (GQA) and f = p.window.first_visible(pos): 0 by default, the
+/// sliding window and / or chunked-local chunk otherwise (AttentionWindow, kernel_params.hpp). Each query has its
+/// own f, so the queries of one step may span several chunks or window positions; keys before the earliest query's
+/// f are never read (their pages may be the null block 0).
 /// Parameters (host memory, same struct as the CUDA launcher):
 ///  - p.qo_indptr: `[batch + 1]` int32, qo_indptr[0] == 0, non-decreasing, qo_indptr[batch] == p.total_q_tokens;
 ///  - p.q: `[total_q_tokens, num_qo_heads, head_dim]` contiguous, pool dtype; p.o: same, every row written;
