@@ -47,6 +47,8 @@ inline DecodeArgs base_args(const DecodeParams& p, std::int32_t heads_per_tile, 
   a.num_head_tiles = decode_num_head_tiles(a.group_size, heads_per_tile);
   a.phases = slots / heads_per_tile;
   a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+  a.window_tokens = p.window.sliding_window_tokens;
+  a.chunk_tokens = p.window.attention_chunk_tokens;
   return a;
 }
 
@@ -54,6 +56,7 @@ inline DecodeArgs base_args(const DecodeParams& p, std::int32_t heads_per_tile, 
 inline Status validate_decode_common(const DecodeParams& p) {
   if (const Status s = validate_attention(p.q, p.o, p.kv, p.pages, p.num_qo_heads); s != Status::kSuccess) return s;
   if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
+  if (!p.window.valid()) return Status::kInvalidValue;  // a negative window or chunk
   return Status::kSuccess;
 }
 

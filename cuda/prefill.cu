@@ -23,6 +23,7 @@ Status prefill(const PrefillParams& p, Stream stream) noexcept {
   using namespace detail;
   if (const Status s = validate_attention(p.q, p.o, p.kv, p.pages, p.num_qo_heads); s != Status::kSuccess) return s;
   if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
+  if (!p.window.valid()) return Status::kInvalidValue;  // a negative window or chunk
   if (p.total_q_tokens < 0) return Status::kInvalidValue;
   if (p.total_q_tokens > 0 && p.qo_indptr == nullptr) return Status::kInvalidValue;
   if (p.num_qo_heads > 65535) return Status::kInvalidValue;  // grid.y
@@ -45,6 +46,8 @@ Status prefill(const PrefillParams& p, Stream stream) noexcept {
     a.num_qo_heads = p.num_qo_heads;
     a.group_size = p.num_qo_heads / p.kv.num_kv_heads;
     a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+    a.window_tokens = p.window.sliding_window_tokens;
+    a.chunk_tokens = p.window.attention_chunk_tokens;
     return launch_prefill<T, HD>(a, p.total_q_tokens, static_cast<cudaStream_t>(stream));
   });
 }

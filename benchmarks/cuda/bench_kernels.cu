@@ -10,6 +10,8 @@
 //     copy bandwidth and of the spec bandwidth.
 // Decode rows use the length-aware plan (plan_decode with decode_plan_config), computed once on the host per row;
 // "unsplit" rows use a plan with max_waves = 0 (one item per lane), "chunk rule" rows the pre-plan entry point.
+// "window" / "chunk" rows decode with a sliding window / chunked-local attention (AttentionWindow): the pages before
+// each sequence's window are the null block 0 (no pool memory) and the bytes counted are the visible tokens'.
 // Pools are larger than L2, block ids shuffled, data random. Rows that do not fit in 85% of free memory are
 // reported as skipped. Prints a table; writes JSON with --json PATH.
 //
@@ -182,15 +184,19 @@ struct DecodeShape {
   int qo_heads, kv_heads, head_dim, block_size;
   Split split = Split::kPlan;
   bool graph = false;
+  pagedkv::AttentionWindow window{};  // local attention: only the visible pages exist in the pool (the rest -> block 0)
 };
 
 Result bench_decode(const DecodeShape& s) {
   const int batch = static_cast<int>(s.lens.size());
+  // With a window, pages wholly before a sequence's first visible token are the null block 0 (as a sliding-window
+  // KV-cache group's table has them) and need no pool memory; only the visible tokens move.
   std::int64_t total_pages = 0;
   std::int64_t total_tokens = 0;
+  const auto first_page = [&](int len) { return static_cast<int>(s.window.first_needed_token(len, 1) / s.block_size); };
   for (int len : s.lens) {
-    total_pages += (len + s.block_size - 1) / s.block_size;
-    total_tokens += len;
+    total_pages += (len + s.block_size - 1) / s.block_size - first_page(len);
+    total_tokens += len - s.window.first_needed_token(len, 1);
   }
   const std::int64_t num_blocks = total_pages + 1;
   const std::int64_t page_elems = std::int64_t{s.block_size} * s.kv_heads * s.head_dim;
@@ -207,15 +213,18 @@ Result bench_decode(const DecodeShape& s) {
   }
   Buf pool(static_cast<std::size_t>(pool_bytes));
   fill(pool.p, static_cast<std::size_t>(num_blocks * 2 * page_elems), 7);
-  std::vector<std::int32_t> ids(static_cast<std::size_t>(num_blocks - 1));
-  std::iota(ids.begin(), ids.end(), 1);
-  std::shuffle(ids.begin(), ids.end(), std::mt19937(1));
-  std::vector<std::int32_t> indptr{0}, last;
+  std::vector<std::int32_t> fresh(static_cast<std::size_t>(num_blocks - 1));
+  std::iota(fresh.begin(), fresh.end(), 1);
+  std::shuffle(fresh.begin(), fresh.end(), std::mt19937(1));
+  std::vector<std::int32_t> ids, indptr{0}, last;
+  std::size_t next_id = 0;
   for (int len : s.lens) {
     const int pages = (len + s.block_size - 1) / s.block_size;
+    for (int i = 0; i < pages; ++i) ids.push_back(i < first_page(len) ? 0 : fresh[next_id++]);
     indptr.push_back(indptr.back() + pages);
     last.push_back(pages == 0 ? 0 : len - (pages - 1) * s.block_size);
   }
+  if (ids.empty()) ids.push_back(0);
   Buf* d_indptr = Buf::of(indptr);
   Buf* d_ids = Buf::of(ids);
   Buf* d_last = Buf::of(last);
@@ -233,11 +242,13 @@ Result bench_decode(const DecodeShape& s) {
                                     d_last->as<std::int32_t>());
   p.num_qo_heads = s.qo_heads;
   p.sm_scale = 1.f / std::sqrt(static_cast<float>(s.head_dim));
+  p.window = s.window;
 
   // The plan (host), copied to the device once.
   pagedkv::DecodePlanConfig cfg;
   BENCH_OK(pagedkv::cuda::decode_plan_config(0, DType::kBFloat16, s.head_dim, s.qo_heads, s.kv_heads, &cfg));
   if (s.split == Split::kUnsplit) cfg.max_waves = 0;
+  cfg.window = s.window;
   const pagedkv::DecodePlanCapacity cap = pagedkv::decode_plan_capacity(batch, cfg);
   std::vector<pagedkv::DecodeWorkItem> items(static_cast<std::size_t>(cap.items));
   std::vector<pagedkv::DecodeMergeItem> merges(static_cast<std::size_t>(std::max(cap.merges, 1)));
@@ -368,6 +379,12 @@ int main(int argc, char** argv) {
       // Long context, batch 1.
       {"decode b1 kv32768 qo32/kv8 d128 bs16", uniform(1, 32768), 32, 8, 128, 16},
       {"decode b1 kv32768 qo32/kv8 d128 bs16 chunk rule", uniform(1, 32768), 32, 8, 128, 16, Split::kChunkRule},
+      // Local attention (issue 13): a sliding-window layer of 4096 over 32k-token sequences moves the bytes of
+      // "b64 kv4096" above; Llama 4's chunked-local 8192 those of 8192 tokens. Pages before the window are block 0.
+      {"decode b64 kv32768 window4096 qo32/kv8 d128 bs16", uniform(64, 32768), 32, 8, 128, 16, Split::kPlan, false,
+       {4096, 0}},
+      {"decode b64 kv32768 chunk8192 qo32/kv8 d128 bs16", uniform(64, 32768), 32, 8, 128, 16, Split::kPlan, false,
+       {0, 8192}},
   };
   if (!quick) {
     for (int batch : {1, 64, 256}) {

@@ -334,7 +334,15 @@ TEST_CASE("launchers validate before launching and name unsupported combinations
     x.sm_scale = std::numeric_limits<float>::quiet_NaN();
     CHECK(pagedkv::cuda::decode(x) == Status::kInvalidValue);
     x = d;
+    x.window.sliding_window_tokens = -1;  // a negative sliding window
+    CHECK(pagedkv::cuda::decode(x) == Status::kInvalidValue);
+    x = d;
+    x.window.attention_chunk_tokens = -8;  // a negative attention chunk
+    CHECK(pagedkv::cuda::decode(x) == Status::kInvalidValue);
+    x = d;
     x.pages.batch_size = 0;  // nothing to do: no launch
+    CHECK(pagedkv::cuda::decode(x) == Status::kSuccess);
+    x.window = pagedkv::AttentionWindow{4096, 8192};  // a valid window changes nothing in the checks
     CHECK(pagedkv::cuda::decode(x) == Status::kSuccess);
   }
   SECTION("prefill") {
@@ -351,6 +359,11 @@ TEST_CASE("launchers validate before launching and name unsupported combinations
     p.kv.head_dim = 80;
     CHECK(pagedkv::cuda::prefill(p) == Status::kUnsupported);
     p.kv.head_dim = 128;
+    p.window.attention_chunk_tokens = -1;  // a negative attention chunk
+    CHECK(pagedkv::cuda::prefill(p) == Status::kInvalidValue);
+    p.window = pagedkv::AttentionWindow{-2, 0};  // a negative sliding window
+    CHECK(pagedkv::cuda::prefill(p) == Status::kInvalidValue);
+    p.window = pagedkv::AttentionWindow{512, 0};
     p.total_q_tokens = 0;
     CHECK(pagedkv::cuda::prefill(p) == Status::kSuccess);
   }
@@ -413,6 +426,7 @@ TEST_CASE("decode work-list launcher validates the list's host-side shape", "[ho
   SECTION("workspace too small for the rows") { y.workspace_bytes -= 4; }
   SECTION("no workspace") { y.workspace = nullptr; }
   SECTION("q misaligned") { y.q = fake(0x10004); }
+  SECTION("negative sliding window") { y.window.sliding_window_tokens = -16; }
   CHECK(pagedkv::cuda::decode(y, x) == Status::kInvalidValue);
 }
 

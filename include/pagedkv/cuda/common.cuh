@@ -1,6 +1,6 @@
 // pagedkv/cuda/common.cuh: device-side building blocks shared by every kernel family: element types and their
 // float conversions, 16-byte vector loads/stores, cp.async, the launch helper (cudaLaunchKernelEx), page-table
-// access, and the split-KV chunk rule.
+// access, the local-attention window, and the split-KV chunk rule.
 //
 // Device code only (include from .cu files compiled by nvcc). Kernels live in the versioned inline namespace
 // `pagedkv::cuda::v0_1` so that two shared objects which both link pagedkv::cuda do not clash (CUB convention).
@@ -163,6 +163,17 @@ __device__ __forceinline__ std::int32_t seq_kv_len(const PageTable& pt, std::int
 __device__ __forceinline__ std::int32_t page_block(const PageTable& pt, std::int32_t b, std::int32_t page) {
   if (pt.format == PageTableFormat::kCsr) return __ldg(pt.indices + pt.indptr[b] + page);
   return __ldg(pt.block_tables + static_cast<std::int64_t>(b) * pt.max_blocks_per_seq + page);
+}
+
+/// First key position visible to the query at position `pos` under a local-attention window (AttentionWindow in
+/// kernel_params.hpp, device copy of AttentionWindow::first_visible): max(0, pos - window + 1 when window > 0,
+/// floor(pos / chunk) * chunk when chunk > 0). window = sliding_window_tokens, chunk = attention_chunk_tokens; 0 = off.
+__host__ __device__ constexpr std::int32_t first_visible_token(std::int32_t pos, std::int32_t window,
+                                                               std::int32_t chunk) {
+  std::int32_t lo = 0;
+  if (window > 0 && pos - window + 1 > lo) lo = pos - window + 1;
+  if (chunk > 0 && pos - pos % chunk > lo) lo = pos - pos % chunk;
+  return lo;
 }
 
 /// The split-KV chunk (tokens) used for a sequence of kv_len tokens. With a requested chunk > 0 it is that chunk,

@@ -11,6 +11,9 @@
 //     list names the split requests. This is what the CPU reference executes too.
 //   - grid mode (legacy DecodeParams chunk rule): grid (batch, kv heads * head tiles, chunks), range from
 //     effective_chunk.
+//   Either way the range is clamped to the keys the query sees (DecodeParams::window: sliding window / chunked-local,
+//   [first_visible_token(kv_len - 1), kv_len)), so pages wholly before the window, which may be the null block 0,
+//   are never dereferenced; a range with nothing visible writes the masked partial (o = 0, lse = -inf).
 // Layout inside a CTA:
 //   lanes_per_row = head_dim / ept lanes hold one row (ept = elements per thread, 16-byte vectors interleaved
 //   so shared-memory reads are conflict-free); the CTA has kSlots = threads / lanes_per_row row slots.
@@ -70,6 +73,9 @@ struct DecodeArgs {
   std::int32_t num_head_tiles;  // ceil(group_size / heads_per_tile)
   std::int32_t phases;          // kSlots / heads_per_tile
   float scale_log2;             // sm_scale * log2(e)
+  // Local attention (DecodeParams::window): the query at kv_len - 1 sees [first_visible_token(kv_len - 1, ...), kv_len).
+  std::int32_t window_tokens;   // AttentionWindow::sliding_window_tokens (0 = off)
+  std::int32_t chunk_tokens;    // AttentionWindow::attention_chunk_tokens (0 = off)
   // Work-list mode (items != null): CTA i runs items[i]; the merge kernel runs merges[0, merge_capacity).
   const DecodeWorkItem* items;
   const DecodeMergeItem* merges;
@@ -107,16 +113,18 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
     kv_head = it.kv_head;
     head_tile = it.head_tile;
     partial_row = it.partial_row < 0 ? -1 : it.partial_row;
-    // Never read past the sequence the page table describes, whatever the plan says.
+    // Never read past the sequence the page table describes, nor before the window, whatever the plan says.
     const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
-    chunk_begin = max(it.kv_begin, 0);
+    const std::int32_t first = kv_len > 0 ? first_visible_token(kv_len - 1, a.window_tokens, a.chunk_tokens) : 0;
+    chunk_begin = max(it.kv_begin, first);
     chunk_end = min(it.kv_end, kv_len);
   } else {
     b = static_cast<std::int32_t>(blockIdx.x);
     kv_head = static_cast<std::int32_t>(blockIdx.y) / a.num_head_tiles;
     head_tile = static_cast<std::int32_t>(blockIdx.y) % a.num_head_tiles;
     const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
-    chunk_begin = 0;
+    const std::int32_t first = kv_len > 0 ? first_visible_token(kv_len - 1, a.window_tokens, a.chunk_tokens) : 0;
+    chunk_begin = first;
     chunk_end = kv_len;
     partial_row = -1;
     if (a.split) {
@@ -128,6 +136,9 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
                                                 static_cast<std::int64_t>(kv_len)));
       if (chunk_begin >= chunk_end) return;  // this chunk does not exist for this sequence (merge skips it)
       partial_row = static_cast<std::int64_t>(b) * a.max_num_chunks + chunk_idx;
+      // A chunk wholly before the window is masked: it reads nothing and writes o = 0, lse = -inf (below), which the
+      // merge weighs 0. The chunk straddling the window start reads only its visible part.
+      chunk_begin = max(chunk_begin, first);
     }
   }
   const std::int32_t head0 = kv_head * a.group_size + head_tile * a.heads_per_tile;  // first qo head of the tile
@@ -135,8 +146,9 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
   if (tile_heads <= 0) return;  // balanced head tiling can leave the last tile empty for very large groups
 
   if (chunk_begin >= chunk_end) {
-    // An empty range: a padding sequence (o = 0, lse = -inf), or a plan item whose range the page table does not
-    // have (precondition violated): its partial row gets o = 0, lse = -inf, which the merge weighs 0.
+    // An empty range: a padding sequence (o = 0, lse = -inf), a chunk wholly before the window (masked), or a plan
+    // item whose range the page table or the window does not have (precondition violated): its partial row gets
+    // o = 0, lse = -inf, which the merge weighs 0. Nothing is read, so null pages before the window are never touched.
     for (int i = threadIdx.x; i < tile_heads * HD; i += Tr::kThreads) {
       const std::int64_t h = head0 + i / HD;
       if (partial_row >= 0) {
@@ -326,9 +338,10 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
 }
 
 /// Merge kernel (Flash-Decoding): o[b, h] = sum_c exp(lse_c - lse) * o_c, lse = log sum_c exp(lse_c), over the
-/// partial rows of request b in row order. One warp per (merge entry, h) in work-list mode (grid =
-/// ceil(merge_capacity * num_qo_heads / 4)), per (b, h) in grid mode (grid = ceil(batch * num_qo_heads / 4));
-/// block = 128.
+/// partial rows of request b in row order. A masked partial (a chunk wholly outside the window: o_c = 0, lse_c =
+/// -inf) gets weight exp(-inf) = 0; if every partial is masked, o = 0 and lse = -inf. One warp per (merge entry, h)
+/// in work-list mode (grid = ceil(merge_capacity * num_qo_heads / 4)), per (b, h) in grid mode (grid =
+/// ceil(batch * num_qo_heads / 4)); block = 128.
 template <KernelElement T, int HD>
 __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a) {
   const std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;

@@ -88,7 +88,7 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// kernel of (dtype, head_dim): num_qo_heads, num_kv_heads, head_dim, heads_per_tile (decode_heads_per_tile),
 /// num_sms (cudaDevAttrMultiProcessorCount of `device`) and ctas_per_sm (cudaOccupancyMaxActiveBlocksPerMultiprocessor
 /// of that kernel at its block size, at least 1). The cost knobs (min_chunk_tokens, item_overhead_tokens,
-/// max_waves) are left as they are. Call once per shape, before planning or capturing (not a stream operation; no
+/// max_waves) and the window (set it per KV-cache group: DecodePlanConfig::window) are left as they are. Call once per shape, before planning or capturing (not a stream operation; no
 /// synchronization). `device` must be the calling thread's current device (the occupancy API reads the current
 /// one). Returns kNoDevice (no CUDA device), kInvalidValue (null cfg, bad heads, device not current or out of
 /// range), kUnsupported (dtype, head_dim outside the compiled set), kCudaError (a CUDA query failed); *cfg is
@@ -119,10 +119,13 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 ///   warps, on `stream`, in that order. The launch shape depends only on the capacities, so a captured graph
 ///   replays any later plan written to the same device buffers.
 /// - Item i computes the query heads of tile head_tile of kv head kv_head (GQA: query head h reads kv head h /
-///   (num_qo_heads / num_kv_heads); each K/V byte of the range is read once per tile) over its token range, and
+///   (num_qo_heads / num_kv_heads); each K/V byte of the range is read once per tile) over its token range clamped
+///   to the visible keys [p.window.first_visible(kv_len_b - 1), kv_len_b) (plan with the same DecodePlanConfig::window
+///   and no item lies outside them; pages wholly before the window are never read, so they may be the null block 0;
+///   an item with nothing visible writes the masked partial o = 0, lse = -inf, which the merge weighs 0), and
 ///   writes o / lse (partial_row == -1; an empty sequence gets o = 0, lse = -inf) or its normalized partial (o, lse)
 ///   to workspace row partial_row; merge entry m combines its rows by log-sum-exp into o / lse.
-/// Preconditions checked (kInvalidValue): as decode(p) for q, o, kv, pages, heads, sm_scale; capacities >= 0;
+/// Preconditions checked (kInvalidValue): as decode(p) for q, o, kv, pages, heads, sm_scale, window; capacities >= 0;
 /// non-null, 16-byte aligned items / merges when their capacity > 0; heads_per_tile in range; workspace as above.
 /// Preconditions not checked (device data): the list is a correct plan for this batch's lengths (what
 /// validate_decode_work_list checks on the host; the CPU reference checks it on every call). The kernel skips items
@@ -137,6 +140,9 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// Decode attention over paged KV with the uniform chunk rule of DecodeParams (no work list; the pre-plan entry
 /// point, kept for callers that split by a fixed chunk).
 /// - p.q, p.o, p.lse, p.kv, p.pages: as decode(p, wl). A sequence with no tokens gets o = 0 and lse = -inf.
+/// - p.window: the query at kv_len_b - 1 sees [p.window.first_visible(kv_len_b - 1), kv_len_b) (AttentionWindow);
+///   the chunks below stay where they are and are clamped to that range: a chunk wholly before it is masked (reads
+///   nothing, writes o = 0, lse = -inf, weight 0 in the merge). Pages before the window are never read.
 /// - GQA: query head h reads kv head h / (num_qo_heads / num_kv_heads); all query heads of one kv head are computed
 ///   by one CTA, so each K/V byte is read once (group sizes above 8, or above 16 at fp16/bf16 x 64, take
 ///   ceil(group / 8) passes).
@@ -150,7 +156,7 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// Preconditions checked (kInvalidValue): non-null q, o, kv.k, kv.v and page-table pointers of the chosen format;
 /// positive block_size, num_kv_heads, num_blocks, num_qo_heads with num_qo_heads % num_kv_heads == 0; q, o, k, v
 /// and workspace 16-byte aligned and kv strides multiples of 16 bytes; kv_chunk_size_tokens >= 0; max_num_chunks
-/// in [0, 65535] (and >= 1 when kv_chunk_size_tokens > 0); workspace large enough when splitting.
+/// in [0, 65535] (and >= 1 when kv_chunk_size_tokens > 0); workspace large enough when splitting; window limits >= 0.
 /// Preconditions not checked (device data): page ids in [0, num_blocks), last_page_len in [1, block_size],
 /// seq_lens[b] <= max_blocks_per_seq * block_size. Only tokens < kv_len_b are ever read, so unused slots of a page
 /// may hold anything (NaN included).
@@ -160,12 +166,15 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// - p.q: device `[total_q_tokens, num_qo_heads, head_dim]` contiguous; p.o: same; p.lse: device float32
 ///   `[total_q_tokens, num_qo_heads]` or null. p.qo_indptr: device int32 `[batch + 1]`, qo_indptr[0] == 0 and
 ///   qo_indptr[batch] == p.total_q_tokens (both preconditions on device data).
-/// - Query i of sequence b sits at position kv_len_b - q_len_b + i and attends to KV positions <= its own.
-///   Precondition q_len_b <= kv_len_b; a query row with no visible key gets o = 0, lse = -inf.
+/// - Query i of sequence b sits at position kv_len_b - q_len_b + i and attends to KV positions <= its own and, with
+///   p.window (sliding window / chunked-local, AttentionWindow), >= p.window.first_visible(its position).
+///   Precondition q_len_b <= kv_len_b; a query row with no visible key gets o = 0, lse = -inf. A CTA loads KV from its
+///   first query's first visible key on: pages wholly before p.window.first_needed_token(kv_len_b, q_len_b) are
+///   never read (they may be the null block 0).
 /// - One CTA per (32-query tile of a sequence, qo head), KV in 32-token tiles through shared memory, fp32
 ///   CUDA-core math and online softmax (correctness first; no tensor cores yet).
-/// Checks as decode() (kInvalidValue / kUnsupported / kCudaError); qo_indptr must be non-null when
-/// total_q_tokens > 0. total_q_tokens == 0 or batch == 0 launches nothing.
+/// Checks as decode() (kInvalidValue / kUnsupported / kCudaError; a negative p.window limit is kInvalidValue);
+/// qo_indptr must be non-null when total_q_tokens > 0. total_q_tokens == 0 or batch == 0 launches nothing.
 [[nodiscard]] PAGEDKV_CUDA_API Status prefill(const PrefillParams& p, Stream stream = nullptr) noexcept;
 
 /// Copies whole blocks (K and V, every layer) for copy-on-write (vLLM `copy_blocks`).

@@ -51,6 +51,8 @@ struct PrefillArgs {
   std::int32_t num_qo_heads;
   std::int32_t group_size;
   float scale_log2;
+  std::int32_t window_tokens;  // PrefillParams::window.sliding_window_tokens (0 = off)
+  std::int32_t chunk_tokens;   // PrefillParams::window.attention_chunk_tokens (0 = off)
 };
 
 /// grid = (ceil(total_q / 32) + batch, num_qo_heads), block = 128, dynamic smem = PrefillTraits::kSmemBytes.
@@ -133,6 +135,11 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   const int r = static_cast<int>(threadIdx.x) / 4;
   const int sub = static_cast<int>(threadIdx.x) % 4;
   const std::int32_t qpos = r < rows ? pos0 + r : -1;  // keys at positions <= qpos are visible
+  // ... and >= qlo (the window / chunk start of this row's query; first_visible_token is non-decreasing in the
+  // position, so the tile's first query has the smallest). KV tiles start at the tile's smallest qlo: keys before it
+  // are visible to no row, and their pages (maybe the null block 0) are never read.
+  const std::int32_t qlo = r < rows ? first_visible_token(qpos, a.window_tokens, a.chunk_tokens) : 0;
+  const std::int32_t kv_begin = rows > 0 ? first_visible_token(pos0, a.window_tokens, a.chunk_tokens) : 0;
   const std::int32_t kv_end = min(kv_len, pos0 + rows);  // one past the last visible key of the tile
 
   const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
@@ -144,7 +151,7 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   float m = -INFINITY;
   float l = 0.f;
 
-  for (std::int32_t kv0 = 0; kv0 < kv_end; kv0 += Tr::kTileK) {
+  for (std::int32_t kv0 = kv_begin; kv0 < kv_end; kv0 += Tr::kTileK) {
     __syncthreads();  // previous tile fully read (and, first time, the Q tile stored)
     for (int i = static_cast<int>(threadIdx.x); i < Tr::kTileK * kVecsPerRow; i += Tr::kThreads) {
       const int rr = i / kVecsPerRow;
@@ -152,7 +159,7 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
       const std::int32_t tok = kv0 + rr;
       float kf[Tr::kVec] = {};
       float vf[Tr::kVec] = {};
-      if (tok < kv_end) {  // keys past kv_end are never visible: zero, never NaN from unused slots
+      if (tok < kv_end) {  // keys past kv_end are never visible: zero, never NaN from unused slots (tok >= kv_begin)
         const std::int32_t page = tok / a.block_size;
         const std::int32_t in_page = tok - page * a.block_size;
         const std::int64_t blk = page_block(a.pages, b, page);
@@ -186,7 +193,8 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
     float tile_max = -INFINITY;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      if (kv0 + sub + 4 * j > qpos) s[j] = -INFINITY;  // causal mask (and rows past the sequence: qpos = -1)
+      const std::int32_t key = kv0 + sub + 4 * j;
+      if (key > qpos || key < qlo) s[j] = -INFINITY;  // causal + window mask (rows past the sequence: qpos = -1)
       tile_max = fmaxf(tile_max, s[j]);
     }
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
