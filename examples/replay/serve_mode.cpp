@@ -11,7 +11,8 @@
 //     front of the waiting queue, until it fits (possibly preempting the decoding sequence itself);
 //  3. admission, unless step 2 preempted (as vLLM V1 does, so a victim is not re-admitted in the step that evicted
 //     it): waiting requests are admitted in order while the pool, --max-num-seqs and the budget allow; admission
-//     reserves the whole prompt (vLLM's gate) and schedules its first chunk; the first that does not fit stops;
+//     reserves the whole prompt (vLLM's gate) and schedules its first chunk; the first that does not fit stops. A
+//     waiting prompt is hashed once (prepare_prompt) and only walked again on each retry;
 //  4. build_batch_metadata for the scheduled sequences, with their per-sequence token counts;
 //  5. the drafts are verified: each is accepted with probability --spec-accept until the first rejection
 //     (commit_lookahead keeps the accepted ones and rewinds the rest); utilization is sampled; sequences that have
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <unordered_map>
@@ -151,6 +153,7 @@ class PagedScheduler {
     std::size_t drafts = 0;       // lookahead slots reserved this step
     std::uint32_t chunks = 0;     // steps with prompt tokens scheduled, this admission
     std::uint64_t failed_at = kNever;  // releases_ when its admission last failed (waiting only)
+    std::shared_ptr<pagedkv::PreparedPrompt> prepared;  // waiting: its prompt, hashed once for the retries
     [[nodiscard]] bool prefilling() const { return computed < prompt; }
   };
 
@@ -244,9 +247,13 @@ class PagedScheduler {
       // Nothing was released since this request last failed: blocks only went down, so it would fail again
       // (and re-hashing its prompt every step would dominate the library time; an engine caches the verdict).
       if (head.failed_at == releases_) break;
-      synthesize_prompt(trace_, head.request, prompt_);
-      for (std::uint32_t g = 0; g < head.generated; ++g) prompt_.push_back(generated_token(head.request, 0, g));
-      const auto r = admit_timer_.measure([&] { return manager_.try_admit(head.request, prompt_); });
+      if (!head.prepared) {  // hashed once per admission attempt series, not once per retry
+        synthesize_prompt(trace_, head.request, prompt_);
+        for (std::uint32_t g = 0; g < head.generated; ++g) prompt_.push_back(generated_token(head.request, 0, g));
+        head.prepared = std::make_shared<pagedkv::PreparedPrompt>(
+            admit_timer_.measure([&] { return manager_.prepare_prompt(prompt_); }));
+      }
+      const auto r = admit_timer_.measure([&] { return manager_.try_admit(head.request, *head.prepared); });
       if (!r.admitted()) {
         if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
           throw std::logic_error("serve: request " + std::to_string(head.request) +
@@ -255,8 +262,9 @@ class PagedScheduler {
         head.failed_at = releases_;
         break;
       }
-      head.tokens = head.prompt = prompt_.size();
+      head.tokens = head.prompt = head.prepared->tokens.size();
       head.computed = r.num_cached_tokens;
+      head.prepared.reset();
       ++admissions_;
       running_.push_back(head);
       waiting_.pop_front();

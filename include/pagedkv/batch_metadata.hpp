@@ -39,6 +39,13 @@ inline void check_metadata_value(std::size_t value, const char* what) {
 ///  - `qo_indptr`     `[max_batch + 1]` int32, offsets of each sequence's new tokens (queries) in the step.
 ///  - `slot_mapping`  `[max_num_tokens]` int64, one slot per new token (block * block_size + offset); -1 = skip.
 ///  - `copies`        `[max_copies, 2]` int32 (src, dst) copy-on-write pairs; (-1, -1) = padding.
+///  - `swap_out`      `[max_swaps, 2]` int32 (device block, host block) pairs: device -> host copies (offload,
+///                    swap preemption); (-1, -1) = padding. Consumed by swap_blocks(kDeviceToHost).
+///  - `swap_in`       `[max_swaps, 2]` int32 (host block, device block) pairs: host -> device copies (onboarding
+///                    of a host-tier hit, resume of a swapped sequence); (-1, -1) = padding. swap_blocks(kHostToDevice).
+/// Order of one step's work on the device (the contract the lists are built for): swap_out, then swap_in, then
+/// copy_blocks (copies), then write_kv (slot_mapping) and attention, in stream order; then the engine calls
+/// `complete_transfers(transfer_token)` once the swaps finished (blocks they read or fill stay pinned until then).
 /// Padding beyond the batch: indptr / qo_indptr repeat their last value, last_page_len and seq_lens are 0,
 /// slot_mapping and copies are -1 to their capacity; block_tables rows beyond the batch are left untouched (their
 /// seq_lens are 0, so kernels never read them).
@@ -52,6 +59,8 @@ struct BatchMetadataBuffers {
   std::span<std::int32_t> qo_indptr;
   std::span<std::int64_t> slot_mapping;
   std::span<std::int32_t> copies;
+  std::span<std::int32_t> swap_out;
+  std::span<std::int32_t> swap_in;
 };
 
 /// What one build wrote: the live extents inside the buffers.
@@ -60,6 +69,9 @@ struct BatchMetadataSizes {
   std::size_t num_indices = 0;    ///< indptr[batch_size]: block ids written to `indices`.
   std::size_t num_new_tokens = 0; ///< qo_indptr[batch_size]: slots written to `slot_mapping` before padding.
   std::size_t num_copies = 0;     ///< Copy-on-write pairs written to `copies` before padding.
+  std::size_t num_swap_out = 0;   ///< Pairs written to `swap_out` before padding.
+  std::size_t num_swap_in = 0;    ///< Pairs written to `swap_in` before padding.
+  std::uint64_t transfer_token = 0;  ///< Token naming this build's swaps for complete_transfers (0: none).
 };
 
 }  // namespace pagedkv

@@ -137,6 +137,19 @@ class BlockTable {
     num_tokens_ += block_size_;
   }
 
+  /// Replace the whole table by `blocks` holding `num_tokens` tokens (a sequence resumed after swapping), whose
+  /// references the caller took. Throws kInvalidArgument unless ceil(num_tokens / block_size) == blocks.size();
+  /// nothing changes then. May throw std::bad_alloc before changing anything.
+  void assign(std::span<const Id> blocks, std::size_t num_tokens) {
+    if ((num_tokens + block_size_ - 1) / block_size_ != blocks.size()) {
+      detail::raise(Errc::kInvalidArgument, "assign: " + std::to_string(blocks.size()) + " blocks cannot hold " +
+                                                std::to_string(num_tokens) + " tokens of block_size " +
+                                                std::to_string(block_size_));
+    }
+    blocks_.assign(blocks.begin(), blocks.end());
+    num_tokens_ = num_tokens;
+  }
+
   /// Replace logical block `i` by `b`, whose reference the caller took; returns the old block, whose reference
   /// the caller now owns (to release). Used to switch a freshly filled block to an identical cached one.
   Id replace_block(std::size_t i, Id b) {

@@ -93,6 +93,20 @@ class EventLog {
     return s;
   }
 
+  /// The last stored event of (hash, medium, group) recorded or handed out and not removed since, or nullopt (the
+  /// content of a block that moves to another tier: its stored event there repeats it with the new medium).
+  /// O(events not yet taken) + O(1).
+  [[nodiscard]] std::optional<KVEvent> find_stored(const BlockHash& h, Medium medium, std::uint32_t group) const {
+    for (auto it = events_.rbegin(); it != events_.rend(); ++it) {
+      if (it->type == KVEventType::kBlockStored && it->hash == h && it->medium == medium && it->group == group) {
+        return *it;
+      }
+    }
+    const auto it = registry_.find(Key{h, medium, group});
+    if (it == registry_.end()) return std::nullopt;
+    return it->second;
+  }
+
   /// Events recorded and not yet taken or drained.
   [[nodiscard]] std::size_t size() const noexcept { return events_.size(); }
 

@@ -25,12 +25,28 @@
 #include <pagedkv/events.hpp>
 #include <pagedkv/eviction.hpp>
 #include <pagedkv/hash.hpp>
+#include <pagedkv/host_tier.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>
 #include <pagedkv/sequence_state.hpp>
 #include <pagedkv/stats.hpp>
+#include <pagedkv/transfer_queue.hpp>
 
 namespace pagedkv {
+
+/// When the manager copies cached device blocks to the host tier (TensorRT-LLM's and SGLang HiCache's two modes).
+enum class OffloadPolicy : std::uint8_t {
+  kNone = 0,          ///< Never: the host tier only receives swapped-out sequences.
+  kWriteBack = 1,     ///< When a cached block is evicted from the device pool (one copy per eviction).
+  kWriteThrough = 2,  ///< As soon as a block is registered (its copy is issued by the next build), and at eviction
+                      ///< if it is not on the host yet.
+};
+
+/// How `preempt` frees a running sequence's device blocks (vLLM SOSP'23 sec. 4.5).
+enum class PreemptMode : std::uint8_t {
+  kRecompute = 0,  ///< Drop them (full blocks stay cached); the engine re-admits the request and recomputes.
+  kSwap = 1,       ///< Copy them to the host tier; `try_resume` copies them back. Needs a host tier.
+};
 
 /// Configuration of one KV pool.
 struct CacheConfig {
@@ -41,6 +57,9 @@ struct CacheConfig {
   std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length), <= 2^31 - 1; 0 = the
                                                   ///< int32 limit of `seq_lens` (kMaxMetadataValue).
   bool enable_events = false;                     ///< Record KVEvents for drain_events().
+  std::size_t num_host_blocks = 0;                ///< Host tier size in blocks, including its null block 0:
+                                                  ///< 0 = no host tier, else [2, 2^31].
+  OffloadPolicy offload = OffloadPolicy::kWriteBack;  ///< With a host tier: when cached blocks are copied there.
 };
 
 /// Outcome of an admission. Only kAdmitted changes state.
@@ -48,12 +67,16 @@ enum class AdmitStatus : std::uint8_t {
   kAdmitted = 0,    ///< The sequence is live; its uncached prompt tokens have slots.
   kNoCapacity = 1,  ///< Not enough free + evictable blocks now; retry after others finish (or preempt).
   kNeverFits = 2,   ///< The prompt needs more blocks than the whole pool has: it can never be admitted.
+  kTransferPending = 3,  ///< try_resume: a host copy the sequence needs has not completed yet; retry after
+                         ///< complete_transfers.
 };
 
-/// Result of `try_admit`.
+/// Result of `try_admit` and `try_resume`.
 struct AdmitResult {
   AdmitStatus status = AdmitStatus::kNoCapacity;
-  std::size_t num_cached_tokens = 0;   ///< Prompt tokens found in the prefix cache (a multiple of block_size).
+  std::size_t num_cached_tokens = 0;   ///< Prompt tokens found in the prefix cache (a multiple of block_size),
+                                       ///< in either tier.
+  std::size_t num_host_cached_tokens = 0;  ///< Of which served by the host tier (onboarded by this build's swap_in).
   std::size_t num_new_blocks = 0;      ///< Blocks taken from the pool (allocated, possibly by eviction).
   std::size_t num_missing_blocks = 0;  ///< kNoCapacity: blocks that would have to become available now;
                                        ///< kNeverFits: blocks beyond the whole pool. 0 when admitted.
@@ -163,6 +186,7 @@ class KVCacheManager {
   using table_type = BlockTable<Id>;
   using copy_type = BlockCopy<Id>;
   using sequence_type = SequenceState<Id>;
+  using host_tier_type = HostTier<Hasher, Id, Evict>;
 
   /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or block_size == 0,
   /// kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch metadata), both
@@ -172,6 +196,9 @@ class KVCacheManager {
         alloc_(config_.num_blocks),
         index_(config_.num_blocks, config_.hash_seed),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
+        host_(config_.num_host_blocks != 0 ? std::make_unique<host_tier_type>(config_.num_host_blocks, config_.hash_seed)
+                                           : nullptr),
+        filling_((config_.num_blocks + 63) / 64, 0),
         events_(config_.enable_events) {}
 
   KVCacheManager(const KVCacheManager&) = delete;
@@ -199,7 +226,7 @@ class KVCacheManager {
   /// unsorted or not inside the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                         const AdmitOptions& opts = {}) {
-    if (seqs_.contains(seq)) {
+    if (seqs_.contains(seq) || swapped_.contains(seq)) {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
     validate_prompt(prompt, keys, "try_admit", &seq);
@@ -211,7 +238,7 @@ class KVCacheManager {
   /// per request. Same outcomes and errors as try_admit; also kInvalidArgument when `prompt` was prepared by a
   /// manager with another hasher or seed (its chain root differs).
   AdmitResult try_admit(SeqId seq, const PreparedPrompt& prompt, const AdmitOptions& opts = {}) {
-    if (seqs_.contains(seq)) {
+    if (seqs_.contains(seq) || swapped_.contains(seq)) {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
     check_prepared(prompt, "try_admit");
@@ -355,17 +382,18 @@ class KVCacheManager {
   /// copy-on-write into its table not yet handed out: fork after the build of the step that wrote them, as
   /// engines do after prefill).
   void fork(SeqId parent, SeqId child) {
-    if (seqs_.contains(child)) {
+    if (seqs_.contains(child) || swapped_.contains(child)) {
       detail::raise(Errc::kDuplicateSequence, "fork: child sequence " + std::to_string(child) + " is already live");
     }
     const sequence_type& p = live(parent, "fork");
-    if (!p.settled()) {
+    if (!settled(p)) {
       detail::raise(Errc::kInvalidArgument,
                     "fork: parent sequence " + std::to_string(parent) + " has unbuilt state (" +
                         std::to_string(p.num_pending()) + " unbuilt slots, " + std::to_string(p.num_unslotted()) +
                         " prompt tokens without slots, " + std::to_string(p.num_lookahead) + " lookahead slots, " +
-                        std::to_string(p.num_pending_copies) +
-                        " pending copy-on-write copies): build the step's metadata before forking");
+                        std::to_string(p.num_pending_copies) + " pending copy-on-write copies" +
+                        (has_filling_block(p) ? ", host copies into its blocks not completed" : "") +
+                        "): build the step's metadata before forking");
     }
     sequence_type c(config_.block_size);
     c.tokens = p.tokens;
@@ -379,13 +407,151 @@ class KVCacheManager {
     for (Id b : it->second.table.blocks()) alloc_.acquire(b);
   }
 
-  /// Free live sequence `seq` (finished or aborted): release its blocks, last block first, and forget its pending
-  /// slots. Full blocks stay cached until evicted. Throws kUnknownSequence (also on a double free).
+  /// Free sequence `seq` (finished or aborted), live or swapped: release its blocks, last block first, and forget
+  /// its pending slots. Full blocks stay cached until evicted. Copies in flight keep their own pins: a block a copy
+  /// still reads or fills is released when the copy completes. Throws kUnknownSequence (also on a double free).
   void free(SeqId seq) {
+    if (const auto sw = swapped_.find(seq); sw != swapped_.end()) {
+      for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) host_->release(*it);
+      swapped_.erase(sw);
+      return;
+    }
     sequence_type& q = live(seq, "free");
     Proxy pool{this};
     q.table.release_all(pool);
     seqs_.erase(seq);
+  }
+
+  /// Preempt running sequence `seq` (vLLM SOSP'23 sec. 4.5). kRecompute: as `preempt(seq)`. kSwap: copy its blocks
+  /// to the host tier and free its device blocks; `try_resume(seq)` brings it back. A full block whose hash the host
+  /// tier already holds is shared, not copied; the copies are this manager's next swap_out list (they read the
+  /// blocks before the step writes anything into them: the device blocks are reusable at once). All or nothing:
+  /// returns false, changing nothing, when the host tier lacks free or evictable blocks (preempt by recompute
+  /// then). Counted as a preemption. Throws kUnknownSequence; kInvalidArgument for kSwap without a host tier, or
+  /// when the sequence is not settled (unbuilt slots, prompt tokens without slots, lookahead, or a copy into its
+  /// table outstanding: swap after the step that computed it has been built).
+  bool preempt(SeqId seq, PreemptMode mode) {
+    if (mode == PreemptMode::kRecompute) {
+      preempt(seq);
+      return true;
+    }
+    sequence_type& q = live(seq, "preempt");
+    if (!host_) detail::raise(Errc::kInvalidArgument, "preempt: swapping sequence " + std::to_string(seq) +
+                                                          " needs a host tier (CacheConfig.num_host_blocks)");
+    if (!settled(q)) {
+      detail::raise(Errc::kInvalidArgument, "preempt: sequence " + std::to_string(seq) +
+                                                " is not settled (unbuilt slots, lookahead or a copy outstanding): "
+                                                "swap it after its step's metadata was built and its copies completed");
+    }
+    // Plan: host blocks to share (the hash is there) or to fill (a copy each).
+    const auto blocks = q.table.blocks();
+    std::size_t to_fill = 0, shared_cached = 0;
+    for (Id b : blocks) {
+      const auto h = index_.hash_of(b);
+      const auto hb = h ? host_->find(*h) : std::nullopt;
+      if (!hb) {
+        ++to_fill;
+      } else if (host_->allocator().is_cached(*hb)) {
+        ++shared_cached;
+      }
+    }
+    if (to_fill > host_->allocator().num_available_blocks() - shared_cached) return false;
+    // Commit. Reserve first: nothing below throws.
+    SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted()};
+    sw.host_blocks.resize(blocks.size());
+    transfers_.reserve_more(to_fill);
+    events_.reserve_more(to_fill);
+    auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
+    SwappedSequence& dst = it->second;
+    for (std::size_t i = 0; i < blocks.size(); ++i) {  // shared host blocks first (allocations cannot evict them)
+      const auto h = index_.hash_of(blocks[i]);
+      if (const auto hb = h ? host_->find(*h) : std::nullopt) {
+        host_->acquire(*hb);
+        dst.host_blocks[i] = *hb;
+      }
+    }
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (dst.host_blocks[i] != Id{0}) continue;  // shared above
+      const auto h = index_.hash_of(blocks[i]);
+      const Id hb = *host_->allocate(h ? &*h : nullptr, host_evictor());  // guaranteed by the plan
+      host_->acquire(hb);  // the copy's own hold, released when it completes
+      dst.host_blocks[i] = hb;
+      if (h) remember_content(*h, hb, Medium::kGpu);
+      transfers_.push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0});
+      ++stats_.swap_outs;
+    }
+    Proxy pool{this};
+    q.table.release_all(pool);
+    dst.state = std::move(q);
+    seqs_.erase(seq);
+    ++stats_.preemptions;
+    return true;
+  }
+
+  /// Resume swapped sequence `seq`: device blocks again, each block copied back from the host tier (this
+  /// manager's next swap_in list) unless the device pool still caches its hash. All or nothing. Returns kAdmitted
+  /// (num_cached_tokens: the sequence's tokens; num_host_cached_tokens: those copied back), kNoCapacity /
+  /// kNeverFits as admission does, or kTransferPending while a copy that filled one of its host blocks has not
+  /// completed. Its positions are built (nothing to compute); a build issues the copies. Throws
+  /// kUnknownSequence when `seq` is not swapped.
+  AdmitResult try_resume(SeqId seq) {
+    const auto sw = swapped_.find(seq);
+    if (sw == swapped_.end()) {
+      detail::raise(Errc::kUnknownSequence, "try_resume: sequence " + std::to_string(seq) + " is not swapped out");
+    }
+    SwappedSequence& s = sw->second;
+    const std::size_t n = s.host_blocks.size();
+    const std::size_t bs = config_.block_size;
+    if (n > alloc_.num_usable_blocks()) return {AdmitStatus::kNeverFits, 0, 0, 0, n - alloc_.num_usable_blocks()};
+    hit_scratch_.assign(n, Id{0});
+    std::size_t to_fill = 0, evictable_hits = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const Id hb = s.host_blocks[i];
+      if (!host_->is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
+      const auto h = host_->index().hash_of(hb);
+      if (const auto b = h ? index_.find(*h) : std::nullopt) {
+        hit_scratch_[i] = *b;
+        if (alloc_.is_cached(*b)) ++evictable_hits;
+      } else {
+        ++to_fill;
+      }
+    }
+    const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
+    if (to_fill > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill - available};
+    // Commit. Reserve first.
+    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size));
+    if (!inserted) {  // cannot happen: a swapped id is not live (admission refuses a swapped id)
+      detail::raise(Errc::kDuplicateSequence, "try_resume: sequence " + std::to_string(seq) + " is live");
+    }
+    sequence_type& q = it->second;
+    try {
+      reserve_for_allocations(to_fill, to_fill);
+      onboard_scratch_.assign(n, Id{0});
+    } catch (...) {
+      seqs_.erase(it);
+      throw;
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (hit_scratch_[i] != Id{0}) alloc_.acquire(hit_scratch_[i]);
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (hit_scratch_[i] != Id{0}) {
+        onboard_scratch_[i] = hit_scratch_[i];
+        continue;
+      }
+      const Id dst = *alloc_.try_allocate_one(evictor());  // guaranteed by the capacity check
+      const auto h = host_->index().hash_of(s.host_blocks[i]);
+      queue_fill(dst, s.host_blocks[i], TransferKind::kSwapIn, h ? &*h : nullptr, /*src_pinned=*/false);
+      onboard_scratch_[i] = dst;
+    }
+    const std::size_t num_tokens = s.num_tokens;
+    q = std::move(s.state);
+    q.table.assign(onboard_scratch_, num_tokens);
+    q.num_built = num_tokens;
+    q.num_registered = q.hashes.size();  // device hits are registered, copied blocks when their copy completes
+    for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) host_->release(*hb);
+    swapped_.erase(sw);
+    return {AdmitStatus::kAdmitted, num_tokens, to_fill * bs, to_fill, 0};
   }
 
   /// `free`, counted as a preemption (recompute: the engine re-admits the request later under the same id and its
@@ -431,7 +597,8 @@ class KVCacheManager {
     validate_prompt(prompt, keys, "query_admit", nullptr);
     std::vector<BlockHash> hashes;
     std::vector<Id> hits;
-    return plan_admit_into(prompt, keys, opts, hashes, false, hits).query;
+    std::vector<bool> on_host;
+    return plan_admit_into(prompt, keys, opts, hashes, false, hits, on_host).query;
   }
   /// `query_admit` of a prompt hashed by `prepare_prompt` (no hashing). Throws kInvalidArgument for a prompt
   /// prepared by a manager with another hasher or seed.
@@ -439,7 +606,8 @@ class KVCacheManager {
     check_prepared(prompt, "query_admit");
     std::vector<BlockHash> hashes = prompt.hashes;
     std::vector<Id> hits;
-    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, hits).query;
+    std::vector<bool> on_host;
+    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, hits, on_host).query;
   }
 
   /// What growing live sequence `seq` by `n` slots would take now (`try_append` of n tokens, `try_reserve(n)` or
@@ -467,7 +635,7 @@ class KVCacheManager {
     std::size_t i = 0;
     for (; i < cap / bs; ++i) {
       parent = index_.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys);
-      if (!index_.find(parent)) break;
+      if (!index_.find(parent) && !(host_ && host_->find_ready(parent))) break;
     }
     return i * bs;
   }
@@ -515,6 +683,15 @@ class KVCacheManager {
     s.usage = static_cast<double>(s.blocks_used) / static_cast<double>(s.num_usable_blocks);
     s.evictions = alloc_.num_evictions();
     s.block_ops = alloc_.num_block_ops();
+    if (host_) {
+      const auto& h = host_->allocator();
+      s.host_num_usable_blocks = h.num_usable_blocks();
+      s.host_blocks_used = h.num_used_blocks();
+      s.host_blocks_cached = h.num_cached_blocks();
+      s.host_blocks_free = h.num_free_blocks();
+    }
+    s.transfers_in_flight = transfers_.in_flight().size();
+    s.transfers_queued = transfers_.queued().size();
     return s;
   }
   /// Prefix-cache statistics since the previous call (vLLM's PrefixCacheStats: requests / queries / hits of new
@@ -537,14 +714,89 @@ class KVCacheManager {
   /// nothing.
   bool reset_prefix_cache() {
     if (alloc_.num_used_blocks() != 0) return false;
-    events_.reserve_more(1);
+    if (host_ && (host_->allocator().num_used_blocks() != 0 || !transfers_.queued().empty())) return false;
+    events_.reserve_more(2);
     alloc_.clear_hashes([](Id) {});
     index_.clear();
     for (auto& [id, q] : seqs_) q.num_registered = 0;  // (all empty: nothing is referenced)
+    recent_registered_.clear();
     interval_.reset = true;
     if (events_.enabled()) events_.push(KVEventType::kAllCleared);
+    if (host_) {
+      host_->clear([](Id, const BlockHash&) {});
+      if (events_.enabled()) events_.push(KVEventType::kAllCleared).medium = Medium::kCpu;
+    }
     return true;
   }
+
+  // ---------------------------------------------------------------------------------------------------------------
+  // Host tier transfers
+
+  /// The copies issued by the build that returned `token` (BatchMetadataSizes::transfer_token) have completed:
+  /// unpin the blocks they read, and make the blocks they filled readable: an offloaded or swapped-out host block
+  /// starts serving host-tier hits (kBlockStored, medium CPU), an onboarded or swapped-in device block is registered
+  /// in the device index (kBlockStored, medium GPU) unless its hash was registered meanwhile. Tokens may be
+  /// completed in any order. Until then the blocks stay pinned: capacity queries and admissions count them as
+  /// held. Throws kInvalidArgument when `token` names no copies in flight (never issued, or completed already);
+  /// nothing changes then. Cost: O(copies in flight).
+  void complete_transfers(std::uint64_t token) {
+    if (!transfers_.is_in_flight(token)) {
+      detail::raise(Errc::kInvalidArgument, "complete_transfers: token " + std::to_string(token) +
+                                                " names no copies in flight (never issued, or completed already)");
+    }
+    completed_scratch_.clear();
+    completed_scratch_.reserve(transfers_.in_flight().size());
+    events_.reserve_more(transfers_.in_flight().size());
+    transfers_.take_completed(token, completed_scratch_);
+    for (const Transfer<Id>& t : completed_scratch_) {
+      if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
+        host_->mark_ready(t.host);
+        if (t.hashed) emit_stored_from(t.host, t.hash, Medium::kCpu);
+        host_->release(t.host);  // the copy's hold
+        continue;
+      }
+      // onboard, swap-in: the device block is filled; register it if its hash is not registered yet
+      filling_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
+      ++completed_fills_;
+      if (t.hashed && !index_.hash_of(t.device)) {
+        const Id reg = index_.insert(t.hash, t.device);
+        if (reg == t.device) {
+          alloc_.set_hashed(t.device, true);
+          if (events_.enabled()) {
+            if (auto e = events_.find_stored(t.hash, Medium::kCpu, 0)) {
+              KVEvent& out = events_.push(KVEventType::kBlockStored);
+              const std::uint64_t seq_no = out.seq_no;
+              out = std::move(*e);
+              out.seq_no = seq_no;
+              out.medium = Medium::kGpu;
+            }
+          }
+        }
+      }
+      host_->release(t.host);   // the copy's pin on its source
+      release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
+    }
+    completed_scratch_.clear();
+  }
+
+  /// Whether sequence `seq` is swapped out (preempted by kSwap, resumable).
+  [[nodiscard]] bool is_swapped(SeqId seq) const { return swapped_.contains(seq); }
+  /// Number of swapped-out sequences.
+  [[nodiscard]] std::size_t num_swapped() const noexcept { return swapped_.size(); }
+  /// Host blocks of swapped sequence `seq`, logical order (`[blocks]`), and its tokens. Valid until the next
+  /// non-const call. Throws kUnknownSequence when `seq` is not swapped.
+  [[nodiscard]] std::span<const Id> swapped_host_blocks(SeqId seq) const {
+    const auto it = swapped_.find(seq);
+    if (it == swapped_.end()) {
+      detail::raise(Errc::kUnknownSequence, "swapped_host_blocks: sequence " + std::to_string(seq) +
+                                                " is not swapped out");
+    }
+    return it->second.host_blocks;
+  }
+  /// The host tier (read-only: its allocator and index), or null without one. Valid as long as the manager.
+  [[nodiscard]] const host_tier_type* host_tier() const noexcept { return host_.get(); }
+  /// The copies queued for the next build and in flight (read-only). Valid until the next non-const call.
+  [[nodiscard]] const TransferQueue<Id>& transfers() const noexcept { return transfers_; }
 
   /// Move the recorded events (oldest first) to the end of `out`, unbatched; returns how many. Events are recorded
   /// only with `enable_events`.
@@ -667,17 +919,50 @@ class KVCacheManager {
       fail(Errc::kBadShape, "copies is empty but " + std::to_string(sz.num_copies) +
                                 " copy-on-write copies are pending: they would be lost");
     }
+    // Swaps: the queued ones, plus (write-through) an offload per block the previous build registered that the
+    // host does not hold yet (an upper bound: the host may run out of blocks for some).
+    const bool write_through = host_ && config_.offload == OffloadPolicy::kWriteThrough;
+    std::size_t write_through_blocks = 0;
+    if (write_through) {
+      for (const auto& [b, h] : recent_registered_) {
+        if (index_.hash_of(b) == std::optional<BlockHash>(h) && !host_->find(h)) ++write_through_blocks;
+      }
+    }
+    const std::size_t max_out = transfers_.num_queued(true) + write_through_blocks;
+    const std::size_t num_in = transfers_.num_queued(false);
+    need(buf.swap_out.size(), 2 * max_out, "swap_out");
+    need(buf.swap_in.size(), 2 * num_in, "swap_in");
+    if (max_out > 0 && buf.swap_out.empty()) {
+      fail(Errc::kBadShape, "swap_out is empty but " + std::to_string(max_out) +
+                                " device -> host copies are queued: they would be lost");
+    }
+    if (num_in > 0 && buf.swap_in.empty()) {
+      fail(Errc::kBadShape, "swap_in is empty but " + std::to_string(num_in) +
+                                " host -> device copies are queued: they would be lost");
+    }
     try {
-      events_.reserve_more(max_registrations);
+      events_.reserve_more(max_registrations + write_through_blocks);
       switched_scratch_.clear();
       switched_scratch_.reserve(max_registrations);
+      if (host_) {
+        transfers_.reserve_more(write_through_blocks);
+        transfers_.reserve_issue(write_through_blocks);
+      }
+      if (write_through) recent_registered_.reserve(recent_registered_.size() + max_registrations);
     } catch (...) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       throw;
     }
 
-    // Validated. Per sequence: mark the scheduled slots built, register the full blocks whose last write this
-    // build issues (switching duplicates to the registered block), then write. Nothing below throws.
+    // Validated. Write-through: offload what the previous build registered (its K/V is written by now). Then per
+    // sequence: mark the scheduled slots built, register the full blocks whose last write this build issues
+    // (switching duplicates to the registered block), then write. Nothing below throws.
+    if (write_through) {
+      for (const auto& [b, h] : recent_registered_) {
+        if (index_.hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h);
+      }
+      recent_registered_.clear();
+    }
     std::size_t blk = 0;
     std::size_t tok = 0;
     for (std::size_t b = 0; b < B; ++b) {
@@ -733,6 +1018,27 @@ class KVCacheManager {
     copy_owners_.clear();
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
+    // The swaps: every queued copy under this build's token.
+    if (host_) {
+      sz.transfer_token = transfers_.issue();
+      std::size_t o = 0, i = 0;
+      for (const Transfer<Id>& t : transfers_.in_flight()) {
+        if (sz.transfer_token == 0 || t.token != sz.transfer_token) continue;
+        if (is_device_to_host(t.kind)) {
+          buf.swap_out[2 * o] = static_cast<std::int32_t>(t.device);
+          buf.swap_out[2 * o + 1] = static_cast<std::int32_t>(t.host);
+          ++o;
+        } else {
+          buf.swap_in[2 * i] = static_cast<std::int32_t>(t.host);
+          buf.swap_in[2 * i + 1] = static_cast<std::int32_t>(t.device);
+          ++i;
+        }
+      }
+      sz.num_swap_out = o;
+      sz.num_swap_in = i;
+    }
+    pad_from(buf.swap_out, 2 * sz.num_swap_out, std::int32_t{-1});
+    pad_from(buf.swap_in, 2 * sz.num_swap_in, std::int32_t{-1});
     return sz;
   }
 
@@ -757,6 +1063,13 @@ class KVCacheManager {
     void release(Id b) { m->release_block(b); }
   };
 
+  // A sequence preempted by swapping: its state without device blocks, and the host block of each logical block.
+  struct SwappedSequence {
+    sequence_type state;          // tokens, hashes, keys, cursors (table empty)
+    std::vector<Id> host_blocks;  // [blocks] held once each by this sequence
+    std::size_t num_tokens = 0;   // positions (all built)
+  };
+
   // The allocator as capacity queries see it (read-only).
   struct ConstProxy {
     const KVCacheManager* m;
@@ -766,7 +1079,8 @@ class KVCacheManager {
 
   struct AdmitPlan {
     CapacityQuery query;
-    std::size_t num_reserved = 0;  // uncached prompt tokens that get slots now
+    std::size_t num_reserved = 0;   // uncached prompt tokens that get slots now
+    std::size_t num_host_hits = 0;  // hit blocks served by the host tier (each needs a device block + a swap_in)
   };
 
   void check_prepared(const PreparedPrompt& p, const char* what) const {
@@ -794,32 +1108,48 @@ class KVCacheManager {
   }
 
   // Plan an admission of a validated prompt: the prompt's block hashes into `hashes` (unless `hashes_ready`: a
-  // PreparedPrompt), the hit blocks into `hits`, what it would take. Pure. The walk is pipelined: the home group of
-  // block i's hash is prefetched while block i + 1 is hashed (or, with ready hashes, while block i - 1 is looked
-  // up), so the probe's cache miss overlaps other work.
+  // PreparedPrompt), the hit blocks into `hits` (with `on_host[i]`: block i is a host-tier hit, to be onboarded),
+  // what it would take. Pure. The walk is pipelined: the home group of block i's hash is prefetched while block
+  // i + 1 is hashed (or, with ready hashes, while block i - 1 is looked up), so the probe's cache miss overlaps other
+  // work. A block missing from the device index is looked up in the host tier (ready blocks only).
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                            std::vector<BlockHash>& hashes, bool hashes_ready, std::vector<Id>& hits) const {
+                            std::vector<BlockHash>& hashes, bool hashes_ready, std::vector<Id>& hits,
+                            std::vector<bool>& on_host) const {
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
     const std::size_t usable = alloc_.num_usable_blocks();
     if (total_blocks > usable) {
-      return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0};
+      return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0, 0};
     }
     const std::size_t full = config_.enable_prefix_caching ? prompt.size() / bs : 0;
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = std::min(full, cap / bs);
     hits.clear();
+    on_host.clear();
     std::size_t evictable_hits = 0;
+    std::size_t host_hits = 0;
     bool walking = walk > 0;
-    const auto look = [&](std::size_t j) {  // block j of the walk, in order, until the first miss
+    const auto look = [&](std::size_t j) {  // block j of the walk, in order, until the first miss in both tiers
       if (!walking) return;
-      const auto b = j < walk ? index_.find(hashes[j]) : std::nullopt;
-      if (!b) {
+      if (j >= walk) {
         walking = false;
         return;
       }
-      hits.push_back(*b);
-      if (alloc_.is_cached(*b)) ++evictable_hits;
+      if (const auto b = index_.find(hashes[j])) {
+        hits.push_back(*b);
+        on_host.push_back(false);
+        if (alloc_.is_cached(*b)) ++evictable_hits;
+        return;
+      }
+      if (host_) {
+        if (const auto hb = host_->find_ready(hashes[j])) {
+          hits.push_back(*hb);
+          on_host.push_back(true);
+          ++host_hits;
+          return;
+        }
+      }
+      walking = false;
     };
     if (!hashes_ready) {
       hashes.reserve(full);
@@ -838,24 +1168,26 @@ class KVCacheManager {
     }
     const std::size_t cached = hits.size() * bs;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
-    const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - hits.size();
+    // Device blocks: one per host hit (its onboarding destination) plus the new ones.
+    const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - hits.size() + host_hits;
     const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
     if (new_blocks > available) {
-      return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved};
+      return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved, host_hits};
     }
-    return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved};
+    return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved, host_hits};
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, else none yet).
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
                            std::vector<BlockHash> hashes, bool hashes_ready) {
-    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, hit_scratch_);
+    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, hit_scratch_, on_host_scratch_);
     if (!plan.query.fits()) {
-      return {static_cast<AdmitStatus>(plan.query.status), 0, 0, plan.query.num_missing_blocks};
+      return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
     }
     const std::size_t bs = config_.block_size;
     const std::size_t hits = hit_scratch_.size();
+    const std::size_t host_hits = plan.num_host_hits;
 
     // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
     if (!shared_keys && keys != nullptr && !keys->empty()) shared_keys = std::make_shared<const RequestKeys>(*keys);
@@ -863,18 +1195,34 @@ class KVCacheManager {
     s.tokens.assign(prompt.begin(), prompt.end());
     s.keys = std::move(shared_keys);
     s.table.reserve_blocks(hits + plan.query.num_blocks);
-    events_.reserve_more(plan.query.num_blocks);  // removed-block events of the evictions below
+    reserve_for_allocations(plan.query.num_blocks, host_hits);
+    onboard_scratch_.clear();
+    onboard_scratch_.reserve(host_hits);
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
     auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
     sequence_type& q = it->second;
     Proxy pool{this};
-    for (Id b : hit_scratch_) {
-      alloc_.acquire(b);
-      q.table.append_full_block(b);
+    // Hits first, in both tiers (so the allocations below, and the write-back offloads their evictions queue,
+    // cannot evict them), then a device block per host hit, then the table in order.
+    for (std::size_t i = 0; i < hits; ++i) {
+      if (on_host_scratch_[i]) {
+        host_->acquire(hit_scratch_[i]);  // the onboarding copy's pin on its source
+      } else {
+        alloc_.acquire(hit_scratch_[i]);
+      }
+    }
+    for (std::size_t i = 0; i < hits; ++i) {
+      if (!on_host_scratch_[i]) continue;
+      const Id dst = *alloc_.try_allocate_one(evictor());  // guaranteed by the capacity check
+      onboard_scratch_.push_back(dst);
+      queue_fill(dst, hit_scratch_[i], TransferKind::kOnboard, &hashes[i], /*src_pinned=*/true);
+    }
+    for (std::size_t i = 0, k = 0; i < hits; ++i) {
+      q.table.append_full_block(on_host_scratch_[i] ? onboard_scratch_[k++] : hit_scratch_[i]);
     }
     q.hashes = std::move(hashes);
-    q.num_registered = hits;
-    q.num_built = hits * bs;
+    q.num_registered = hits;  // device hits are registered; onboarded blocks are registered when filled
+    q.num_built = hits * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
     std::optional<copy_type> no_copy;
     const bool ok = q.table.try_append(plan.num_reserved, pool, evictor(), nullptr, no_copy);
     (void)ok;  // guaranteed by the capacity check
@@ -884,13 +1232,14 @@ class KVCacheManager {
     stats_.prefix_query_tokens += prompt.size();
     if (hits > 0) ++stats_.prefix_hit_requests;
     stats_.prefix_hit_tokens += hits * bs;
+    stats_.host_hit_tokens += host_hits * bs;
     if (readmission) {
       ++stats_.readmitted_requests;
       stats_.readmitted_query_tokens += prompt.size();
       stats_.readmitted_hit_tokens += hits * bs;
     }
     interval_.record(prompt.size(), hits * bs, readmission);
-    return {AdmitStatus::kAdmitted, hits * bs, plan.query.num_blocks, 0};
+    return {AdmitStatus::kAdmitted, hits * bs, host_hits * bs, plan.query.num_blocks, 0};
   }
 
   // Misuse checks shared by the calls that add positions after the last token (append, lookahead).
@@ -941,7 +1290,7 @@ class KVCacheManager {
     q.table.reserve_blocks(q.table.num_blocks() + new_blocks);
     slot_scratch_.clear();
     slot_scratch_.reserve(n);
-    events_.reserve_more(new_blocks + 1);
+    reserve_for_allocations(new_blocks + 1, 0);
   }
 
   // Give `q` n more slots (capacity checked by query_growth, room reserved by prepare_growth). Never throws.
@@ -959,6 +1308,35 @@ class KVCacheManager {
     return {AppendStatus::kOk, slot_scratch_, copy, 0};
   }
 
+  // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
+  [[nodiscard]] bool settled(const sequence_type& q) const noexcept { return q.settled() && !has_filling_block(q); }
+
+  // With events on: the stored event of host block `hb` (hash `h`, tier `to`) whose copy just completed, with the
+  // content remembered when the copy was queued.
+  void emit_stored_from(Id hb, const BlockHash& h, Medium to) {
+    if (!events_.enabled()) return;
+    const auto it = pending_content_.find(hb);
+    if (it == pending_content_.end()) return;
+    KVEvent& out = events_.push(KVEventType::kBlockStored);
+    const std::uint64_t seq_no = out.seq_no;
+    out = std::move(it->second);
+    out.seq_no = seq_no;
+    out.medium = to;
+    out.hash = h;
+    pending_content_.erase(it);
+  }
+
+  // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
+  // `hb` once the copy into it completes.
+  void remember_content(const BlockHash& h, Id hb, Medium from) noexcept {
+    if (!events_.enabled()) return;
+    try {
+      if (auto e = events_.find_stored(h, from, 0)) pending_content_.insert_or_assign(hb, std::move(*e));
+    } catch (...) {  // out of memory: that copy's stored event is lost, nothing else
+      ++stats_.events_lost;
+    }
+  }
+
   static CacheConfig checked(const CacheConfig& c) {
     if (c.num_blocks < 2) {
       detail::raise(Errc::kInvalidArgument, "CacheConfig.num_blocks = " + std::to_string(c.num_blocks) +
@@ -968,6 +1346,13 @@ class KVCacheManager {
     // Block ids 1 .. num_blocks - 1 are written as int32 (indices, block_tables, copies with -1 padding).
     detail::check_metadata_value(c.num_blocks - 1, "CacheConfig.num_blocks - 1 (the largest block id)");
     detail::check_metadata_value(c.max_tokens_per_seq, "CacheConfig.max_tokens_per_seq (seq_lens)");
+    if (c.num_host_blocks == 1) {
+      detail::raise(Errc::kInvalidArgument, "CacheConfig.num_host_blocks = 1: need 0 (no host tier) or at least 2 "
+                                            "(the null block + one usable)");
+    }
+    if (c.num_host_blocks != 0) {
+      detail::check_metadata_value(c.num_host_blocks - 1, "CacheConfig.num_host_blocks - 1 (the largest host block id)");
+    }
     return c;
   }
 
@@ -984,11 +1369,70 @@ class KVCacheManager {
 
   // Called by the allocator just before a cached block is reused: drop its hash. The caller reserved room for the
   // event.
+  // Called by the allocator just before a cached block is reused: drop its hash; with a host tier and an offload
+  // policy, copy it there first (write-back) unless the host already has (or is filling) that hash. The copy reads
+  // the block at the start of the next build's step, before anything writes the block's new contents (the swap
+  // lists run first). The caller reserved room for the events and the transfer (reserve_for_allocations).
   auto evictor() {
     return [this](Id b) {
       const auto h = index_.erase_block(b);
-      if (h && events_.enabled()) events_.push(KVEventType::kBlockRemoved).hash = *h;
+      if (!h) return;
+      if (events_.enabled()) events_.push(KVEventType::kBlockRemoved).hash = *h;
+      if (host_ && config_.offload != OffloadPolicy::kNone) queue_offload(b, *h);
     };
+  }
+
+  // Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
+  // (not ready) and held by the transfer until complete_transfers. Dropped when every host block is held.
+  void queue_offload(Id b, const BlockHash& h) {
+    if (host_->find(h)) return;
+    const auto hb = host_->allocate(&h, host_evictor());
+    if (!hb) {
+      ++stats_.offloads_dropped;
+      return;
+    }
+    remember_content(h, *hb, Medium::kGpu);
+    transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0});
+    ++stats_.offloads;
+  }
+
+  // Called when the host tier evicts a cached host block.
+  auto host_evictor() {
+    return [this](Id, const BlockHash& h) {
+      ++stats_.host_evictions;
+      if (!events_.enabled()) return;
+      KVEvent& e = events_.push(KVEventType::kBlockRemoved);
+      e.hash = h;
+      e.medium = Medium::kCpu;
+    };
+  }
+
+  // Queue a host -> device copy into device block `dst` (onboarding or swap-in) from host block `src`: both are
+  // pinned by the transfer (one more reference each; `src_pinned`: the caller took the source's already) until
+  // complete_transfers; `dst` is marked filling (no fork, no swap of a sequence holding it, never hit by others: it
+  // is registered only when filled).
+  void queue_fill(Id dst, Id src, TransferKind kind, const BlockHash* h, bool src_pinned) {
+    alloc_.acquire(dst);
+    if (!src_pinned) host_->acquire(src);
+    filling_[dst / 64] |= std::uint64_t{1} << (dst % 64);
+    transfers_.push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0});
+    ++(kind == TransferKind::kOnboard ? stats_.onboards : stats_.swap_ins);
+  }
+  [[nodiscard]] bool is_filling(Id b) const noexcept { return ((filling_[b / 64] >> (b % 64)) & 1U) != 0; }
+  // Whether any block of `q` is being filled by a host -> device copy not yet completed.
+  [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
+    if (stats_.onboards + stats_.swap_ins == completed_fills_) return false;  // none in flight anywhere
+    for (Id b : q.table.blocks()) {
+      if (is_filling(b)) return true;
+    }
+    return false;
+  }
+
+  // Make every allocation of up to `device_blocks` device blocks (and `fills` queued host -> device copies)
+  // unable to throw: events of evictions in both tiers, and the transfers they may queue.
+  void reserve_for_allocations(std::size_t device_blocks, std::size_t fills) {
+    events_.reserve_more(2 * device_blocks);
+    if (host_) transfers_.reserve_more(device_blocks + fills);
   }
 
   // Release one reference. A block that becomes unreferenced is no longer the destination of a pending copy
@@ -1032,6 +1476,7 @@ class KVCacheManager {
       if (reg == own) {
         alloc_.set_hashed(own, true);
         if (events_.enabled()) record_stored(q, i, h);
+        if (host_ && config_.offload == OffloadPolicy::kWriteThrough) recent_registered_.emplace_back(own, h);
         continue;
       }
       if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
@@ -1101,6 +1546,16 @@ class KVCacheManager {
   std::vector<std::int64_t> slot_scratch_;             // AppendResult::slots
   std::vector<std::uint32_t> qlen_scratch_;            // build: tokens scheduled per batch row
   std::unordered_set<SeqId> preempted_;                // preempted ids not yet re-admitted
+  std::vector<bool> on_host_scratch_;                  // admission: hit i is on the host tier
+  std::vector<Id> onboard_scratch_;                    // admission: device blocks of the host hits
+  std::unique_ptr<host_tier_type> host_;               // null = no host tier
+  TransferQueue<Id> transfers_;
+  std::vector<std::uint64_t> filling_;                 // [ceil(num_blocks / 64)] device blocks a fill targets
+  std::uint64_t completed_fills_ = 0;                  // onboard + swap-in transfers completed
+  std::vector<std::pair<Id, BlockHash>> recent_registered_;  // write-through: registered by the last build
+  std::vector<Transfer<Id>> completed_scratch_;
+  std::unordered_map<SeqId, SwappedSequence> swapped_;  // preempted by swapping, resumable
+  std::unordered_map<Id, KVEvent> pending_content_;     // events on: host block -> content of its stored event
   EventLog events_;
   CacheStats stats_;
   PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()

@@ -29,6 +29,21 @@ struct CacheStats {
   std::uint64_t dedup_blocks = 0;  ///< newly full blocks switched to an identical cached block
   std::uint64_t preemptions = 0;
   std::uint64_t block_ops = 0;     ///< allocations + acquires + releases, one per block
+  // Host tier (all 0 without one). Transfers count queued copies (one block each).
+  std::size_t host_num_usable_blocks = 0;
+  std::size_t host_blocks_used = 0;    ///< held: by swapped sequences or by copies in flight
+  std::size_t host_blocks_cached = 0;  ///< ready (or registered) and unheld: evictable
+  std::size_t host_blocks_free = 0;
+  std::uint64_t host_hit_tokens = 0;   ///< of prefix_hit_tokens, served by the host tier (onboarded)
+  std::uint64_t host_evictions = 0;
+  std::uint64_t offloads = 0;          ///< device -> host copies of cached blocks (write-back / write-through)
+  std::uint64_t offloads_dropped = 0;  ///< offloads skipped because every host block was held
+  std::uint64_t onboards = 0;          ///< host -> device copies for host-tier hits
+  std::uint64_t swap_outs = 0;         ///< device -> host copies of swapped-out sequences
+  std::uint64_t swap_ins = 0;          ///< host -> device copies of resumed sequences
+  std::size_t transfers_in_flight = 0; ///< copies issued by a build and not yet completed
+  std::size_t transfers_queued = 0;    ///< copies waiting for the next build
+  std::uint64_t events_lost = 0;       ///< stored events of host copies dropped for lack of memory (never else)
 };
 
 /// Prefix-cache statistics of one interval (since the previous `take_prefix_cache_stats()`), with vLLM's field

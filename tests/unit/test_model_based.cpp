@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <optional>
@@ -101,12 +102,15 @@ struct Options {
   bool prefix_caching;
   std::uint64_t seed;
   std::size_t ops;
+  std::size_t host_blocks = 0;  // host tier (0 = none): offload, onboarding, swap preemption, late acknowledgements
+  pagedkv::OffloadPolicy offload = pagedkv::OffloadPolicy::kWriteBack;
 };
 
 struct Counters {
   std::uint64_t admitted = 0, admit_hits = 0, no_capacity = 0, never_fits = 0, appends = 0, append_no_capacity = 0,
                 append_never_fits = 0, fork_refused = 0, chunked_admits = 0, reserves = 0, lookaheads = 0,
-                commits = 0, accepted_drafts = 0, rejected_drafts = 0, partial_builds = 0,
+                commits = 0, accepted_drafts = 0, rejected_drafts = 0, partial_builds = 0, host_hits = 0,
+                swaps = 0, swap_refused = 0, resumes = 0, resume_pending = 0, acks = 0, swapped_content_checks = 0,
                 cow = 0, forks = 0, frees = 0, preempts = 0, rewinds = 0, lookups = 0, builds = 0, resets_ok = 0,
                 resets_refused = 0, misuse = 0, leak_checks = 0, content_checks = 0, dedups = 0;
   std::uint64_t checks = 0;  // individual invariant comparisons
@@ -135,6 +139,7 @@ class Harness {
     keys_[5].multimodal.push_back({hash_of_u64(0xB), 2, 3});
     keys_[6].multimodal.push_back({hash_of_u64(0xA), bs_ + 1, 2});
     kv_.assign(o.num_blocks * bs_, 0);
+    hkv_.assign(o.host_blocks * bs_, 0);
   }
 
   Counters run() {
@@ -165,10 +170,18 @@ class Harness {
         op_build();
       } else if (r < 880) {
         op_reset();
+      } else if (o_.host_blocks != 0 && r < 920) {
+        op_ack();
+      } else if (o_.host_blocks != 0 && r < 935) {
+        op_swap();
+      } else if (o_.host_blocks != 0 && r < 955) {
+        op_resume();
       } else {
         op_misuse();
       }
       check_all();
+      recent_ops_.push_back(std::to_string(step_) + ": " + op_);
+      if (recent_ops_.size() > 25) recent_ops_.pop_front();
       if (step_ % 2500 == 2499) drain_all_and_check_no_leak();
     }
     drain_all_and_check_no_leak();
@@ -200,6 +213,8 @@ class Harness {
     c.hash_seed = kHashSeed;
     c.max_tokens_per_seq = o.max_tokens_per_seq;
     c.enable_events = true;
+    c.num_host_blocks = o.host_blocks;
+    c.offload = o.offload;
     return c;
   }
 
@@ -214,7 +229,10 @@ class Harness {
     char head[256];
     std::snprintf(head, sizeof head, "model-based [%s, %s, seed %#" PRIx64 "] step %zu (%s): line %d: ", o_.name,
                   Hasher::kName, o_.seed, step_, op_.c_str(), line);
-    throw std::runtime_error(std::string(head) + cond + (detail.empty() ? "" : " -- " + detail));
+    std::string recent;
+    for (const auto& r : recent_ops_) recent += "\n    " + r;
+    throw std::runtime_error(std::string(head) + cond + (detail.empty() ? "" : " -- " + detail) +
+                             "\n  recent operations (oldest first):" + recent);
   }
 #define MB_CHECK(cond)                   \
   do {                                   \
@@ -255,7 +273,14 @@ class Harness {
       s.fp.push_back(next_fp(s, p == 0 ? 0 : s.fp[p - 1], p, t));
       s.tokens.push_back(t);
     }
-    if (o_.prefix_caching) ref_.hash_full_blocks(s.tokens, bs_, keys_ptr(s.keys), s.hashes);
+    if (o_.prefix_caching) {
+      const std::size_t before = s.hashes.size();
+      ref_.hash_full_blocks(s.tokens, bs_, keys_ptr(s.keys), s.hashes);
+      for (std::size_t i = before; i < s.hashes.size(); ++i) {  // the K/V every block with this hash must hold
+        content_of_[s.hashes[i]].assign(s.fp.begin() + static_cast<std::ptrdiff_t>(i * bs_),
+                                        s.fp.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs_));
+      }
+    }
   }
 
   // The fingerprint the K/V at position p holds once written: known token, or draft.
@@ -279,8 +304,17 @@ class Harness {
     return true;
   }
 
-  // Whether `id` may be forked: every known token slotted and built, no lookahead, no pending copy into its table.
+  // Whether `id` may be forked or swapped: every known token slotted and built, no lookahead, no pending copy into
+  // its table, no host -> device copy filling one of its blocks.
   bool settled(SeqId id) const {
+    if (!settled_state(id)) return false;
+    for (std::uint32_t b : m_.block_ids(id)) {
+      if (fill_pins(b) != 0) return false;
+    }
+    return true;
+  }
+  // SequenceState::settled: the same without the host -> device copies.
+  bool settled_state(SeqId id) const {
     const MSeq& s = model_.at(id);
     if (s.pending() != 0 || s.slotted != s.tokens.size() || !s.drafts.empty()) return false;
     const auto blocks = m_.block_ids(id);
@@ -288,6 +322,14 @@ class Harness {
       if (std::find(blocks.begin(), blocks.end(), c.dst) != blocks.end()) return false;
     }
     return true;
+  }
+
+  // Host -> device copies (queued or in flight) filling device block b: each holds one reference on it.
+  std::uint32_t fill_pins(std::uint32_t b) const {
+    std::uint32_t n = 0;
+    for (const auto& t : m_.transfers().queued()) n += !pagedkv::is_device_to_host(t.kind) && t.device == b;
+    for (const auto& t : m_.transfers().in_flight()) n += !pagedkv::is_device_to_host(t.kind) && t.device == b;
+    return n;
   }
 
   // Pending copies reading block b (each holds a reference; they do not count as holders for copy-on-write).
@@ -458,19 +500,27 @@ class Harness {
     s.keys = k;
     extend(s, prompt);
     const std::size_t eff_cap = std::min(cap.value_or(prompt.size() - 1), prompt.size());
-    Ids hit_blocks;
-    std::size_t evictable_hits = 0;
+    Ids hit_blocks;  // device hits; 0 where the host tier serves the block
+    std::size_t evictable_hits = 0, host_hits = 0;
     for (std::size_t i = 0; i < std::min(s.hashes.size(), eff_cap / bs_); ++i) {
       const auto b = m_.prefix_index().find(s.hashes[i]);
-      if (!b) break;
-      hit_blocks.push_back(*b);
-      if (m_.allocator().is_cached(*b)) ++evictable_hits;
+      if (b) {
+        hit_blocks.push_back(*b);
+        if (m_.allocator().is_cached(*b)) ++evictable_hits;
+        continue;
+      }
+      if (m_.host_tier() != nullptr && m_.host_tier()->find_ready(s.hashes[i])) {
+        hit_blocks.push_back(0);
+        ++host_hits;
+        continue;
+      }
+      break;
     }
     const std::size_t total = blocks_for(prompt.size());
     const std::size_t hits = hit_blocks.size();
     const std::size_t cached = hits * bs_;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
-    const std::size_t new_blocks = blocks_for(cached + reserved) - hits;
+    const std::size_t new_blocks = blocks_for(cached + reserved) - hits + host_hits;
     AdmitStatus want = AdmitStatus::kAdmitted;
     std::size_t missing = 0;
     if (total > usable_) {
@@ -513,10 +563,18 @@ class Harness {
     if (hits > 0) ++c_.admit_hits;
     if (reserved < prompt.size() - cached) ++c_.chunked_admits;
     MB_CHECK(r.num_cached_tokens == cached);
+    MB_CHECK(r.num_host_cached_tokens == host_hits * bs_);
     MB_CHECK(r.num_new_blocks == new_blocks);
+    c_.host_hits += host_hits;
     const auto ids = m_.block_ids(id);
-    MB_CHECK(ids.size() == hits + new_blocks);
-    MB_CHECK(std::equal(hit_blocks.begin(), hit_blocks.end(), ids.begin()));
+    MB_CHECK(ids.size() == hits + new_blocks - host_hits);
+    for (std::size_t i = 0; i < hits; ++i) {
+      if (hit_blocks[i] != 0) {
+        MB_CHECK(ids[i] == hit_blocks[i]);
+      } else {
+        MB_CHECK(fill_pins(ids[i]) == 1);  // a fresh device block being filled by an onboarding copy
+      }
+    }
     const CacheStats now = m_.stats();
     MB_CHECK(now.prefix_query_requests == st.prefix_query_requests + 1);
     MB_CHECK(now.prefix_query_tokens == st.prefix_query_tokens + prompt.size());
@@ -610,7 +668,15 @@ class Harness {
     const std::size_t reg = std::min(s.built, s.tokens.size()) / bs_;
     for (std::size_t i = 0; i < reg; ++i) {
       const auto h = m_.prefix_index().hash_of(blocks[i]);
-      MB_CHECK_MSG(h.has_value() && *h == s.hashes[i],
+      if (h) {
+        MB_CHECK_MSG(*h == s.hashes[i], "sequence " + std::to_string(id) + " block " + std::to_string(i) +
+                                            " registered under another hash");
+        continue;
+      }
+      // Unregistered only while a host -> device copy fills it (registered when the copy completes), or as a
+      // duplicate: its hash was registered to another block before that copy completed (that one may be gone).
+      MB_CHECK_MSG(fill_pins(blocks[i]) != 0 || filled_.contains(blocks[i]) ||
+                       m_.prefix_index().find(s.hashes[i]).has_value(),
                    "sequence " + std::to_string(id) + " block " + std::to_string(i) + " not registered");
     }
     if (!s.drafts.empty()) {  // a block holding a lookahead position (id unknown) is never hashed
@@ -724,6 +790,15 @@ class Harness {
   }
 
   void op_free(bool preempt) {
+    if (!swapped_.empty() && !preempt && rng_() % 4 == 0) {  // a swapped sequence aborted
+      const SeqId id = swapped_.begin()->first;
+      op_ = "free swapped " + std::to_string(id);
+      m_.free(id);
+      MB_CHECK(!m_.is_swapped(id));
+      swapped_.erase(id);
+      dead_ids_.push_back(id);
+      return;
+    }
     if (model_.empty()) return op_build();
     const SeqId id = pick_live(false);  // also a sequence whose step has not run (since d17439f, safe)
     op_ = std::string(preempt ? "preempt " : "free ") + std::to_string(id);
@@ -786,7 +861,10 @@ class Harness {
       }
       // The walk over the sequence's own chain hashes, up to the first one not registered.
       std::size_t walk = 0;
-      while (walk < s.hashes.size() && m_.prefix_index().find(s.hashes[walk])) ++walk;
+      while (walk < s.hashes.size() && (m_.prefix_index().find(s.hashes[walk]) ||
+                                         (m_.host_tier() != nullptr && m_.host_tier()->find_ready(s.hashes[walk])))) {
+        ++walk;
+      }
       MB_CHECK(m_.lookup(s.tokens, keys_ptr(s.keys), len) == walk * bs_);
       const std::size_t capped = len == 0 ? 0 : std::min(walk * bs_, ((len - 1) / bs_) * bs_);
       MB_CHECK(m_.lookup(s.tokens, keys_ptr(s.keys)) == capped);
@@ -856,6 +934,9 @@ class Harness {
     const std::size_t row_len = max_row + rng_() % 2;
     std::vector<std::int32_t> tables((B + pad) * row_len, -7);
     Slots slots(total_slots + pad, -7);
+    // Swap lists: room for every queued copy plus write-through offloads (at most one per registered block).
+    const std::size_t swap_cap = m_.transfers().queued().size() + m_.allocator().num_blocks() + pad;
+    std::vector<std::int32_t> swap_out(2 * swap_cap, -7), swap_in(2 * swap_cap, -7);
     pagedkv::BatchMetadataBuffers buf;
     buf.indptr = indptr;
     buf.indices = indices;
@@ -866,6 +947,10 @@ class Harness {
     buf.qo_indptr = qo;
     buf.slot_mapping = slots;
     buf.copies = cp;
+    if (o_.host_blocks != 0) {
+      buf.swap_out = swap_out;
+      buf.swap_in = swap_in;
+    }
 
     const auto sz = use_sched ? m_.build_batch_metadata(batch, buf, sched) : m_.build_batch_metadata(batch, buf);
     MB_CHECK(sz.batch_size == B);
@@ -947,6 +1032,26 @@ class Harness {
     MB_CHECK(m_.pending_copies().empty());
     for (SeqId id : batch) MB_CHECK(m_.pending_slots(id).size() == model_.at(id).pending());
 
+    // Swap lists: well formed (distinct destinations, padding), and a token exactly when something was issued.
+    if (o_.host_blocks != 0) {
+      MB_CHECK((sz.transfer_token != 0) == (sz.num_swap_out + sz.num_swap_in != 0));
+      std::set<std::int32_t> out_dst, in_dst;
+      for (std::size_t i = 0; i < sz.num_swap_out; ++i) {
+        MB_CHECK(swap_out[2 * i] > 0 && swap_out[2 * i + 1] > 0);
+        MB_CHECK_MSG(out_dst.insert(swap_out[2 * i + 1]).second, "a host block filled twice by one swap_out list");
+      }
+      for (std::size_t i = 0; i < sz.num_swap_in; ++i) {
+        MB_CHECK(swap_in[2 * i] > 0 && swap_in[2 * i + 1] > 0);
+        MB_CHECK_MSG(in_dst.insert(swap_in[2 * i + 1]).second, "a device block filled twice by one swap_in list");
+        MB_CHECK(fill_pins(static_cast<std::uint32_t>(swap_in[2 * i + 1])) == 1);
+      }
+      for (std::size_t i = 2 * sz.num_swap_out; i < swap_out.size(); ++i) MB_CHECK(swap_out[i] == -1);
+      for (std::size_t i = 2 * sz.num_swap_in; i < swap_in.size(); ++i) MB_CHECK(swap_in[i] == -1);
+      if (sz.transfer_token != 0) in_flight_tokens_.push_back(sz.transfer_token);
+      execute_swaps(sz, swap_out, swap_in);  // the engine's order: swaps, then copy_blocks and write_kv below
+      for (std::size_t i = 0; i < sz.num_swap_in; ++i) filled_.insert(static_cast<std::uint32_t>(swap_in[2 * i + 1]));
+    }
+
     if (o_.engine_discipline) {
       // What the kernels do with this step: copy_blocks over the copy list, then write_kv over the slot mapping.
       for (std::size_t i = 0; i < sz.num_copies; ++i) {
@@ -974,11 +1079,33 @@ class Harness {
     }
   }
 
+  // The swap lists of a build on the shadow pools: swap_out, then swap_in.
+  void execute_swaps(const pagedkv::BatchMetadataSizes& sz, const std::vector<std::int32_t>& swap_out,
+                     const std::vector<std::int32_t>& swap_in) {
+    const auto n = static_cast<std::ptrdiff_t>(bs_);
+    for (std::size_t i = 0; i < sz.num_swap_out; ++i) {
+      const auto d = static_cast<std::ptrdiff_t>(swap_out[2 * i]), h = static_cast<std::ptrdiff_t>(swap_out[2 * i + 1]);
+      std::copy(kv_.begin() + d * n, kv_.begin() + (d + 1) * n, hkv_.begin() + h * n);
+    }
+    for (std::size_t i = 0; i < sz.num_swap_in; ++i) {
+      const auto h = static_cast<std::ptrdiff_t>(swap_in[2 * i]), d = static_cast<std::ptrdiff_t>(swap_in[2 * i + 1]);
+      std::copy(hkv_.begin() + h * n, hkv_.begin() + (h + 1) * n, kv_.begin() + d * n);
+    }
+  }
+
   // Every built position of every live sequence reads, through its block table, the K/V of its own prefix.
   void check_content() {
+    // A block whose host -> device copy is still queued is filled by the next build's swap_in, before that step's
+    // kernels read it: not yet here. Likewise the destination of a copy-on-write not yet handed out (checks between builds: after an ack).
+    std::set<std::uint32_t> unfilled;
+    for (const auto& t : m_.transfers().queued()) {
+      if (!pagedkv::is_device_to_host(t.kind)) unfilled.insert(t.device);
+    }
+    for (const auto& c : m_.pending_copies()) unfilled.insert(c.dst);
     for (const auto& [id, s] : model_) {
       const auto ids = m_.block_ids(id);
       for (std::size_t p = 0; p < s.built; ++p) {
+        if (unfilled.contains(ids[p / bs_])) continue;
         const std::size_t slot = ids[p / bs_] * bs_ + p % bs_;
         ++c_.checks;
         if (kv_[slot] != fp_at(s, p)) {
@@ -987,13 +1114,165 @@ class Harness {
         }
       }
     }
+    // Every registered block holds the K/V of its hash: device blocks (unless filled later this step), and host
+    // blocks once ready (content addressing is what makes a hit, in either tier, correct).
+    for (std::uint32_t b = 1; b < m_.allocator().num_blocks(); ++b) {
+      const auto h = m_.prefix_index().hash_of(b);
+      if (!h || unfilled.contains(b)) continue;
+      const auto it = content_of_.find(*h);
+      MB_CHECK(it != content_of_.end());
+      ++c_.checks;
+      if (!std::equal(it->second.begin(), it->second.end(), kv_.begin() + static_cast<std::ptrdiff_t>(b * bs_))) {
+        fail(__LINE__, "registered device block holds other K/V", "block " + std::to_string(b));
+      }
+    }
+    if (const auto* host = m_.host_tier()) {
+      for (std::uint32_t hb = 1; hb < host->allocator().num_blocks(); ++hb) {
+        const auto h = host->index().hash_of(hb);
+        if (!h || !host->is_ready(hb)) continue;
+        const auto it = content_of_.find(*h);
+        MB_CHECK(it != content_of_.end());
+        ++c_.checks;
+        if (!std::equal(it->second.begin(), it->second.end(), hkv_.begin() + static_cast<std::ptrdiff_t>(hb * bs_))) {
+          fail(__LINE__, "ready host block holds other K/V", "host block " + std::to_string(hb));
+        }
+      }
+    }
+    // A swapped sequence whose host blocks are all filled holds its K/V there.
+    for (const auto& [id, s] : swapped_) {
+      const auto hbs = m_.swapped_host_blocks(id);
+      if (!std::all_of(hbs.begin(), hbs.end(), [&](std::uint32_t hb) { return m_.host_tier()->is_ready(hb); })) continue;
+      for (std::size_t p = 0; p < s.tokens.size(); ++p) {
+        ++c_.checks;
+        if (hkv_[hbs[p / bs_] * bs_ + p % bs_] != s.fp[p]) {
+          fail(__LINE__, "shadow host K/V mismatch", "swapped sequence " + std::to_string(id) + " position " +
+                                                         std::to_string(p) + " host block " +
+                                                         std::to_string(hbs[p / bs_]));
+        }
+      }
+      ++c_.swapped_content_checks;
+    }
     ++c_.content_checks;
+  }
+
+  // Acknowledge the copies of a random in-flight build (late, in any order), or misuse an unknown token.
+  void op_ack() {
+    if (in_flight_tokens_.empty() || rng_() % 20 == 0) {
+      const std::uint64_t bad = m_.transfers().last_token() + 1 + rng_() % 5;
+      op_ = "ack unknown token " + std::to_string(bad);
+      return expect_misuse([&] { m_.complete_transfers(bad); }, Errc::kInvalidArgument, "names no copies in flight");
+    }
+    const std::size_t i = rng_() % in_flight_tokens_.size();
+    const std::uint64_t token = in_flight_tokens_[i];
+    in_flight_tokens_.erase(in_flight_tokens_.begin() + static_cast<std::ptrdiff_t>(i));
+    op_ = "ack " + std::to_string(token);
+    std::size_t fills = 0;
+    for (const auto& t : m_.transfers().in_flight()) fills += t.token == token;
+    MB_CHECK(fills > 0);
+    m_.complete_transfers(token);
+    for (const auto& t : m_.transfers().in_flight()) MB_CHECK(t.token != token);
+    ++c_.acks;
+    if (o_.engine_discipline) check_content();
+  }
+
+  // Preempt a running sequence by swapping it to the host tier.
+  void op_swap() {
+    if (model_.empty()) return op_admit();
+    const SeqId id = pick_live(false);
+    op_ = "swap " + std::to_string(id);
+    if (!settled(id)) {
+      return expect_misuse([&] { m_.preempt(id, pagedkv::PreemptMode::kSwap); }, Errc::kInvalidArgument,
+                           "not settled");
+    }
+    // Predict: host blocks to fill (the hash is not there yet) against the unpinned host blocks.
+    const auto* host = m_.host_tier();
+    const Ids blocks(m_.block_ids(id).begin(), m_.block_ids(id).end());
+    std::size_t to_fill = 0, shared_cached = 0;
+    for (std::uint32_t b : blocks) {
+      const auto h = m_.prefix_index().hash_of(b);
+      const auto hb = h ? host->find(*h) : std::nullopt;
+      if (!hb) {
+        ++to_fill;
+      } else if (host->allocator().is_cached(*hb)) {
+        ++shared_cached;
+      }
+    }
+    const bool fits = to_fill <= host->allocator().num_available_blocks() - shared_cached;
+    const Snapshot before = fits ? Snapshot{} : snapshot();
+    const Ids want_lru = expected_lru_after_release(blocks);
+    const CacheStats st = m_.stats();
+    const bool ok = m_.preempt(id, pagedkv::PreemptMode::kSwap);
+    MB_CHECK(ok == fits);
+    if (!ok) {
+      ++c_.swap_refused;
+      MB_CHECK(snapshot() == before);
+      return;
+    }
+    ++c_.swaps;
+    MB_CHECK(!m_.contains(id) && m_.is_swapped(id));
+    MB_CHECK(m_.stats().swap_outs == st.swap_outs + to_fill);
+    MB_CHECK(m_.stats().preemptions == st.preemptions + 1);
+    MB_CHECK(m_.allocator().eviction_policy().order() == want_lru);
+    MB_CHECK(m_.swapped_host_blocks(id).size() == blocks.size());
+    swapped_.emplace(id, std::move(model_.at(id)));
+    model_.erase(id);
+  }
+
+  // Resume a swapped sequence.
+  void op_resume() {
+    if (swapped_.empty()) return op_swap();
+    auto it = swapped_.begin();
+    std::advance(it, static_cast<std::ptrdiff_t>(rng_() % swapped_.size()));
+    const SeqId id = it->first;
+    op_ = "resume " + std::to_string(id);
+    const auto* host = m_.host_tier();
+    const Ids hbs(m_.swapped_host_blocks(id).begin(), m_.swapped_host_blocks(id).end());
+    bool pending = false;
+    std::size_t to_fill = 0, evictable = 0;
+    for (std::uint32_t hb : hbs) {
+      if (!host->is_ready(hb)) pending = true;
+      const auto h = host->index().hash_of(hb);
+      const auto b = h ? m_.prefix_index().find(*h) : std::nullopt;
+      if (!b) {
+        ++to_fill;
+      } else if (m_.allocator().is_cached(*b)) {
+        ++evictable;
+      }
+    }
+    AdmitStatus want = AdmitStatus::kAdmitted;
+    if (hbs.size() > usable_) {
+      want = AdmitStatus::kNeverFits;
+    } else if (pending) {
+      want = AdmitStatus::kTransferPending;
+    } else if (to_fill > m_.allocator().num_available_blocks() - evictable) {
+      want = AdmitStatus::kNoCapacity;
+    }
+    const Snapshot before = want == AdmitStatus::kAdmitted ? Snapshot{} : snapshot();
+    const auto r = m_.try_resume(id);
+    MB_CHECK_MSG(r.status == want, "status " + std::to_string(static_cast<int>(r.status)) + " want " +
+                                       std::to_string(static_cast<int>(want)));
+    if (want != AdmitStatus::kAdmitted) {
+      if (want == AdmitStatus::kTransferPending) ++c_.resume_pending;
+      MB_CHECK(snapshot() == before);
+      MB_CHECK(m_.is_swapped(id));
+      return;
+    }
+    ++c_.resumes;
+    MSeq s = std::move(it->second);
+    swapped_.erase(it);
+    MB_CHECK(m_.contains(id) && !m_.is_swapped(id));
+    MB_CHECK(r.num_cached_tokens == s.tokens.size());
+    MB_CHECK(m_.num_tokens(id) == s.tokens.size());
+    MB_CHECK(m_.sequence(id).num_built == s.tokens.size());
+    s.slotted = s.built = s.tokens.size();
+    model_.emplace(id, std::move(s));
   }
 
   void op_reset() {
     if (rng_() % 3 == 0) drain_all_and_check_no_leak();
     op_ = "reset_prefix_cache";
-    const bool want = m_.stats().blocks_used == 0;
+    const CacheStats rs = m_.stats();
+    const bool want = rs.blocks_used == 0 && rs.host_blocks_used == 0 && rs.transfers_queued == 0;
     const Snapshot before = want ? Snapshot{} : snapshot();
     const bool ok = m_.reset_prefix_cache();
     MB_CHECK(ok == want);
@@ -1140,11 +1419,29 @@ class Harness {
       model_.erase(id);
       dead_ids_.push_back(id);
     }
+    while (!swapped_.empty()) {
+      const SeqId id = swapped_.begin()->first;
+      m_.free(id);
+      MB_CHECK(!m_.is_swapped(id));
+      swapped_.erase(id);
+      dead_ids_.push_back(id);
+    }
     preempted_ids_.clear();  // (the manager still remembers them as preempted: never re-admitted here)
-    const auto sz = m_.build_batch_metadata(std::vector<SeqId>{}, pagedkv::BatchMetadataBuffers{});
+    // Issue what is queued, then acknowledge everything in flight.
+    std::vector<std::int32_t> so(2 * (m_.transfers().queued().size() + m_.allocator().num_blocks())), si(so.size());
+    pagedkv::BatchMetadataBuffers eb;
+    eb.swap_out = so;
+    eb.swap_in = si;
+    const auto sz = m_.build_batch_metadata(std::vector<SeqId>{}, eb);
     MB_CHECK(sz.batch_size == 0);
+    execute_swaps(sz, so, si);
+    if (sz.transfer_token != 0) in_flight_tokens_.push_back(sz.transfer_token);
+    for (std::uint64_t t : in_flight_tokens_) m_.complete_transfers(t);
+    in_flight_tokens_.clear();
+    MB_CHECK(m_.transfers().in_flight().empty() && m_.transfers().queued().empty());
     const CacheStats s = m_.stats();
     MB_CHECK(s.blocks_used == 0);
+    MB_CHECK(s.host_blocks_used == 0);
     MB_CHECK(s.blocks_free + s.blocks_cached == usable_);
     MB_CHECK(m_.pending_copies().empty());
     MB_CHECK(m_.num_sequences() == 0);
@@ -1171,7 +1468,7 @@ class Harness {
       MB_CHECK(m_.num_tokens(id) == s.slotted);
       const auto& st = m_.sequence(id);
       MB_CHECK(st.num_built == s.built && st.num_lookahead == s.drafts.size() && st.num_known() == len);
-      MB_CHECK(st.settled() == settled(id));
+      MB_CHECK(st.settled() == settled_state(id));
       const auto toks = m_.token_ids(id);
       MB_CHECK(toks.size() == len && (len == 0 || std::memcmp(toks.data(), s.tokens.data(), len * sizeof(TokenId)) == 0));
       const auto blocks = m_.block_ids(id);
@@ -1201,6 +1498,11 @@ class Harness {
                      "sequence " + std::to_string(id) + " position " + std::to_string(p) + " slot " + std::to_string(sl));
       }
     }
+    // Host -> device copies hold their destination.
+    for (const auto& t : m_.transfers().queued()) if (!pagedkv::is_device_to_host(t.kind)) ++rc[t.device];
+    for (const auto& t : m_.transfers().in_flight()) if (!pagedkv::is_device_to_host(t.kind)) ++rc[t.device];
+    MB_CHECK(m_.num_swapped() == swapped_.size());
+    if (const auto* host = m_.host_tier()) check_host(*host);
     // Refcounts and the three-state partition.
     std::size_t free = 0, cached = 0, held = 0, hashed = 0;
     for (std::uint32_t b = 1; b < a.num_blocks(); ++b) {
@@ -1212,6 +1514,7 @@ class Harness {
         ++hashed;
         MB_CHECK(idx.find(*idx.hash_of(b)) == std::optional<std::uint32_t>(b));
       }
+      if (rc[b] == 0) filled_.erase(b);
       if (rc[b] > 0) {
         ++held;
         MB_CHECK(!a.is_cached(b));
@@ -1236,11 +1539,20 @@ class Harness {
     // Events since the last step.
     std::vector<KVEvent> ev;
     m_.drain_events(ev);
-    std::size_t stored = 0, removed = 0;
+    std::size_t stored = 0, removed = 0, host_stored = 0, host_removed = 0;
     bool cleared = false;
     for (const auto& e : ev) {
       MB_CHECK(e.seq_no == last_seq_no_ + 1);
       last_seq_no_ = e.seq_no;
+      if (e.medium == pagedkv::Medium::kCpu) {  // host tier: counted against its ready registered blocks below
+        if (e.type == KVEventType::kBlockStored) {
+          ++host_stored;
+          MB_CHECK(pagedkv::rehash_stored_event<Hasher>(e, kHashSeed) == e.hash);
+        } else if (e.type == KVEventType::kBlockRemoved) {
+          ++host_removed;
+        }
+        continue;
+      }
       if (e.type == KVEventType::kBlockStored) {
         ++stored;
         MB_CHECK(e.token_ids.size() == bs_);
@@ -1261,8 +1573,49 @@ class Harness {
     }
     MB_CHECK(st.evictions == last_stats_.evictions + removed);
     MB_CHECK(st.block_ops >= last_stats_.block_ops);
+    if (const auto* host = m_.host_tier()) {
+      std::size_t ready = 0;
+      for (std::uint32_t hb = 1; hb < host->allocator().num_blocks(); ++hb) {
+        ready += host->index().hash_of(hb).has_value() && host->is_ready(hb);
+      }
+      if (!cleared) MB_CHECK(ready + host_removed == last_host_ready_ + host_stored);
+      MB_CHECK(st.host_evictions == last_stats_.host_evictions + host_removed);
+      last_host_ready_ = ready;
+    }
     last_index_size_ = idx.size();
     last_stats_ = st;
+  }
+
+  // Host tier: refcount = swapped sequences holding the block + copies (queued or in flight) reading or filling it;
+  // hashed <=> registered; a ready registered block is found under its hash.
+  void check_host(const typename Mgr::host_tier_type& host) {
+    const auto& ha = host.allocator();
+    std::vector<std::uint32_t> hrc(ha.num_blocks(), 0);
+    for (const auto& [id, s] : swapped_) {
+      const auto hbs = m_.swapped_host_blocks(id);
+      MB_CHECK(hbs.size() == blocks_for(s.tokens.size()));
+      for (std::uint32_t hb : hbs) ++hrc[hb];
+    }
+    for (const auto& t : m_.transfers().queued()) ++hrc[t.host];
+    for (const auto& t : m_.transfers().in_flight()) ++hrc[t.host];
+    std::size_t held = 0, cached = 0;
+    for (std::uint32_t hb = 1; hb < ha.num_blocks(); ++hb) {
+      MB_CHECK_MSG(ha.refcount(hb) == hrc[hb], "host block " + std::to_string(hb) + " refcount " +
+                                                  std::to_string(ha.refcount(hb)) + " expected " +
+                                                  std::to_string(hrc[hb]));
+      const auto h = host.index().hash_of(hb);
+      MB_CHECK(ha.is_hashed(hb) == h.has_value());
+      if (h) MB_CHECK(host.index().find(*h) == std::optional<std::uint32_t>(hb));
+      if (ha.is_cached(hb)) {
+        ++cached;
+        MB_CHECK(h.has_value() && host.is_ready(hb));  // only filled registered blocks are evictable
+      }
+      held += hrc[hb] > 0;
+    }
+    const CacheStats st = m_.stats();
+    MB_CHECK(st.host_blocks_used == held);
+    MB_CHECK(st.host_blocks_cached == cached);
+    MB_CHECK(st.host_blocks_used + st.host_blocks_cached + st.host_blocks_free == o_.host_blocks - 1);
   }
 
 #undef MB_CHECK
@@ -1282,11 +1635,18 @@ class Harness {
   pagedkv::PrefixCacheStats interval_;   // the model of take_prefix_cache_stats()
   SeqId next_id_ = 1;
   std::vector<std::uint64_t> kv_;  // shadow K/V pool: one fingerprint per slot
+  std::vector<std::uint64_t> hkv_;  // shadow host pool
+  std::map<SeqId, MSeq> swapped_;   // sequences preempted by swapping
+  std::set<std::uint32_t> filled_;  // device blocks filled by a swap_in since they were last unreferenced
+  mutable std::map<BlockHash, std::vector<std::uint64_t>> content_of_;  // hash -> the K/V of its block
+  std::vector<std::uint64_t> in_flight_tokens_;  // transfer tokens issued and not acknowledged
   std::size_t step_ = 0;
   std::string op_;
   Counters c_;
   std::uint64_t last_seq_no_ = 0;
   std::size_t last_index_size_ = 0;
+  std::size_t last_host_ready_ = 0;
+  std::deque<std::string> recent_ops_;  // the last operations, printed with a failure
   bool expect_cleared_ = false;
   CacheStats last_stats_;
 };
@@ -1314,6 +1674,13 @@ Counters run_config(const Options& o) {
       c.frees, c.preempts, c.rewinds, c.lookups, c.builds, c.dedups, c.resets_ok, c.resets_refused, c.misuse, c.leak_checks,
       c.content_checks, c.chunked_admits, c.reserves, c.partial_builds, c.lookaheads, c.commits, c.accepted_drafts,
       c.rejected_drafts, c.checks);
+  if (o.host_blocks != 0) {
+    std::printf("  host tier: %zu blocks, host-tier hit blocks %" PRIu64 ", swaps %" PRIu64 " (refused %" PRIu64
+                "), resumes %" PRIu64 " (copy pending %" PRIu64 "), acknowledgements %" PRIu64
+                ", swapped content checks %" PRIu64 "\n",
+                o.host_blocks, c.host_hits, c.swaps, c.swap_refused, c.resumes, c.resume_pending, c.acks,
+                c.swapped_content_checks);
+  }
   std::fflush(stdout);
   return c;
 }
@@ -1383,4 +1750,38 @@ TEST_CASE("model-based: prefix caching off", "[model_based][kv_cache_manager]") 
   CHECK(c.admit_hits == 0);
   CHECK(c.no_capacity > 20);
   CHECK(c.cow > 10);
+}
+
+TEMPLATE_TEST_CASE("model-based: a host tier (offload, onboarding, swap preemption, late acknowledgements)",
+                   "[model_based][kv_cache_manager][host_tier]", pagedkv::Sha256Hasher, pagedkv::Xxh3Hasher) {
+  const std::uint64_t base = std::is_same_v<TestType, pagedkv::Sha256Hasher> ? 0x6000 : 0x7000;
+  struct Shape {
+    const char* name;
+    std::uint32_t bs;
+    std::size_t blocks, max_tokens, host_blocks;
+    bool engine;
+    pagedkv::OffloadPolicy offload;
+  };
+  const Shape shapes[] = {{"bs4 write-back, engine", 4, 64, 100, 129, true, pagedkv::OffloadPolicy::kWriteBack},
+                          {"bs16 write-through, engine", 16, 64, 64 * 16 + 32, 97, true,
+                           pagedkv::OffloadPolicy::kWriteThrough},
+                          {"bs1 write-back, free-form", 1, 128, 160, 200, false, pagedkv::OffloadPolicy::kWriteBack},
+                          {"bs4 swap only, free-form", 4, 64, 100, 40, false, pagedkv::OffloadPolicy::kNone}};
+  std::uint64_t seed = base;
+  for (const Shape& sh : shapes) {
+    Options o{sh.name, sh.bs, sh.blocks, sh.max_tokens, sh.engine, true, seed++, kOpsPerConfig};
+    o.host_blocks = sh.host_blocks;
+    o.offload = sh.offload;
+    INFO("hasher " << TestType::kName << ", " << sh.name << ", seed " << o.seed);
+    const Counters c = run_config<TestType>(o);
+    CHECK(c.swaps > 20);
+    CHECK(c.resumes > 3);  // (bs16: sequences of up to 66 blocks in a 63-block pool rarely fit back)
+    CHECK(c.resume_pending > 0);
+    CHECK(c.acks > 100);
+    if (sh.offload != pagedkv::OffloadPolicy::kNone) CHECK(c.host_hits > 20);
+    if (sh.engine) {
+      CHECK(c.content_checks > 200);
+      CHECK(c.swapped_content_checks > 20);
+    }
+  }
 }
