@@ -3,7 +3,7 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]
 #
-# SECONDS per target (default 60); TARGET: manager, trace (default both). The targets run side by side, one per
+# SECONDS per target (default 60); TARGET: manager, trace, index (default all three). The targets run side by side, one per
 # core. Each starts from its committed seed corpus (tests/fuzz/corpus/<target>) plus what earlier runs of this
 # script found (build-fuzz/corpus/<target>, kept between runs, never committed). Before fuzzing, ctest replays the
 # seed corpora and runs the replay input tests. A finding (a crash, an invariant violation, a leak, a timeout of
@@ -23,9 +23,9 @@ if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then
   shift
 fi
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(manager trace)
+[ ${#targets[@]} -gt 0 ] || targets=(manager trace index)
 for t in "${targets[@]}"; do
-  case $t in manager | trace) ;; *) echo "fuzz.sh: unknown target '$t' (manager, trace)" >&2; exit 2 ;; esac
+  case $t in manager | trace | index) ;; *) echo "fuzz.sh: unknown target '$t' (manager, trace, index)" >&2; exit 2 ;; esac
 done
 
 cxx=${CXX:-}
@@ -49,7 +49,7 @@ export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 
 mkdir -p "$build/findings"
 jobs=${PAGEDKV_FUZZ_JOBS:-$(nproc)}
-pids=()
+
 declare -A logs
 run_target() {  # run_target <target>: fuzz it for $seconds, log to $build/fuzz-<target>.log
   local t=$1 work="$build/corpus/$t"
@@ -62,15 +62,20 @@ run_target() {  # run_target <target>: fuzz it for $seconds, log to $build/fuzz-
 echo "fuzz.sh: fuzzing ${targets[*]} for ${seconds}s each ($jobs at a time)"
 status=0
 for t in "${targets[@]}"; do logs[$t]="$build/fuzz-$t.log"; done
-if [ "$jobs" -ge ${#targets[@]} ]; then
-  for t in "${targets[@]}"; do
-    run_target "$t" &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || status=1; done
-else
-  for t in "${targets[@]}"; do run_target "$t" || status=1; done
-fi
+# At most $jobs targets at a time: start the next one whenever one finishes.
+running=0
+for t in "${targets[@]}"; do
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n || status=1
+    running=$((running - 1))
+  fi
+  run_target "$t" &
+  running=$((running + 1))
+done
+while [ "$running" -gt 0 ]; do
+  wait -n || status=1
+  running=$((running - 1))
+done
 
 # Summary: libFuzzer's final line (coverage counters cov / ft, corpus) and its run statistics, per target.
 for t in "${targets[@]}"; do

@@ -5,7 +5,7 @@
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package)
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
-#  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: both fuzz targets side by side for PAGEDKV_FUZZ_SECONDS (80) each
+#  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: the three fuzz targets, two at a time, PAGEDKV_FUZZ_SECONDS (80) each
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
