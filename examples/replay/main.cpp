@@ -51,8 +51,9 @@ Modes:
           One row per --capacity-tokens value: hit_ratio = cached prompt tokens / prompt tokens (Mooncake
           FAST'25 Fig. 9), rejected (prompt larger than the pool), evictions.
   serve   Continuous batching in simulated time: arrivals by timestamp, one decode token per running sequence
-          per --step-ms step, FIFO admission (whole prompt prefilled in its step) within the pool and
-          --max-num-seqs, recompute preemption of the newest sequence when a block is missing (re-admitted with
+          per --step-ms step (plus --spec-tokens drafts, each accepted with --spec-accept), FIFO admission
+          within the pool and --max-num-seqs, prompts prefilled in chunks under --max-num-batched-tokens per
+          step, recompute preemption of the newest sequence when a block is missing (re-admitted with
           prompt + tokens generated so far), batch metadata built every step. Reports time-averaged
           kv_utilization (filled slots / slots of held blocks), peak running, preemptions, hit_ratio, and the same
           for a contiguous baseline reserving --max-model-len slots per sequence (vLLM SOSP'23 Fig. 2).
@@ -98,6 +99,19 @@ CLI::Validator whole_number() {
         return {};
       },
       "UINT");
+}
+
+/// A probability: a finite number in [0, 1] ("nan", "1.5" and "-0.1" are refused, naming the value).
+CLI::Validator probability() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return "\"" + s + "\" is not a number";
+        if (!(v >= 0.0 && v <= 1.0)) return s + " must be a probability in [0, 1]";
+        return {};
+      },
+      "PROBABILITY");
 }
 
 std::string format_number(double v) {
@@ -232,6 +246,23 @@ int main(int argc, char** argv) {
                  "slots per sequence and longer requests are rejected. Default: the trace's longest request")
       ->check(whole_number())
       ->check(CLI::Range(std::size_t{1}, std::size_t{std::numeric_limits<std::int32_t>::max()}));
+  app.add_option("--max-num-batched-tokens", opt.max_num_batched_tokens,
+                 "serve: token budget per engine step (chunked prefill: a prompt is computed in chunks of what is "
+                 "left of it after the running sequences' decodes); 0 = no budget (whole prompts in one step)")
+      ->check(whole_number())
+      ->check(CLI::Range(std::size_t{0}, std::size_t{std::numeric_limits<std::int32_t>::max()}))
+      ->capture_default_str();
+  app.add_option("--spec-tokens", opt.spec_tokens,
+                 "serve: speculative decoding, draft tokens per decode step (lookahead slots reserved for them; the "
+                 "rejected ones are rewound); 0 = off")
+      ->check(whole_number())
+      ->check(CLI::Range(std::size_t{0}, std::size_t{64}))
+      ->capture_default_str();
+  app.add_option("--spec-accept", opt.spec_accept,
+                 "serve, with --spec-tokens: probability that each draft is accepted, drafts verified in order until "
+                 "the first rejection")
+      ->check(probability())
+      ->capture_default_str();
   app.add_option("--n", opt.num_branches, "fork: parallel samples (branches) per request")
       ->check(CLI::Range(std::size_t{1}, std::size_t{256}))
       ->capture_default_str();
