@@ -87,6 +87,19 @@ CLI::Validator positive_finite() {
       "NUMBER > 0");
 }
 
+/// A number that is finite and >= 0 ("nan", "inf" and "-3" are refused, naming the value).
+CLI::Validator nonnegative_finite() {
+  return CLI::Validator(
+      [](std::string& s) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(s.c_str(), &end);
+        if (s.empty() || end != s.c_str() + s.size()) return "\"" + s + "\" is not a number";
+        if (!std::isfinite(v) || !(v >= 0)) return s + " must be a finite number >= 0";
+        return {};
+      },
+      "NUMBER >= 0");
+}
+
 /// A whole number >= 0 written with digits only: "-1" is refused (CLI11 would read it as SIZE_MAX).
 CLI::Validator whole_number() {
   return CLI::Validator(
@@ -139,7 +152,19 @@ std::uint64_t check_pool_memory(const replay::Options& opt, Mode mode, std::uint
     what += " " + format_number(capacity) + " (" + std::to_string(blocks) + " blocks of " +
             std::to_string(opt.block_size) + " tokens)";
   }
-  replay::check_host_memory(needed, available, what, "use a smaller --capacity-tokens or a larger --block-size");
+  if (opt.host_capacity_tokens > 0) {  // one host tier per capacity (prefix) or one (serve), and serve's swap lists
+    const std::uint64_t host = pool_blocks(opt.host_capacity_tokens, opt.block_size);
+    if (host != 0) {
+      if (mode == Mode::kPrefix) needed *= 2;  // each capacity's pool twice: without and with the tier
+      const std::uint64_t tiers = mode == Mode::kPrefix ? opt.capacity_tokens.size() : 1;
+      needed += tiers * host * replay::kHostBytesPerBlock;
+      what += ", --host-capacity-tokens " + format_number(opt.host_capacity_tokens) + " (" + std::to_string(host) +
+              " blocks" + (tiers > 1 ? " x " + std::to_string(tiers) + " capacities" : std::string()) + ")";
+      if (mode == Mode::kServe) needed += pool_blocks(opt.capacity_tokens.front(), opt.block_size) * 4 * sizeof(std::int32_t);
+    }
+  }
+  replay::check_host_memory(needed, available, what,
+                            "use a smaller --capacity-tokens or --host-capacity-tokens, or a larger --block-size");
   return needed;
 }
 
@@ -263,6 +288,40 @@ int main(int argc, char** argv) {
                  "the first rejection")
       ->check(probability())
       ->capture_default_str();
+  std::string offload_name = "write-back", eviction_name = "lru", host_eviction_name, preempt_name = "recompute";
+  app.add_option("--host-capacity-tokens", opt.host_capacity_tokens,
+                 "Host-memory tier size in tokens (e.g. 5e7); 0 = no host tier. prefix: each capacity is replayed "
+                 "twice side by side, without and with the tier (tier_time_ratio: the library time it costs); "
+                 "serve: one pool with the tier")
+      ->check(nonnegative_finite())
+      ->capture_default_str();
+  app.add_option("--offload", offload_name,
+                 "With a host tier: none (the tier only takes swapped-out sequences), write-back (copy a cached "
+                 "block to the tier when the GPU pool evicts it) or write-through (copy every block once registered)")
+      ->check(CLI::IsMember({"none", "write-back", "write-through"}))
+      ->capture_default_str();
+  app.add_option("--eviction", eviction_name,
+                 "Eviction policy of the GPU pool (and, in this build, of the host tier): lru, slru (segmented LRU: "
+                 "one hit buys protection) or priority (TensorRT-LLM retention priorities, LRU per level)")
+      ->check(CLI::IsMember({"lru", "slru", "priority"}))
+      ->capture_default_str();
+  app.add_option("--host-eviction", host_eviction_name,
+                 "Eviction policy of the host tier: lru, slru or priority. Default: --eviction's. This build's "
+                 "manager has one policy for both tiers, so another value is refused")
+      ->check(CLI::IsMember({"lru", "slru", "priority"}));
+  app.add_option("--kv-bytes-per-token", opt.kv_bytes_per_token,
+                 "KV bytes per token over all layers, for the bytes copied between tiers (default: Llama-3.1-8B in "
+                 "bf16, 32 layers x 2 x 8 KV heads x 128 x 2 bytes)")
+      ->check(whole_number())
+      ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 32))
+      ->capture_default_str();
+  app.add_option("--preempt", preempt_name,
+                 "serve: how a running sequence is preempted when a block is missing: recompute (free it; "
+                 "re-admitted later, its KV recomputed) or swap (copy its blocks to the host tier and resume it by "
+                 "copying them back; needs --host-capacity-tokens; a sequence still prefilling, or one the host "
+                 "tier has no room for, is preempted by recompute)")
+      ->check(CLI::IsMember({"recompute", "swap"}))
+      ->capture_default_str();
   app.add_option("--n", opt.num_branches, "fork: parallel samples (branches) per request")
       ->check(CLI::Range(std::size_t{1}, std::size_t{256}))
       ->capture_default_str();
@@ -287,7 +346,34 @@ int main(int argc, char** argv) {
 
   const Mode mode = mode_name == "serve" ? Mode::kServe : mode_name == "fork" ? Mode::kFork : Mode::kPrefix;
   opt.hash = hash_name == "xxh3" ? replay::HashKind::kXxh3 : replay::HashKind::kSha256;
+  const auto eviction_kind = [](const std::string& name) {
+    return name == "slru" ? replay::EvictionKind::kSlru
+                          : name == "priority" ? replay::EvictionKind::kPriority : replay::EvictionKind::kLru;
+  };
+  opt.eviction = eviction_kind(eviction_name);
+  opt.host_eviction = host_eviction_name.empty() ? opt.eviction : eviction_kind(host_eviction_name);
+  opt.offload = offload_name == "none"         ? pagedkv::OffloadPolicy::kNone
+                : offload_name == "write-through" ? pagedkv::OffloadPolicy::kWriteThrough
+                                                  : pagedkv::OffloadPolicy::kWriteBack;
+  opt.preempt = preempt_name == "swap" ? pagedkv::PreemptMode::kSwap : pagedkv::PreemptMode::kRecompute;
   try {
+    if (opt.host_eviction != opt.eviction) {
+      throw CLI::ValidationError("--host-eviction", host_eviction_name + " differs from --eviction " + eviction_name +
+                                                        ": this build's KVCacheManager gives the host tier the GPU "
+                                                        "pool's policy");
+    }
+    if (opt.preempt == pagedkv::PreemptMode::kSwap && mode != Mode::kServe) {
+      throw CLI::ValidationError("--preempt", "swap applies to serve mode only");
+    }
+    if (opt.preempt == pagedkv::PreemptMode::kSwap && !(opt.host_capacity_tokens > 0)) {
+      throw CLI::ValidationError("--preempt", "swap needs a host tier: pass --host-capacity-tokens");
+    }
+    if (mode == Mode::kFork && (opt.host_capacity_tokens > 0 || opt.eviction != replay::EvictionKind::kLru)) {
+      throw CLI::ValidationError("--mode", "fork replays an LRU pool without a host tier (no --host-capacity-tokens, "
+                                           "--eviction lru)");
+    }
+    if (opt.host_capacity_tokens > 0) (void)replay::usable_blocks_for(opt.host_capacity_tokens, opt.block_size,
+                                                                      "--host-capacity-tokens");
     if (opt.capacity_tokens.empty()) {
       opt.capacity_tokens = mode == Mode::kPrefix ? std::vector<double>{1e6, 3e6, 1e7, 5e7} : std::vector<double>{1e6};
     }

@@ -5,8 +5,11 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include <pagedkv/eviction_priority.hpp>
+#include <pagedkv/eviction_slru.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
 
@@ -17,6 +20,9 @@ namespace replay {
 
 /// The block-hash policy of the manager (its `Hasher` template parameter).
 enum class HashKind { kSha256, kXxh3 };
+
+/// The eviction policy of the manager (its `Evict` template parameter): LRU, segmented LRU, retention-priority LRU.
+enum class EvictionKind { kLru, kSlru, kPriority };
 
 /// Command-line options shared by the modes (see main.cpp for their documentation and defaults).
 struct Options {
@@ -34,6 +40,14 @@ struct Options {
   bool check = false;                 ///< Cross-check derived block counts by brute force every step (slow).
   std::string publish_events;         ///< Publish KV events on this ZeroMQ endpoint (publish.hpp); "" = off.
   int publish_wait_ms = 0;            ///< Wait this long after binding it, for subscribers to connect.
+  // Host tier and eviction (issue 10).
+  double host_capacity_tokens = 0.0;  ///< Host tier size in tokens; 0 = no host tier.
+  pagedkv::OffloadPolicy offload = pagedkv::OffloadPolicy::kWriteBack;  ///< With a host tier.
+  EvictionKind eviction = EvictionKind::kLru;       ///< Device pool's policy.
+  EvictionKind host_eviction = EvictionKind::kLru;  ///< Host tier's policy (this manager: the device pool's).
+  std::uint64_t kv_bytes_per_token = 131072;        ///< KV bytes per token over all layers (Llama-3.1-8B bf16).
+  pagedkv::PreemptMode preempt = pagedkv::PreemptMode::kRecompute;  ///< serve: how a sequence is preempted.
+  int decode_priority = -1;  ///< serve, --eviction priority: retention priority of decode blocks; -1 = default.
 };
 
 /// Prefix-cache replay (Mooncake FAST '25, Fig. 9): requests one at a time in file order, prompt only; each is
@@ -79,9 +93,35 @@ decltype(auto) with_hasher(HashKind hash, F&& f) {
   return f(std::type_identity<pagedkv::Sha256Hasher>{});
 }
 
+/// Name of an eviction policy as the command line spells it.
+[[nodiscard]] const char* to_string(EvictionKind eviction) noexcept;
+/// Name of an offload policy as the command line spells it.
+[[nodiscard]] const char* to_string(pagedkv::OffloadPolicy offload) noexcept;
+/// Name of a preemption mode as the command line spells it.
+[[nodiscard]] const char* to_string(pagedkv::PreemptMode preempt) noexcept;
+
+/// Call `f(std::type_identity<Manager>{})` with the manager type selected by `opt.hash` and `opt.eviction`
+/// (`KVCacheManager<Hasher, std::uint32_t, Evict>`; the host tier uses the device pool's policy). Six types are
+/// instantiated per mode.
+template <class F>
+decltype(auto) with_manager(const Options& opt, F&& f) {
+  return with_hasher(opt.hash, [&]<class H>(std::type_identity<H>) -> decltype(auto) {
+    switch (opt.eviction) {
+      case EvictionKind::kSlru:
+        return f(std::type_identity<pagedkv::KVCacheManager<H, std::uint32_t, pagedkv::SlruEviction<std::uint32_t>>>{});
+      case EvictionKind::kPriority:
+        return f(std::type_identity<
+                 pagedkv::KVCacheManager<H, std::uint32_t, pagedkv::PriorityLruEviction<std::uint32_t>>>{});
+      case EvictionKind::kLru: break;
+    }
+    return f(std::type_identity<pagedkv::KVCacheManager<H>>{});
+  });
+}
+
 /// Usable blocks of a pool of `capacity_tokens` tokens: floor(capacity / block_size). Throws std::invalid_argument
-/// if that is 0 or does not fit 32-bit block ids.
-[[nodiscard]] std::size_t usable_blocks_for(double capacity_tokens, std::uint32_t block_size);
+/// (naming `flag`) if that is 0 or does not fit 32-bit block ids.
+[[nodiscard]] std::size_t usable_blocks_for(double capacity_tokens, std::uint32_t block_size,
+                                            const char* flag = "--capacity-tokens");
 
 /// The stem of the trace's file name (e.g. "synthetic_trace"), for the `trace` column.
 [[nodiscard]] std::string trace_name(const Trace& trace);
@@ -89,27 +129,48 @@ decltype(auto) with_hasher(HashKind hash, F&& f) {
 /// Append the cost columns every mode reports: manager_seconds, block_ops, ns_per_block_op.
 void add_cost_fields(Row& row, double manager_seconds, std::uint64_t block_ops);
 
+/// Append the host-tier columns of a manager's lifetime stats: hit ratio by tier (gpu_hit_ratio: hits served by
+/// device blocks, host_hit_ratio: hits onboarded from the host tier; they sum to hit_ratio), the device tier's share
+/// of the hits, the copies and their bytes at `opt.kv_bytes_per_token` (onboarded, offloaded, swapped out / in),
+/// offloads dropped (host tier full of held blocks) and host evictions.
+void add_tier_fields(Row& row, const pagedkv::CacheStats& stats, const Options& opt);
+
 /// Fixed-capacity host buffers for `build_batch_metadata`, allocated once per run (CSR page table, seq_lens,
 /// qo_indptr, slot_mapping, copy list; no padded block table). Engines copy these to fixed device buffers.
 class MetadataBuffers {
  public:
   /// Capacities: `max_batch` sequences, `max_indices` block ids over the batch, `max_new_tokens` slots,
-  /// `max_copies` copy-on-write pairs.
-  MetadataBuffers(std::size_t max_batch, std::size_t max_indices, std::size_t max_new_tokens, std::size_t max_copies);
+  /// `max_copies` copy-on-write pairs, `max_swaps` pairs in each of the swap_out / swap_in lists (0: no host tier).
+  MetadataBuffers(std::size_t max_batch, std::size_t max_indices, std::size_t max_new_tokens, std::size_t max_copies,
+                  std::size_t max_swaps = 0);
 
   /// Views for one step. The per-sequence arrays and the copy list span their full capacity (the fixed shape a
   /// captured CUDA graph reads; the library pads them); `indices` and `slot_mapping` are cut to this step's
   /// extents, `num_indices` and `num_new_tokens`, as an engine copies only the live prefix of those (padding them
   /// to their pool-sized capacity every step would cost O(pool), not O(batch)).
-  /// Throws std::logic_error if an extent exceeds its capacity.
-  [[nodiscard]] pagedkv::BatchMetadataBuffers view(std::size_t num_indices, std::size_t num_new_tokens);
+  /// The swap lists are cut likewise to `num_swap_out` / `num_swap_in` pairs (what the build may write: see
+  /// `swap_extents`). Throws std::logic_error if an extent exceeds its capacity.
+  [[nodiscard]] pagedkv::BatchMetadataBuffers view(std::size_t num_indices, std::size_t num_new_tokens,
+                                                   std::size_t num_swap_out = 0, std::size_t num_swap_in = 0);
 
  private:
-  std::vector<std::int32_t> indptr_, indices_, last_page_len_, seq_lens_, qo_indptr_, copies_;
+  std::vector<std::int32_t> indptr_, indices_, last_page_len_, seq_lens_, qo_indptr_, copies_, swap_out_, swap_in_;
   std::vector<std::int64_t> slot_mapping_;
 };
 
 /// Cached-token fraction of a manager's admissions: prefix_hit_tokens / prefix_query_tokens (0 when none).
 [[nodiscard]] double hit_ratio(const pagedkv::CacheStats& stats) noexcept;
+
+/// Pairs the next build of `m` may write into swap_out and swap_in: the queued device -> host copies plus, with
+/// write-through, `registered_bound` (an upper bound on the blocks the previous build registered, which this build
+/// offloads), and the queued host -> device copies.
+template <class Manager>
+[[nodiscard]] std::pair<std::size_t, std::size_t> swap_extents(const Manager& m, const Options& opt,
+                                                               std::size_t registered_bound) {
+  if (m.host_tier() == nullptr) return {0, 0};
+  const auto& t = m.transfers();
+  const std::size_t wt = opt.offload == pagedkv::OffloadPolicy::kWriteThrough ? registered_bound : 0;
+  return {t.num_queued(true) + wt, t.num_queued(false)};
+}
 
 }  // namespace replay
