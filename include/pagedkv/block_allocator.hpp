@@ -146,6 +146,8 @@ class BlockAllocator {
     if ((w & kHashedBit) != 0) {
       evict_.insert(b);
     } else {
+      // Unhashed blocks carry no history; a priority assigned while held must not reach the block's next content.
+      if constexpr (ForgettingEvictionPolicy<Evict, Id>) evict_.forget(b);
       push_free(b);
     }
   }
@@ -157,8 +159,33 @@ class BlockAllocator {
     if (ref_of(state_[b]) == 0) {
       detail::raise(Errc::kInvalidArgument, "set_hashed: block " + std::to_string(b) + " is not held");
     }
+    const bool was = (state_[b] & kHashedBit) != 0;
     state_[b] = hashed ? (state_[b] | kHashedBit) : (state_[b] & ~kHashedBit);
+    if (was && !hashed) forget_block(evict_, b);  // its content's history (hits, priority) must not outlive it
   }
+
+  /// Retention priority block `b` takes when it is next cached (TensorRT-LLM's retention priorities): forwards to
+  /// the policy's `set_priority` for a RetentionEvictionPolicy, does nothing for other policies. `priority` in
+  /// [0, 100]; `expires_at`: when it falls back to kDefaultRetentionPriority (nullopt: never). Throws
+  /// kBlockOutOfRange, kInvalidArgument (b is free or cached: set it while the block is held, before the release
+  /// that caches it; priority > 100). O(1) (O(log n) with an expiry in PriorityLruEviction).
+  void set_retention_priority(Id b, std::uint8_t priority, std::optional<RetentionTimePoint> expires_at) {
+    check_range(b, "set_retention_priority");
+    if (ref_of(state_[b]) == 0) {
+      detail::raise(Errc::kInvalidArgument,
+                    "set_retention_priority: block " + std::to_string(b) + " is not held (free or cached)");
+    }
+    set_block_priority(evict_, b, priority, expires_at);
+  }
+
+  /// Retention clock tick: every cached block whose priority expired at or before `now` falls back to the default
+  /// priority (PriorityLruEviction::expire); returns how many moved, 0 for policies without priorities.
+  std::size_t expire_retention(RetentionTimePoint now) { return expire_priorities(evict_, now); }
+
+  /// Retention priority the last block evicted by an allocation had (kDefaultRetentionPriority for policies
+  /// without priorities). Valid inside the allocation's `on_evict` callback: e.g. offload only blocks at or above
+  /// a minimum priority.
+  [[nodiscard]] std::uint8_t last_evicted_priority() const noexcept { return last_evicted_priority_; }
 
   /// Drop every hash: cached blocks become free (in least-recently-released order), held blocks lose their mark.
   /// Calls `on_drop(Id)` for every hashed block. Used by reset_prefix_cache.
@@ -172,6 +199,7 @@ class BlockAllocator {
       const word_type w = state_[b];
       if (!is_free_word(static_cast<Id>(b), w) && (w & kHashedBit) != 0) {
         state_[b] = w & ~kHashedBit;
+        forget_block(evict_, static_cast<Id>(b));
         on_drop(static_cast<Id>(b));
       }
     }
@@ -229,6 +257,12 @@ class BlockAllocator {
       free_head_ = static_cast<Id>(state_[b] & ~kFreeBit);
       --num_released_free_;
     } else {
+      if constexpr (requires(const Evict& e, Id v) {
+                      { e.peek_victim() } -> std::convertible_to<Id>;
+                      { e.priority(v) } -> std::convertible_to<std::uint8_t>;
+                    }) {
+        last_evicted_priority_ = evict_.priority(evict_.peek_victim());
+      }
       b = *evict_.pop_victim();
       ++evictions_;
       on_evict(b);
@@ -245,6 +279,7 @@ class BlockAllocator {
   std::size_t next_never_used_;      // blocks [next_never_used_, num_blocks) were never handed out
   std::uint64_t evictions_ = 0;
   std::uint64_t ops_ = 0;
+  std::uint8_t last_evicted_priority_ = kDefaultRetentionPriority;
 };
 
 }  // namespace pagedkv

@@ -68,6 +68,13 @@ class HostTier {
     return b;
   }
 
+  /// Retention priority held block `b` takes when it is next cached (BlockAllocator::set_retention_priority; a
+  /// no-op unless `Evict` is a RetentionEvictionPolicy). Throws as that call.
+  void set_retention_priority(Id b, std::uint8_t priority, std::optional<RetentionTimePoint> expires_at) {
+    alloc_.set_retention_priority(b, priority, expires_at);
+  }
+  /// Expire retention priorities at `now` (BlockAllocator::expire_retention); returns how many cached blocks moved.
+  std::size_t expire_retention(RetentionTimePoint now) { return alloc_.expire_retention(now); }
   /// Mark held block `b` ready (its filling copy completed): registered, it now serves hits.
   void mark_ready(Id b) noexcept { ready_[b / 64] |= std::uint64_t{1} << (b % 64); }
   /// Whether `b` is ready (registered and filled).

@@ -28,6 +28,7 @@
 #include <pagedkv/host_tier.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>
+#include <pagedkv/retention.hpp>
 #include <pagedkv/sequence_state.hpp>
 #include <pagedkv/stats.hpp>
 #include <pagedkv/transfer_queue.hpp>
@@ -60,6 +61,10 @@ struct CacheConfig {
   std::size_t num_host_blocks = 0;                ///< Host tier size in blocks, including its null block 0:
                                                   ///< 0 = no host tier, else [2, 2^31].
   OffloadPolicy offload = OffloadPolicy::kWriteBack;  ///< With a host tier: when cached blocks are copied there.
+  /// Write-back offloads only evicted blocks whose retention priority is at least this (TensorRT-LLM's secondary
+  /// offload minimum priority); 0 = every evicted block. Needs a RetentionEvictionPolicy to matter (every block
+  /// has kDefaultRetentionPriority under the others).
+  std::uint8_t min_offload_priority = 0;
 };
 
 /// Outcome of an admission. Only kAdmitted changes state.
@@ -93,6 +98,10 @@ struct AdmitOptions {
   /// preemption signal, as in vLLM's allocate_slots). Default: the whole prompt (vLLM's full-prompt-must-fit
   /// gate, so a running prefill is never preempted for lack of blocks). Clamped to the uncached tokens.
   std::optional<std::size_t> num_reserved_tokens = std::nullopt;
+  /// Retention priorities of the request's blocks (TensorRT-LLM's KvCacheRetentionConfig; see RetentionConfig):
+  /// applied when the sequence releases its blocks (free, preempt, rewind) under a RetentionEvictionPolicy such as
+  /// PriorityLruEviction, ignored under others. Shared, not copied: forks inherit it. Null = default priority.
+  std::shared_ptr<const RetentionConfig> retention = nullptr;
 };
 
 /// A prompt validated and hashed once by `KVCacheManager::prepare_prompt` (its token ids, extra keys and the hashes
@@ -176,7 +185,7 @@ struct AppendResult {
 /// free, rewind O(blocks of the sequence); build O(batch + blocks + new tokens). None depends on pool size or on
 /// the number of cached blocks.
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t,
-          EvictionPolicy<Id> Evict = LruEviction<Id>>
+          EvictionPolicy<Id> Evict = LruEviction<Id>, EvictionPolicy<Id> HostEvict = Evict>
 class KVCacheManager {
  public:
   using block_id_type = Id;
@@ -186,7 +195,7 @@ class KVCacheManager {
   using table_type = BlockTable<Id>;
   using copy_type = BlockCopy<Id>;
   using sequence_type = SequenceState<Id>;
-  using host_tier_type = HostTier<Hasher, Id, Evict>;
+  using host_tier_type = HostTier<Hasher, Id, HostEvict>;
 
   /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or block_size == 0,
   /// kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch metadata), both
@@ -400,6 +409,8 @@ class KVCacheManager {
     c.hashes = p.hashes;
     c.num_registered = p.num_registered;
     c.keys = p.keys;
+    c.retention = p.retention;
+    c.num_prompt_tokens = p.num_prompt_tokens;
     c.num_built = p.num_built;
     c.table = p.table;  // copy first (may throw), take references after
     auto [it, inserted] = seqs_.try_emplace(child, std::move(c));
@@ -417,6 +428,7 @@ class KVCacheManager {
       return;
     }
     sequence_type& q = live(seq, "free");
+    apply_retention(q, 0);
     Proxy pool{this};
     q.table.release_all(pool);
     seqs_.erase(seq);
@@ -480,6 +492,7 @@ class KVCacheManager {
       transfers_.push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0});
       ++stats_.swap_outs;
     }
+    apply_retention(q, 0);
     Proxy pool{this};
     q.table.release_all(pool);
     dst.state = std::move(q);
@@ -577,6 +590,8 @@ class KVCacheManager {
     }
     const std::size_t drop_lookahead = std::min(n, q.num_lookahead);
     const std::size_t len = q.num_known() - (n - drop_lookahead);  // known tokens kept
+    const std::size_t keep_slotted = std::min(q.num_slotted(), len + q.num_lookahead - drop_lookahead);
+    apply_retention(q, (keep_slotted + config_.block_size - 1) / config_.block_size);
     Proxy pool{this};
     q.num_lookahead -= drop_lookahead;
     q.table.rewind(q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead), pool);
@@ -728,6 +743,23 @@ class KVCacheManager {
     }
     return true;
   }
+
+  // ---------------------------------------------------------------------------------------------------------------
+  // Retention priorities
+
+  /// Retention clock tick (TensorRT-LLM's retention durations): records `now` (the clock never goes back: an earlier
+  /// `now` changes nothing) and lets every cached block whose retention priority expired at or before it fall back
+  /// to kDefaultRetentionPriority, in both tiers. Durations of RetentionConfig count from the last `now` recorded
+  /// here, so an engine calls this once per step with its steady clock (replays pass simulated time). Returns how
+  /// many cached blocks changed priority; 0 without a RetentionEvictionPolicy. O(expired log cached).
+  std::size_t expire_retention(RetentionTimePoint now) {
+    retention_now_ = std::max(retention_now_, now);
+    std::size_t n = alloc_.expire_retention(retention_now_);
+    if (host_) n += host_->expire_retention(retention_now_);
+    return n;
+  }
+  /// The retention clock: the latest `now` given to expire_retention (the clock's epoch before the first call).
+  [[nodiscard]] RetentionTimePoint retention_now() const noexcept { return retention_now_; }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Host tier transfers
@@ -1181,6 +1213,7 @@ class KVCacheManager {
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
                            std::vector<BlockHash> hashes, bool hashes_ready) {
+    if (opts.retention) validate_retention(*opts.retention, "try_admit");
     const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, hit_scratch_, on_host_scratch_);
     if (!plan.query.fits()) {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
@@ -1194,6 +1227,8 @@ class KVCacheManager {
     sequence_type s(config_.block_size);
     s.tokens.assign(prompt.begin(), prompt.end());
     s.keys = std::move(shared_keys);
+    s.retention = opts.retention;
+    s.num_prompt_tokens = prompt.size();
     s.table.reserve_blocks(hits + plan.query.num_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);
     onboard_scratch_.clear();
@@ -1367,8 +1402,6 @@ class KVCacheManager {
     return const_cast<KVCacheManager*>(this)->live(seq, what);
   }
 
-  // Called by the allocator just before a cached block is reused: drop its hash. The caller reserved room for the
-  // event.
   // Called by the allocator just before a cached block is reused: drop its hash; with a host tier and an offload
   // policy, copy it there first (write-back) unless the host already has (or is filling) that hash. The copy reads
   // the block at the start of the next build's step, before anything writes the block's new contents (the swap
@@ -1378,19 +1411,48 @@ class KVCacheManager {
       const auto h = index_.erase_block(b);
       if (!h) return;
       if (events_.enabled()) events_.push(KVEventType::kBlockRemoved).hash = *h;
-      if (host_ && config_.offload != OffloadPolicy::kNone) queue_offload(b, *h);
+      if (host_ && config_.offload != OffloadPolicy::kNone) {
+        const std::uint8_t prio = alloc_.last_evicted_priority();
+        if (prio < config_.min_offload_priority) {
+          ++stats_.offloads_below_priority;
+          return;
+        }
+        queue_offload(b, *h, prio);
+      }
     };
+  }
+
+  // Retention: give every block of q from logical block `first` on the priority (and expiry, from the retention
+  // clock) its RetentionConfig assigns, before a release that may cache it. Last table holder's release decides.
+  // Only for a RetentionEvictionPolicy (compiled out otherwise). Cannot throw: blocks are held, priorities valid.
+  void apply_retention(const sequence_type& q, std::size_t first) {
+    if constexpr (RetentionEvictionPolicy<Evict, Id>) {
+      const auto blocks = q.table.blocks();
+      const std::size_t bs = config_.block_size;
+      for (std::size_t i = first; i < blocks.size(); ++i) {
+        if (blocks[i] == Id{0}) continue;
+        BlockRetention r;
+        if (q.retention) r = block_retention(*q.retention, i * bs, bs, q.num_prompt_tokens);
+        std::optional<RetentionTimePoint> at;
+        if (r.duration) at = retention_now_ + *r.duration;
+        alloc_.set_retention_priority(blocks[i], r.priority, at);
+      }
+    } else {
+      (void)q;
+      (void)first;
+    }
   }
 
   // Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
   // (not ready) and held by the transfer until complete_transfers. Dropped when every host block is held.
-  void queue_offload(Id b, const BlockHash& h) {
+  void queue_offload(Id b, const BlockHash& h, std::uint8_t priority = kDefaultRetentionPriority) {
     if (host_->find(h)) return;
     const auto hb = host_->allocate(&h, host_evictor());
     if (!hb) {
       ++stats_.offloads_dropped;
       return;
     }
+    host_->set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
     remember_content(h, *hb, Medium::kGpu);
     transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0});
     ++stats_.offloads;
@@ -1557,6 +1619,7 @@ class KVCacheManager {
   std::unordered_map<SeqId, SwappedSequence> swapped_;  // preempted by swapping, resumable
   std::unordered_map<Id, KVEvent> pending_content_;     // events on: host block -> content of its stored event
   EventLog events_;
+  RetentionTimePoint retention_now_{};                 // the retention clock (expire_retention)
   CacheStats stats_;
   PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()
 };

@@ -10,10 +10,15 @@
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/eviction.hpp>
+#include <pagedkv/eviction_priority.hpp>
+#include <pagedkv/eviction_slru.hpp>
 #include <pagedkv/hash.hpp>
+#include <pagedkv/host_tier.hpp>
 #include <pagedkv/kernel_params.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>
+#include <pagedkv/retention.hpp>
 #include <pagedkv/sequence_state.hpp>
 #include <pagedkv/stats.hpp>
+#include <pagedkv/transfer_queue.hpp>

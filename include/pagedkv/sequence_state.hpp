@@ -14,6 +14,7 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/request_keys.hpp>
+#include <pagedkv/retention.hpp>
 
 namespace pagedkv {
 
@@ -45,6 +46,8 @@ struct SequenceState {
   std::vector<BlockHash> hashes;            ///< Chain hashes of the known full blocks, `[num_known / block_size]`.
   std::size_t num_registered = 0;           ///< Leading full blocks that need no registration attempt.
   std::shared_ptr<const RequestKeys> keys;  ///< Extra keys (salt, adapter, multimodal); null = none.
+  std::shared_ptr<const RetentionConfig> retention;  ///< Retention priorities of its blocks; null = the default.
+  std::size_t num_prompt_tokens = 0;        ///< Prompt length at admission (retention: later blocks are decode).
   std::size_t num_built = 0;                ///< Positions whose K/V writes have been issued (see above).
   std::size_t num_lookahead = 0;            ///< Trailing slotted positions whose token ids are unknown.
   std::uint32_t num_pending_copies = 0;     ///< Copy-on-write copies into this table not yet handed out.

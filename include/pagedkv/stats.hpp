@@ -38,6 +38,7 @@ struct CacheStats {
   std::uint64_t host_evictions = 0;
   std::uint64_t offloads = 0;          ///< device -> host copies of cached blocks (write-back / write-through)
   std::uint64_t offloads_dropped = 0;  ///< offloads skipped because every host block was held
+  std::uint64_t offloads_below_priority = 0;  ///< write-back offloads skipped: priority < min_offload_priority
   std::uint64_t onboards = 0;          ///< host -> device copies for host-tier hits
   std::uint64_t swap_outs = 0;         ///< device -> host copies of swapped-out sequences
   std::uint64_t swap_ins = 0;          ///< host -> device copies of resumed sequences

@@ -486,15 +486,6 @@ TEST_CASE("PriorityLruEviction: the random harness catches deliberately wrong mo
 
 namespace {
 
-// Stands in for the mutable policy access the allocator will offer once the extensions are wired in (the lead's
-// integration: set_block_priority / expire_priorities / forget_block through the allocator). The allocator object
-// is not const, so the cast is well defined; only calls that keep the evictable set (forget of a block that is not
-// cached, set_priority, expire) go through it.
-template <class A>
-typename A::eviction_policy_type& policy_of(A& a) {
-  return const_cast<typename A::eviction_policy_type&>(a.eviction_policy());
-}
-
 template <class Policy, class Model>
 Divergence run_allocator(Model model, std::size_t num_blocks, std::uint64_t seed, std::size_t steps) {
   constexpr bool kPriorities = pagedkv::RetentionEvictionPolicy<Policy, Id>;
@@ -552,7 +543,7 @@ Divergence run_allocator(Model model, std::size_t num_blocks, std::uint64_t seed
           const auto prio = static_cast<std::uint8_t>(pick(rng, 101));
           const std::optional<RetentionTimePoint> at =
               pick(rng, 3) == 0 ? std::nullopt : std::optional(at_ms(t_ms + static_cast<std::int64_t>(pick(rng, 30))));
-          pagedkv::set_block_priority(policy_of(a), b, prio, at);
+          a.set_retention_priority(b, prio, at);
           model.set_priority(b, prio, at);
         }
       }
@@ -562,6 +553,8 @@ Divergence run_allocator(Model model, std::size_t num_blocks, std::uint64_t seed
           model.insert(b);
         } else {
           free_stack.push_back(b);
+          // Released unhashed: the allocator makes the policy forget what was assigned while it was held.
+          if constexpr (pagedkv::ForgettingEvictionPolicy<Policy, Id>) model.forget(b);
         }
       }
     } else if (op < 880 && !held.empty()) {  // registration, or (rarely) the hash dropped while held
@@ -569,13 +562,10 @@ Divergence run_allocator(Model model, std::size_t num_blocks, std::uint64_t seed
       const bool drop = hashed[b] && pick(rng, 4) == 0;
       a.set_hashed(b, !drop);
       hashed[b] = !drop;
-      if (drop) {  // the integration: a dropped hash is forgotten by the policy
-        pagedkv::forget_block(policy_of(a), b);
-        model.forget(b);
-      }
+      if (drop) model.forget(b);  // set_hashed(b, false) makes the policy forget b's history
     } else if (op < 960) {  // time passes
       t_ms += static_cast<std::int64_t>(pick(rng, 8));
-      const std::size_t moved = pagedkv::expire_priorities(policy_of(a), at_ms(t_ms));
+      const std::size_t moved = a.expire_retention(at_ms(t_ms));
       if constexpr (kPriorities) {
         if (moved != model.expire(at_ms(t_ms))) return fail("expire count");
       } else if (moved != 0) {
@@ -584,8 +574,7 @@ Divergence run_allocator(Model model, std::size_t num_blocks, std::uint64_t seed
     } else if (op < 965) {  // reset of the prefix cache
       std::vector<Id> dropped;
       a.clear_hashes([&](Id b) {
-        dropped.push_back(b);
-        pagedkv::forget_block(policy_of(a), b);  // a no-op for the popped ones; clears held blocks' history
+        dropped.push_back(b);  // the allocator forgot held blocks' history before this call
       });
       std::vector<Id> expect;
       while (auto v = model.pop()) {
@@ -985,10 +974,11 @@ TEST_CASE("KVCacheManager accepts SlruEviction and PriorityLruEviction", "[evict
 TEST_CASE("Both policies work with 16-bit ids at the largest pool the allocator accepts", "[eviction][id_type]") {
   using Id16 = std::uint16_t;
   constexpr std::size_t kN = 65535;  // ids 1 .. 65534; 65535 is the lists' "unlinked" mark
-  const auto exercise = [](auto& a) {
+  const auto exercise = [](auto& a, auto&& before_release) {
     std::vector<Id16> all(a.num_usable_blocks());
     REQUIRE(a.try_allocate(std::span<Id16>(all)));
     for (Id16 b : all) a.set_hashed(b, true);
+    before_release(a);
     for (Id16 b : all) a.release(b);  // cached in id order
     CHECK(a.num_cached_blocks() == kN - 1);
     a.acquire(Id16{1});  // hit
@@ -1002,13 +992,12 @@ TEST_CASE("Both policies work with 16-bit ids at the largest pool the allocator 
     CHECK(a.is_cached(Id16{1}));
   };
   pagedkv::BlockAllocator<Id16, SlruEviction<Id16>> slru(kN);
-  exercise(slru);
+  exercise(slru, [](auto&) {});
   CHECK(slru.eviction_policy().is_protected(1));
   pagedkv::BlockAllocator<Id16, PriorityLruEviction<Id16>> prio(kN);
-  policy_of(prio).set_priority(65534, 100, at_ms(5));  // a free block: assigned for its first release
-  exercise(prio);
+  exercise(prio, [](auto& a) { a.set_retention_priority(Id16{65534}, 100, at_ms(5)); });  // held: for its release
   CHECK(prio.eviction_policy().priority(65534) == 100);
   CHECK(prio.eviction_policy().num_expiring() == 1);
-  CHECK(policy_of(prio).expire(at_ms(5)) == 1);
+  CHECK(prio.expire_retention(at_ms(5)) == 1);
   CHECK(prio.eviction_policy().order().back() == 65534);
 }
