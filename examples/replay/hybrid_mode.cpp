@@ -1,0 +1,497 @@
+// examples/replay/hybrid_mode.cpp: hybrid models on the bundled traces: a HybridKVCacheManager for the model's
+// KV-cache groups (full + sliding-window / chunked-local) against the same layers all full attention, on one pool.
+#include "hybrid_mode.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <pagedkv/hash.hpp>
+
+#include "report.hpp"
+
+namespace replay {
+namespace {
+
+std::string group_label(const pagedkv::KVCacheGroupSpec& g) {
+  switch (g.kind) {
+    case pagedkv::AttentionKind::kSlidingWindow: return "swa" + std::to_string(g.window_tokens);
+    case pagedkv::AttentionKind::kChunkedLocal: return "chunk" + std::to_string(g.window_tokens);
+    case pagedkv::AttentionKind::kFull: break;
+  }
+  return "full";
+}
+
+std::string describe(const ModelLayers& m) {
+  std::string s;
+  for (std::size_t g = 0; g < m.groups.size(); ++g) s += (g ? "," : "") + group_label(m.groups[g]);
+  return s + " x" + std::to_string(m.layers_per_group);
+}
+
+/// Requests that any manager of this pool can never run (every group holding the whole request): skipped by both.
+std::size_t blocks_for(std::size_t tokens, std::uint32_t bs) { return (tokens + bs - 1) / bs; }
+
+/// Fixed-capacity per-group metadata buffers, grown when a step needs more.
+class GroupBuffers {
+ public:
+  explicit GroupBuffers(std::size_t groups) : g_(groups), views_(groups) {}
+  std::span<const pagedkv::BatchMetadataBuffers> view(std::size_t batch, std::size_t indices, std::size_t tokens) {
+    const auto grow = [](auto& v, std::size_t n) {
+      if (v.size() < n) v.resize(std::max(n, 2 * v.size()));
+    };
+    grow(indptr_, g_ * (batch + 1));
+    grow(qo_, g_ * (batch + 1));
+    grow(lpl_, g_ * std::max<std::size_t>(batch, 1));
+    grow(lens_, g_ * std::max<std::size_t>(batch, 1));
+    grow(indices_, g_ * std::max<std::size_t>(indices, 1));
+    grow(slots_, g_ * std::max<std::size_t>(tokens, 1));
+    for (std::size_t g = 0; g < g_; ++g) {
+      pagedkv::BatchMetadataBuffers& v = views_[g];
+      v.indptr = std::span(indptr_).subspan(g * (batch + 1), batch + 1);
+      v.qo_indptr = std::span(qo_).subspan(g * (batch + 1), batch + 1);
+      v.last_page_len = std::span(lpl_).subspan(g * std::max<std::size_t>(batch, 1), batch);
+      v.seq_lens = std::span(lens_).subspan(g * std::max<std::size_t>(batch, 1), batch);
+      v.indices = std::span(indices_).subspan(g * std::max<std::size_t>(indices, 1), indices);
+      v.slot_mapping = std::span(slots_).subspan(g * std::max<std::size_t>(tokens, 1), tokens);
+    }
+    return views_;
+  }
+
+ private:
+  std::size_t g_;
+  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_;
+  std::vector<std::int64_t> slots_;
+  std::vector<pagedkv::BatchMetadataBuffers> views_;
+};
+
+pagedkv::HybridCacheConfig make_config(const ModelLayers& model, const HybridOptions& opt, std::size_t max_len) {
+  const double per_group = std::floor(opt.capacity_tokens / opt.block_size);
+  if (!(per_group >= 1.0) || per_group * static_cast<double>(model.groups.size()) >= 2147483647.0) {
+    throw std::invalid_argument("hybrid: capacity " + std::to_string(opt.capacity_tokens) +
+                                " tokens gives no block per group or more than 2^31 blocks");
+  }
+  pagedkv::HybridCacheConfig c;
+  c.num_blocks = static_cast<std::size_t>(per_group) * model.groups.size() + 1;
+  c.block_size = opt.block_size;
+  c.groups = model.groups;
+  c.max_tokens_per_seq = max_len;
+  return c;
+}
+
+/// Continuous batching over a HybridKVCacheManager (the serve mode's scheduler, reduced to what groups change:
+/// chunks are reserved just before their step, so sliding-window groups never hold more than the window and a chunk).
+template <class Hasher>
+class HybridServe {
+ public:
+  HybridServe(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, std::size_t max_len)
+      : trace_(trace),
+        opt_(opt),
+        model_(model),
+        max_len_(max_len),
+        budget_(opt.max_num_batched_tokens != 0 ? opt.max_num_batched_tokens : std::numeric_limits<std::size_t>::max()),
+        m_(make_config(model, opt, max_len)),
+        buffers_(model.groups.size()),
+        sum_held_(model.groups.size(), 0.0) {}
+
+  void enqueue(std::size_t request) {
+    const Request& r = trace_.requests[request];
+    const std::size_t total = std::size_t{r.input_tokens} + r.output_tokens;
+    if (total > max_len_ || blocks_for(total, opt_.block_size) * model_.groups.size() > m_.allocator().num_usable_blocks()) {
+      ++rejected_;
+      return;
+    }
+    waiting_.push_back({request});
+  }
+  [[nodiscard]] bool idle() const noexcept { return waiting_.empty() && running_.empty(); }
+
+  void step() {
+    left_ = budget_;
+    batch_.clear();
+    sched_.clear();
+    if (!schedule_running()) admit();
+    if (running_.empty()) return;
+    build();
+    sample();
+    free_finished();
+  }
+
+  void add_fields(Row& row) const {
+    const pagedkv::CacheStats s = m_.stats();
+    const double steps = static_cast<double>(std::max<std::uint64_t>(busy_steps_, 1));
+    row.add("rejected", rejected_)
+        .add("steps", busy_steps_)
+        .add("sim_seconds", static_cast<double>(busy_steps_) * opt_.step_ms / 1000.0, 1)
+        .add("kv_utilization", util_sum_ / steps, 4)
+        .add("mean_running", static_cast<double>(seq_steps_) / steps, 1)
+        .add("peak_running", peak_running_)
+        .add("preemptions", s.preemptions)
+        .add("hit_ratio", s.prefix_query_tokens == 0 ? 0.0
+                                                     : static_cast<double>(s.prefix_hit_tokens) /
+                                                           static_cast<double>(s.prefix_query_tokens), 4)
+        .add("peak_blocks", m_.peak_used_blocks())
+        .add("mean_blocks", mean_used_ / steps, 0)
+        .add("blocks_per_token", sum_tokens_ == 0 ? 0.0 : sum_used_ / sum_tokens_, 5);
+    std::map<std::string, std::pair<std::size_t, double>> per_kind;  // peak and mean blocks per group kind
+    for (std::size_t g = 0; g < model_.groups.size(); ++g) {
+      auto& k = per_kind[group_label(model_.groups[g])];
+      k.first = std::max(k.first, m_.peak_held_blocks(g));
+      k.second = std::max(k.second, sum_held_[g] / steps);
+    }
+    for (const auto& [label, v] : per_kind) {
+      row.add("peak_blocks_" + label, v.first).add("mean_blocks_" + label, v.second, 0);
+    }
+    row.add("manager_seconds", timer_.seconds(), 3);
+  }
+  [[nodiscard]] double blocks_per_token() const { return sum_tokens_ == 0 ? 0.0 : sum_used_ / sum_tokens_; }
+
+ private:
+  struct Seq {
+    std::size_t request = 0;
+    std::uint32_t generated = 0;
+    std::size_t prompt = 0;    // prompt of this admission (input + tokens generated before a preemption)
+    std::size_t computed = 0;  // positions with slots (= scheduled; reserved just before their step)
+    [[nodiscard]] bool prefilling() const { return computed < prompt; }
+  };
+
+  void schedule(std::size_t k, std::size_t n) {
+    batch_.push_back(running_[k].request);
+    sched_.push_back(static_cast<std::uint32_t>(n));
+    left_ -= n;
+  }
+
+  // Running sequences take their tokens (prompt chunk or one decode token); a reservation without blocks preempts
+  // the newest sequence (possibly itself). Returns whether a sequence was preempted.
+  bool schedule_running() {
+    bool preempted = false;
+    for (std::size_t k = 0; k < running_.size() && left_ > 0;) {
+      Seq& s = running_[k];
+      const std::size_t n = s.prefilling() ? std::min(s.prompt - s.computed, left_) : 1;
+      bool ok;
+      if (s.prefilling()) {
+        ok = timer_.measure([&] { return m_.try_reserve(s.request, n).ok(); });
+      } else {
+        const pagedkv::TokenId t = generated_token(s.request, 0, s.generated);
+        ok = timer_.measure([&] { return m_.try_append(s.request, {&t, 1}).ok(); });
+      }
+      if (!ok) {
+        preempt_newest();
+        preempted = true;
+        continue;
+      }
+      if (!s.prefilling()) ++s.generated;
+      s.computed += n;
+      schedule(k, n);
+      ++k;
+    }
+    return preempted;
+  }
+
+  void preempt_newest() {
+    Seq victim = running_.back();
+    running_.pop_back();
+    timer_.measure([&] { m_.preempt(victim.request); });
+    // Drop the victim's entries from this step's batch (it may have been scheduled already).
+    for (std::size_t i = 0; i < batch_.size(); ++i) {
+      if (batch_[i] == victim.request) {
+        left_ += sched_[i];
+        batch_.erase(batch_.begin() + static_cast<std::ptrdiff_t>(i));
+        sched_.erase(sched_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+    victim.computed = victim.prompt = 0;
+    waiting_.push_front(victim);
+  }
+
+  void admit() {
+    while (!waiting_.empty() && running_.size() < opt_.max_num_seqs && left_ > 0) {
+      Seq& head = waiting_.front();
+      synthesize_prompt(trace_, head.request, prompt_);
+      for (std::uint32_t g = 0; g < head.generated; ++g) prompt_.push_back(generated_token(head.request, 0, g));
+      pagedkv::AdmitOptions o;
+      o.num_reserved_tokens = left_;  // the first chunk (clamped to the uncached tokens)
+      const auto r = timer_.measure([&] { return m_.try_admit(head.request, prompt_, nullptr, o); });
+      if (!r.admitted()) {
+        if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
+          throw std::logic_error("hybrid serve: request " + std::to_string(head.request) +
+                                 " cannot be admitted into an idle pool");
+        }
+        break;
+      }
+      head.prompt = prompt_.size();
+      const std::size_t first = std::min(left_, head.prompt - r.num_cached_tokens);
+      head.computed = r.num_cached_tokens + first;
+      running_.push_back(head);
+      waiting_.pop_front();
+      schedule(running_.size() - 1, first);
+    }
+  }
+
+  void build() {
+    std::size_t indices = 0, tokens = 0;
+    for (std::size_t b = 0; b < batch_.size(); ++b) {
+      indices += blocks_for(m_.num_built(batch_[b]) + sched_[b], opt_.block_size);
+      tokens += sched_[b];
+    }
+    const auto views = buffers_.view(batch_.size(), indices, tokens);
+    timer_.measure([&] { (void)m_.build_batch_metadata(batch_, views, sched_); });
+  }
+
+  void sample() {
+    const std::size_t bs = opt_.block_size;
+    const std::size_t G = model_.groups.size();
+    std::size_t empty = 0, tokens = 0;
+    for (const Seq& s : running_) {
+      empty += G * ((bs - s.computed % bs) % bs);
+      tokens += s.computed;
+    }
+    const std::size_t used = m_.stats().blocks_used;
+    ++busy_steps_;
+    seq_steps_ += running_.size();
+    peak_running_ = std::max(peak_running_, running_.size());
+    util_sum_ += used == 0 ? 1.0 : 1.0 - static_cast<double>(empty) / static_cast<double>(used * bs);
+    mean_used_ += static_cast<double>(used);
+    sum_used_ += static_cast<double>(used);
+    sum_tokens_ += static_cast<double>(tokens);
+    for (std::size_t g = 0; g < G; ++g) sum_held_[g] += static_cast<double>(m_.held_blocks(g));
+  }
+
+  void free_finished() {
+    const auto finished = [&](const Seq& s) {
+      return !s.prefilling() && s.generated >= trace_.requests[s.request].output_tokens;
+    };
+    for (const Seq& s : running_) {
+      if (finished(s)) timer_.measure([&] { m_.free(s.request); });
+    }
+    std::erase_if(running_, finished);
+  }
+
+  const Trace& trace_;
+  const HybridOptions& opt_;
+  const ModelLayers& model_;
+  std::size_t max_len_;
+  std::size_t budget_;
+  pagedkv::HybridKVCacheManager<Hasher> m_;
+  GroupBuffers buffers_;
+  LibraryTimer timer_;
+  std::deque<Seq> waiting_;
+  std::vector<Seq> running_;
+  std::size_t rejected_ = 0, left_ = 0, peak_running_ = 0;
+  std::uint64_t busy_steps_ = 0, seq_steps_ = 0;
+  double util_sum_ = 0, mean_used_ = 0, sum_used_ = 0, sum_tokens_ = 0;
+  std::vector<double> sum_held_;
+  std::vector<pagedkv::TokenId> prompt_;
+  std::vector<pagedkv::SeqId> batch_;
+  std::vector<std::uint32_t> sched_;
+};
+
+template <class Hasher>
+Row serve_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager) {
+  const std::size_t max_len = trace.max_total_tokens();
+  HybridServe<Hasher> s(trace, opt, model, max_len);
+  const auto& requests = trace.requests;
+  std::size_t next = 0;
+  std::uint64_t step = 0;
+  while (next < requests.size() || !s.idle()) {
+    if (s.idle()) step = std::max(step, static_cast<std::uint64_t>(std::ceil(requests[next].arrival_ms / opt.step_ms)));
+    const double start_ms = static_cast<double>(step) * opt.step_ms;
+    for (; next < requests.size() && requests[next].arrival_ms <= start_ms; ++next) s.enqueue(next);
+    ++step;
+    s.step();
+  }
+  Row row;
+  row.add("trace", trace.path.stem().string())
+      .add("mode", "hybrid-serve")
+      .add("manager", manager)
+      .add("groups", describe(model))
+      .add("block_size", opt.block_size)
+      .add("capacity_tokens", static_cast<std::int64_t>(opt.capacity_tokens))
+      .add("pool_blocks", static_cast<std::int64_t>(std::floor(opt.capacity_tokens / opt.block_size)) *
+                              static_cast<std::int64_t>(model.groups.size()))
+      .add("requests", requests.size());
+  s.add_fields(row);
+  return row;
+}
+
+template <class Hasher>
+Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager) {
+  pagedkv::HybridKVCacheManager<Hasher> m(make_config(model, opt, 0));
+  std::size_t min_window = std::numeric_limits<std::size_t>::max();
+  for (const auto& g : model.groups) {
+    if (g.kind != pagedkv::AttentionKind::kFull) min_window = std::min<std::size_t>(min_window, g.window_tokens);
+  }
+  const std::size_t past = min_window == std::numeric_limits<std::size_t>::max() ? 0 : min_window;
+  GroupBuffers buffers(model.groups.size());
+  LibraryTimer timer;
+  std::vector<pagedkv::TokenId> prompt;
+  std::uint64_t rejected = 0, past_queries = 0, past_hits = 0, hits_beyond_window = 0;
+  for (std::size_t i = 0; i < trace.requests.size(); ++i) {
+    synthesize_prompt(trace, i, prompt);
+    const auto r = timer.measure([&] { return m.try_admit(i, prompt); });
+    if (!r.admitted()) {
+      ++rejected;
+      continue;
+    }
+    if (past > 0 && prompt.size() > past) {
+      past_queries += prompt.size();
+      past_hits += r.num_cached_tokens;
+    }
+    if (past > 0 && r.num_cached_tokens > past) ++hits_beyond_window;
+    const pagedkv::SeqId id = i;
+    const std::uint32_t n = static_cast<std::uint32_t>(prompt.size() - r.num_cached_tokens);
+    const auto views = buffers.view(1, blocks_for(prompt.size(), opt.block_size), n);
+    timer.measure([&] {
+      (void)m.build_batch_metadata(std::span(&id, 1), views);
+      m.free(id);
+    });
+  }
+  const pagedkv::CacheStats s = m.stats();
+  Row row;
+  row.add("trace", trace.path.stem().string())
+      .add("mode", "hybrid-prefix")
+      .add("manager", manager)
+      .add("groups", describe(model))
+      .add("block_size", opt.block_size)
+      .add("capacity_tokens", static_cast<std::int64_t>(opt.capacity_tokens))
+      .add("requests", trace.requests.size())
+      .add("rejected", rejected)
+      .add("hit_ratio", s.prefix_query_tokens == 0 ? 0.0
+                                                   : static_cast<double>(s.prefix_hit_tokens) /
+                                                         static_cast<double>(s.prefix_query_tokens), 4)
+      .add("past_window_tokens", static_cast<std::int64_t>(past))
+      .add("hit_ratio_prompts_past_window",
+           past_queries == 0 ? 0.0 : static_cast<double>(past_hits) / static_cast<double>(past_queries), 4)
+      .add("hits_longer_than_window", hits_beyond_window)
+      .add("evictions", s.evictions)
+      .add("manager_seconds", timer.seconds(), 3);
+  return row;
+}
+
+}  // namespace
+
+ModelLayers parse_model_layers(std::string_view spec) {
+  // kind (full / swa<W> / chunk<C>) -> layers, in first-seen order
+  std::vector<std::pair<pagedkv::KVCacheGroupSpec, std::uint64_t>> kinds;
+  const auto bad = [&](std::string_view item, const std::string& why) {
+    throw std::invalid_argument("--model-layers \"" + std::string(spec) + "\": item \"" + std::string(item) + "\" " +
+                                why + " (expected kind:layers items, kind = full, swa<W> or chunk<C>, e.g. "
+                                      "\"full:12,swa4096:24\")");
+  };
+  const auto number = [&](std::string_view item, std::string_view digits, const char* what) -> std::uint32_t {
+    if (digits.empty() || digits.size() > 10 ||
+        !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+      bad(item, std::string("has no valid ") + what);
+    }
+    const std::uint64_t v = std::stoull(std::string(digits));
+    if (v == 0 || v > 2147483647ULL) bad(item, std::string("has ") + what + " " + std::string(digits) + " outside [1, 2^31 - 1]");
+    return static_cast<std::uint32_t>(v);
+  };
+  std::size_t pos = 0;
+  if (spec.empty()) bad(spec, "is empty");
+  while (pos <= spec.size()) {
+    const std::size_t end = std::min(spec.find(',', pos), spec.size());
+    const std::string_view item = spec.substr(pos, end - pos);
+    const std::size_t colon = item.find(':');
+    if (colon == std::string_view::npos) bad(item, "has no ':'");
+    const std::string_view kind = item.substr(0, colon);
+    pagedkv::KVCacheGroupSpec g;
+    if (kind == "full") {
+      g.kind = pagedkv::AttentionKind::kFull;
+    } else if (kind.starts_with("swa")) {
+      g.kind = pagedkv::AttentionKind::kSlidingWindow;
+      g.window_tokens = number(item, kind.substr(3), "window");
+    } else if (kind.starts_with("chunk")) {
+      g.kind = pagedkv::AttentionKind::kChunkedLocal;
+      g.window_tokens = number(item, kind.substr(5), "chunk size");
+    } else {
+      bad(item, "has an unknown kind \"" + std::string(kind) + "\"");
+    }
+    const std::uint32_t layers = number(item, item.substr(colon + 1), "layer count");
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) {
+      return k.first.kind == g.kind && k.first.window_tokens == g.window_tokens;
+    });
+    if (it == kinds.end()) {
+      kinds.emplace_back(g, layers);
+    } else {
+      it->second += layers;
+    }
+    pos = end + 1;
+  }
+  ModelLayers m;
+  std::uint64_t gcd = 0, total = 0;
+  for (const auto& k : kinds) {
+    gcd = std::gcd(gcd, k.second);
+    total += k.second;
+  }
+  if (total > 100000) bad(spec, "has " + std::to_string(total) + " layers (at most 100000)");
+  if (total / gcd > pagedkv::HybridKVCacheManager<>::kMaxGroups) {
+    bad(spec, "splits into " + std::to_string(total / gcd) + " groups of " + std::to_string(gcd) + " layers (at most " +
+                  std::to_string(pagedkv::HybridKVCacheManager<>::kMaxGroups) + ")");
+  }
+  m.layers_per_group = static_cast<std::uint32_t>(gcd);
+  m.num_layers = static_cast<std::uint32_t>(total);
+  for (const auto& [g, layers] : kinds) {
+    for (std::uint64_t i = 0; i < layers / gcd; ++i) {
+      pagedkv::KVCacheGroupSpec x = g;
+      x.num_layers = m.layers_per_group;
+      m.groups.push_back(x);
+    }
+  }
+  return m;
+}
+
+ModelLayers all_full(const ModelLayers& model) {
+  ModelLayers m = model;
+  for (auto& g : m.groups) {
+    g.kind = pagedkv::AttentionKind::kFull;
+    g.window_tokens = 0;
+  }
+  return m;
+}
+
+int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream& out) {
+  if (opt.block_size == 0) throw std::invalid_argument("hybrid: block size 0");
+  const ModelLayers model = parse_model_layers(opt.model_layers);
+  const ModelLayers baseline = all_full(model);
+  std::vector<Row> rows;
+  const auto run = [&]<class H>(std::type_identity<H>) {
+    if (opt.mode == "prefix") {
+      rows.push_back(prefix_row<H>(trace, opt, model, "hybrid"));
+      rows.push_back(prefix_row<H>(trace, opt, baseline, "all-full"));
+      return;
+    }
+    if (opt.mode != "serve") throw std::invalid_argument("hybrid: mode \"" + opt.mode + "\" (serve or prefix)");
+    rows.push_back(serve_row<H>(trace, opt, model, "hybrid"));
+    rows.push_back(serve_row<H>(trace, opt, baseline, "all-full"));
+    const auto bpt = [](const Row& r) {
+      for (const Field& f : r.fields()) {
+        if (f.name == "blocks_per_token") return std::get<double>(f.value);
+      }
+      return 0.0;
+    };
+    const double full_bpt = bpt(rows[1]);
+    rows[0].add("memory_saved", full_bpt == 0.0 ? 0.0 : 1.0 - bpt(rows[0]) / full_bpt, 4);
+    rows[1].add("memory_saved", 0.0, 4);
+  };
+  if (opt.xxh3) {
+    run(std::type_identity<pagedkv::Xxh3Hasher>{});
+  } else {
+    run(std::type_identity<pagedkv::Sha256Hasher>{});
+  }
+  if (opt.json) {
+    print_json_lines(out, rows);
+  } else {
+    print_table(out, rows);
+  }
+  return 0;
+}
+
+}  // namespace replay
