@@ -322,13 +322,9 @@ Row serve_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& m
 }
 
 template <class Hasher>
-Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager) {
+Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager,
+               std::size_t past) {
   pagedkv::HybridKVCacheManager<Hasher> m(make_config(model, opt, 0));
-  std::size_t min_window = std::numeric_limits<std::size_t>::max();
-  for (const auto& g : model.groups) {
-    if (g.kind != pagedkv::AttentionKind::kFull) min_window = std::min<std::size_t>(min_window, g.window_tokens);
-  }
-  const std::size_t past = min_window == std::numeric_limits<std::size_t>::max() ? 0 : min_window;
   GroupBuffers buffers(model.groups.size());
   LibraryTimer timer;
   std::vector<pagedkv::TokenId> prompt;
@@ -464,8 +460,13 @@ int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream&
   std::vector<Row> rows;
   const auto run = [&]<class H>(std::type_identity<H>) {
     if (opt.mode == "prefix") {
-      rows.push_back(prefix_row<H>(trace, opt, model, "hybrid"));
-      rows.push_back(prefix_row<H>(trace, opt, baseline, "all-full"));
+      // "Past the window": prompts longer than the hybrid model's smallest window (the same subset for both rows).
+      std::size_t past = 0;
+      for (const auto& g : model.groups) {
+        if (g.kind != pagedkv::AttentionKind::kFull) past = past == 0 ? g.window_tokens : std::min<std::size_t>(past, g.window_tokens);
+      }
+      rows.push_back(prefix_row<H>(trace, opt, model, "hybrid", past));
+      rows.push_back(prefix_row<H>(trace, opt, baseline, "all-full", past));
       return;
     }
     if (opt.mode != "serve") throw std::invalid_argument("hybrid: mode \"" + opt.mode + "\" (serve or prefix)");
