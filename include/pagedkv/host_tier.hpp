@@ -24,7 +24,7 @@ namespace pagedkv {
 /// is queued) and *ready* once the engine acknowledged the copy that fills it (registered or not: a swapped
 /// sequence's partial block is ready too); only ready blocks serve prefix hits or resume a swapped sequence. Holders of a host block: the transfers reading or filling it (until
 /// acknowledged) and the swapped sequences whose table holds it.
-/// Thread safety: none (the manager's single writer). Memory: the allocator's 12 bytes + the index's 22.5 bytes +
+/// Thread safety: none (the manager's single writer). Memory: the allocator's 12 bytes + the index's 22.8 bytes +
 /// 1 bit per host block.
 template <BlockHasher Hasher, BlockIdType Id = std::uint32_t, EvictionPolicy<Id> Evict = LruEviction<Id>>
 class HostTier {

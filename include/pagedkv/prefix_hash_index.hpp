@@ -111,9 +111,9 @@ inline void encode_block(std::vector<std::byte>& out, const BlockHash& parent, s
 ///
 /// Template parameters: `Hasher` (Sha256Hasher by default, Xxh3Hasher for single-tenant speed), `Id`.
 /// Memory: the hash of each block once (16 bytes), a registration bit, and a table of ids keyed through those
-/// hashes (detail::BlockHashTable: 6.3 bytes per block with 32-bit ids): 22.5 bytes per block, all allocated at
-/// construction. Cost: find / insert / erase one probe sequence each, O(1) expected, touching
-/// one 16-byte control group, one slot line and (on a 7-bit tag match) the candidate's hash.
+/// hashes (detail::BlockHashTable: 6.7 bytes per block with 32-bit ids): 22.8 bytes per block, all allocated at
+/// construction. Cost: find / insert / erase one probe sequence each, O(1) expected, touching one 64-byte group
+/// line (12 control bytes + 12 ids) and (on a 7-bit tag match) the candidate's hash.
 /// Thread safety: one writer; const calls (`hash_block`, `hash_full_blocks`, `find`, `hash_of`, `prefetch`) may run
 /// concurrently with each other (no scratch state: blocks are encoded on the caller's stack, or in a local buffer
 /// beyond 512 bytes), never with a non-const call.
