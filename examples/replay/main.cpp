@@ -15,6 +15,9 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+#include <string_view>
+
 #include <CLI/CLI.hpp>
 
 #include <pagedkv/error.hpp>
@@ -301,14 +304,24 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "write-back", "write-through"}))
       ->capture_default_str();
   app.add_option("--eviction", eviction_name,
-                 "Eviction policy of the GPU pool (and, in this build, of the host tier): lru, slru (segmented LRU: "
+                 "Eviction policy of the GPU pool (and of the host tier unless --host-eviction): lru, slru (segmented LRU: "
                  "one hit buys protection) or priority (TensorRT-LLM retention priorities, LRU per level)")
       ->check(CLI::IsMember({"lru", "slru", "priority"}))
       ->capture_default_str();
   app.add_option("--host-eviction", host_eviction_name,
-                 "Eviction policy of the host tier: lru, slru or priority. Default: --eviction's. This build's "
-                 "manager has one policy for both tiers, so another value is refused")
+                 "Eviction policy of the host tier: lru, slru or priority. Default: --eviction's (a different one "
+                 "needs --hash sha256)")
       ->check(CLI::IsMember({"lru", "slru", "priority"}));
+  int decode_priority = -1;
+  std::string head_priority;
+  app.add_option("--decode-priority", decode_priority,
+                 "With --eviction priority: retention priority (0..100, default 35) of blocks holding only generated "
+                 "tokens (TensorRT-LLM's decode_retention_priority), e.g. 10 so prompt blocks outlive them")
+      ->check(CLI::Range(0, 100));
+  app.add_option("--head-priority", head_priority,
+                 "With --eviction priority: TOKENS:PRIORITY, retention priority of the blocks of each prompt's first "
+                 "TOKENS tokens (a token range of TensorRT-LLM's KvCacheRetentionConfig), e.g. 2048:80 so shared "
+                 "heads (system prompts) outlive the rest");
   app.add_option("--kv-bytes-per-token", opt.kv_bytes_per_token,
                  "KV bytes per token over all layers, for the bytes copied between tiers (default: Llama-3.1-8B in "
                  "bf16, 32 layers x 2 x 8 KV heads x 128 x 2 bytes)")
@@ -357,10 +370,42 @@ int main(int argc, char** argv) {
                                                   : pagedkv::OffloadPolicy::kWriteBack;
   opt.preempt = preempt_name == "swap" ? pagedkv::PreemptMode::kSwap : pagedkv::PreemptMode::kRecompute;
   try {
-    if (opt.host_eviction != opt.eviction) {
+    if (opt.host_eviction != opt.eviction && opt.hash != replay::HashKind::kSha256) {
       throw CLI::ValidationError("--host-eviction", host_eviction_name + " differs from --eviction " + eviction_name +
-                                                        ": this build's KVCacheManager gives the host tier the GPU "
-                                                        "pool's policy");
+                                                        ": the replay builds a different host-tier policy with "
+                                                        "--hash sha256 only");
+    }
+    if ((decode_priority >= 0 || !head_priority.empty()) && opt.eviction != replay::EvictionKind::kPriority) {
+      throw CLI::ValidationError(decode_priority >= 0 ? "--decode-priority" : "--head-priority",
+                                 "retention priorities need --eviction priority (other policies ignore them)");
+    }
+    if (decode_priority >= 0 || !head_priority.empty()) {
+      auto config = std::make_shared<pagedkv::RetentionConfig>();
+      std::string label;
+      if (!head_priority.empty()) {
+        const auto colon = head_priority.find(':');
+        std::uint64_t tokens = 0, priority = 0;
+        const auto parse = [](std::string_view v, std::uint64_t& out) {
+          const auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), out);
+          return !v.empty() && ec == std::errc{} && ptr == v.data() + v.size();
+        };
+        if (colon == std::string::npos || !parse(std::string_view(head_priority).substr(0, colon), tokens) ||
+            !parse(std::string_view(head_priority).substr(colon + 1), priority) || tokens == 0 ||
+            priority > pagedkv::kMaxRetentionPriority) {
+          throw CLI::ValidationError("--head-priority", "\"" + head_priority +
+                                                            "\" is not TOKENS:PRIORITY with TOKENS >= 1 and PRIORITY "
+                                                            "in [0, 100]");
+        }
+        config->ranges.push_back({0, static_cast<std::size_t>(tokens), static_cast<std::uint8_t>(priority), std::nullopt});
+        label = "head:" + head_priority;
+      }
+      if (decode_priority >= 0) {
+        config->decode_priority = static_cast<std::uint8_t>(decode_priority);
+        label += std::string(label.empty() ? "" : ",") + "decode:" + std::to_string(decode_priority);
+      }
+      pagedkv::validate_retention(*config, "retention");
+      opt.retention = std::move(config);
+      opt.retention_label = label;
     }
     if (opt.preempt == pagedkv::PreemptMode::kSwap && mode != Mode::kServe) {
       throw CLI::ValidationError("--preempt", "swap applies to serve mode only");

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -12,6 +13,7 @@
 #include <pagedkv/eviction_slru.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include <pagedkv/retention.hpp>
 
 #include "report.hpp"
 #include "trace.hpp"
@@ -44,10 +46,13 @@ struct Options {
   double host_capacity_tokens = 0.0;  ///< Host tier size in tokens; 0 = no host tier.
   pagedkv::OffloadPolicy offload = pagedkv::OffloadPolicy::kWriteBack;  ///< With a host tier.
   EvictionKind eviction = EvictionKind::kLru;       ///< Device pool's policy.
-  EvictionKind host_eviction = EvictionKind::kLru;  ///< Host tier's policy (this manager: the device pool's).
+  EvictionKind host_eviction = EvictionKind::kLru;  ///< Host tier's policy (--host-eviction; default --eviction's).
   std::uint64_t kv_bytes_per_token = 131072;        ///< KV bytes per token over all layers (Llama-3.1-8B bf16).
   pagedkv::PreemptMode preempt = pagedkv::PreemptMode::kRecompute;  ///< serve: how a sequence is preempted.
-  int decode_priority = -1;  ///< serve, --eviction priority: retention priority of decode blocks; -1 = default.
+  /// --eviction priority: the retention config every admission carries (--decode-priority, --head-priority);
+  /// null = every block at the default priority.
+  std::shared_ptr<const pagedkv::RetentionConfig> retention;
+  std::string retention_label = "-";  ///< How the command line set it, for the `retention` column.
 };
 
 /// Prefix-cache replay (Mooncake FAST '25, Fig. 9): requests one at a time in file order, prompt only; each is
@@ -100,21 +105,33 @@ decltype(auto) with_hasher(HashKind hash, F&& f) {
 /// Name of a preemption mode as the command line spells it.
 [[nodiscard]] const char* to_string(pagedkv::PreemptMode preempt) noexcept;
 
-/// Call `f(std::type_identity<Manager>{})` with the manager type selected by `opt.hash` and `opt.eviction`
-/// (`KVCacheManager<Hasher, std::uint32_t, Evict>`; the host tier uses the device pool's policy). Six types are
-/// instantiated per mode.
+/// The policy type of an EvictionKind, as `f(std::type_identity<Policy>{})`.
+template <class F>
+decltype(auto) with_policy(EvictionKind kind, F&& f) {
+  switch (kind) {
+    case EvictionKind::kSlru: return f(std::type_identity<pagedkv::SlruEviction<std::uint32_t>>{});
+    case EvictionKind::kPriority: return f(std::type_identity<pagedkv::PriorityLruEviction<std::uint32_t>>{});
+    case EvictionKind::kLru: break;
+  }
+  return f(std::type_identity<pagedkv::LruEviction<std::uint32_t>>{});
+}
+
+/// Call `f(std::type_identity<Manager>{})` with the manager type selected by `opt.hash`, `opt.eviction` and
+/// `opt.host_eviction`: `KVCacheManager<Hasher, std::uint32_t, Evict, HostEvict>`. Every pair of policies is
+/// instantiated with SHA-256 (9 types), only equal policies with XXH3 (3 types; main.cpp refuses the others), to
+/// bound the build time.
 template <class F>
 decltype(auto) with_manager(const Options& opt, F&& f) {
   return with_hasher(opt.hash, [&]<class H>(std::type_identity<H>) -> decltype(auto) {
-    switch (opt.eviction) {
-      case EvictionKind::kSlru:
-        return f(std::type_identity<pagedkv::KVCacheManager<H, std::uint32_t, pagedkv::SlruEviction<std::uint32_t>>>{});
-      case EvictionKind::kPriority:
-        return f(std::type_identity<
-                 pagedkv::KVCacheManager<H, std::uint32_t, pagedkv::PriorityLruEviction<std::uint32_t>>>{});
-      case EvictionKind::kLru: break;
-    }
-    return f(std::type_identity<pagedkv::KVCacheManager<H>>{});
+    return with_policy(opt.eviction, [&]<class E>(std::type_identity<E>) -> decltype(auto) {
+      if constexpr (std::is_same_v<H, pagedkv::Sha256Hasher>) {
+        return with_policy(opt.host_eviction, [&]<class HE>(std::type_identity<HE>) -> decltype(auto) {
+          return f(std::type_identity<pagedkv::KVCacheManager<H, std::uint32_t, E, HE>>{});
+        });
+      } else {
+        return f(std::type_identity<pagedkv::KVCacheManager<H, std::uint32_t, E, E>>{});
+      }
+    });
   });
 }
 

@@ -59,13 +59,15 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
 
   Progress progress("prefix " + trace_name(trace), trace.requests.size(), opt.progress);
   std::vector<pagedkv::TokenId> prompt;
+  pagedkv::AdmitOptions admit_options;
+  admit_options.retention = opt.retention;  // applied when the request frees its blocks
   for (std::size_t i = 0; i < trace.requests.size(); ++i) {
     synthesize_prompt(trace, i, prompt);
     const pagedkv::SeqId seq = i;
     for (Pool& pool : pools) {
       Manager& m = *pool.manager;
       const auto result = pool.timer.measure([&] {
-        const pagedkv::AdmitResult r = m.try_admit(seq, prompt);
+        const pagedkv::AdmitResult r = m.try_admit(seq, prompt, nullptr, admit_options);
         if (r.admitted()) {
           const auto [swap_out, swap_in] = swap_extents(m, opt, pool.last_full_blocks);
           const auto view =
@@ -97,6 +99,7 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
         .add("mode", "prefix")
         .add("hash", to_string(opt.hash))
         .add("eviction", to_string(opt.eviction))
+        .add("retention", opt.retention_label)
         .add("block_size", opt.block_size)
         .add("capacity_tokens", static_cast<std::int64_t>(pool.capacity_tokens))
         .add("pool_blocks", pool.usable_blocks);
@@ -104,6 +107,7 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
       row.add("host_capacity_tokens", pool.host_blocks == 0 ? std::int64_t{0}
                                                             : static_cast<std::int64_t>(opt.host_capacity_tokens))
           .add("host_pool_blocks", pool.host_blocks)
+          .add("host_eviction", pool.host_blocks == 0 ? "-" : to_string(opt.host_eviction))
           .add("offload", pool.host_blocks == 0 ? "-" : to_string(opt.offload));
     }
     row.add("requests", trace.requests.size())

@@ -20,6 +20,12 @@
 // A preempted request is re-admitted with its prompt plus the tokens it had generated (vLLM V1's recompute: the
 // KV of all of them is recomputed, and their full blocks are usually still in the prefix cache); it then
 // generates only its remaining tokens.
+// With a host tier (--host-capacity-tokens) the build of step 4 also carries the step's copies (swap_out: offloads
+// of evicted cached blocks under --offload, swapped-out sequences; swap_in: onboarding of host-tier prefix hits,
+// resumed sequences), and the replay acknowledges them right after the build (complete_transfers), as an engine does
+// once the step ran. With --preempt swap a decoding victim is swapped out instead (preempt(seq, kSwap)) and, at the
+// front of the waiting queue, resumed by try_resume when admission reaches it (no recomputation; it decodes from
+// the next step on); a victim still prefilling, or one the host tier has no room for, is preempted by recompute.
 #include <algorithm>
 #include <cmath>
 #include <deque>
@@ -58,7 +64,7 @@ struct Occupancy {
 
 /// The paged scheduler: a KVCacheManager pool, FIFO admission, chunked prefill under a token budget, optional
 /// speculative decoding with lookahead slots, recompute preemption.
-template <class Hasher>
+template <class Manager>
 class PagedScheduler {
  public:
   PagedScheduler(const Trace& trace, const Options& opt, std::size_t usable_blocks, std::size_t max_model_len)
@@ -69,8 +75,15 @@ class PagedScheduler {
         budget_(opt.max_num_batched_tokens != 0 ? opt.max_num_batched_tokens : std::numeric_limits<std::size_t>::max()),
         manager_(config(opt, usable_blocks, max_model_len)),
         buffers_(opt.max_num_seqs, opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len)),
-                 usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs),
-        rng_(0x5bec) {}
+                 usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs,
+                 // swaps of one build: every device block at most once each way, + write-through's offloads of the
+                 // blocks the previous build registered (<= its indices)
+                 opt.host_capacity_tokens > 0
+                     ? usable_blocks + opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len))
+                     : 0),
+        rng_(0x5bec) {
+    admit_options_.retention = opt.retention;  // applied when a sequence releases its blocks
+  }
 
   /// A request arrives. One that can never run (longer than max_model_len, or than the pool) is rejected.
   void enqueue(std::size_t request) {
@@ -97,7 +110,12 @@ class PagedScheduler {
     batch_.clear();
     sched_.clear();
     if (!schedule_running()) admit();
-    if (running_.empty()) return;
+    if (running_.empty()) {
+      // Every running sequence was swapped out: the step still issues their copies (an empty batch).
+      if (manager_.transfers().queued().empty()) return;
+      build_metadata();
+      return;
+    }
     build_metadata();
     verify_drafts();
     sample(step_end_ms);
@@ -107,14 +125,30 @@ class PagedScheduler {
   /// Append this scheduler's columns to `row`.
   void add_fields(Row& row) const {
     const pagedkv::CacheStats s = manager_.stats();
-    row.add("rejected", rejected_)
+    row.add("eviction", to_string(opt_.eviction)).add("retention", opt_.retention_label);
+    if (opt_.host_capacity_tokens > 0) {
+      row.add("host_capacity_tokens", static_cast<std::int64_t>(opt_.host_capacity_tokens))
+          .add("host_pool_blocks", s.host_num_usable_blocks)
+          .add("host_eviction", to_string(opt_.host_eviction))
+          .add("offload", to_string(opt_.offload));
+    }
+    row.add("preempt", to_string(opt_.preempt))
+        .add("rejected", rejected_)
         .add("steps", occupancy_.busy_steps)
         .add("sim_seconds", occupancy_.last_busy_end_ms / 1000.0, 1)
         .add("kv_utilization", occupancy_.mean_utilization(), 4)
         .add("peak_running", occupancy_.peak_running)
         .add("preemptions", s.preemptions)
+        .add("swap_preemptions", swap_preemptions_)
+        .add("recompute_preemptions", s.preemptions - swap_preemptions_)
+        .add("resumes", resumes_)
+        // Tokens the re-admissions after recompute preemption had to compute again (their prompt + generated
+        // tokens not found in the prefix cache, either tier).
+        .add("recomputed_tokens", s.readmitted_query_tokens - s.readmitted_hit_tokens)
         .add("hit_ratio", hit_ratio(s), 4)
-        .add("evictions", s.evictions)
+        .add("evictions", s.evictions);
+    if (opt_.host_capacity_tokens > 0) add_tier_fields(row, s, opt_);
+    row
         .add("max_num_batched_tokens", opt_.max_num_batched_tokens)
         .add("prefill_chunks_per_prompt",
              prefills_ == 0 ? 0.0 : static_cast<double>(prefill_chunks_) / static_cast<double>(prefills_), 3)
@@ -141,7 +175,6 @@ class PagedScheduler {
   [[nodiscard]] std::uint64_t scheduled_tokens() const noexcept { return scheduled_tokens_; }
 
  private:
-  using Manager = pagedkv::KVCacheManager<Hasher>;
   static constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
 
   struct Seq {
@@ -153,6 +186,7 @@ class PagedScheduler {
     std::size_t drafts = 0;       // lookahead slots reserved this step
     std::uint32_t chunks = 0;     // steps with prompt tokens scheduled, this admission
     std::uint64_t failed_at = kNever;  // releases_ when its admission last failed (waiting only)
+    bool swapped = false;              // waiting: preempted by swap, resumed by try_resume (not re-admitted)
     std::shared_ptr<pagedkv::PreparedPrompt> prepared;  // waiting: its prompt, hashed once for the retries
     [[nodiscard]] bool prefilling() const { return computed < prompt; }
   };
@@ -163,6 +197,10 @@ class PagedScheduler {
     c.block_size = opt.block_size;
     c.max_tokens_per_seq = max_model_len;
     c.enable_events = !opt.publish_events.empty();  // --publish-events (publish.hpp)
+    if (opt.host_capacity_tokens > 0) {
+      c.num_host_blocks = usable_blocks_for(opt.host_capacity_tokens, opt.block_size, "--host-capacity-tokens") + 1;
+      c.offload = opt.offload;
+    }
     return c;
   }
 
@@ -230,11 +268,24 @@ class PagedScheduler {
     return preempted;
   }
 
+  // --preempt swap: a decoding sequence is settled here (built by the previous step, its copies acknowledged, no
+  // lookahead, and this step has not appended to it yet: it is the newest, at or after the one being scheduled), so
+  // it can be swapped; one still prefilling has unbuilt prompt slots and is preempted by recompute, as is one the
+  // host tier has no room for (preempt returns false).
   void preempt_newest() {
     Seq victim = running_.back();
     running_.pop_back();
-    release_timer_.measure([&] { manager_.preempt(victim.request); });
-    victim.tokens = victim.computed = victim.prompt = victim.drafts = victim.chunks = 0;
+    bool swapped = false;
+    if (opt_.preempt == pagedkv::PreemptMode::kSwap && !victim.prefilling()) {
+      swapped = release_timer_.measure([&] { return manager_.preempt(victim.request, pagedkv::PreemptMode::kSwap); });
+    }
+    if (swapped) {
+      ++swap_preemptions_;
+      victim.swapped = true;  // keeps its positions: resumed as it was
+    } else {
+      release_timer_.measure([&] { manager_.preempt(victim.request); });
+      victim.tokens = victim.computed = victim.prompt = victim.drafts = victim.chunks = 0;
+    }
     victim.failed_at = kNever;
     waiting_.push_front(victim);
     ++releases_;
@@ -247,13 +298,30 @@ class PagedScheduler {
       // Nothing was released since this request last failed: blocks only went down, so it would fail again
       // (and re-hashing its prompt every step would dominate the library time; an engine caches the verdict).
       if (head.failed_at == releases_) break;
+      if (head.swapped) {  // resume: its blocks come back by swap_in (this step's build issues the copies)
+        const auto r = admit_timer_.measure([&] { return manager_.try_resume(head.request); });
+        if (!r.admitted()) {
+          if (r.status == pagedkv::AdmitStatus::kTransferPending) break;  // not here: copies are acknowledged per step
+          if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
+            throw std::logic_error("serve: swapped request " + std::to_string(head.request) +
+                                   " cannot be resumed into an idle pool");
+          }
+          head.failed_at = releases_;
+          break;
+        }
+        head.swapped = false;
+        ++resumes_;
+        running_.push_back(head);  // decodes from the next step on
+        waiting_.pop_front();
+        continue;
+      }
       if (!head.prepared) {  // hashed once per admission attempt series, not once per retry
         synthesize_prompt(trace_, head.request, prompt_);
         for (std::uint32_t g = 0; g < head.generated; ++g) prompt_.push_back(generated_token(head.request, 0, g));
         head.prepared = std::make_shared<pagedkv::PreparedPrompt>(
             admit_timer_.measure([&] { return manager_.prepare_prompt(prompt_); }));
       }
-      const auto r = admit_timer_.measure([&] { return manager_.try_admit(head.request, *head.prepared); });
+      const auto r = admit_timer_.measure([&] { return manager_.try_admit(head.request, *head.prepared, admit_options_); });
       if (!r.admitted()) {
         if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
           throw std::logic_error("serve: request " + std::to_string(head.request) +
@@ -280,8 +348,14 @@ class PagedScheduler {
       num_indices += blocks(q.num_built + sched_[b]);
       num_new_tokens += sched_[b];
     }
-    const pagedkv::BatchMetadataBuffers view = buffers_.view(num_indices, num_new_tokens);
-    decode_timer_.measure([&] { (void)manager_.build_batch_metadata(batch_, view, sched_); });
+    const auto [swap_out, swap_in] = swap_extents(manager_, opt_, last_indices_);
+    const pagedkv::BatchMetadataBuffers view = buffers_.view(num_indices, num_new_tokens, swap_out, swap_in);
+    last_indices_ = num_indices;
+    decode_timer_.measure([&] {
+      const pagedkv::BatchMetadataSizes sz = manager_.build_batch_metadata(batch_, view, sched_);
+      // The engine runs the step (swap_out, swap_in, then the kernels) and acknowledges its copies.
+      if (sz.transfer_token != 0) manager_.complete_transfers(sz.transfer_token);
+    });
   }
 
   // Step 5: speculative verification. Each draft is accepted with probability spec_accept until the first
@@ -374,6 +448,9 @@ class PagedScheduler {
   std::uint64_t admissions_ = 0, prefills_ = 0, prefill_chunks_ = 0;
   std::size_t max_chunks_ = 0;
   std::uint64_t drafts_ = 0, accepted_ = 0, decode_steps_ = 0, decode_tokens_ = 0;
+  std::uint64_t swap_preemptions_ = 0, resumes_ = 0;
+  std::size_t last_indices_ = 0;
+  pagedkv::AdmitOptions admit_options_;  // block ids of the previous build (bounds write-through's offloads)
   std::mt19937_64 rng_;
   std::uniform_real_distribution<double> unit_{0.0, 1.0};
   // Scratch, reused every step.
@@ -440,12 +517,12 @@ class ContiguousScheduler {
   std::vector<Seq> running_;
 };
 
-template <class Hasher>
+template <class Manager>
 Row run_serve_with(const Trace& trace, const Options& opt) {
   const double capacity = opt.capacity_tokens.front();
   const std::size_t usable = usable_blocks_for(capacity, opt.block_size);
   const std::size_t max_model_len = opt.max_model_len != 0 ? opt.max_model_len : trace.max_total_tokens();
-  PagedScheduler<Hasher> paged(trace, opt, usable, max_model_len);
+  PagedScheduler<Manager> paged(trace, opt, usable, max_model_len);
   ContiguousScheduler contig(trace, static_cast<std::size_t>(capacity), max_model_len, opt.max_num_seqs);
   EventPublishing events(opt.publish_events, opt.publish_wait_ms);
   events.attach(paged.manager());
@@ -502,7 +579,7 @@ Row run_serve_with(const Trace& trace, const Options& opt) {
 }  // namespace
 
 Row run_serve(const Trace& trace, const Options& opt) {
-  return with_hasher(opt.hash, [&]<class H>(std::type_identity<H>) { return run_serve_with<H>(trace, opt); });
+  return with_manager(opt, [&]<class M>(std::type_identity<M>) { return run_serve_with<M>(trace, opt); });
 }
 
 }  // namespace replay
