@@ -28,6 +28,8 @@ struct Capacity {
   int max_q_rows = 0;          ///< Rows of q / o: max(max_new_tokens, max_batch).
   int max_copies = 0;          ///< (src, dst) pairs of the copy list.
   int max_num_chunks = 0;      ///< Split-KV chunks per sequence the decode workspace is sized for (chunk rule).
+  int max_swaps = 0;           ///< (src, dst) pairs of each swap list (swap_out, swap_in); 0 without a host tier.
+  int num_host_blocks = 0;     ///< Host tier pool size, its null block 0 included; 0 = no host tier.
   pagedkv::DecodePlanConfig plan;       ///< What decode plans are made for (the backend's device).
   pagedkv::DecodePlanCapacity plan_cap; ///< decode_plan_capacity(max_batch, plan): item / merge / partial-row buffers.
 };
@@ -44,6 +46,8 @@ struct Metadata {
   std::vector<std::int32_t> qo_indptr;      // [max_batch + 1]
   std::vector<std::int64_t> slot_mapping;   // [max_new_tokens]
   std::vector<std::int32_t> copies;         // [max_copies, 2]
+  std::vector<std::int32_t> swap_out;       // [max_swaps, 2] (device block, host block)
+  std::vector<std::int32_t> swap_in;        // [max_swaps, 2] (host block, device block)
   std::vector<pagedkv::DecodeWorkItem> plan_items;    // [plan_cap.items]: this step's decode plan (decode steps)
   std::vector<pagedkv::DecodeMergeItem> plan_merges;  // [plan_cap.merges]
 
@@ -90,9 +94,18 @@ class Backend {
   /// copy_blocks (the step's copy list, this layer) -> write_kv (num_new_tokens rows by slot mapping) ->
   /// prefill or decode attention; o and lse land in w.o / w.lse when it returns.
   [[nodiscard]] virtual BackendResult run_layer(const LayerWork& w) = 0;
+  /// The step's swaps, every layer, before its first run_layer: swap_out (device -> host tier), then swap_in
+  /// (host tier -> device), from the metadata given to set_metadata (the first `num_out` / `num_in` pairs).
+  /// Default: kUnsupported (a backend without a host pool).
+  [[nodiscard]] virtual BackendResult run_swaps(int num_out, int num_in) {
+    (void)num_out;
+    (void)num_in;
+    return {pagedkv::Status::kUnsupported, "swap_blocks: this backend has no host tier"};
+  }
 };
 
-/// The CPU reference backend (pagedkv::reference). Never fails to construct.
+/// The CPU reference backend (pagedkv::reference). Never fails to construct. With cap.num_host_blocks > 0 it also
+/// owns a host tier pool per layer (same block shape, poisoned like the device pools) and runs swap_blocks.
 [[nodiscard]] std::unique_ptr<Backend> make_cpu_backend(const Shape& shape, const Capacity& cap);
 
 /// The plan configuration for the CPU backend: a small "device" (4 SMs x 2 CTAs, chunks of >= 8 tokens) so that

@@ -22,6 +22,8 @@ Metadata::Metadata(const Capacity& c)
       qo_indptr(static_cast<std::size_t>(c.max_batch) + 1, 0),
       slot_mapping(static_cast<std::size_t>(c.max_new_tokens), -1),
       copies(2 * static_cast<std::size_t>(c.max_copies), -1),
+      swap_out(2 * static_cast<std::size_t>(c.max_swaps), -1),
+      swap_in(2 * static_cast<std::size_t>(c.max_swaps), -1),
       plan_items(static_cast<std::size_t>(c.plan_cap.items)),
       plan_merges(static_cast<std::size_t>(c.plan_cap.merges)) {}
 
@@ -36,6 +38,8 @@ pagedkv::BatchMetadataBuffers Metadata::buffers() {
   b.qo_indptr = qo_indptr;
   b.slot_mapping = slot_mapping;
   b.copies = copies;
+  b.swap_out = swap_out;
+  b.swap_in = swap_in;
   return b;
 }
 
@@ -78,6 +82,15 @@ class CpuBackend final : public Backend {
       v_.emplace_back(shape.v_buffer_bytes(), std::byte{0xff});
       views_.push_back(shape.view(k_.back().data(), v_.back().empty() ? nullptr : v_.back().data()));
     }
+    if (cap.num_host_blocks > 0) {  // the host tier: same block shape, its own number of blocks
+      Shape host = shape;
+      host.num_blocks = cap.num_host_blocks;
+      for (int l = 0; l < shape.num_layers; ++l) {
+        host_k_.emplace_back(host.k_buffer_bytes(), std::byte{0xff});
+        host_v_.emplace_back(host.v_buffer_bytes(), std::byte{0xff});
+        host_views_.push_back(host.view(host_k_.back().data(), host_v_.back().empty() ? nullptr : host_v_.back().data()));
+      }
+    }
     workspace_.resize(std::max(pagedkv::decode_workspace_bytes(cap.max_batch, cap.max_num_chunks, shape.num_qo_heads,
                                                                shape.head_dim),
                                cap.plan_cap.workspace_bytes) /
@@ -88,6 +101,18 @@ class CpuBackend final : public Backend {
 
   BackendResult set_metadata(const Metadata& md) override {
     md_ = &md;  // host memory already: the reference reads it in place
+    return {};
+  }
+
+  BackendResult run_swaps(int num_out, int num_in) override {
+    if (host_views_.empty()) return Backend::run_swaps(num_out, num_in);
+    const Metadata& md = *md_;
+    const pagedkv::SwapBlocksParams out{views_.data(), host_views_.data(), shape_.num_layers, md.swap_out.data(),
+                                        num_out, pagedkv::SwapDirection::kDeviceToHost};
+    if (const Status s = pagedkv::reference::swap_blocks(out); s != Status::kSuccess) return fail("swap_blocks out", s);
+    const pagedkv::SwapBlocksParams in{host_views_.data(), views_.data(), shape_.num_layers, md.swap_in.data(), num_in,
+                                       pagedkv::SwapDirection::kHostToDevice};
+    if (const Status s = pagedkv::reference::swap_blocks(in); s != Status::kSuccess) return fail("swap_blocks in", s);
     return {};
   }
 
@@ -150,6 +175,8 @@ class CpuBackend final : public Backend {
   Capacity cap_;
   std::vector<std::vector<std::byte>> k_, v_;
   std::vector<pagedkv::KVPoolView> views_;
+  std::vector<std::vector<std::byte>> host_k_, host_v_;  // the host tier (cap.num_host_blocks > 0)
+  std::vector<pagedkv::KVPoolView> host_views_;
   std::vector<float> workspace_;
   const Metadata* md_ = nullptr;
 };

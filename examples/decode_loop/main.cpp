@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <exception>
 #include <limits>
 #include <map>
@@ -60,12 +61,21 @@ struct Options {
   Layout layout = Layout::kNhd;
   std::string device = "cpu";
   bool verbose = false;
+  int gpu_blocks = 0;   ///< Usable device blocks; 0 = enough for every sequence (no preemption).
+  int host_blocks = 0;  ///< Usable host tier blocks; 0 = no host tier.
+  pagedkv::OffloadPolicy offload = pagedkv::OffloadPolicy::kWriteBack;
 };
 
 /// One live sequence as the runtime sees it: its id and the prefix hash of every position (its K/V identity).
 struct Seq {
   SeqId id = 0;
   std::vector<std::uint64_t> pos_hash;  // [num_tokens]
+  int target = std::numeric_limits<int>::max();  // host tier mode: decode tokens after which it finishes
+  int generated = 0;
+  bool swapped = false;  // preempted by swap, waiting for try_resume
+  int resumed_at = -1;   // the step that resumed it (its swap_in is in flight until that step ran)
+  int decoded_at = -1;   // the last step that appended a token to it
+  bool done = false;     // finished and freed
   void append(TokenId t) { pos_hash.push_back(extend_prefix_hash(pos_hash.empty() ? kEmptyPrefixHash : pos_hash.back(), t)); }
 };
 
@@ -113,7 +123,7 @@ class Runtime {
         cap_(cap),
         backend_(std::move(backend)),
         prompts_(std::move(prompts)),
-        mgr_(pagedkv::CacheConfig{static_cast<std::size_t>(shape.num_blocks), static_cast<std::uint32_t>(shape.block_size)}),
+        mgr_(config(opt, shape)),
         md_(cap),
         rng_(opt.seed * 0x9e3779b97f4a7c15ull + 17),
         q_(static_cast<std::size_t>(cap.max_q_rows * shape.q_row_elems()) * shape.elem_bytes()),
@@ -121,6 +131,16 @@ class Runtime {
         lse_(static_cast<std::size_t>(cap.max_q_rows * shape.num_qo_heads)),
         key_(static_cast<std::size_t>(cap.max_new_tokens * shape.kv_row_elems()) * shape.elem_bytes()),
         value_(key_.size()) {}
+
+  static pagedkv::CacheConfig config(const Options& opt, const Shape& shape) {
+    pagedkv::CacheConfig c{static_cast<std::size_t>(shape.num_blocks), static_cast<std::uint32_t>(shape.block_size)};
+    if (opt.host_blocks > 0) {
+      c.num_host_blocks = static_cast<std::size_t>(opt.host_blocks) + 1;  // + the host tier's null block
+      c.offload = opt.offload;
+    }
+    return c;
+  }
+  [[nodiscard]] bool tiered() const noexcept { return opt_.host_blocks > 0; }
 
   /// Runs the two prefill steps and every decode step; true when every check passed.
   bool run() {
@@ -135,9 +155,16 @@ class Runtime {
     for (int step = first; step < first + opt_.steps; ++step) {
       // Parallel sampling: fork some sequences (after the previous step's build, as the manager requires).
       const int want = step == fork_step_2 ? opt_.forks : (step == first ? first_forks : forked);
+      if (tiered()) pass = resume_swapped(step) && pass;
       while (forked < want) {
-        const Seq& parent = seqs_[static_cast<std::size_t>((forked * 3) % seqs_.size())];
+        std::size_t pi = static_cast<std::size_t>((forked * 3) % seqs_.size());
+        // A parent must be settled: running, and not resumed this step (its swap_in has not run yet).
+        const auto forkable = [&](const Seq& p) { return !p.swapped && !p.done && p.resumed_at != step; };
+        for (std::size_t n = 0; n < seqs_.size() && !forkable(seqs_[pi]); ++n) pi = (pi + 1) % seqs_.size();
+        if (!forkable(seqs_[pi])) break;  // nobody to fork this step
+        const Seq& parent = seqs_[pi];
         Seq child = parent;  // the child's K/V history is its parent's
+        child.target = std::numeric_limits<int>::max();
         child.id = 1000 + static_cast<SeqId>(forked);
         mgr_.fork(parent.id, child.id);
         if (opt_.verbose) std::printf("  fork %llu -> %llu at %zu tokens\n", static_cast<unsigned long long>(parent.id),
@@ -146,6 +173,7 @@ class Runtime {
         ++forked;
       }
       pass = decode_step(step) && pass;
+      if (tiered()) finish_done(step);
     }
     return finish() && pass;
   }
@@ -167,6 +195,9 @@ class Runtime {
       Seq s;
       s.id = static_cast<SeqId>(i);
       for (TokenId t : prompts_[i]) s.append(t);
+      // Host tier mode: request i finishes after steps * (i + 1) / batch decode tokens, so sequences leave at
+      // different times and free device blocks that swapped sequences resume into.
+      if (tiered()) s.target = std::max(1, opt_.steps * static_cast<int>(i + 1) / static_cast<int>(prompts_.size()));
       seqs_.push_back(std::move(s));
       prompt_tokens += prompts_[i].size();
       cached_tokens += r.num_cached_tokens;
@@ -192,17 +223,51 @@ class Runtime {
   bool decode_step(int step) {
     std::uniform_int_distribution<TokenId> tok(1, 49999);
     std::vector<TokenId> sampled;
-    for (Seq& s : seqs_) {
+    for (std::size_t k = 0; k < seqs_.size(); ++k) {
+      Seq& s = seqs_[k];
+      if (s.swapped || s.done) continue;
       TokenId t = tok(rng_);  // each sequence samples its own token, distinct from the others' this step
       while (std::find(sampled.begin(), sampled.end(), t) != sampled.end()) t = tok(rng_);
       sampled.push_back(t);
-      const auto r = mgr_.try_append(s.id, std::span<const TokenId>(&t, 1));
-      if (!r.ok()) {
-        std::printf("step %d: append to sequence %llu found no capacity (pool too small?)\n", step,
-                    static_cast<unsigned long long>(s.id));
-        return false;
+      bool appended = false;
+      while (!(appended = mgr_.try_append(s.id, std::span<const TokenId>(&t, 1)).ok())) {
+        if (!tiered()) {
+          std::printf("step %d: append to sequence %llu found no capacity (pool too small?)\n", step,
+                      static_cast<unsigned long long>(s.id));
+          return false;
+        }
+        // Preempt by swap the newest running sequence that can be swapped: at or after s (it has not appended this
+        // step) and not resumed this step (its swap_in is still to run). If there is none, s waits a step.
+        std::size_t v = seqs_.size();
+        for (std::size_t i = seqs_.size(); i-- > k;) {
+          if (!seqs_[i].swapped && !seqs_[i].done && seqs_[i].resumed_at != step) {
+            v = i;
+            break;
+          }
+        }
+        if (v == seqs_.size()) {
+          ++waits_;
+          if (opt_.verbose) std::printf("  sequence %llu waits a step\n", static_cast<unsigned long long>(s.id));
+          break;
+        }
+        if (!mgr_.preempt(seqs_[v].id, pagedkv::PreemptMode::kSwap)) {
+          std::printf("step %d: the host tier has no room to swap sequence %llu out (--host-blocks too small?)\n",
+                      step, static_cast<unsigned long long>(seqs_[v].id));
+          return false;
+        }
+        seqs_[v].swapped = true;
+        swap_queue_.push_back(v);
+        ++swap_preemptions_;
+        if (opt_.verbose) {
+          std::printf("  swap out %llu at %zu tokens\n", static_cast<unsigned long long>(seqs_[v].id),
+                      seqs_[v].pos_hash.size());
+        }
+        if (v == k) break;  // it was s itself: it does not decode this step
       }
+      if (!appended) continue;  // swapped out, or waits a step
       s.append(t);
+      ++s.generated;
+      s.decoded_at = step;
     }
     DecodeMode mode;
     mode.format = step % 2 == 1 ? PageTableFormat::kCsr : PageTableFormat::kPadded;
@@ -218,6 +283,40 @@ class Runtime {
     return run_step(step, /*prefill=*/false, mode);
   }
 
+  // Host tier mode: resume swapped sequences, first swapped first, while the device pool has room (they decode in
+  // this very step; the build issues their swap_in, which runs before the step's kernels).
+  bool resume_swapped(int step) {
+    while (!swap_queue_.empty()) {
+      Seq& s = seqs_[swap_queue_.front()];
+      const pagedkv::AdmitResult r = mgr_.try_resume(s.id);
+      if (r.status == pagedkv::AdmitStatus::kNeverFits) {
+        std::printf("sequence %llu can never be resumed\n", static_cast<unsigned long long>(s.id));
+        return false;
+      }
+      if (!r.admitted()) break;  // no room yet (or a copy not acknowledged: never here, each step acknowledges)
+      s.swapped = false;
+      s.resumed_at = step;
+      ++resumes_;
+      resumed_copied_tokens_ += r.num_host_cached_tokens;
+      if (opt_.verbose) {
+        std::printf("  resume %llu: %zu tokens, %zu copied back from the host tier\n",
+                    static_cast<unsigned long long>(s.id), r.num_cached_tokens, r.num_host_cached_tokens);
+      }
+      swap_queue_.pop_front();
+    }
+    return true;
+  }
+
+  // Host tier mode: free the sequences that generated their target after this step.
+  void finish_done(int step) {
+    for (Seq& s : seqs_) {
+      if (s.done || s.swapped || s.generated < s.target) continue;
+      mgr_.free(s.id);
+      s.done = true;
+      if (opt_.verbose) std::printf("  step %d: sequence %llu finished\n", step, static_cast<unsigned long long>(s.id));
+    }
+  }
+
   [[nodiscard]] int max_seq_len() const {
     std::size_t m = 0;
     for (const Seq& s : seqs_) m = std::max(m, s.pos_hash.size());
@@ -228,7 +327,13 @@ class Runtime {
   bool run_step(int step, bool prefill, DecodeMode mode) {
     std::vector<SeqId> batch;
     batch.reserve(seqs_.size());
-    for (const Seq& s : seqs_) batch.push_back(s.id);
+    batch_idx_.clear();
+    for (std::size_t i = 0; i < seqs_.size(); ++i) {
+      if (seqs_[i].swapped || seqs_[i].done) continue;
+      if (!prefill && seqs_[i].decoded_at != step) continue;  // waited this step: no token to compute
+      batch.push_back(seqs_[i].id);
+      batch_idx_.push_back(i);
+    }
     pagedkv::BatchMetadataSizes sz;
     try {
       sz = mgr_.build_batch_metadata(batch, md_.buffers());
@@ -243,7 +348,7 @@ class Runtime {
 
     // Cross-check the manager's view of each sequence against ours.
     for (int b = 0; b < b_count; ++b) {
-      const Seq& s = seqs_[static_cast<std::size_t>(b)];
+      const Seq& s = seqs_[batch_idx_[static_cast<std::size_t>(b)]];
       const int q_len = md_.qo_indptr[static_cast<std::size_t>(b) + 1] - md_.qo_indptr[static_cast<std::size_t>(b)];
       if (md_.seq_lens[static_cast<std::size_t>(b)] != static_cast<int>(s.pos_hash.size()) ||
           q_len > static_cast<int>(s.pos_hash.size()) || (!prefill && q_len != 1)) {
@@ -269,6 +374,15 @@ class Runtime {
     if (const BackendResult r = backend_->set_metadata(md_); !r.ok()) {
       std::printf("step %d: %s\n", step, r.what.c_str());
       return false;
+    }
+    // The host tier's copies run first: swap_out (offloads, swapped-out sequences), then swap_in (resumed
+    // sequences, onboarded prefix hits), then the layers.
+    if (sz.num_swap_out + sz.num_swap_in > 0) {
+      if (const BackendResult r = backend_->run_swaps(static_cast<int>(sz.num_swap_out), static_cast<int>(sz.num_swap_in));
+          !r.ok()) {
+        std::printf("step %d: %s\n", step, r.what.c_str());
+        return false;
+      }
     }
 
     // Query rows: prefill rows are the new tokens (qo_indptr); decode rows are one per batch slot, capacity-padded.
@@ -310,7 +424,15 @@ class Runtime {
                 prefill ? "csr    qo_indptr      " : mode.describe().c_str(), check.max_rel_err, check.max_lse_err,
                 pass ? "PASS" : "FAIL");
     if (!pass && !check.first_failure.empty()) std::printf("         first failure: %s\n", check.first_failure.c_str());
+    if (tiered() && sz.num_swap_out + sz.num_swap_in > 0) {
+      std::printf("         swaps: %zu out (device -> host), %zu in (host -> device); running %d, swapped %zu\n",
+                  sz.num_swap_out, sz.num_swap_in, b_count, swap_queue_.size());
+    }
     total_copies_ += sz.num_copies;
+    total_swap_out_ += sz.num_swap_out;
+    total_swap_in_ += sz.num_swap_in;
+    // The step ran: acknowledge its copies (the blocks they read or filled were pinned until now).
+    if (sz.transfer_token != 0) mgr_.complete_transfers(sz.transfer_token);
     return pass;
   }
 
@@ -318,7 +440,7 @@ class Runtime {
   void fill_new_kv(int b_count, int layer) {
     std::vector<float> row(static_cast<std::size_t>(shape_.kv_row_elems()));
     for (int b = 0; b < b_count; ++b) {
-      const Seq& s = seqs_[static_cast<std::size_t>(b)];
+      const Seq& s = seqs_[batch_idx_[static_cast<std::size_t>(b)]];
       const int q0 = md_.qo_indptr[static_cast<std::size_t>(b)];
       const int q_len = md_.qo_indptr[static_cast<std::size_t>(b) + 1] - q0;
       const auto first_pos = static_cast<std::int64_t>(s.pos_hash.size()) - q_len;
@@ -392,7 +514,7 @@ class Runtime {
 
     SeqKV kv;
     for (int b = 0; b < b_count; ++b) {
-      const Seq& s = seqs_[static_cast<std::size_t>(b)];
+      const Seq& s = seqs_[batch_idx_[static_cast<std::size_t>(b)]];
       kv.build(shape_, s.pos_hash, layer);
       const auto len = static_cast<std::int64_t>(s.pos_hash.size());
       const int q0 = prefill ? md_.qo_indptr[static_cast<std::size_t>(b)] : b;
@@ -412,8 +534,23 @@ class Runtime {
   // ---- teardown: free everything, every block must come back --------------------------------------------------------
   bool finish() {
     const auto before = mgr_.stats();
-    for (const Seq& s : seqs_) mgr_.free(s.id);
+    for (const Seq& s : seqs_) {
+      if (!s.done) mgr_.free(s.id);  // swapped ones too
+    }
     const auto after = mgr_.stats();
+    if (tiered()) {
+      std::printf("host tier: %d swap preemptions, %d sequence-steps waited, %d resumes (%zu tokens copied back, the rest still cached on the "
+                  "device), %zu blocks swapped out and %zu in by swap_blocks; offloads %llu, onboards %llu; host "
+                  "blocks used after freeing all: %zu of %zu\n",
+                  swap_preemptions_, waits_, resumes_, resumed_copied_tokens_, total_swap_out_, total_swap_in_,
+                  static_cast<unsigned long long>(after.offloads), static_cast<unsigned long long>(after.onboards),
+                  after.host_blocks_used, after.host_num_usable_blocks);
+      if (after.host_blocks_used != 0 || after.transfers_in_flight != 0) {
+        std::printf("host tier leaked %zu block(s) (%zu copies in flight)\n", after.host_blocks_used,
+                    after.transfers_in_flight);
+        return false;
+      }
+    }
     std::printf("manager: %llu prefix-hit tokens, %llu deduplicated blocks, %llu COW copies (%zu issued), "
                 "blocks used at the end %zu of %zu; after freeing all: %zu used, %zu cached\n",
                 static_cast<unsigned long long>(after.prefix_hit_tokens),
@@ -439,6 +576,10 @@ class Runtime {
   std::vector<float> lse_;
   std::vector<std::byte> key_, value_;
   std::size_t total_copies_ = 0;
+  std::vector<std::size_t> batch_idx_;  // this step's batch: indices into seqs_ (running sequences, in order)
+  std::deque<std::size_t> swap_queue_;  // swapped sequences, first swapped first
+  int swap_preemptions_ = 0, resumes_ = 0, waits_ = 0;
+  std::size_t resumed_copied_tokens_ = 0, total_swap_out_ = 0, total_swap_in_ = 0;
 };
 
 /// Prompts: two groups, each opening with its own system prompt; request i belongs to group i % 2 and adds its own
@@ -489,12 +630,36 @@ int run_main(int argc, char** argv) {
   app.add_option("--layout", layout_arg, "KV pool layout")->check(CLI::IsMember({"nhd", "hnd", "sep-nhd", "sep-hnd"}));
   app.add_option("--device", opt.device, "Backend: cpu (pagedkv::reference) or cuda (pagedkv::cuda)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_flag("-v,--verbose", opt.verbose, "Print admissions and forks");
+  app.add_flag("-v,--verbose", opt.verbose, "Print admissions and forks (and swaps, resumes, finishes)");
+  std::string offload_arg = "write-back";
+  app.add_option("--gpu-blocks", opt.gpu_blocks,
+                 "Usable device pool blocks (default: enough for every sequence). With --host-blocks, a small pool "
+                 "makes appends preempt the newest sequence by swap")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--host-blocks", opt.host_blocks,
+                 "Host tier blocks (0 = none): swap preemption and resume through swap_blocks (CPU reference); "
+                 "request i then finishes after steps * (i + 1) / batch tokens so swapped sequences can resume")
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--offload", offload_arg, "With --host-blocks: none, write-back or write-through")
+      ->check(CLI::IsMember({"none", "write-back", "write-through"}));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const int rc = app.exit(e);
     return rc == 0 ? 0 : 2;
+  }
+  opt.offload = offload_arg == "none"            ? pagedkv::OffloadPolicy::kNone
+                : offload_arg == "write-through" ? pagedkv::OffloadPolicy::kWriteThrough
+                                                 : pagedkv::OffloadPolicy::kWriteBack;
+  if (opt.host_blocks > 0 && opt.device != "cpu") {
+    std::fprintf(stderr, "decode_loop: --host-blocks runs on --device cpu only (the CUDA backend has no host tier "
+                         "pool yet)\n");
+    return 2;
+  }
+  if (opt.gpu_blocks > 0 && opt.host_blocks == 0) {
+    std::fprintf(stderr, "decode_loop: --gpu-blocks %d without --host-blocks: a pool smaller than the default needs "
+                         "the host tier to preempt into\n", opt.gpu_blocks);
+    return 2;
   }
   opt.dtype = dtype_arg == "bf16" ? DType::kBFloat16 : dtype_arg == "fp16" ? DType::kFloat16 : DType::kFloat32;
   opt.layout = layout_arg == "hnd"       ? Layout::kHnd
@@ -533,6 +698,20 @@ int run_main(int argc, char** argv) {
     return 2;
   }
   shape.num_blocks = static_cast<int>(blocks);
+  if (opt.gpu_blocks > 0) {
+    if (opt.gpu_blocks < cap.max_blocks_per_seq + 1) {
+      std::fprintf(stderr, "decode_loop: --gpu-blocks %d cannot hold one sequence of %d blocks (+ one copy-on-write)\n",
+                   opt.gpu_blocks, cap.max_blocks_per_seq);
+      return 2;
+    }
+    shape.num_blocks = opt.gpu_blocks + 1;  // + the null block
+  }
+  if (opt.host_blocks > 0) {
+    cap.num_host_blocks = opt.host_blocks + 1;
+    // Per build: each device block at most once each way, plus write-through offloads of the blocks registered by
+    // the previous build (<= its indices).
+    cap.max_swaps = shape.num_blocks + cap.max_indices;
+  }
 
   // The decode plan's device description, and buffers that fit every plan of a batch of max_batch sequences.
   if (opt.device == "cuda") {
