@@ -64,6 +64,11 @@ Modes:
           decoding its own tokens for output_length steps, then freed; one request at a time. Reports peak and
           time-averaged blocks held with sharing vs. --n x each branch's blocks (vLLM SOSP'23 sec. 6.3).
 
+Host tier (--host-capacity-tokens N): prefix replays each capacity without and with the tier side by side
+(tier_time_ratio); serve runs one pool with it (--preempt swap). Blocks the GPU pool evicts are offloaded
+(--offload), GPU misses found in the tier are onboarded; the build's copies are acknowledged after it. Reports
+gpu_hit_ratio / host_hit_ratio, copies and their GB (--kv-bytes-per-token).
+
 Every mode reports manager_seconds (steady_clock time inside library calls only), block_ops and
 ns_per_block_op; serve also ns_per_seq_step (library time per running sequence per step), admit_seconds
 (try_admit alone) and decode_ns_per_seq_step (try_append + build_batch_metadata per sequence per step).
