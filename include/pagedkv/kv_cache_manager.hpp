@@ -208,6 +208,7 @@ class KVCacheManager {
         host_(config_.num_host_blocks != 0 ? std::make_unique<host_tier_type>(config_.num_host_blocks, config_.hash_seed)
                                            : nullptr),
         filling_((config_.num_blocks + 63) / 64, 0),
+        unkeyed_fill_((config_.num_blocks + 63) / 64, 0),
         events_(config_.enable_events) {}
 
   KVCacheManager(const KVCacheManager&) = delete;
@@ -789,6 +790,7 @@ class KVCacheManager {
       }
       // onboard, swap-in: the device block is filled; register it if its hash is not registered yet
       filling_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
+      unkeyed_fill_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
       ++completed_fills_;
       if (t.hashed && !index_.hash_of(t.device)) {
         const Id reg = index_.insert(t.hash, t.device);
@@ -1078,9 +1080,7 @@ class KVCacheManager {
   // The allocator as BlockTable sees it: releases go through release_block so pending copies stay consistent.
   struct Proxy {
     KVCacheManager* m;
-    // Table holders only: a pending copy's reference on its source does not make the block shared (the copy
-    // runs before this step's writes), so the one table still holding it may write in place.
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->alloc_.refcount(b) - m->pins(b); }
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
     [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
     [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->alloc_.num_available_blocks(); }
     template <class F>
@@ -1105,9 +1105,18 @@ class KVCacheManager {
   // The allocator as capacity queries see it (read-only).
   struct ConstProxy {
     const KVCacheManager* m;
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->alloc_.refcount(b) - m->pins(b); }
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
     [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
   };
+
+  // Block tables holding b, as copy-on-write sees them: a pending copy's reference on its source, or the reference
+  // of a host -> device fill that registers nothing on its destination, does not make the block shared (the step
+  // runs swap_in and the copies before its writes), so the one table still holding it may write in place (a
+  // resumed sequence appending to its swapped-in partial last block). A fill that registers its block under a hash
+  // when it completes keeps counting: writing into that block (after a rewind) would make the registered hash lie.
+  [[nodiscard]] std::uint32_t table_refcount(Id b) const {
+    return alloc_.refcount(b) - pins(b) - (is_unkeyed_fill(b) ? 1U : 0U);
+  }
 
   struct AdmitPlan {
     CapacityQuery query;
@@ -1477,10 +1486,13 @@ class KVCacheManager {
     alloc_.acquire(dst);
     if (!src_pinned) host_->acquire(src);
     filling_[dst / 64] |= std::uint64_t{1} << (dst % 64);
+    if (h == nullptr) unkeyed_fill_[dst / 64] |= std::uint64_t{1} << (dst % 64);
     transfers_.push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0});
     ++(kind == TransferKind::kOnboard ? stats_.onboards : stats_.swap_ins);
   }
   [[nodiscard]] bool is_filling(Id b) const noexcept { return ((filling_[b / 64] >> (b % 64)) & 1U) != 0; }
+  // Filling by a copy that registers nothing when it completes (a swapped-in partial or unhashed block).
+  [[nodiscard]] bool is_unkeyed_fill(Id b) const noexcept { return ((unkeyed_fill_[b / 64] >> (b % 64)) & 1U) != 0; }
   // Whether any block of `q` is being filled by a host -> device copy not yet completed.
   [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
     if (stats_.onboards + stats_.swap_ins == completed_fills_) return false;  // none in flight anywhere
@@ -1613,6 +1625,7 @@ class KVCacheManager {
   std::unique_ptr<host_tier_type> host_;               // null = no host tier
   TransferQueue<Id> transfers_;
   std::vector<std::uint64_t> filling_;                 // [ceil(num_blocks / 64)] device blocks a fill targets
+  std::vector<std::uint64_t> unkeyed_fill_;            // [ceil(num_blocks / 64)] of those, fills carrying no hash
   std::uint64_t completed_fills_ = 0;                  // onboard + swap-in transfers completed
   std::vector<std::pair<Id, BlockHash>> recent_registered_;  // write-through: registered by the last build
   std::vector<Transfer<Id>> completed_scratch_;

@@ -245,6 +245,31 @@ TEST_CASE("swap preemption: out to the host tier, back by try_resume, K/V intact
   CHECK(m.stats().blocks_used == 0);
 }
 
+TEST_CASE("a resumed sequence appends into its swapped-in last block in place (no copy-on-write)",
+          "[host_tier][swap]") {
+  Mgr m(cfg(9, 17, OffloadPolicy::kNone));
+  Engine e(m);
+  e.admit(1, toks(0, 10));  // blocks of 4: the last one partial (2 tokens)
+  e.step({1});
+  REQUIRE(m.preempt(1, PreemptMode::kSwap));
+  const auto s = e.step({});
+  m.complete_transfers(s.transfer_token);
+  REQUIRE(m.try_resume(1).admitted());
+  // The swap_in into the partial last block is queued (its fill holds a reference): the block is not shared.
+  const auto a = m.try_append(1, Toks{10});
+  REQUIRE(a.ok());
+  CHECK_FALSE(a.copy.has_value());
+  CHECK(m.pending_copies().empty());
+  e.tokens[1] = toks(0, 11);
+  const auto s2 = e.step({1});  // swap_in, then write_kv into the same block
+  CHECK(s2.num_swap_in == 1);  // the full blocks were still cached on the device: only the partial one comes back
+  CHECK(e.reads_own());
+  m.complete_transfers(s2.transfer_token);
+  m.free(1);
+  CHECK(m.stats().blocks_used == 0);
+  CHECK(m.stats().host_blocks_used == 0);
+}
+
 TEST_CASE("host tier misuse and limits", "[host_tier][errors]") {
   Mgr plain(cfg(9, 0, OffloadPolicy::kWriteBack));
   REQUIRE(plain.try_admit(1, toks(0, 4)).admitted());

@@ -332,6 +332,16 @@ class Harness {
     return n;
   }
 
+  // Of those, the fills that register nothing when they complete (no hash): not holders for copy-on-write.
+  std::uint32_t unkeyed_fill_pins(std::uint32_t b) const {
+    std::uint32_t n = 0;
+    for (const auto& t : m_.transfers().queued()) n += !pagedkv::is_device_to_host(t.kind) && t.device == b && !t.hashed;
+    for (const auto& t : m_.transfers().in_flight()) {
+      n += !pagedkv::is_device_to_host(t.kind) && t.device == b && !t.hashed;
+    }
+    return n;
+  }
+
   // Pending copies reading block b (each holds a reference; they do not count as holders for copy-on-write).
   std::uint32_t pins(std::uint32_t b) const {
     std::uint32_t n = 0;
@@ -695,7 +705,9 @@ class Harness {
     const std::size_t nb = blocks.size();
     const std::size_t len = s.slotted;
     const bool cow =
-        len % bs_ != 0 && (a.refcount(blocks.back()) - pins(blocks.back()) > 1 || a.is_hashed(blocks.back()));
+        len % bs_ != 0 &&
+        (a.refcount(blocks.back()) - pins(blocks.back()) - unkeyed_fill_pins(blocks.back()) > 1 ||
+         a.is_hashed(blocks.back()));
     const std::uint32_t old_last = nb > 0 ? blocks.back() : 0;
     const std::size_t need = blocks_for(len + n) - nb + (cow ? 1 : 0);
     // Never fits: alone in the pool it would still hold more blocks than there are (a copy forced by a hash stays).
