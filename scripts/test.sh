@@ -64,9 +64,14 @@ $replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capaci
 $replay data/traces/mooncake-fast25/conversation_trace.jsonl --mode prefix --capacity-tokens 1e6 --limit 500 --hash xxh3
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --limit 500
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode fork --n 4 --limit 100
+$replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capacity-tokens 1e6 --host-capacity-tokens 5e7 --limit 500
+$replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --capacity-tokens 2e4 \
+        --host-capacity-tokens 1e6 --offload none --preempt swap --limit 300
+$replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode serve --model-layers full:12,swa4096:24 --limit 300
 echo "== decode_loop (manager + CPU reference kernels, checked against float64 every step)"
 build-ci/examples/decode_loop --block-size 16
 build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3
+build-ci/examples/decode_loop --block-size 4 --gpu-blocks 70 --host-blocks 256 --steps 40   # swap to a host tier
 echo "== 5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 3 minutes)"
 tests/fuzz/check_replay_args.sh build-ci/examples/pagedkv-replay
 scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-80}"

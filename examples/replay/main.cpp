@@ -22,6 +22,7 @@
 
 #include <pagedkv/error.hpp>
 
+#include "hybrid_mode.hpp"
 #include "modes.hpp"
 #include "report.hpp"
 #include "trace.hpp"
@@ -355,6 +356,11 @@ int main(int argc, char** argv) {
                  "Publish the replay's KV events as it runs on this ZeroMQ endpoint, in vLLM's format (topic "
                  "kv-events, replay socket on a free port, both printed on stderr; prefix mode: the first "
                  "capacity's pool), e.g. tcp://127.0.0.1:5557 (docs/events-wire.md)");
+  std::string model_layers;
+  app.add_option("--model-layers", model_layers,
+                 "serve / prefix: a hybrid model's layers as KV-cache groups, e.g. \"full:12,swa4096:24\" (kinds "
+                 "full, swa<W>, chunk<C>): replays HybridKVCacheManager against the same layers all full attention "
+                 "on the same pool, one row each (docs/groups.md)");
   app.add_option("--publish-wait-ms", opt.publish_wait_ms,
                  "With --publish-events: wait this long after binding, so subscribers can connect first")
       ->check(CLI::Range(0, 600000))
@@ -430,11 +436,47 @@ int main(int argc, char** argv) {
     if (mode != Mode::kPrefix && opt.capacity_tokens.size() != 1) {
       throw CLI::ValidationError("--capacity-tokens", "serve and fork modes take a single capacity");
     }
+    std::size_t num_groups = 0;
+    if (!model_layers.empty()) {
+      if (mode == Mode::kFork) throw CLI::ValidationError("--model-layers", "takes --mode serve or prefix");
+      if (opt.host_capacity_tokens > 0 || opt.eviction != replay::EvictionKind::kLru || opt.spec_tokens != 0 ||
+          !opt.publish_events.empty()) {
+        throw CLI::ValidationError("--model-layers", "replays an LRU pool without a host tier, speculation or "
+                                                     "published events (HybridKVCacheManager has none of them)");
+      }
+      try {
+        num_groups = replay::parse_model_layers(model_layers).groups.size();
+      } catch (const std::invalid_argument& e) {
+        throw CLI::ValidationError("--model-layers", e.what());
+      }
+    }
     const std::uint64_t available = replay::host_memory_available_bytes();
-    const std::uint64_t pool_bytes = check_pool_memory(opt, mode, available);
+    // A hybrid run's pool has one block per group per block_size tokens of capacity, and one prefix index per group
+    // (two managers, one at a time): counted as num_groups^2 single-group pools, an upper bound.
+    replay::Options sized = opt;
+    if (num_groups > 1) {
+      for (double& c : sized.capacity_tokens) c *= static_cast<double>(num_groups * num_groups);
+    }
+    const std::uint64_t pool_bytes = check_pool_memory(sized, mode, available);
     const std::filesystem::path path = trace_arg.empty() ? default_trace_path() : std::filesystem::path(trace_arg);
     const replay::Trace trace = replay::load_trace(path, limit);
     check_trace_sizes(trace, opt, mode, pool_bytes, available);
+    if (!model_layers.empty()) {
+      replay::HybridOptions h;
+      h.model_layers = model_layers;
+      h.block_size = opt.block_size;
+      h.xxh3 = opt.hash == replay::HashKind::kXxh3;
+      h.mode = mode == Mode::kServe ? "serve" : "prefix";
+      h.step_ms = opt.step_ms;
+      h.max_num_seqs = opt.max_num_seqs;
+      h.max_num_batched_tokens = opt.max_num_batched_tokens;
+      h.json = json;
+      for (const double c : opt.capacity_tokens) {
+        h.capacity_tokens = c;
+        replay::run_hybrid_serve(trace, h, std::cout);
+      }
+      return 0;
+    }
 
     std::vector<replay::Row> rows;
     switch (mode) {

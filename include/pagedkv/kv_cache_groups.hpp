@@ -211,7 +211,7 @@ template <class Cached>
 /// Errors: misuse throws pagedkv::Error and leaves the manager unchanged; expected outcomes are values.
 /// Cost: admission O(groups x prompt blocks) index probes (hashing once); append O(groups + new tokens); build
 /// O(groups x (batch + blocks + new tokens)); fork / free / rewind O(groups x blocks). None depends on pool size.
-/// Memory: per pool block the allocator (12 B) + one PrefixHashIndex per group (22.5 B each) + 1 B group tag.
+/// Memory: per pool block the allocator (12 B) + one PrefixHashIndex per group (22.8 B each) + 1 B group tag.
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t>
 class HybridKVCacheManager {
  public:

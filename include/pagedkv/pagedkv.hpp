@@ -15,6 +15,7 @@
 #include <pagedkv/hash.hpp>
 #include <pagedkv/host_tier.hpp>
 #include <pagedkv/kernel_params.hpp>
+#include <pagedkv/kv_cache_groups.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>

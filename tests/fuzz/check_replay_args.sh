@@ -46,6 +46,18 @@ expect_refusal "exceeds 2^31 - 1 tokens" "$tmp/big.csv" --mode serve
 printf '{"timestamp": 1e400, "input_length": 6, "output_length": 3, "hash_ids": [5]}\n' > "$tmp/overflow.jsonl"
 expect_refusal "overflow.jsonl:1: invalid JSON" "$tmp/overflow.jsonl"
 
+# Host tier, speculation, retention and hybrid-model flags.
+expect_refusal "--spec-accept: 1.5 must be a probability in [0, 1]" "$trace" --mode serve --spec-accept 1.5
+expect_refusal "--host-capacity-tokens: nan must be a finite number >= 0" "$trace" --host-capacity-tokens nan
+expect_refusal "--preempt: swap needs a host tier" "$trace" --mode serve --preempt swap
+expect_refusal "--head-priority: \"20:101\" is not TOKENS:PRIORITY" "$trace" --eviction priority --head-priority 20:101
+expect_refusal "--decode-priority: retention priorities need --eviction priority" "$trace" --decode-priority 10
+expect_refusal "--model-layers: --model-layers \"full:12,bogus\": item \"bogus\" has no ':'" "$trace" \
+  --model-layers full:12,bogus
+expect_refusal "--model-layers: takes --mode serve or prefix" "$trace" --mode fork --model-layers full:12
+expect_refusal "--model-layers: replays an LRU pool without a host tier" "$trace" --model-layers full:12,swa4096:24 \
+  --host-capacity-tokens 1e6
+
 if [ "$failed" -ne 0 ]; then
   echo "check_replay_args: FAILED"
   exit 1
