@@ -45,12 +45,12 @@ if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
   rc=0; ./build-package-cuda/pagedkv_cuda_consumer || rc=$?
   [ "$rc" -eq 0 ] || [ "$rc" -eq 77 ]   # 77: no GPU; built, linked, host part and launcher validation checked
 fi
-echo "== 3d/4 installed events_zmq component consumer (find_package(pagedkv COMPONENTS events_zmq), loopback)"
+echo "== 3c/4 installed events_zmq component consumer (find_package(pagedkv COMPONENTS events_zmq), loopback)"
 rm -rf build-package-ezmq
 cmake -S tests/events_zmq/package -B build-package-ezmq -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" >/dev/null
 cmake --build build-package-ezmq
 ./build-package-ezmq/pagedkv_events_zmq_consumer
-echo "== 3c/4 a CPU-only install ships no CUDA headers, and COMPONENTS cuda fails on it"
+echo "== 3d/4 a CPU-only install ships no CUDA headers, and COMPONENTS cuda fails on it"
 rm -rf build-asan/install build-package-nocuda
 cmake --install build-asan --prefix "$root/build-asan/install" >/dev/null
 test ! -e build-asan/install/include/pagedkv/cuda

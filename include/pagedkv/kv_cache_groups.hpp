@@ -21,6 +21,7 @@
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/reserve.hpp>
+#include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
@@ -1126,22 +1127,9 @@ class HybridKVCacheManager {
     }
   }
   void record_stored(const Seq& s, std::size_t i, const BlockHash& h, std::uint32_t g) {
-    const std::size_t bs = config_.block_size;
     KVEvent& e = events_.push(KVEventType::kBlockStored);
-    e.hash = h;
+    detail::fill_stored_event(e, h, i, config_.block_size, s.tokens, s.hashes, s.keys.get());
     e.group = g;
-    if (i > 0) e.parent_hash = s.hashes[i - 1];
-    e.token_ids.assign(s.tokens.begin() + static_cast<std::ptrdiff_t>(i * bs),
-                       s.tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs));
-    e.block_size = config_.block_size;
-    e.block_start = i * bs;
-    if (s.keys) {
-      e.adapter_id = s.keys->adapter_id;
-      for (const auto& m : s.keys->multimodal) {
-        if (detail::item_overlaps(m, i * bs, (i + 1) * bs)) e.multimodal_items.push_back(m);
-      }
-      if (i == 0) e.salt = s.keys->salt;
-    }
   }
 
   HybridCacheConfig config_;

@@ -20,6 +20,7 @@
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/reserve.hpp>
+#include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
@@ -1589,21 +1590,8 @@ class KVCacheManager {
   }
 
   void record_stored(const sequence_type& q, std::size_t i, const BlockHash& h) {
-    const std::size_t bs = config_.block_size;
-    KVEvent& e = events_.push(KVEventType::kBlockStored);
-    e.hash = h;
-    if (i > 0) e.parent_hash = q.hashes[i - 1];
-    e.token_ids.assign(q.tokens.begin() + static_cast<std::ptrdiff_t>(i * bs),
-                       q.tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs));
-    e.block_size = config_.block_size;
-    e.block_start = i * bs;
-    if (q.keys) {
-      e.adapter_id = q.keys->adapter_id;
-      for (const auto& m : q.keys->multimodal) {
-        if (detail::item_overlaps(m, i * bs, (i + 1) * bs)) e.multimodal_items.push_back(m);
-      }
-      if (i == 0) e.salt = q.keys->salt;
-    }
+    detail::fill_stored_event(events_.push(KVEventType::kBlockStored), h, i, config_.block_size, q.tokens, q.hashes,
+                              q.keys.get());
   }
 
   CacheConfig config_;
