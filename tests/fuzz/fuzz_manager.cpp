@@ -32,8 +32,10 @@ void run_manager_input(std::span<const std::uint8_t> data) {
   // Limits of the int32 metadata, checked before anything is allocated.
   if (nsel == 0xFE) c.num_blocks = pagedkv::kMaxMetadataValue + 2, invalid = true;
   if ((flags & 0x20) && nsel == 0xFD) c.max_tokens_per_seq = pagedkv::kMaxMetadataValue + 1, invalid = true;
-  if (small_ids && c.num_blocks > 0xFFFF) invalid = true;
-  if (small_ids) {
+  if (small_ids && !(flags & 0x40) && c.num_blocks > 0xFFFF) invalid = true;
+  if (flags & 0x40) {  // retention priorities (the small-id bits are ignored)
+    run_manager_ops<RetentionManager>(c, invalid, r, log);
+  } else if (small_ids) {
     run_manager_ops<ShaSmallIdManager>(c, invalid, r, log);
   } else {
     run_manager_ops<XxhManager>(c, invalid, r, log);

@@ -19,7 +19,11 @@ using pagedkv_fuzz::ByteWriter;
 using pagedkv_fuzz::Op;
 
 // Config flags (manager_ops.hpp).
-constexpr std::uint8_t kCachingOff = 0x03, kEventsOff = 0x04, kSmallIds = 0x18, kLimit = 0x20;
+constexpr std::uint8_t kCachingOff = 0x03, kEventsOff = 0x04, kSmallIds = 0x18, kLimit = 0x20, kRetention = 0x40;
+// Retention selectors (the retention manager's admissions end with one): none, [0, prompt) at 80 with decode 10,
+// a one-range config with a duration (kRetOneRange | len << 3: [0, len % 40 + 1) at 90 for len + 1 us), custom
+// ranges (kRetCustom, kRetCustomRaw: begins not made cumulative).
+constexpr std::uint8_t kRetNone = 0, kRetSystemPrompt = 3, kRetOneRange = 4, kRetCustom = 5, kRetCustomRaw = 13;
 // Block-size selectors: kBlockSizes = {1, 2, 3, 4, 8, 16, 5, 32}.
 constexpr std::uint8_t kBs1 = 0, kBs2 = 1, kBs3 = 2, kBs4 = 3, kBs8 = 4, kBs16 = 5, kBs5 = 6, kBs32 = 7;
 // Keys selectors.
@@ -140,6 +144,16 @@ class Seed {
     return *this;
   }
   Seed& move() { return op(Op::kMove); }
+  /// Raw argument bytes (the retention argument that ends an admission on the retention manager).
+  Seed& raw(std::initializer_list<std::uint8_t> bytes) {
+    for (std::uint8_t b : bytes) w_.u8(b);
+    return *this;
+  }
+  /// expire_retention: the clock advances by b * b us (b < 224) or goes back by b - 223 us.
+  Seed& expire(std::uint8_t b) {
+    op(Op::kExpireRetention).w_.u8(b);
+    return *this;
+  }
   Seed& drain() { return op(Op::kDrainAll); }
   [[nodiscard]] const std::vector<std::uint8_t>& bytes() const { return w_.bytes(); }
 
@@ -226,6 +240,30 @@ std::vector<std::pair<std::string, Seed>> seeds() {
   add("events_batches_and_stats",
       Seed(0, kBs4, 12).admit(1, 0, 16).step().take_events().preempt(1).admit(1, 0, 16).step().take_events().take_stats()
           .admit(2, 1, 30).take_events().take_events().free(1).free(2).reset().take_events().take_stats());
+  // Retention priorities (the PriorityLruEviction manager): the low-priority blocks go first; expiry; bad configs.
+  add("retention_low_priority_evicted_first",
+      Seed(kRetention, kBs4, 6).admit(1, 0, 8).raw({kRetSystemPrompt}).step().free(1).admit(2, 1, 8).raw({kRetNone})
+          .step().free(2).admit(3, 2, 12).raw({kRetNone}).step().lookup(0, 8).lookup(1, 8).free(3).admit(4, 0, 9)
+          .raw({kRetNone}).step().drain());
+  add("retention_expiry_clock",
+      Seed(kRetention, kBs4, 6).admit(1, 0, 8).raw({kRetOneRange | (2 << 3)}).step().append(1, 5).step().free(1)
+          .expire(1).expire(230).expire(2).expire(3).admit(2, 1, 16).raw({kRetNone}).step().lookup(0, 8).drain());
+  add("retention_invalid_configs",
+      Seed(kRetention, kBs4, 16)
+          .admit(1, 0, 12).raw({kRetCustom, 2, 0, 4, 50, 0, 0, 4, 60, 10, 10, 0})   // valid: [0,4) 50, [4,8) 60 10us
+          .admit(2, 0, 12).raw({kRetCustom, 1, 0, 4, 200, 0, 10, 0})               // priority 200
+          .admit(2, 0, 12).raw({kRetCustomRaw, 2, 5, 4, 50, 0, 1, 4, 60, 0, 10, 0})  // unsorted, overlapping
+          .admit(2, 0, 12).raw({kRetCustom, 1, 2, 0, 50, 0, 10, 0})                // empty range
+          .admit(2, 0, 12).raw({kRetCustom, 1, 0, 4, 50, 255, 10, 0})              // zero duration
+          .admit(2, 0, 12).raw({kRetCustom, 2, 0, 0xFF, 50, 0, 0, 4, 60, 0, 10, 0})  // an open range, then another
+          .admit(2, 0, 12).raw({kRetCustom, 0, 250, 0})                            // decode priority 250
+          .admit(2, 0, 12).raw({kRetCustom, 0, 10, 255})                           // zero decode duration
+          .step().free(1).expire(4).admit(2, 0, 12).raw({kRetNone}).step().drain());
+  add("retention_fork_rewind_preempt",
+      Seed(kRetention, kBs4, 12).admit(1, 0, 9).raw({kRetSystemPrompt}).step().append(1, 4).step().fork(1, 2)
+          .append(2, 1).rewind(1, 4).step().preempt(2).expire(5).admit(2, 0, 14).raw({kRetOneRange | (7 << 3)}).step()
+          .move().free(1).expire(200).admit(3, 1, 30).raw({kRetNone}).step().drain());
+  add("expire_retention_without_priorities", Seed(0, kBs4, 8).admit(1, 0, 8).step().free(1).expire(9).expire(240).step());
   return s;
 }
 

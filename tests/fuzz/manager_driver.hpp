@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -21,7 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <pagedkv/eviction_priority.hpp>
+#include <pagedkv/eviction_slru.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include <pagedkv/retention.hpp>
 
 #include "byte_reader.hpp"
 #include "manager_model.hpp"
@@ -134,6 +138,7 @@ class Driver {
       case Op::kBuildScheduled: op_build(r, BuildKind::kScheduled); break;
       case Op::kTakeEventBatch: op_take_event_batch(); break;
       case Op::kTakePrefixStats: op_take_prefix_stats(); break;
+      case Op::kExpireRetention: op_expire_retention(r); break;
       case Op::kCount: break;
     }
   }
@@ -249,6 +254,182 @@ class Driver {
     return (c - 192) % (len + 2);
   }
 
+  // ---- retention ------------------------------------------------------------------------------------------------
+  static std::optional<std::chrono::nanoseconds> decode_duration(std::uint8_t d) {
+    if (d == 0) return std::nullopt;
+    if (d == 255) return std::chrono::nanoseconds(0);  // invalid
+    return std::chrono::microseconds(d);
+  }
+  static std::uint8_t decode_priority(std::uint8_t p) { return p < 200 ? static_cast<std::uint8_t>(p % 101) : p; }
+
+  /// AdmitOptions::retention (retention manager only): none, a system-prompt config, one range with a duration,
+  /// or custom ranges (any priority, duration, begin, length; sorted or not).
+  std::shared_ptr<const pagedkv::RetentionConfig> decode_retention(ByteReader& r, std::size_t len) const {
+    const std::uint8_t k = r.u8();
+    auto c = std::make_shared<pagedkv::RetentionConfig>();
+    switch (k % 8) {
+      case 0: case 1: case 2: return nullptr;
+      case 3:
+        c->ranges.push_back({0, std::nullopt, 80, std::nullopt});
+        c->decode_priority = 10;
+        return c;
+      case 4:
+        c->ranges.push_back({0, std::size_t{(k >> 3) % 40U + 1U}, 90, std::chrono::microseconds((k >> 3) + 1)});
+        return c;
+      default: {
+        const bool sorted = (k & 8) == 0;
+        std::size_t pos = 0;
+        for (std::size_t i = 0, n = r.u8() % 4; i < n; ++i) {
+          const std::uint8_t b = r.u8(), l = r.u8(), p = r.u8(), d = r.u8();
+          pagedkv::TokenRangeRetention t;
+          t.begin = sorted ? pos + b % 8 : b % (len + 2);
+          if (l != 0xFF) t.end = t.begin + l % 24;
+          t.priority = decode_priority(p);
+          t.duration = decode_duration(d);
+          pos = t.end.value_or(t.begin);
+          c->ranges.push_back(t);
+        }
+        c->decode_priority = decode_priority(r.u8());
+        c->decode_duration = decode_duration(r.u8());
+        return c;
+      }
+    }
+  }
+
+  /// Whether `c` is a valid RetentionConfig (written from the header's contract, not from validate_retention).
+  static bool retention_valid(const pagedkv::RetentionConfig& c) {
+    auto dur_ok = [](const std::optional<std::chrono::nanoseconds>& d) { return !d || d->count() > 0; };
+    if (c.decode_priority > pagedkv::kMaxRetentionPriority || !dur_ok(c.decode_duration)) return false;
+    for (std::size_t i = 0; i < c.ranges.size(); ++i) {
+      const auto& t = c.ranges[i];
+      if (t.priority > pagedkv::kMaxRetentionPriority || !dur_ok(t.duration)) return false;
+      if (t.end && *t.end <= t.begin) return false;
+      if (i + 1 < c.ranges.size() && (!t.end || *t.end > c.ranges[i + 1].begin)) return false;
+    }
+    return true;
+  }
+
+  static std::string retention_text(const pagedkv::RetentionConfig* c) {
+    if (c == nullptr) return "none";
+    auto dur = [](const std::optional<std::chrono::nanoseconds>& d) {
+      return d ? std::to_string(d->count()) + "ns" : std::string("-");
+    };
+    std::string t = "{";
+    for (const auto& x : c->ranges) {
+      t += "[" + std::to_string(x.begin) + "," + (x.end ? std::to_string(*x.end) : std::string("end")) + ") p" +
+           std::to_string(x.priority) + " " + dur(x.duration) + "; ";
+    }
+    return t + "decode p" + std::to_string(c->decode_priority) + " " + dur(c->decode_duration) + "}";
+  }
+
+  /// The retention block `i` of model sequence `s` takes on release, from a per-range scan; `exact` is false when
+  /// ranges of equal top priority but different durations tie (the expiry is then not checked).
+  struct ExpectedRetention {
+    std::uint8_t priority = pagedkv::kDefaultRetentionPriority;
+    std::optional<std::chrono::nanoseconds> duration;
+    bool exact = true;
+  };
+  ExpectedRetention expected_retention(const typename Model::MSeq& s, std::size_t i) const {
+    ExpectedRetention e;
+    if (!s.retention) return e;
+    const std::size_t bs = model_.block_size(), begin = i * bs;
+    if (begin >= s.prompt_len) return {s.retention->decode_priority, s.retention->decode_duration, true};
+    const std::size_t end = std::min(begin + bs, s.prompt_len);
+    int best = -1;
+    for (const auto& t : s.retention->ranges) {
+      const std::size_t t_end = t.end.value_or(s.prompt_len);
+      if (!(t.begin < end && t_end > begin)) continue;
+      if (t.priority > best) {
+        best = t.priority, e.priority = t.priority, e.duration = t.duration, e.exact = true;
+      } else if (t.priority == best && t.duration != e.duration) {
+        e.exact = false;
+      }
+    }
+    return e;
+  }
+
+  /// After `id`'s blocks [first, end) of `blocks` were released (free, preempt, rewind): every one still hashed has
+  /// the priority (and expiry) the sequence's retention config assigns to its position.
+  void check_released_retention(const typename Model::MSeq& s, const Blocks& blocks, std::size_t first) {
+    if constexpr (Model::kHasRetention) {
+      const auto& pol = m().allocator().eviction_policy();
+      const auto now = m().retention_now();
+      for (std::size_t i = first; i < blocks.size(); ++i) {
+        const Id b = static_cast<Id>(blocks[i]);
+        if (!m().allocator().is_hashed(b)) continue;
+        const ExpectedRetention e = expected_retention(s, i);
+        const std::string what = "block " + std::to_string(blocks[i]) + " (logical " + std::to_string(i) + ")";
+        expect(pol.priority(b) == e.priority, what + " has retention priority " + std::to_string(pol.priority(b)) +
+                                                  " after its release, expected " + std::to_string(e.priority));
+        if (!e.exact) continue;
+        std::optional<pagedkv::RetentionTimePoint> want;
+        if (e.priority != pagedkv::kDefaultRetentionPriority && e.duration) want = now + *e.duration;
+        expect(pol.expires_at(b) == want, what + ": retention expiry after its release");
+      }
+    } else {
+      (void)s, (void)blocks, (void)first;
+    }
+  }
+
+  /// Release checks: LruEviction's exact order (tail first, through pending copies); for other policies the set of
+  /// cached blocks the model predicts, and the priorities the released blocks took.
+  void check_after_release(const Blocks& want_lru, const std::string& what) {
+    const auto lru = m().allocator().eviction_policy().order();
+    Blocks got(lru.begin(), lru.end());
+    if constexpr (Model::kExactLru) {
+      expect(got == want_lru, "LRU order after " + what + " (tail first, through pending copies)");
+    } else {
+      Blocks want = want_lru;
+      std::sort(got.begin(), got.end());
+      std::sort(want.begin(), want.end());
+      expect(got == want, "the set of cached blocks after " + what);
+      for (const auto b : want) expect(m().allocator().is_cached(static_cast<Id>(b)), "is_cached after " + what);
+      expect(m().allocator().num_cached_blocks() == want.size(), "num_cached_blocks after " + what);
+    }
+  }
+
+  /// expire_retention(now) on the simulated clock: forward by b^2 us, or back (which must change nothing).
+  void op_expire_retention(ByteReader& r) {
+    const std::uint8_t b = r.u8();
+    if (b < 224) {
+      clock_ += std::chrono::microseconds(static_cast<std::int64_t>(b) * b);
+    } else {
+      clock_ -= std::chrono::microseconds(b - 223);
+    }
+    const pagedkv::RetentionTimePoint now(clock_);
+    log_.add("m.expire_retention(" + std::to_string(clock_.count()) + "ns)");
+    const auto before = model_.snapshot(m());
+    const auto old_now = m().retention_now();
+    const auto eff = std::max(old_now, now);
+    std::size_t want = 0;
+    if constexpr (Model::kHasRetention) {
+      const auto& pol = m().allocator().eviction_policy();
+      for (const auto blk : pol.order()) {
+        const auto at = pol.expires_at(blk);
+        if (at && *at <= eff) ++want;
+      }
+    }
+    const std::size_t n = m().expire_retention(now);
+    log_.result(std::to_string(n) + " expired");
+    expect(m().retention_now() == eff, "retention_now() after expire_retention");
+    expect(n == want, "expire_retention moved " + std::to_string(n) + " blocks, expected " + std::to_string(want));
+    // Every priority whose expiry is at or before the clock falls back to the default (held blocks too: when next
+    // cached); nothing else changes, and the cached blocks stay the same set (in the same order if none moved).
+    auto want_snap = before;
+    want_snap.retention_now = eff.time_since_epoch().count();
+    for (auto& [prio, at] : want_snap.retention) {
+      if (at && *at <= want_snap.retention_now) prio = pagedkv::kDefaultRetentionPriority, at.reset();
+    }
+    auto after = model_.snapshot(m());
+    if (n != 0) {
+      auto set_of = [](Blocks v) { std::sort(v.begin(), v.end()); return v; };
+      expect(set_of(after.lru) == set_of(before.lru), "expire_retention changed the set of cached blocks");
+      after.lru = want_snap.lru;
+    }
+    expect(after == want_snap, "expire_retention changed more than the expired priorities (or the clock)");
+    model_.check_all(m());
+  }
+
   // ---- admission ------------------------------------------------------------------------------------------------
   /// What an admission of `prompt` would do now, as the model predicts it (valid input only).
   struct AdmitPrediction {
@@ -321,6 +502,8 @@ class Driver {
     const auto cap = decode_cap(r, prompt.size());
     const auto reserve = how != Admission::kPlain ? decode_reserve(r, prompt.size()) : std::nullopt;
     const std::uint8_t tamper = how == Admission::kPrepared ? r.u8() : 0;
+    std::shared_ptr<const pagedkv::RetentionConfig> retention;
+    if constexpr (Model::kHasRetention) retention = decode_retention(r, prompt.size());
     std::string needle;
     std::set<Errc> errs = admit_errors(id, prompt, keys, needle);
     std::optional<pagedkv::PreparedPrompt> prepared;
@@ -346,8 +529,14 @@ class Driver {
         log_.add(std::string("(p tampered: ") + ((tamper & 1) ? "another chain root" : "another number of block hashes") + ")");
       }
     }
+    // Retention is checked after the prompt, the keys and the prepared prompt's origin: their message first.
+    if (retention && !retention_valid(*retention)) {
+      if (errs.empty()) needle = "retention";
+      errs.insert(Errc::kInvalidArgument);
+    }
     log_.add("m.try_admit(" + std::to_string(id) + ", " + (prepared ? std::string("p") : toks_text(prompt) + ", " + keys_text(keys)) +
-             ", {max_cached_tokens " + opt_text(cap) + ", num_reserved_tokens " + opt_text(reserve) + "})");
+             ", {max_cached_tokens " + opt_text(cap) + ", num_reserved_tokens " + opt_text(reserve) +
+             (Model::kHasRetention ? ", retention " + retention_text(retention.get()) : std::string()) + "})");
     const std::size_t bs = model_.block_size();
     AdmitPrediction want;
     std::set<Errc> input_errs = errs;  // what query_admit would raise (no id)
@@ -370,12 +559,13 @@ class Driver {
     if (prepared && !errs.contains(Errc::kInvalidArgument)) {  // query_admit of the prepared prompt agrees
       pagedkv::CapacityQuery q;
       const std::set<Errc>& qerrs = input_errs;
-      if (call(qerrs, "", [&] { q = m().query_admit(*prepared, opts); })) {
+      if (call(qerrs, "", [&] { q = m().query_admit(*prepared, opts); })) {  // (opts without the retention)
         expect(qerrs.empty(), "query_admit(prepared) succeeded, expected " + allowed_text(qerrs));
         expect(q.status == want.status && q.num_blocks == want.num_blocks && q.num_missing_blocks == want.missing,
                "query_admit(prepared) disagrees with the prediction");
       }
     }
+    opts.retention = retention;
     if (!call(errs, needle, [&] {
           res = prepared ? m().try_admit(id, *prepared, opts) : m().try_admit(id, prompt, keys, opts);
         })) {
@@ -420,6 +610,10 @@ class Driver {
     } else {
       ++in.requests, in.queries += prompt.size(), in.hits += hits * bs;
     }
+    want.seq.retention = retention;
+    want.seq.prompt_len = prompt.size();
+    expect(m().sequence(id).retention == retention && m().sequence(id).num_prompt_tokens == prompt.size(),
+           "the admitted sequence's retention config or prompt length");
     model_.add_seq(id, std::move(want.seq));
     model_.check_all(m());
   }
@@ -671,8 +865,8 @@ class Driver {
     if (!errs.empty()) fail("free / preempt of a sequence that is not live succeeded");
     log_.result("ok");
     expect(m().stats().preemptions == pre + (preempt ? 1 : 0), "preemptions counter");
-    const auto lru = m().allocator().eviction_policy().order();
-    expect(Blocks(lru.begin(), lru.end()) == want_lru, "LRU order after release (tail first, through pending copies)");
+    check_after_release(want_lru, preempt ? "preempt" : "free");
+    check_released_retention(model_.seq(id), blocks, 0);
     if (preempt) model_.preempted_ids().insert(id);
     model_.erase_seq(id);
     model_.check_all(m());
@@ -709,9 +903,9 @@ class Driver {
     if (!call(errs, needle, [&] { m().rewind(id, n); })) return;
     if (!errs.empty()) fail("rewind succeeded, expected " + allowed_text(errs));
     log_.result("ok");
-    const auto lru = m().allocator().eviction_policy().order();
-    expect(Blocks(lru.begin(), lru.end()) == want_lru, "LRU order after rewind");
+    check_after_release(want_lru, "rewind");
     const std::size_t keep = model_.blocks_for(after_model.slotted);
+    check_released_retention(after_model, blocks, keep);
     const auto after = m().block_ids(id);
     expect(after.size() == keep && std::equal(after.begin(), after.end(), blocks.begin()),
            "rewind kept other blocks than the leading ones");
@@ -1060,13 +1254,15 @@ class Driver {
   std::unique_ptr<Mgr> m_;
   Model model_;
   CallLog& log_;
+  std::chrono::nanoseconds clock_{0};  // the simulated retention clock (kExpireRetention)
 };
 
 // =================================================================================================================
 template <class Mgr>
 void run_with(const pagedkv::CacheConfig& c, bool expect_invalid, ByteReader& r, CallLog& log) {
   log.add("KVCacheManager<" + std::string(Mgr::hasher_type::kName) + ", uint" +
-          std::to_string(8 * sizeof(typename Mgr::block_id_type)) + ">({num_blocks " + std::to_string(c.num_blocks) +
+          std::to_string(8 * sizeof(typename Mgr::block_id_type)) +
+          (ManagerModel<Mgr>::kHasRetention ? ", PriorityLruEviction, SlruEviction" : "") + ">({num_blocks " + std::to_string(c.num_blocks) +
           ", block_size " + std::to_string(c.block_size) + ", prefix caching " + std::to_string(c.enable_prefix_caching) +
           ", max_tokens_per_seq " + std::to_string(c.max_tokens_per_seq) + ", events " +
           std::to_string(c.enable_events) + "})");
@@ -1089,7 +1285,7 @@ void run_with(const pagedkv::CacheConfig& c, bool expect_invalid, ByteReader& r,
 }  // namespace driver_detail
 
 /// Runs one input's operations on a manager of type Mgr built from `c` (`expect_invalid`: the configuration must be
-/// refused). Instantiated in fuzz_manager_xxh3.cpp and fuzz_manager_sha256.cpp.
+/// refused). Instantiated in fuzz_manager_xxh3.cpp, fuzz_manager_sha256.cpp and fuzz_manager_retention.cpp.
 template <class Mgr>
 void run_manager_ops(const pagedkv::CacheConfig& c, bool expect_invalid, ByteReader& r, CallLog& log) {
   driver_detail::run_with<Mgr>(c, expect_invalid, r, log);
@@ -1097,7 +1293,10 @@ void run_manager_ops(const pagedkv::CacheConfig& c, bool expect_invalid, ByteRea
 
 using XxhManager = pagedkv::KVCacheManager<pagedkv::Xxh3Hasher, std::uint32_t>;
 using ShaSmallIdManager = pagedkv::KVCacheManager<pagedkv::Sha256Hasher, std::uint16_t>;
+using RetentionManager = pagedkv::KVCacheManager<pagedkv::Xxh3Hasher, std::uint32_t, pagedkv::PriorityLruEviction<std::uint32_t>,
+                                                 pagedkv::SlruEviction<std::uint32_t>>;
 extern template void run_manager_ops<XxhManager>(const pagedkv::CacheConfig&, bool, ByteReader&, CallLog&);
 extern template void run_manager_ops<ShaSmallIdManager>(const pagedkv::CacheConfig&, bool, ByteReader&, CallLog&);
+extern template void run_manager_ops<RetentionManager>(const pagedkv::CacheConfig&, bool, ByteReader&, CallLog&);
 
 }  // namespace pagedkv_fuzz

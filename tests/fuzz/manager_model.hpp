@@ -44,6 +44,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -170,6 +171,11 @@ template <class Mgr>
 class ManagerModel {
  public:
   using Id = typename Mgr::block_id_type;
+  using Policy = typename Mgr::allocator_type::eviction_policy_type;
+  /// LruEviction: the exact eviction order after a release is predictable (expected_lru_after_release).
+  static constexpr bool kExactLru = std::is_same_v<Policy, pagedkv::LruEviction<Id>>;
+  /// A retention-priority policy (PriorityLruEviction): admissions carry retention configs, priorities are checked.
+  static constexpr bool kHasRetention = pagedkv::RetentionEvictionPolicy<Policy, Id>;
   using Hasher = typename Mgr::hasher_type;
   static constexpr std::uint64_t kPoison = 0xDEADDEADDEADDEADULL;
 
@@ -184,6 +190,8 @@ class ManagerModel {
     std::vector<BlockHash> hashes;            // chain hashes of the known full blocks (prefix caching on)
     std::size_t slotted = 0;                  // positions with slots
     std::size_t built = 0;                    // positions whose writes a build issued (or that hit the cache)
+    std::shared_ptr<const pagedkv::RetentionConfig> retention;  // AdmitOptions::retention (forks inherit it)
+    std::size_t prompt_len = 0;               // prompt tokens at admission (retention: later blocks are decode)
     [[nodiscard]] std::size_t known() const noexcept { return tokens.size(); }
     [[nodiscard]] std::size_t lookahead() const noexcept { return drafts.size(); }
     [[nodiscard]] std::size_t pending() const noexcept { return slotted - built; }
@@ -223,6 +231,9 @@ class ManagerModel {
     std::vector<std::tuple<std::uint32_t, bool, bool, std::optional<BlockHash>>> blocks;
     Blocks lru;
     std::size_t index_size = 0;
+    // Retention (a RetentionEvictionPolicy only): per block its priority and expiry (ns), and the manager's clock.
+    std::vector<std::pair<std::uint8_t, std::optional<std::int64_t>>> retention;
+    std::int64_t retention_now = 0;
     friend bool operator==(const Snapshot&, const Snapshot&) = default;
   };
 
@@ -394,6 +405,15 @@ class ManagerModel {
     const auto lru = a.eviction_policy().order();
     s.lru.assign(lru.begin(), lru.end());
     s.index_size = m.prefix_index().size();
+    if constexpr (kHasRetention) {
+      for (std::size_t b = 1; b < a.num_blocks(); ++b) {
+        const Id id = static_cast<Id>(b);
+        const auto at = a.eviction_policy().expires_at(id);
+        s.retention.emplace_back(a.eviction_policy().priority(id),
+                                 at ? std::optional<std::int64_t>(at->time_since_epoch().count()) : std::nullopt);
+      }
+    }
+    s.retention_now = m.retention_now().time_since_epoch().count();
     return s;
   }
 

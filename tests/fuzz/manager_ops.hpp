@@ -10,6 +10,9 @@
 //                         for 2^31 + 1 blocks and (with bit 5) 0xFD for max_tokens_per_seq 2^31 (both invalid)
 //            [u16 limit]  max_tokens_per_seq = v % 2048 (0 = none)
 //            u8 seed      hash_seed
+//                         bit 6: the retention manager (Xxh3Hasher / uint32, PriorityLruEviction on the device,
+//                         SlruEviction on the host), whose admissions carry one more argument, `retention`, after
+//                         all the others
 //   op       u8           Op (modulo kCount), then its arguments:
 //   seq id   u8           b % 16: 0..11 are ids 0..11; 12..15 are 2^64-1, 2^63, 2^32-1, 2^32
 //   prompt   u8 k         k >> 6 == 0: base k & 3 (200 fixed tokens), u8 prefix length, (k >> 2 & 7) tokens (u8 each)
@@ -20,6 +23,11 @@
 //                         u8 salt length (% 4) + that many u8 chars, u8 items (% 4) + per item u8 id (% 3),
 //                         u8 offset (< 240: % (prompt + 3); else 2^64-1 - (b - 240)), u8 length (< 240: % 24;
 //                         else 2^64-1 - (b - 240)); with >= 2 items a u8 whose bit 0 clear sorts them
+//   retention u8 k        (retention manager only) k % 8: 0-2 none; 3 [0, prompt) at 80 + decode priority 10; 4 one
+//                         range [0, (k >> 3) % 40 + 1) at 90 with a (k >> 3) + 1 us duration; 5-7 custom: u8 n (% 4)
+//                         ranges, each u8 begin, u8 length (0xFF: to the end), u8 priority (> 100 invalid),
+//                         u8 duration (0 none, 255 zero: invalid, else b us); u8 decode priority, u8 decode
+//                         duration; begins are cumulative (sorted) when bit 3 of k is clear, raw otherwise
 //   cap      u8           < 192: none; 255: SIZE_MAX; else (b - 192) % (prompt + 2)
 //   reserve  u8           >= 224: none (the whole prompt); else b % (prompt + 2) uncached tokens get slots now
 //   append n u8           < 160: b % 9; < 224: (b - 160) % 40 + 1; < 248: (b - 223) blocks; else more than the pool
@@ -66,6 +74,8 @@ enum class Op : std::uint8_t {
   kTakePrefixStats,   // (none): take_prefix_cache_stats against the model's interval
   kAdmitPrepared,     // u8 seq, prompt, keys, cap, reserve, u8 tamper (>= 250: as if prepared elsewhere):
                       // prepare_prompt, query_admit(prepared), try_admit(prepared)
+  kExpireRetention,   // u8 (< 224: the clock advances by b * b microseconds; else it goes back by (b - 223) us):
+                      // expire_retention(now) (a no-op for managers without a RetentionEvictionPolicy)
   kCount
 };
 
