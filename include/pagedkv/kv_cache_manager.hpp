@@ -612,15 +612,17 @@ class KVCacheManager {
   [[nodiscard]] CapacityQuery query_admit(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                                           const AdmitOptions& opts = {}) const {
     validate_prompt(prompt, keys, "query_admit", nullptr);
+    if (opts.retention) validate_retention(*opts.retention, "query_admit");
     std::vector<BlockHash> hashes;
     std::vector<Id> hits;
     std::vector<bool> on_host;
     return plan_admit_into(prompt, keys, opts, hashes, false, hits, on_host).query;
   }
   /// `query_admit` of a prompt hashed by `prepare_prompt` (no hashing). Throws kInvalidArgument for a prompt
-  /// prepared by a manager with another hasher or seed.
+  /// prepared by a manager with another hasher or seed, or an invalid `opts.retention`.
   [[nodiscard]] CapacityQuery query_admit(const PreparedPrompt& prompt, const AdmitOptions& opts = {}) const {
     check_prepared(prompt, "query_admit");
+    if (opts.retention) validate_retention(*opts.retention, "query_admit");
     std::vector<BlockHash> hashes = prompt.hashes;
     std::vector<Id> hits;
     std::vector<bool> on_host;

@@ -177,6 +177,8 @@ TEST_CASE("try_admit with a bad retention config throws and changes nothing", "[
   AdmitOptions o;
   o.retention = retention({{0, 4, 150, std::nullopt}}, 10);
   expect_error([&] { (void)m.try_admit(2, toks(1, 13), nullptr, o); }, Errc::kInvalidArgument);
+  expect_error([&] { (void)m.query_admit(toks(1, 13), nullptr, o); }, Errc::kInvalidArgument);  // query and call agree
+  expect_error([&] { (void)m.query_admit(m.prepare_prompt(toks(1, 13)), o); }, Errc::kInvalidArgument);
   CHECK_FALSE(m.contains(2));
   const auto after = m.stats();
   CHECK(after.blocks_free == before.blocks_free);
