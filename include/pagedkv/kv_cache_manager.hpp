@@ -19,6 +19,7 @@
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/config.hpp>
+#include <pagedkv/detail/pending_copies.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -1517,24 +1518,11 @@ class KVCacheManager {
   void release_block(Id b) {
     alloc_.release(b);
     if (pending_copies_.empty() || alloc_.refcount(b) != 0) return;
-    for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
-      if (pending_copies_[i].dst == b) {
-        const Id src = pending_copies_[i].src;
-        --copy_owners_[i]->num_pending_copies;
-        pending_copies_.erase(pending_copies_.begin() + static_cast<std::ptrdiff_t>(i));
-        copy_owners_.erase(copy_owners_.begin() + static_cast<std::ptrdiff_t>(i));
-        release_block(src);
-        return;
-      }
-    }
+    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, b)) release_block(*src);
   }
 
   // Number of pending copies reading block b (each holds a reference on it).
-  [[nodiscard]] std::uint32_t pins(Id b) const noexcept {
-    std::uint32_t n = 0;
-    for (const copy_type& c : pending_copies_) n += c.src == b ? 1U : 0U;
-    return n;
-  }
+  [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return detail::pending_reads(pending_copies_, b); }
 
   // Register the registrable full blocks of `q` beyond q.num_registered (see SequenceState). A block whose hash is
   // already registered to another block is switched to that block when `q` is its only table holder: its own
