@@ -692,6 +692,12 @@ TEST_CASE("reference::decode gives the same output for plans of different granul
           max_diff = std::max<double>(max_diff, std::abs(pagedkv::reference::load(outs[j].o.data(), dt, idx) -
                                                  pagedkv::reference::load(outs[0].o.data(), dt, idx)));
         } else {
+          // Two roundings to 16 bits of float32 values that differ by float32 noise (<= 2e-6 of the output scale,
+          // as the fp32 check) may land 2+ units apart only where the value is tiny (its unit is below the noise):
+          // count units only where the difference exceeds that noise.
+          const double da = pagedkv::reference::load(outs[j].o.data(), dt, idx);
+          const double db = pagedkv::reference::load(outs[0].o.data(), dt, idx);
+          if (std::abs(da - db) <= 2e-6 * max_ref) continue;
           std::uint16_t a, b;
           std::memcpy(&a, reinterpret_cast<const char*>(outs[j].o.data()) + 2 * i, 2);
           std::memcpy(&b, reinterpret_cast<const char*>(outs[0].o.data()) + 2 * i, 2);
