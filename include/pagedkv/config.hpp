@@ -37,6 +37,13 @@ using SeqId = std::uint64_t;
 /// Default block size in tokens (PagedAttention, Kwon et al. SOSP'23 sec. 4.1; vLLM's default).
 inline constexpr std::uint32_t kDefaultBlockSize = 16;
 
+/// Largest block size in tokens a pool may be configured with (2^16): both managers refuse a larger
+/// `block_size` (kInvalidArgument), and so does the kernel contract's KVPoolView (kInvalidValue), so a block size
+/// can never wrap the int32 `block_size` of a pool view, nor overflow int32 in-block arithmetic
+/// (`block_size * num_kv_heads` rows of a page). Far above what engines use: vLLM's largest are its hybrid-model
+/// page-size alignments (hundreds to a few thousand tokens) and DeepSeek-V4's LCM scheduler block of 4096.
+inline constexpr std::uint32_t kMaxBlockSize = std::uint32_t{1} << 16;
+
 /// Requirements on a physical block id type: an unsigned integer. Block id 0 is the null block.
 /// `std::uint32_t` (the default) addresses 4 billion blocks, which is 64 Gi tokens at block size 16.
 template <class T>

@@ -226,8 +226,8 @@ class HybridKVCacheManager {
   /// Most groups per manager.
   static constexpr std::size_t kMaxGroups = 64;
 
-  /// A manager for the pool and groups of `config`. Throws kInvalidArgument (num_blocks < 2, block_size == 0, no
-  /// group or more than kMaxGroups, a full group with window_tokens != 0, a windowed group with window_tokens == 0
+  /// A manager for the pool and groups of `config`. Throws kInvalidArgument (num_blocks < 2, block_size outside
+  /// [1, kMaxBlockSize], no group or more than kMaxGroups, a full group with window_tokens != 0, a windowed group with window_tokens == 0
   /// or > 2^31 - 1, num_layers == 0, pool bytes overflowing size_t), kLimitExceeded (num_blocks > 2^31,
   /// max_tokens_per_seq > 2^31 - 1), each naming the group and value, before anything is allocated.
   explicit HybridKVCacheManager(const HybridCacheConfig& config)
@@ -523,16 +523,16 @@ class HybridKVCacheManager {
   /// with the conventions of KVCacheManager::build_batch_metadata (shapes, padding, which spans may be empty),
   /// per group: page table (indptr / indices / last_page_len / block_tables, one entry per logical block, the null
   /// block 0 before a windowed group's window: the kernels never read those pages), seq_lens and qo_indptr (equal
-  /// in every group: positions are absolute), slot_mapping (the group's own blocks) and copies (the group's pending
-  /// copy-on-writes). `num_scheduled_tokens` (`[batch]`, optional; empty = every pending position): each sequence's
+  /// in every group: positions are absolute), slot_mapping (the group's own blocks) and copies (the group's
+  /// copy-on-writes that belong to this build, by KVCacheManager::build_batch_metadata's rule). `num_scheduled_tokens` (`[batch]`, optional; empty = every pending position): each sequence's
   /// query length this step (chunked prefill). Before writing, every group registers the full blocks whose last
   /// write this build issues (duplicates switched, their slots -1); after writing, every windowed group releases
   /// the blocks wholly before first_visible(num_built) of each sequence of the batch (the release rule: the
   /// kernels of this step still read them; they are reused only by later steps).
   /// Returns the sizes written, `[G]`. Throws kBadShape (per_group.size() != G, a buffer too small or wrongly
   /// empty, num_scheduled_tokens of the wrong size, a sequence longer than max_blocks_per_seq), kUnknownSequence,
-  /// kInvalidArgument (a sequence twice; more tokens scheduled than pending), kLimitExceeded (an int32 total):
-  /// then nothing is written and nothing changes.
+  /// kInvalidArgument (a sequence twice; more tokens scheduled than pending, or none: every sequence of the batch
+  /// computes at least one token), kLimitExceeded (an int32 total): then nothing is written and nothing changes.
   std::vector<BatchMetadataSizes> build_batch_metadata(std::span<const SeqId> batch,
                                                        std::span<const BatchMetadataBuffers> per_group,
                                                        std::span<const std::uint32_t> num_scheduled_tokens = {}) {
@@ -547,8 +547,6 @@ class HybridKVCacheManager {
                                          std::to_string(batch.size()));
     }
     const std::size_t bs = config_.block_size;
-    std::vector<std::size_t> copies_per_group(G, 0);  // before any sequence is marked
-    for (const copy_type& c : pending_copies_) ++copies_per_group[c.group];
     batch_scratch_.clear();
     batch_scratch_.reserve(batch.size());
     qlen_scratch_.clear();
@@ -583,6 +581,24 @@ class HybridKVCacheManager {
         for (std::size_t g = 0; g < G; ++g) max_registrations += reg_end - std::min(reg_end, s.registered[g]);
       }
     }
+    // Every row computes something (after the checks of ids, so an unknown or repeated id is named first).
+    for (std::size_t r = 0; r < batch.size(); ++r) {
+      if (qlen_scratch_[r] != 0) continue;
+      fail(Errc::kInvalidArgument,
+           "sequence " + std::to_string(batch[r]) + " has no tokens to compute in this build (" +
+               (num_scheduled_tokens.empty() ? std::string("no pending slots")
+                                             : "num_scheduled_tokens[" + std::to_string(r) + "] = 0") +
+               ", " + std::to_string(batch_scratch_[r]->unslotted()) +
+               " prompt tokens without slots): leave it out of the batch, or give it slots first "
+               "(try_append, try_reserve)");
+    }
+    // The copies this build hands out, per group: its batch's own, and those reading a block it writes.
+    std::vector<std::size_t> copies_per_group(G, 0);
+    const std::size_t num_copies = detail::select_batch_copies(
+        pending_copies_, copy_owners_,
+        [](const Seq& owner) { return owner.in_batch || owner.num_built == owner.slotted(); },
+        [&](const copy_type& c) { return batch_writes(c.src, c.group); }, take_scratch_);
+    for (std::size_t i = 0; i < pending_copies_.size(); ++i) copies_per_group[pending_copies_[i].group] += take_scratch_[i];
     if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
       for (Seq* p : batch_scratch_) p->in_batch = false;
       detail::check_metadata_value(num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
@@ -622,12 +638,14 @@ class HybridKVCacheManager {
       }
       if (copies_per_group[g] > 0 && buf.copies.empty()) {
         fail(Errc::kBadShape, grp() + "copies is empty but " + std::to_string(copies_per_group[g]) +
-                                  " copy-on-write copies are pending: they would be lost");
+                                  " copy-on-write copies belong to this build: they would be lost");
       }
     }
     std::vector<BatchMetadataSizes> sizes;
     try {
       sizes.assign(G, BatchMetadataSizes{});
+      copy_scratch_.clear();
+      copy_scratch_.reserve(num_copies);
       events_.reserve_more(max_registrations);
       switched_scratch_.clear();
       switched_scratch_.reserve(max_blocks);
@@ -676,6 +694,9 @@ class HybridKVCacheManager {
     const auto pad_from = [](auto span, std::size_t from, auto value) {
       if (!span.empty()) std::fill(span.begin() + static_cast<std::ptrdiff_t>(from), span.end(), value);
     };
+    // The selected copies (less any whose destination was switched out above) are handed out; the rest stay
+    // pending for their own batch's build.
+    detail::take_selected_copies(pending_copies_, copy_owners_, take_scratch_, copy_scratch_);
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       pad_from(buf.indptr, B, static_cast<std::int32_t>(blk[g]));
@@ -684,7 +705,7 @@ class HybridKVCacheManager {
       pad_from(buf.seq_lens, B, std::int32_t{0});
       pad_from(buf.slot_mapping, tok[g], std::int64_t{-1});
       std::size_t c = 0;
-      for (const copy_type& cp : pending_copies_) {
+      for (const copy_type& cp : copy_scratch_) {
         if (cp.group != g) continue;
         buf.copies[2 * c] = static_cast<std::int32_t>(cp.src);
         buf.copies[2 * c + 1] = static_cast<std::int32_t>(cp.dst);
@@ -694,10 +715,6 @@ class HybridKVCacheManager {
       sizes[g] = {B, blk[g], tok[g], c, 0, 0, 0};
     }
     // The copies are issued: release the references they held on their sources.
-    copy_scratch_.swap(pending_copies_);
-    pending_copies_.clear();
-    for (Seq* owner : copy_owners_) owner->num_pending_copies = 0;
-    copy_owners_.clear();
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
     // The release rule: this step's kernels read these blocks; later steps may reuse them.
@@ -879,7 +896,11 @@ class HybridKVCacheManager {
       detail::raise(Errc::kInvalidArgument, "HybridCacheConfig.num_blocks = " + std::to_string(c.num_blocks) +
                                                 ": need at least 2 (the null block + one usable)");
     }
-    if (c.block_size == 0) detail::raise(Errc::kInvalidArgument, "HybridCacheConfig.block_size = 0: must be positive");
+    if (c.block_size == 0 || c.block_size > kMaxBlockSize) {
+      detail::raise(Errc::kInvalidArgument, "HybridCacheConfig.block_size = " + std::to_string(c.block_size) +
+                                                ": must be in [1, kMaxBlockSize = " + std::to_string(kMaxBlockSize) +
+                                                "] tokens");
+    }
     detail::check_metadata_value(c.num_blocks - 1, "HybridCacheConfig.num_blocks - 1 (the largest block id)");
     detail::check_metadata_value(c.max_tokens_per_seq, "HybridCacheConfig.max_tokens_per_seq (seq_lens)");
     if (c.groups.empty() || c.groups.size() > kMaxGroups) {
@@ -1056,11 +1077,26 @@ class HybridKVCacheManager {
   }
   // Release one reference; a block that becomes unreferenced leaves its group's held count, and a pending copy
   // into it is dropped with its source reference (nobody needs its contents).
+  // Whether the build being validated writes into group g's block b: a position it schedules (rows
+  // batch_scratch_ / qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
+  [[nodiscard]] bool batch_writes(Id b, std::size_t g) const noexcept {
+    const std::size_t bs = config_.block_size;
+    for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
+      const Seq& q = *batch_scratch_[r];
+      const std::size_t n = qlen_scratch_[r];
+      if (n == 0) continue;
+      const auto blocks = q.tables[g].blocks();
+      for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
+        if (blocks[i] == b) return true;
+      }
+    }
+    return false;
+  }
   void release_block(Id b) {
     alloc_.release(b);
     if (alloc_.refcount(b) != 0) return;
     --held_[group_of_[b]];
-    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, b)) release_block(*src);
+    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, take_scratch_, b)) release_block(*src);
   }
   [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return detail::pending_reads(pending_copies_, b); }
   // Register group g's registrable full blocks of `s` (see the class comment); duplicates that only `s` holds are
@@ -1133,6 +1169,7 @@ class HybridKVCacheManager {
   std::vector<copy_type> pending_copies_;  // each holds one reference on its src
   std::vector<Seq*> copy_owners_;          // [pending_copies_.size()]
   std::vector<copy_type> copy_scratch_;
+  std::vector<std::uint8_t> take_scratch_;  // build: [pending_copies_] 1 = handed out by this build
   std::vector<Seq*> batch_scratch_;
   std::vector<std::uint32_t> qlen_scratch_;
   std::vector<std::size_t> switched_scratch_;

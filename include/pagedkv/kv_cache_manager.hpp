@@ -54,7 +54,8 @@ enum class PreemptMode : std::uint8_t {
 /// Configuration of one KV pool.
 struct CacheConfig {
   std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0: [2, 2^31].
-  std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block (> 0).
+  std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block: [1, kMaxBlockSize]. Kernels must see the
+                                                  ///< same value: make their pool view with make_kv_pool_view.
   bool enable_prefix_caching = true;              ///< Hash full blocks and reuse them across requests.
   std::uint64_t hash_seed = 0;                    ///< Per-pool chain seed (the root of every block-hash chain).
   std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length), <= 2^31 - 1; 0 = the
@@ -82,8 +83,9 @@ enum class AdmitStatus : std::uint8_t {
 struct AdmitResult {
   AdmitStatus status = AdmitStatus::kNoCapacity;
   std::size_t num_cached_tokens = 0;   ///< Prompt tokens found in the prefix cache (a multiple of block_size),
-                                       ///< in either tier.
-  std::size_t num_host_cached_tokens = 0;  ///< Of which served by the host tier (onboarded by this build's swap_in).
+                                       ///< in either tier. try_resume: the resumed sequence's tokens.
+  std::size_t num_host_cached_tokens = 0;  ///< Of which served by the host tier (onboarded by this build's swap_in);
+                                           ///< always <= num_cached_tokens (a partial block counts its tokens).
   std::size_t num_new_blocks = 0;      ///< Blocks taken from the pool (allocated, possibly by eviction).
   std::size_t num_missing_blocks = 0;  ///< kNoCapacity: blocks that would have to become available now;
                                        ///< kNeverFits: blocks beyond the whole pool. 0 when admitted.
@@ -199,7 +201,8 @@ class KVCacheManager {
   using sequence_type = SequenceState<Id>;
   using host_tier_type = HostTier<Hasher, Id, HostEvict>;
 
-  /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or block_size == 0,
+  /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or a block_size outside
+  /// [1, kMaxBlockSize],
   /// kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch metadata), both
   /// before allocating anything.
   explicit KVCacheManager(const CacheConfig& config)
@@ -506,7 +509,8 @@ class KVCacheManager {
 
   /// Resume swapped sequence `seq`: device blocks again, each block copied back from the host tier (this
   /// manager's next swap_in list) unless the device pool still caches its hash. All or nothing. Returns kAdmitted
-  /// (num_cached_tokens: the sequence's tokens; num_host_cached_tokens: those copied back), kNoCapacity /
+  /// (num_cached_tokens: the sequence's tokens; num_host_cached_tokens: those of them in blocks copied back, a
+  /// partial last block counting its tokens only, so num_host_cached_tokens <= num_cached_tokens), kNoCapacity /
   /// kNeverFits as admission does, or kTransferPending while a copy that filled one of its host blocks has not
   /// completed. Its positions are built (nothing to compute); a build issues the copies. Throws
   /// kUnknownSequence when `seq` is not swapped.
@@ -550,12 +554,15 @@ class KVCacheManager {
     for (std::size_t i = 0; i < n; ++i) {
       if (hit_scratch_[i] != Id{0}) alloc_.acquire(hit_scratch_[i]);
     }
+    std::size_t host_tokens = 0;  // of the sequence's tokens, those in blocks copied back from the host tier
     for (std::size_t i = 0; i < n; ++i) {
       if (hit_scratch_[i] != Id{0}) {
         onboard_scratch_[i] = hit_scratch_[i];
         continue;
       }
       const Id dst = *alloc_.try_allocate_one(evictor());  // guaranteed by the capacity check
+      // Tokens, not blocks times block size: the last block may be partial.
+      host_tokens += std::min(bs, s.num_tokens - std::min(s.num_tokens, i * bs));
       const auto h = host_->index().hash_of(s.host_blocks[i]);
       queue_fill(dst, s.host_blocks[i], TransferKind::kSwapIn, h ? &*h : nullptr, /*src_pinned=*/false);
       onboard_scratch_[i] = dst;
@@ -567,7 +574,7 @@ class KVCacheManager {
     q.num_registered = q.hashes.size();  // device hits are registered, copied blocks when their copy completes
     for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) host_->release(*hb);
     swapped_.erase(sw);
-    return {AdmitStatus::kAdmitted, num_tokens, to_fill * bs, to_fill, 0};
+    return {AdmitStatus::kAdmitted, num_tokens, host_tokens, to_fill, 0};
   }
 
   /// `free`, counted as a preemption (recompute: the engine re-admits the request later under the same id and its
@@ -854,8 +861,13 @@ class KVCacheManager {
   // Batch metadata
 
   /// Write this step's metadata for the sequences `batch` (in that order) into `buf` (see BatchMetadataBuffers for
-  /// shapes and padding), then mark the scheduled slots built and hand out every pending copy (releasing the
-  /// references the copies held on their sources).
+  /// shapes and padding), then mark the scheduled slots built and hand out this batch's copies (releasing the
+  /// references the copies held on their sources). The copies of a build are the pending copy-on-writes into the
+  /// tables of its own sequences, plus any other pending copy whose source block this build writes (that copy must
+  /// run first: copy_blocks precedes write_kv in the step) or whose sequence has no pending slot (rewound past its
+  /// new tokens: no build of its own would come before it grows again, and a fork waits for the copy); the others
+  /// stay pending for the build of their own sequence's batch. So an engine may build several batches per step (prefill and decode apart, as vLLM and
+  /// SGLang do), running each build's copies before that build's writes.
   /// `num_scheduled_tokens` (`[batch]`, optional): how many of each sequence's pending positions this step
   /// computes, in position order (its query length: 1 for a decode token, a chunk for chunked prefill, 1 + k with
   /// k lookahead slots); empty = all pending. The rest stay pending for later builds. Sequence b's new slots
@@ -869,8 +881,12 @@ class KVCacheManager {
   /// earlier in this step's write_kv receives, the same K/V).
   /// Every span of `buf` may be empty to skip that output, except two that a build cannot drop: `slot_mapping`
   /// when the batch has new tokens (their writes would never be issued, yet their blocks would be registered) and
-  /// `copies` when copies are pending (they would be handed out to nobody).
-  /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`; more tokens scheduled than pending),
+  /// `copies` when the build has copies to hand out (they would be handed out to nobody).
+  /// Every sequence of `batch` must compute at least one token: one with no pending slot (or 0 scheduled tokens)
+  /// is refused, since a row without queries would hand an attention kernel nothing to compute (a decode step
+  /// whose token was never appended). A build of an empty batch issues the queued swaps and nothing else.
+  /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`; more tokens scheduled than pending, or
+  /// none),
   /// kBadShape (a buffer too small or wrongly empty, a sequence longer than max_blocks_per_seq,
   /// num_scheduled_tokens not of the batch's size), kLimitExceeded (a total beyond the int32 metadata): then
   /// nothing is written and nothing changes.
@@ -921,7 +937,22 @@ class KVCacheManager {
                                   " blocks > max_blocks_per_seq = " + std::to_string(buf.max_blocks_per_seq));
       }
     }
-    sz.num_copies = pending_copies_.size();
+    // Every row computes something (after the checks of ids, so an unknown or repeated id is named first).
+    for (std::size_t r = 0; r < batch.size(); ++r) {
+      if (qlen_scratch_[r] != 0) continue;
+      fail(Errc::kInvalidArgument,
+           "sequence " + std::to_string(batch[r]) + " has no tokens to compute in this build (" +
+               (num_scheduled_tokens.empty() ? std::string("no pending slots")
+                                             : "num_scheduled_tokens[" + std::to_string(r) + "] = 0") +
+               ", " + std::to_string(batch_scratch_[r]->num_unslotted()) +
+               " prompt tokens without slots): leave it out of the batch, or give it slots first "
+               "(try_append, try_reserve)");
+    }
+    // The copies this build hands out: its batch's own, and those reading a block it writes.
+    sz.num_copies = detail::select_batch_copies(
+        pending_copies_, copy_owners_,
+        [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
+        [&](const copy_type& c) { return batch_writes(c.src); }, take_scratch_);
     if (sz.num_indices > kMaxMetadataValue || sz.num_new_tokens > kMaxMetadataValue) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::check_metadata_value(sz.num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
@@ -955,7 +986,7 @@ class KVCacheManager {
     }
     if (sz.num_copies > 0 && buf.copies.empty()) {
       fail(Errc::kBadShape, "copies is empty but " + std::to_string(sz.num_copies) +
-                                " copy-on-write copies are pending: they would be lost");
+                                " copy-on-write copies belong to this build: they would be lost");
     }
     // Swaps: the queued ones, plus (write-through) an offload per block the previous build registered that the
     // host does not hold yet (an upper bound: the host may run out of blocks for some).
@@ -980,6 +1011,8 @@ class KVCacheManager {
     }
     try {
       events_.reserve_more(max_registrations + write_through_blocks);
+      copy_scratch_.clear();
+      copy_scratch_.reserve(sz.num_copies);
       switched_scratch_.clear();
       switched_scratch_.reserve(max_registrations);
       if (host_) {
@@ -1041,19 +1074,17 @@ class KVCacheManager {
     pad_from(buf.last_page_len, B, std::int32_t{0});
     pad_from(buf.seq_lens, B, std::int32_t{0});
     pad_from(buf.slot_mapping, tok, std::int64_t{-1});
-    sz.num_copies = pending_copies_.size();
+    // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
+    // release the references they held on their sources. The rest stay pending for their own batch's build.
+    detail::take_selected_copies(pending_copies_, copy_owners_, take_scratch_, copy_scratch_);
+    sz.num_copies = copy_scratch_.size();
     if (!buf.copies.empty()) {
-      for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
-        buf.copies[2 * i] = static_cast<std::int32_t>(pending_copies_[i].src);
-        buf.copies[2 * i + 1] = static_cast<std::int32_t>(pending_copies_[i].dst);
+      for (std::size_t i = 0; i < copy_scratch_.size(); ++i) {
+        buf.copies[2 * i] = static_cast<std::int32_t>(copy_scratch_[i].src);
+        buf.copies[2 * i + 1] = static_cast<std::int32_t>(copy_scratch_[i].dst);
       }
-      pad_from(buf.copies, 2 * pending_copies_.size(), std::int32_t{-1});
+      pad_from(buf.copies, 2 * copy_scratch_.size(), std::int32_t{-1});
     }
-    // The copies are issued: release the references they held on their sources.
-    copy_scratch_.swap(pending_copies_);
-    pending_copies_.clear();
-    for (sequence_type* owner : copy_owners_) owner->num_pending_copies = 0;
-    copy_owners_.clear();
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
     // The swaps: every queued copy under this build's token.
@@ -1112,6 +1143,22 @@ class KVCacheManager {
     [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
     [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
   };
+
+  // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
+  // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
+  [[nodiscard]] bool batch_writes(Id b) const noexcept {
+    const std::size_t bs = config_.block_size;
+    for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
+      const sequence_type& q = *batch_scratch_[r];
+      const std::size_t n = qlen_scratch_[r];
+      if (n == 0) continue;
+      const auto blocks = q.table.blocks();
+      for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
+        if (blocks[i] == b) return true;
+      }
+    }
+    return false;
+  }
 
   // Block tables holding b, as copy-on-write sees them: a pending copy's reference on its source, or the reference
   // of a host -> device fill that registers nothing on its destination, does not make the block shared (the step
@@ -1390,7 +1437,11 @@ class KVCacheManager {
       detail::raise(Errc::kInvalidArgument, "CacheConfig.num_blocks = " + std::to_string(c.num_blocks) +
                                                 ": need at least 2 (the null block + one usable)");
     }
-    if (c.block_size == 0) detail::raise(Errc::kInvalidArgument, "CacheConfig.block_size = 0: must be positive");
+    if (c.block_size == 0 || c.block_size > kMaxBlockSize) {
+      detail::raise(Errc::kInvalidArgument, "CacheConfig.block_size = " + std::to_string(c.block_size) +
+                                                ": must be in [1, kMaxBlockSize = " + std::to_string(kMaxBlockSize) +
+                                                "] tokens");
+    }
     // Block ids 1 .. num_blocks - 1 are written as int32 (indices, block_tables, copies with -1 padding).
     detail::check_metadata_value(c.num_blocks - 1, "CacheConfig.num_blocks - 1 (the largest block id)");
     detail::check_metadata_value(c.max_tokens_per_seq, "CacheConfig.max_tokens_per_seq (seq_lens)");
@@ -1518,7 +1569,7 @@ class KVCacheManager {
   void release_block(Id b) {
     alloc_.release(b);
     if (pending_copies_.empty() || alloc_.refcount(b) != 0) return;
-    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, b)) release_block(*src);
+    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, take_scratch_, b)) release_block(*src);
   }
 
   // Number of pending copies reading block b (each holds a reference on it).
@@ -1592,6 +1643,7 @@ class KVCacheManager {
   std::vector<copy_type> pending_copies_;             // each holds one reference on its src
   std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
   std::vector<copy_type> copy_scratch_;
+  std::vector<std::uint8_t> take_scratch_;            // build: [pending_copies_] 1 = handed out by this build
   std::vector<Id> hit_scratch_;
   std::vector<sequence_type*> batch_scratch_;
   std::vector<std::size_t> switched_scratch_;

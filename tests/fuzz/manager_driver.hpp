@@ -1038,8 +1038,8 @@ class Driver {
   // ---- builds -----------------------------------------------------------------------------------------------------
   enum class BuildKind { kAny, kStep, kScheduled };
 
-  /// build_batch_metadata. kAny: any batch and buffer shapes; kStep: every live sequence, exact buffers (an engine
-  /// step); kScheduled: an engine step computing only part of each sequence's pending positions
+  /// build_batch_metadata. kAny: any batch and buffer shapes; kStep: every live sequence with something to compute,
+  /// exact buffers (an engine step); kScheduled: an engine step computing only part of each sequence's pending positions
   /// (num_scheduled_tokens: prefill chunks, decode + lookahead).
   void op_build(ByteReader& r, BuildKind kind) {
     std::vector<SeqId> live;
@@ -1049,14 +1049,20 @@ class Driver {
     bool q_lens_wrong_size = false;
     bool q_len_too_long = false;
     std::uint8_t omit = 0, pad = 0, fault = 0;
+    // An engine step schedules the live sequences with something to compute (a row with nothing is refused).
+    std::vector<SeqId> busy;
+    for (SeqId id : live) {
+      if (model_.seq(id).pending() > 0) busy.push_back(id);
+    }
     if (kind == BuildKind::kStep) {
-      batch = live;
+      batch = busy;
     } else if (kind == BuildKind::kScheduled) {
-      batch = live;
+      batch = busy;
       for (SeqId id : batch) {
         const std::size_t pending = model_.seq(id).pending();
         const std::uint8_t q = r.u8();
-        const std::size_t n = q < 200 ? q % (pending + 1) : q <= 250 ? pending : pending + 1 + (q & 1);
+        // Mostly 1..pending; 0 (refused) and too many now and then.
+        const std::size_t n = q < 200 ? 1 + q % pending : q <= 248 ? pending : q <= 250 ? 0 : pending + 1 + (q & 1);
         q_lens.push_back(static_cast<std::uint32_t>(n));
       }
       if (r.u8() >= 250) {  // a num_scheduled_tokens span not of the batch's size
@@ -1091,7 +1097,7 @@ class Driver {
           if (!live.empty()) batch.push_back(live[r.u8() % live.size()]);
           break;
         default:
-          batch = live;
+          batch = (mode & 32) != 0 ? live : busy;  // every live sequence (refused if one has nothing to compute)
           break;
       }
       if (mode & 8) std::reverse(batch.begin(), batch.end());
@@ -1116,13 +1122,17 @@ class Driver {
       if (!seen.insert(id).second) errs.insert(Errc::kInvalidArgument);
       const auto& s = model_.seq(id);
       const std::size_t q_len = q_lens.empty() || b >= q_lens.size() ? s.pending() : std::min<std::size_t>(q_lens[b], s.pending());
+      if ((q_lens.empty() || b < q_lens.size()) && (q_lens.empty() ? s.pending() : q_lens[b]) == 0) {
+        errs.insert(Errc::kInvalidArgument);  // a row with nothing to compute
+      }
       const std::size_t rows = model_.blocks_for(s.built + q_len);  // the page table covers what is written by then
       total_blocks += rows;
       total_slots += q_len;
       max_row = std::max(max_row, rows);
     }
     const std::size_t B = batch.size();
-    const std::size_t num_copies = m().pending_copies().size();
+    std::size_t num_copies = 0;  // the copies this build hands out
+    for (bool sel : model_.build_copy_selection(m(), batch, q_lens)) num_copies += sel ? 1 : 0;
     typename Model::BuildOut out;
     // Buffer sizes: exact + pad, or empty (omit bit), or one short (fault).
     const std::size_t want[8] = {B + 1, total_blocks, B, 0, B, B + 1, total_slots, 2 * num_copies};

@@ -211,6 +211,7 @@ class ManagerModel {
     };
     std::vector<Row> rows;
     std::vector<std::pair<std::uint64_t, std::uint64_t>> copies;
+    std::vector<bool> selected;          // [copies] handed out by this build (build_copy_selection)
     std::vector<std::uint32_t> holders;  // table holders per block
     std::vector<bool> hashed;            // hashed before the build
     CacheStats stats;
@@ -257,6 +258,31 @@ class ManagerModel {
   [[nodiscard]] bool prefix_caching() const noexcept { return prefix_caching_; }
   [[nodiscard]] const std::map<SeqId, MSeq>& seqs() const noexcept { return seqs_; }
   [[nodiscard]] bool live(SeqId id) const { return seqs_.contains(id); }
+
+  /// Which pending copies a build of `batch` (`q_lens`: positions scheduled per row, empty = all pending) hands out,
+  /// `[pending copies]`, by the rule of build_batch_metadata: a copy into the table of a sequence of the batch or of
+  /// a sequence with nothing pending, or one whose source a scheduled position of the batch lies in. Unknown and
+  /// repeated ids are skipped (such a build is refused anyway).
+  [[nodiscard]] std::vector<bool> build_copy_selection(const Mgr& m, std::span<const SeqId> batch,
+                                                       std::span<const std::uint32_t> q_lens) const {
+    std::set<std::uint64_t> claimed, written;
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      if (!live(batch[b])) continue;
+      const MSeq& s = seqs_.at(batch[b]);
+      const auto bl = m.block_ids(batch[b]);
+      claimed.insert(bl.begin(), bl.end());
+      const std::size_t q = q_lens.empty() || b >= q_lens.size() ? s.pending() : std::min<std::size_t>(q_lens[b], s.pending());
+      for (std::size_t p = s.built; p < s.built + q; ++p) written.insert(bl[p / bs_]);
+    }
+    for (const auto& [id, s] : seqs_) {
+      if (s.pending() != 0) continue;
+      const auto bl = m.block_ids(id);
+      claimed.insert(bl.begin(), bl.end());
+    }
+    std::vector<bool> out;
+    for (const auto& c : m.pending_copies()) out.push_back(claimed.contains(c.dst) || written.contains(c.src));
+    return out;
+  }
   [[nodiscard]] const MSeq& seq(SeqId id) const { return seqs_.at(id); }
   [[nodiscard]] std::size_t blocks_for(std::size_t len) const noexcept { return (len + bs_ - 1) / bs_; }
   CallLog& log() noexcept { return log_; }
@@ -560,6 +586,7 @@ class ManagerModel {
                           q_lens.empty() ? s.pending() : q_lens[b]});
     }
     for (const auto& c : m.pending_copies()) pre.copies.emplace_back(c.src, c.dst);
+    pre.selected = build_copy_selection(m, batch, q_lens);
     pre.holders.assign(num_blocks_, 0);
     m.for_each_sequence([&](SeqId, auto blocks, std::size_t) {
       for (auto b : blocks) ++pre.holders[b];
@@ -650,10 +677,16 @@ class ManagerModel {
       tok += row.q_len;
     }
     PKV_MODEL_CHECK(m.stats().dedup_blocks == pre.stats.dedup_blocks + switched_out.size());
-    // Copies: the pending ones in order, less those whose destination deduplication released (dropped with it).
+    // Copies: this build's (build_copy_selection) in order, less those whose destination deduplication released
+    // (dropped with it); the others stay pending, in order.
     PKV_MODEL_CHECK(sz.num_copies <= pre.copies.size());
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> issued;
-    for (const auto& c : pre.copies) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> issued, kept;
+    for (std::size_t j = 0; j < pre.copies.size(); ++j) {
+      const auto& c = pre.copies[j];
+      if (!pre.selected[j]) {
+        kept.push_back(c);
+        continue;
+      }
       if (switched_out.contains(c.second)) continue;
       issued.push_back(c);
     }
@@ -677,7 +710,11 @@ class ManagerModel {
       PKV_MODEL_CHECK(out.block_tables[i] == out.sentinel, "block_tables beyond the batch must stay untouched");
     }
     for (std::size_t i = tok; i < out.slot_mapping.size(); ++i) PKV_MODEL_CHECK(out.slot_mapping[i] == -1);
-    PKV_MODEL_CHECK(m.pending_copies().empty());
+    {
+      std::vector<std::pair<std::uint64_t, std::uint64_t>> now;
+      for (const auto& c : m.pending_copies()) now.emplace_back(c.src, c.dst);
+      PKV_MODEL_CHECK(now == kept, "the copies of sequences outside the build must stay pending");
+    }
     for (const auto& row : pre.rows) {
       MSeq& s = seqs_.at(row.id);
       s.built += row.q_len;

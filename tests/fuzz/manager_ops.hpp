@@ -57,7 +57,7 @@ enum class Op : std::uint8_t {
   kRewind,     // u8 seq, u8 n: rewind
   kLookup,     // prompt, keys, cap: lookup
   kBuild,      // build: build_batch_metadata with any batch and buffer shapes
-  kStep,       // (none): build_batch_metadata over every live sequence with exact buffers (an engine step)
+  kStep,       // (none): build_batch_metadata over every live sequence with pending slots, exact buffers (an engine step)
   kReset,      // (none): reset_prefix_cache
   kQuery,      // u8 seq: contains / num_tokens / token_ids / block_ids / pending_slots
   kMove,       // (none): move-construct the manager; the new one must carry on exactly

@@ -148,15 +148,20 @@ TEST_CASE("build_batch_metadata: every output with its padding", "[batch_metadat
   CHECK(b.slot_mapping == want_slots);
   CHECK(b.copies == I32(6, -1));
 
-  // The pending slots were handed out: the next build has no new tokens.
+  // The pending slots were handed out: a sequence with nothing to compute is refused by the next build (a decode
+  // step whose token was never appended would otherwise run attention with a query whose K/V is never written),
+  // writing nothing and changing nothing.
   for (SeqId s : batch) CHECK(m.pending_slots(s).empty());
   Buffers again(5, 16, 4, 20, 3);
-  const auto sz2 = m.build_batch_metadata(batch, again.view());
-  CHECK(sz2.num_new_tokens == 0);
-  CHECK(again.qo_indptr == I32(6, 0));
-  CHECK(again.slot_mapping == I64(20, -1));
-  CHECK(again.indptr == b.indptr);  // the page table is written every time
-  CHECK(again.block_tables == b.block_tables);
+  const Buffers untouched = again;
+  const Snapshot before = snapshot(m);
+  CHECK_THAT(expect_error([&] { m.build_batch_metadata(batch, again.view()); }, Errc::kInvalidArgument),
+             Catch::Contains("sequence 20 has no tokens to compute in this build (no pending slots"));
+  const std::vector<std::uint32_t> zero{0, 0, 0};
+  CHECK_THAT(expect_error([&] { m.build_batch_metadata(batch, again.view(), zero); }, Errc::kInvalidArgument),
+             Catch::Contains("sequence 20 has no tokens to compute"));
+  CHECK(again == untouched);
+  CHECK(snapshot(m) == before);
 
   SECTION("decode step: one slot per sequence at its new position") {
     REQUIRE(m.try_append(10, Toks{1}).ok());   // position 10: block 3 offset 2 -> 14
@@ -205,6 +210,7 @@ TEST_CASE("build_batch_metadata: copies, then -1; building releases the copies' 
   CHECK(m.stats().blocks_used == used_before);
 
   SECTION("the next build has no copies") {
+    for (SeqId s : {10, 40, 50}) REQUIRE(m.try_append(s, Toks{6}).ok());  // in their own blocks: no copy
     Buffers c(3, 12, 4, 4, 3);
     CHECK(m.build_batch_metadata(std::vector<SeqId>{10, 40, 50}, c.view()).num_copies == 0);
     CHECK(c.copies == I32(6, -1));
@@ -232,14 +238,53 @@ TEST_CASE("build_batch_metadata: a partial batch", "[batch_metadata]") {
   CHECK(m.pending_slots(2).size() == 3);  // not in the batch: kept for a later build
   m.fork(1, 3);
   REQUIRE(m.try_append(3, Toks{9}).copy.has_value());
-  // Pending copies go out with any build, even one that does not include their sequence.
+  // A copy belongs to the build of its own sequence's batch: an engine that builds prefill and decode batches
+  // apart (vLLM, SGLang) runs each build's copies with that build, and none is lost.
   Buffers second(1, 4, 2, 8, 1);
   const auto sz = m.build_batch_metadata(std::vector<SeqId>{2}, second.view());
-  CHECK(sz.num_copies == 1);
-  CHECK(second.copies == I32{2, 4});
+  CHECK(sz.num_copies == 0);
+  CHECK(second.copies == I32{-1, -1});
   CHECK(second.slot_mapping == I64{12, 13, 14, -1, -1, -1, -1, -1});
   CHECK(m.pending_slots(3).size() == 1);
+  REQUIRE(m.pending_copies().size() == 1);
+  CHECK(m.allocator().refcount(2) == 2);  // sequence 1 + the copy's reference, still held
+  Buffers third(1, 4, 2, 8, 1);
+  const auto sz3 = m.build_batch_metadata(std::vector<SeqId>{3}, third.view());
+  CHECK(sz3.num_copies == 1);
+  CHECK(third.copies == I32{2, 4});
+  CHECK(third.slot_mapping == I64{4 * 4 + 2, -1, -1, -1, -1, -1, -1, -1});
   CHECK(m.pending_copies().empty());
+  CHECK(m.allocator().refcount(2) == 1);
+}
+
+TEST_CASE("build_batch_metadata: a build that writes a pending copy's source hands that copy out first",
+          "[batch_metadata][cow]") {
+  // Sequence 1 and its fork 3 share the partial block 2 (tokens 4, 5). 3 appends: copy 2 -> 3 (3's). 1 rewinds a
+  // shared token and appends another: block 2 now has one table holder (the pending copy is no holder), so the
+  // write lands in place, at a position the copy must still read. A build of {1} alone must hand out 3's copy:
+  // copy_blocks runs before write_kv in that step.
+  Mgr m(cfg(16, 4));
+  REQUIRE(m.try_admit(1, toks(0, 6)).admitted());
+  pagedkv_test::build_step(m, {1});
+  m.fork(1, 3);
+  REQUIRE(m.try_append(3, Toks{9}).copy.has_value());
+  m.rewind(1, 1);
+  const auto a = m.try_append(1, Toks{42});
+  REQUIRE(a.ok());
+  CHECK_FALSE(a.copy.has_value());  // in place
+  REQUIRE(a.slots.size() == 1);
+  CHECK(a.slots[0] == 2 * 4 + 1);
+  Buffers b(1, 4, 2, 4, 2);
+  const auto sz = m.build_batch_metadata(std::vector<SeqId>{1}, b.view());
+  CHECK(sz.num_copies == 1);
+  CHECK(b.copies == I32{2, 3, -1, -1});
+  CHECK(b.slot_mapping == I64{9, -1, -1, -1});
+  CHECK(m.pending_copies().empty());
+  // 3's own build later has no copy left, and its slot is in its copy.
+  Buffers c(1, 4, 2, 4, 1);
+  const auto sz3 = m.build_batch_metadata(std::vector<SeqId>{3}, c.view());
+  CHECK(sz3.num_copies == 0);
+  CHECK(c.slot_mapping == I64{3 * 4 + 2, -1, -1, -1});
 }
 
 TEST_CASE("build_batch_metadata: empty spans skip their output", "[batch_metadata]") {
@@ -274,12 +319,12 @@ TEST_CASE("build_batch_metadata: empty spans skip their output", "[batch_metadat
     CHECK_THAT(msg, Catch::Contains("slot_mapping is empty") && Catch::Contains("6 new tokens"));
     CHECK(m.pending_slots(1).size() == 6);
     CHECK(m.prefix_index().size() == 0);
-    // With nothing pending, an all-empty build is fine (e.g. a batch of sequences waiting for their next token).
+    // With nothing pending, an all-empty build of an empty batch is fine (it would issue queued swaps).
     pagedkv_test::build_step(m, {1});
-    const auto sz = m.build_batch_metadata(std::vector<SeqId>{1}, BatchMetadataBuffers{});
-    CHECK(sz.batch_size == 1);
+    const auto sz = m.build_batch_metadata(std::vector<SeqId>{}, BatchMetadataBuffers{});
+    CHECK(sz.batch_size == 0);
     CHECK(sz.num_new_tokens == 0);
-    CHECK(sz.num_indices == 2);
+    CHECK(sz.num_indices == 0);
   }
   SECTION("an empty batch pads everything") {
     Buffers b(2, 4, 2, 3, 1);
@@ -315,7 +360,8 @@ TEST_CASE("build_batch_metadata: invalid input throws, writes nothing and change
   m.build_batch_metadata(std::vector<SeqId>{10}, warm.view());
   m.fork(10, 30);
   REQUIRE(m.try_append(30, Toks{7}).copy.has_value());  // one pending copy; 30 has 1 slot
-  // Needs for batch {10, 20, 30}: indptr 4, indices 8, per-seq arrays 3, slots 6, copies 2, rows of 3 blocks.
+  REQUIRE_FALSE(m.try_append(10, Toks{8}).copy.has_value());  // 10 has 1 slot, in place (30 left block 3)
+  // Needs for batch {10, 20, 30}: indptr 4, indices 8, per-seq arrays 3, slots 7, copies 2, rows of 3 blocks.
   const std::vector<SeqId> batch{10, 20, 30};
   const Snapshot before = snapshot(m);
 
@@ -326,31 +372,31 @@ TEST_CASE("build_batch_metadata: invalid input throws, writes nothing and change
     const char* needle;
   };
   std::vector<Case> cases{
-      {"indptr", Buffers(2, 8, 3, 6, 1), Errc::kBadShape, "indptr holds 3 entries, needs 4"},
-      {"indices", Buffers(3, 7, 3, 6, 1), Errc::kBadShape, "indices holds 7 entries, needs 8"},
-      {"slots", Buffers(3, 8, 3, 5, 1), Errc::kBadShape, "slot_mapping holds 5 entries, needs 6"},
-      {"row", Buffers(3, 8, 2, 6, 1), Errc::kBadShape, "sequence 10 has 3 blocks > max_blocks_per_seq = 2"},
+      {"indptr", Buffers(2, 8, 3, 7, 1), Errc::kBadShape, "indptr holds 3 entries, needs 4"},
+      {"indices", Buffers(3, 7, 3, 7, 1), Errc::kBadShape, "indices holds 7 entries, needs 8"},
+      {"slots", Buffers(3, 8, 3, 6, 1), Errc::kBadShape, "slot_mapping holds 6 entries, needs 7"},
+      {"row", Buffers(3, 8, 2, 7, 1), Errc::kBadShape, "sequence 10 has 3 blocks > max_blocks_per_seq = 2"},
   };
   {
-    Buffers c(3, 8, 3, 6, 1);
+    Buffers c(3, 8, 3, 7, 1);
     c.copies.resize(1);  // one entry of a [1, 2] list
     cases.push_back({"copies (odd)", c, Errc::kBadShape, "copies holds 1 entries, needs 2"});
-    Buffers l(3, 8, 3, 6, 1);
+    Buffers l(3, 8, 3, 7, 1);
     l.last_page_len.resize(2);
     cases.push_back({"last_page_len", l, Errc::kBadShape, "last_page_len holds 2 entries, needs 3"});
-    Buffers s(3, 8, 3, 6, 1);
+    Buffers s(3, 8, 3, 7, 1);
     s.seq_lens.resize(2);
     cases.push_back({"seq_lens", s, Errc::kBadShape, "seq_lens holds 2 entries, needs 3"});
-    Buffers q(3, 8, 3, 6, 1);
+    Buffers q(3, 8, 3, 7, 1);
     q.qo_indptr.resize(3);
     cases.push_back({"qo_indptr", q, Errc::kBadShape, "qo_indptr holds 3 entries, needs 4"});
-    Buffers t(3, 8, 3, 6, 1);
+    Buffers t(3, 8, 3, 7, 1);
     t.block_tables.resize(8);
     cases.push_back({"block_tables", t, Errc::kBadShape, "block_tables holds 8 entries, needs 9"});
-    Buffers z(3, 8, 3, 6, 1);
+    Buffers z(3, 8, 3, 7, 1);
     z.max_blocks_per_seq = 0;
     cases.push_back({"max_blocks_per_seq 0", z, Errc::kBadShape, "max_blocks_per_seq"});
-    Buffers n(3, 8, 3, 6, 1);
+    Buffers n(3, 8, 3, 7, 1);
     n.indices.clear();
     cases.push_back({"indptr without indices", n, Errc::kBadShape, "indices is empty"});
   }
@@ -382,9 +428,9 @@ TEST_CASE("build_batch_metadata: invalid input throws, writes nothing and change
     CHECK(snapshot(m) == before);
   }
   // After every failure, the same batch still builds (no sequence is left marked as "in the batch").
-  Buffers ok(3, 8, 3, 6, 1);
+  Buffers ok(3, 8, 3, 7, 1);
   const auto sz = m.build_batch_metadata(batch, ok.view());
-  CHECK(sz.num_new_tokens == 6);
+  CHECK(sz.num_new_tokens == 7);
   CHECK(ok.copies == I32{3, 6});
   CHECK(ok.indptr == I32{0, 3, 5, 8});
 }

@@ -172,6 +172,15 @@ TEST_CASE("Errc::kInvalidArgument", "[errors][invalid_argument]") {
     c.num_blocks = 8;
     c.block_size = 0;
     CHECK_THAT(expect_error([&] { Mgr bad(c); }, Errc::kInvalidArgument), Catch::Contains("block_size = 0"));
+    // A block size the kernels' int32 pool view cannot hold (2^31 used to be accepted and wrapped negative there).
+    c.block_size = std::uint32_t{1} << 31;
+    CHECK_THAT(expect_error([&] { Mgr bad(c); }, Errc::kInvalidArgument),
+               Catch::Contains("block_size = 2147483648") && Catch::Contains("kMaxBlockSize = 65536"));
+    c.block_size = pagedkv::kMaxBlockSize + 1;
+    CHECK_THAT(expect_error([&] { Mgr bad(c); }, Errc::kInvalidArgument), Catch::Contains("65537"));
+    c.block_size = pagedkv::kMaxBlockSize;  // the largest accepted
+    Mgr ok(c);
+    CHECK(ok.block_size() == pagedkv::kMaxBlockSize);
   }
   SECTION("acquire of a free block, set_hashed of a block not held (allocator)") {
     pagedkv::BlockAllocator<> a(6);
@@ -310,23 +319,25 @@ TEST_CASE("Errc::kBlockOutOfRange", "[errors][block_out_of_range]") {
 
 TEST_CASE("Errc::kBadShape", "[errors][bad_shape]") {
   auto m = busy_manager();
-  // Batch {1, 2, 4}: sequence 2 has 1 pending slot, 4 has 1, 1 has 0; 3 blocks each.
+  // Batch {2, 4}: sequence 2 has 1 pending slot, 4 has 1 (and a pending copy); 3 blocks each.
   std::vector<std::int64_t> slots(1);
   pagedkv::BatchMetadataBuffers b;
   b.slot_mapping = slots;
-  check_rejected(*m, [&] { m->build_batch_metadata(std::vector<SeqId>{1, 2, 4}, b); }, Errc::kBadShape,
+  check_rejected(*m, [&] { m->build_batch_metadata(std::vector<SeqId>{2, 4}, b); }, Errc::kBadShape,
                  {"slot_mapping holds 1 entries, needs 2"});
   CHECK(slots[0] == 0);
-  std::vector<std::int32_t> table(3 * 2, 5);
+  std::vector<std::int32_t> table(2 * 2, 5);
   pagedkv::BatchMetadataBuffers t;
   t.block_tables = table;
   t.max_blocks_per_seq = 2;
-  check_rejected(*m, [&] { m->build_batch_metadata(std::vector<SeqId>{1, 2, 4}, t); }, Errc::kBadShape,
-                 {"sequence 1 has 3 blocks > max_blocks_per_seq = 2"});
-  CHECK(table == std::vector<std::int32_t>(6, 5));
+  check_rejected(*m, [&] { m->build_batch_metadata(std::vector<SeqId>{2, 4}, t); }, Errc::kBadShape,
+                 {"sequence 2 has 3 blocks > max_blocks_per_seq = 2"});
+  CHECK(table == std::vector<std::int32_t>(4, 5));
   std::vector<std::int32_t> copies(1);
+  std::vector<std::int64_t> one_slot(1);
   pagedkv::BatchMetadataBuffers c;
   c.copies = copies;
-  check_rejected(*m, [&] { m->build_batch_metadata(std::vector<SeqId>{}, c); }, Errc::kBadShape,
+  c.slot_mapping = one_slot;
+  check_rejected(*m, [&] { m->build_batch_metadata(std::vector<SeqId>{4}, c); }, Errc::kBadShape,
                  {"copies holds 1 entries, needs 2"});
 }

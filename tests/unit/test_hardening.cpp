@@ -175,12 +175,12 @@ TEST_CASE("a build cannot drop the writes it registers or the copies it hands ou
   build_step(m, {1});
   m.fork(1, 2);
   REQUIRE(m.try_append(2, Toks{5}).copy.has_value());
-  // Sequence 1 has nothing pending, but the copy of sequence 2 is pending: an empty copies buffer would lose it.
+  // Sequence 2's copy belongs to a build of 2: an empty copies buffer would lose it.
   std::vector<std::int64_t> slots(4);
   pagedkv::BatchMetadataBuffers only_slots;
   only_slots.slot_mapping = slots;
-  CHECK_THAT(expect_error([&] { m.build_batch_metadata(std::vector<SeqId>{1}, only_slots); }, Errc::kBadShape),
-             Catch::Contains("copies is empty but 1 copy-on-write copies are pending"));
+  CHECK_THAT(expect_error([&] { m.build_batch_metadata(std::vector<SeqId>{2}, only_slots); }, Errc::kBadShape),
+             Catch::Contains("copies is empty but 1 copy-on-write copies belong to this build"));
   CHECK(m.pending_copies().size() == 1);
   const auto step = build_step(m, {1, 2});
   CHECK(step.copies == std::vector<std::int32_t>{3, 4});

@@ -54,8 +54,13 @@ struct Engine {
     for (std::size_t i = 0; i <= p; ++i) h = (h ^ static_cast<std::uint64_t>(t[i])) * 0x100000001b3ULL + i;
     return h;
   }
-  // Build the step for `batch` (all pending) and execute it: swap_out, swap_in, copies, write_kv.
-  pagedkv::BatchMetadataSizes step(const std::vector<SeqId>& batch) {
+  // Build the step for the sequences of `requested` with something to compute (all pending) and execute it:
+  // swap_out, swap_in, copies, write_kv.
+  pagedkv::BatchMetadataSizes step(const std::vector<SeqId>& requested) {
+    std::vector<SeqId> batch;
+    for (SeqId id : requested) {
+      if (m.sequence(id).num_pending() > 0) batch.push_back(id);
+    }
     std::size_t n = 0;
     for (SeqId id : batch) n += m.sequence(id).num_pending();
     const auto st = m.stats();
@@ -268,6 +273,37 @@ TEST_CASE("a resumed sequence appends into its swapped-in last block in place (n
   m.free(1);
   CHECK(m.stats().blocks_used == 0);
   CHECK(m.stats().host_blocks_used == 0);
+}
+
+TEST_CASE("try_resume counts host-cached tokens, not blocks times block size", "[host_tier][swap]") {
+  // The first-hour report's case: device pool 6 (5 usable), host 17, block size 4, an 11-token sequence swapped
+  // out, its block 1 evicted on the device while block 0 stays cached. Resume copies blocks 1 (4 tokens) and 2 (the
+  // partial tail, 3 tokens) back: 7 host tokens + 4 device tokens = the sequence's 11 (was reported as 8 + 4 = 12).
+  Mgr m(cfg(6, 17, OffloadPolicy::kNone));
+  Engine e(m);
+  e.admit(1, toks(0, 11));
+  e.step({1});
+  REQUIRE(m.preempt(1, PreemptMode::kSwap));
+  const auto s = e.step({});
+  m.complete_transfers(s.transfer_token);
+  REQUIRE(m.allocator().num_cached_blocks() == 2);  // blocks 0 and 1, released tail first: 1 is older in the LRU
+  e.admit(2, toks(500, 13));  // 4 blocks: the 3 free ones + 1 eviction (block 1 of sequence 1)
+  CHECK(m.stats().evictions == 1);
+  e.step({2});
+  m.free(2);
+  const auto r = m.try_resume(1);
+  REQUIRE(r.admitted());
+  CHECK(r.num_cached_tokens == 11);
+  CHECK(r.num_host_cached_tokens == 7);
+  CHECK(r.num_new_blocks == 2);
+  CHECK(r.num_host_cached_tokens <= r.num_cached_tokens);
+  const auto s2 = e.step({});
+  CHECK(s2.num_swap_in == 2);
+  m.complete_transfers(s2.transfer_token);
+  REQUIRE(m.try_append(1, Toks{11}).ok());
+  e.tokens[1] = toks(0, 12);
+  e.step({1});
+  CHECK(e.reads_own());
 }
 
 TEST_CASE("host tier misuse and limits", "[host_tier][errors]") {

@@ -102,9 +102,14 @@ Snapshot snapshot(const M& m) {
   return s;
 }
 
-// Builds metadata for `batch` into ample buffers; returns (slot_mapping, copies) as written.
+// Builds metadata for the sequences of `requested` that have something to compute (an engine leaves the others
+// out; a build refuses them) into ample buffers; returns (slot_mapping, copies) as written.
 template <class M>
-std::pair<Slots, std::vector<std::int32_t>> build(M& m, const std::vector<SeqId>& batch) {
+std::pair<Slots, std::vector<std::int32_t>> build(M& m, const std::vector<SeqId>& requested) {
+  std::vector<SeqId> batch;
+  for (SeqId id : requested) {
+    if (!m.contains(id) || !m.pending_slots(id).empty()) batch.push_back(id);
+  }
   std::vector<std::int32_t> indptr(batch.size() + 1), indices(1024), lpl(batch.size()), qo(batch.size() + 1);
   std::vector<std::int64_t> slots(1024);
   std::vector<std::int32_t> copies(2 * 64);

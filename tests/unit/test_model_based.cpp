@@ -112,7 +112,8 @@ struct Counters {
                 commits = 0, accepted_drafts = 0, rejected_drafts = 0, partial_builds = 0, host_hits = 0,
                 swaps = 0, swap_refused = 0, resumes = 0, resume_pending = 0, acks = 0, swapped_content_checks = 0,
                 cow = 0, forks = 0, frees = 0, preempts = 0, rewinds = 0, lookups = 0, builds = 0, resets_ok = 0,
-                resets_refused = 0, misuse = 0, leak_checks = 0, content_checks = 0, dedups = 0;
+                resets_refused = 0, misuse = 0, leak_checks = 0, content_checks = 0, dedups = 0,
+                batch_copies = 0, kept_copies = 0;
   std::uint64_t checks = 0;  // individual invariant comparisons
 };
 
@@ -891,9 +892,12 @@ class Harness {
   }
 
   void op_build() {
+    // The batch: sequences with something to compute (a build refuses the others), some left out (an engine that
+    // builds its prefill and decode batches apart, or a token budget): their copies stay pending unless this
+    // build writes a copy's source.
     std::vector<SeqId> batch;
     for (const auto& [id, s] : model_) {
-      if (o_.engine_discipline || rng_() % 4 != 0) batch.push_back(id);
+      if (s.pending() > 0 && rng_() % 4 != 0) batch.push_back(id);
     }
     std::shuffle(batch.begin(), batch.end(), rng_);
     // Per sequence: all its pending positions, or (chunked prefill, partial scheduling) a random prefix of them.
@@ -901,7 +905,7 @@ class Harness {
     bool partial = false;
     for (SeqId id : batch) {
       const std::size_t pend = model_.at(id).pending();
-      const std::size_t q = pend > 0 && rng_() % 3 == 0 ? rng_() % (pend + 1) : pend;
+      const std::size_t q = rng_() % 3 == 0 ? 1 + rng_() % pend : pend;
       partial = partial || q < pend;
       sched.push_back(static_cast<std::uint32_t>(q));
     }
@@ -933,6 +937,10 @@ class Harness {
     }
     std::vector<std::pair<std::uint32_t, std::uint32_t>> pre_copies;
     for (const auto& c : m_.pending_copies()) pre_copies.emplace_back(c.src, c.dst);
+    std::map<SeqId, Ids> idle_tables;  // sequences with nothing pending: a build hands out their copies
+    for (const auto& [id, q] : model_) {
+      if (q.pending() == 0) idle_tables[id] = Ids(m_.block_ids(id).begin(), m_.block_ids(id).end());
+    }
     std::vector<std::uint32_t> holders(m_.allocator().num_blocks(), 0);  // table holders before the build
     m_.for_each_sequence([&](SeqId, std::span<const std::uint32_t> blocks, std::size_t) {
       for (auto blk_id : blocks) ++holders[blk_id];
@@ -1010,10 +1018,23 @@ class Harness {
     }
     MB_CHECK(m_.stats().dedup_blocks == st.dedup_blocks + switched_out.size());
     c_.dedups += switched_out.size();
-    // Copies: the pending ones, in order, less those whose destination was switched out (dropped with it).
+    // Copies: those of this build (into a batch sequence's table, or reading a block this build writes), in
+    // order, less those whose destination was switched out (dropped with it); the others stay pending, in order.
     MB_CHECK(sz.num_copies <= pre_copies.size());
+    std::set<std::uint32_t> batch_blocks, written_blocks;
+    for (const Row& row : rows) {
+      batch_blocks.insert(row.blocks.begin(), row.blocks.end());
+      for (std::size_t p = row.first; p < row.first + row.q_len; ++p) written_blocks.insert(row.blocks[p / bs_]);
+    }
+    for (const auto& [id, q] : idle_tables) batch_blocks.insert(q.begin(), q.end());  // nothing pending: claimed too
     std::size_t j = 0;
+    std::vector<std::pair<std::uint32_t, std::uint32_t>> kept_copies;
     for (const auto& [src, dst] : pre_copies) {
+      if (!batch_blocks.contains(dst) && !written_blocks.contains(src)) {
+        kept_copies.emplace_back(src, dst);
+        continue;
+      }
+      ++c_.batch_copies;
       if (j < sz.num_copies && cp[2 * j] == static_cast<std::int32_t>(src) &&
           cp[2 * j + 1] == static_cast<std::int32_t>(dst)) {
         ++j;
@@ -1023,6 +1044,12 @@ class Harness {
       }
     }
     MB_CHECK(j == sz.num_copies);
+    {
+      std::vector<std::pair<std::uint32_t, std::uint32_t>> now;
+      for (const auto& c : m_.pending_copies()) now.emplace_back(c.src, c.dst);
+      MB_CHECK_MSG(now == kept_copies, "the copies of sequences outside the batch must stay pending");
+      c_.kept_copies += kept_copies.size();
+    }
     {  // No block is both read and written by one copy_blocks launch (issue 12, defect 1).
       std::set<std::int32_t> srcs;
       for (std::size_t i = 0; i < sz.num_copies; ++i) srcs.insert(cp[2 * i]);
@@ -1041,7 +1068,6 @@ class Harness {
     }
     for (std::size_t i = tok; i < slots.size(); ++i) MB_CHECK(slots[i] == -1);
     for (std::size_t i = 2 * sz.num_copies; i < cp.size(); ++i) MB_CHECK(cp[i] == -1);
-    MB_CHECK(m_.pending_copies().empty());
     for (SeqId id : batch) MB_CHECK(m_.pending_slots(id).size() == model_.at(id).pending());
 
     // Swap lists: well formed (distinct destinations, padding), and a token exactly when something was issued.
@@ -1113,16 +1139,22 @@ class Harness {
     for (const auto& t : m_.transfers().queued()) {
       if (!pagedkv::is_device_to_host(t.kind)) unfilled.insert(t.device);
     }
-    for (const auto& c : m_.pending_copies()) unfilled.insert(c.dst);
+    // The destination of a copy-on-write not handed out yet (its sequence was in no build since) is filled by the
+    // copy its own batch's build issues, before that step's kernels read it: until then its built positions must
+    // still be intact in the copy's source (a build that writes the source hands the copy out first).
+    std::map<std::uint32_t, std::uint32_t> copy_src;
+    for (const auto& c : m_.pending_copies()) copy_src[c.dst] = c.src;
     for (const auto& [id, s] : model_) {
       const auto ids = m_.block_ids(id);
       for (std::size_t p = 0; p < s.built; ++p) {
-        if (unfilled.contains(ids[p / bs_])) continue;
-        const std::size_t slot = ids[p / bs_] * bs_ + p % bs_;
+        std::uint32_t blk = ids[p / bs_];
+        for (auto it = copy_src.find(blk); it != copy_src.end(); it = copy_src.find(blk)) blk = it->second;
+        if (unfilled.contains(blk)) continue;
+        const std::size_t slot = blk * bs_ + p % bs_;
         ++c_.checks;
         if (kv_[slot] != fp_at(s, p)) {
           fail(__LINE__, "shadow K/V mismatch", "sequence " + std::to_string(id) + " position " +
-                                                    std::to_string(p) + " block " + std::to_string(ids[p / bs_]));
+                                                    std::to_string(p) + " block " + std::to_string(blk));
         }
       }
     }
@@ -1240,13 +1272,16 @@ class Harness {
     const auto* host = m_.host_tier();
     const Ids hbs(m_.swapped_host_blocks(id).begin(), m_.swapped_host_blocks(id).end());
     bool pending = false;
-    std::size_t to_fill = 0, evictable = 0;
-    for (std::uint32_t hb : hbs) {
+    std::size_t to_fill = 0, evictable = 0, host_tokens = 0;
+    const std::size_t len = it->second.tokens.size();
+    for (std::size_t i = 0; i < hbs.size(); ++i) {
+      const std::uint32_t hb = hbs[i];
       if (!host->is_ready(hb)) pending = true;
       const auto h = host->index().hash_of(hb);
       const auto b = h ? m_.prefix_index().find(*h) : std::nullopt;
       if (!b) {
         ++to_fill;
+        host_tokens += std::min<std::size_t>(bs_, len - i * bs_);  // a partial last block counts its tokens
       } else if (m_.allocator().is_cached(*b)) {
         ++evictable;
       }
@@ -1274,6 +1309,9 @@ class Harness {
     swapped_.erase(it);
     MB_CHECK(m_.contains(id) && !m_.is_swapped(id));
     MB_CHECK(r.num_cached_tokens == s.tokens.size());
+    MB_CHECK_MSG(r.num_host_cached_tokens == host_tokens, "host tokens " + std::to_string(r.num_host_cached_tokens) +
+                                                              " want " + std::to_string(host_tokens));
+    MB_CHECK(r.num_host_cached_tokens <= r.num_cached_tokens);
     MB_CHECK(m_.num_tokens(id) == s.tokens.size());
     MB_CHECK(m_.sequence(id).num_built == s.tokens.size());
     s.slotted = s.built = s.tokens.size();
@@ -1374,10 +1412,30 @@ class Harness {
               [&] { m_.build_batch_metadata(std::vector<SeqId>{live}, pagedkv::BatchMetadataBuffers{}); },
               Errc::kBadShape, "slot_mapping is empty");
         }
-        if (!m_.pending_copies().empty()) {  // nor the copies it would hand out
+        if (rng_() % 2 == 0) {  // nor a row with nothing to compute
+          const std::vector<std::uint32_t> zero{0};
+          const bool explicit_zero = rng_() % 2 == 0;
           return expect_misuse(
-              [&] { m_.build_batch_metadata(std::vector<SeqId>{}, pagedkv::BatchMetadataBuffers{}); },
-              Errc::kBadShape, "copies is empty");
+              [&] {
+                if (!explicit_zero) {
+                  m_.build_batch_metadata(std::vector<SeqId>{live}, pagedkv::BatchMetadataBuffers{});
+                } else {
+                  m_.build_batch_metadata(std::vector<SeqId>{live}, pagedkv::BatchMetadataBuffers{}, zero);
+                }
+              },
+              Errc::kInvalidArgument, "sequence " + live_s + " has no tokens to compute");
+        }
+        if (!m_.pending_copies().empty()) {  // nor the copies it would hand out (those of its own batch)
+          const std::uint32_t dst = m_.pending_copies().front().dst;
+          for (const auto& [id, q] : model_) {
+            const auto blocks = m_.block_ids(id);
+            if (q.pending() == 0 || std::find(blocks.begin(), blocks.end(), dst) == blocks.end()) continue;
+            Slots sl(q.pending());
+            pagedkv::BatchMetadataBuffers only_slots;
+            only_slots.slot_mapping = sl;
+            return expect_misuse([&] { m_.build_batch_metadata(std::vector<SeqId>{id}, only_slots); },
+                                 Errc::kBadShape, "copies is empty");
+          }
         }
         if (len > 0) {  // a multimodal item past the prompt, or wrapping past 2^64
           RequestKeys k;
@@ -1721,6 +1779,7 @@ void run_all(bool engine_discipline, std::uint64_t seed_base) {
     CHECK(c.no_capacity > 20);
     CHECK(c.append_no_capacity > 10);
     if (s.bs > 1) CHECK(c.cow > 10);  // block size 1 has no partial blocks
+    if (s.bs > 1) CHECK(c.kept_copies > 5);  // copies of sequences outside a build stayed pending
     CHECK(c.forks > 50);
     CHECK(c.preempts > 20);
     CHECK(c.rewinds > 50);
@@ -1787,7 +1846,7 @@ TEMPLATE_TEST_CASE("model-based: a host tier (offload, onboarding, swap preempti
     INFO("hasher " << TestType::kName << ", " << sh.name << ", seed " << o.seed);
     const Counters c = run_config<TestType>(o);
     CHECK(c.swaps > 20);
-    CHECK(c.resumes > 3);  // (bs16: sequences of up to 66 blocks in a 63-block pool rarely fit back)
+    CHECK(c.resumes > (sh.bs == 16 ? 1U : 3U));  // bs16: sequences of up to 66 blocks in a 63-block pool rarely fit back
     CHECK(c.resume_pending > 0);
     CHECK(c.acks > 100);
     if (sh.offload != pagedkv::OffloadPolicy::kNone) CHECK(c.host_hits > 20);

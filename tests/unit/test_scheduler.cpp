@@ -160,11 +160,17 @@ TEST_CASE("build_batch_metadata rejects schedules it cannot honour, changing not
   CHECK(m.sequence(1).num_pending() == 10);
   CHECK(m.sequence(2).num_pending() == 3);
   CHECK(m.prefix_index().size() == 0);
-  // Zero tokens for a sequence is legal: it is in the batch (its page table is written) but computes nothing.
-  const auto s = build(m, {1, 2}, {0, 3});
-  CHECK(s.qo_indptr == I32{0, 0, 3});
-  CHECK(s.seq_lens == I32{0, 3});
-  CHECK(s.indptr == I32{0, 0, 1});
+  // Zero tokens for a sequence is refused: a row without queries hands an attention kernel nothing to compute
+  // (leave the sequence out of the batch instead).
+  const std::vector<std::uint32_t> zero{0, 3};
+  CHECK_THAT(expect_error([&] { m.build_batch_metadata(batch, buf, zero); }, Errc::kInvalidArgument),
+             Catch::Contains("sequence 1 has no tokens to compute in this build (num_scheduled_tokens[0] = 0"));
+  CHECK(m.sequence(1).num_pending() == 10);
+  CHECK(m.sequence(2).num_pending() == 3);
+  const auto s = build(m, {2}, {3});
+  CHECK(s.qo_indptr == I32{0, 3});
+  CHECK(s.seq_lens == I32{3});
+  CHECK(s.indptr == I32{0, 1});
 }
 
 TEST_CASE("capacity queries answer what the call would, and change nothing", "[scheduler][capacity]") {

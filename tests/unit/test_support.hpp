@@ -43,12 +43,21 @@ struct BuiltStep {
 };
 
 /// Builds the metadata of `batch` on `m` with exactly sized slot-mapping and copy buffers (a build cannot drop
-/// either), every other output skipped. Stands for "the engine ran this step".
+/// either), every other output skipped. Stands for "the engine ran this step": like an engine's scheduler, it
+/// leaves out the live sequences with nothing to compute (a build refuses them); unknown ids are passed on (and
+/// refused by the build).
 template <class Mgr>
 BuiltStep build_step(Mgr& m, std::span<const pagedkv::SeqId> batch) {
   std::size_t n = 0;
+  std::vector<pagedkv::SeqId> scheduled;
   for (pagedkv::SeqId id : batch) {
-    if (m.contains(id)) n += m.pending_slots(id).size();
+    if (!m.contains(id)) {
+      scheduled.push_back(id);
+      continue;
+    }
+    const std::size_t p = m.pending_slots(id).size();
+    n += p;
+    if (p > 0) scheduled.push_back(id);
   }
   BuiltStep out;
   out.slots.assign(n, -2);
@@ -56,7 +65,7 @@ BuiltStep build_step(Mgr& m, std::span<const pagedkv::SeqId> batch) {
   pagedkv::BatchMetadataBuffers buf;
   buf.slot_mapping = out.slots;
   buf.copies = out.copies;
-  out.sizes = m.build_batch_metadata(batch, buf);
+  out.sizes = m.build_batch_metadata(scheduled, buf);
   return out;
 }
 template <class Mgr>
