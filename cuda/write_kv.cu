@@ -17,14 +17,10 @@ template __global__ void write_kv_kernel<2>(const WriteKVArgs);
 Status write_kv(const WriteKVParams& p, Stream stream) noexcept {
   using namespace detail;
   if (const Status s = validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (p.num_tokens < 0 || p.stride_token_elems < 0) return Status::kInvalidValue;
-  if (p.num_tokens > 0 && (p.key == nullptr || p.value == nullptr || p.slot_mapping == nullptr)) {
-    return Status::kInvalidValue;
-  }
-  if (!is_supported(p.kv.dtype, p.kv.head_dim)) return Status::kUnsupported;
+  if (const Status s = reference::detail::validate_write_kv_shape(p); s != Status::kSuccess) return s;
+  if (const Status s = check_supported(p.kv.dtype, p.kv.head_dim); s != Status::kSuccess) return s;
   const std::int64_t row_elems = std::int64_t{p.kv.num_kv_heads} * p.kv.head_dim;
   const std::int64_t src_stride = p.stride_token_elems == 0 ? row_elems : p.stride_token_elems;
-  if (src_stride < row_elems) return Status::kInvalidValue;  // rows of one token would overlap
   if (p.num_tokens == 0) return Status::kSuccess;
 
   const auto es = static_cast<std::int64_t>(dtype_size_bytes(p.kv.dtype));

@@ -144,8 +144,10 @@ Status launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::
   cfg.stream = stream;
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...) == cudaSuccess ? Status::kSuccess
-                                                                                       : Status::kCudaError;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e == cudaSuccess) return Status::kSuccess;
+  return pagedkv::detail::fail(Status::kCudaError, "cudaLaunchKernelEx", ": %s (%s)", cudaGetErrorName(e),
+                               cudaGetErrorString(e));
 }
 
 // ---- page tables (docs/contract.md section 3) ----
