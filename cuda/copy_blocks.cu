@@ -29,7 +29,7 @@ Status copy_blocks(const CopyBlocksParams& p, Stream stream) noexcept {
   if (p.num_layers == 0 || p.capacity == 0) return Status::kSuccess;
 
   const KVPoolView& g = p.layers[0];
-  const auto es = static_cast<std::int64_t>(dtype_size_bytes(g.dtype));
+  const auto es = static_cast<std::int64_t>(g.storage_size_bytes());  // fp8 pools: bytes are moved
   CopyBlocksArgs a{};
   a.block_mapping = p.block_mapping;
   a.num_blocks = g.num_blocks;

@@ -12,8 +12,9 @@ namespace pagedkv::cuda {
 inline namespace v0_1 {
 namespace detail {
 
-#define PAGEDKV_INSTANTIATE_DECODE(T, HD) \
-  template Status launch_decode<T, HD>(const DecodeArgs&, std::int32_t, bool, cudaStream_t);
+#define PAGEDKV_INSTANTIATE_DECODE(T, HD)                                                   \
+  template Status launch_decode<T, HD>(const DecodeArgs&, std::int32_t, bool, cudaStream_t); \
+  template Status launch_decode<T, HD, Fp8E4M3>(const DecodeArgs&, std::int32_t, bool, cudaStream_t);
 PAGEDKV_CUDA_FOR_EACH_DTYPE_HEAD_DIM(PAGEDKV_INSTANTIATE_DECODE)
 #undef PAGEDKV_INSTANTIATE_DECODE
 
@@ -46,7 +47,9 @@ inline DecodeArgs base_args(const DecodeParams& p, std::int32_t heads_per_tile, 
   a.heads_per_tile = heads_per_tile;
   a.num_head_tiles = decode_num_head_tiles(a.group_size, heads_per_tile);
   a.phases = slots / heads_per_tile;
-  a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+  const bool fp8 = p.kv.kv_dtype == KVDType::kFp8E4M3;
+  a.scale_log2 = p.sm_scale * 1.4426950408889634f * (fp8 ? p.kv.k_scale : 1.f);
+  a.v_scale = fp8 ? p.kv.v_scale : 1.f;
   a.window_tokens = p.window.sliding_window_tokens;
   a.chunk_tokens = p.window.attention_chunk_tokens;
   return a;
@@ -149,6 +152,9 @@ Status decode(const DecodeParams& p, Stream stream) noexcept {
       a.ws_lse = a.ws_o + static_cast<std::int64_t>(p.pages.batch_size) * p.max_num_chunks * p.num_qo_heads *
                               p.kv.head_dim;
     }
+    if (p.kv.kv_dtype == KVDType::kFp8E4M3) {
+      return launch_decode<T, HD, Fp8E4M3>(a, 0, split, static_cast<cudaStream_t>(stream));
+    }
     return launch_decode<T, HD>(a, 0, split, static_cast<cudaStream_t>(stream));
   });
 }
@@ -196,7 +202,11 @@ Status decode(const DecodeParams& p, const DecodeWorkList& wl, Stream stream) no
       a.ws_o = static_cast<float*>(p.workspace);
       a.ws_lse = a.ws_o + static_cast<std::int64_t>(wl.partial_row_capacity) * p.num_qo_heads * p.kv.head_dim;
     }
-    return launch_decode<T, HD>(a, wl.item_capacity, wl.partial_row_capacity > 0, static_cast<cudaStream_t>(stream));
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (p.kv.kv_dtype == KVDType::kFp8E4M3) {
+      return launch_decode<T, HD, Fp8E4M3>(a, wl.item_capacity, wl.partial_row_capacity > 0, s);
+    }
+    return launch_decode<T, HD>(a, wl.item_capacity, wl.partial_row_capacity > 0, s);
   });
 }
 

@@ -11,8 +11,9 @@ namespace pagedkv::cuda {
 inline namespace v0_1 {
 namespace detail {
 
-#define PAGEDKV_INSTANTIATE_PREFILL(T, HD) \
-  template Status launch_prefill<T, HD>(const PrefillArgs&, std::int32_t, cudaStream_t);
+#define PAGEDKV_INSTANTIATE_PREFILL(T, HD)                                           \
+  template Status launch_prefill<T, HD>(const PrefillArgs&, std::int32_t, cudaStream_t); \
+  template Status launch_prefill<T, HD, Fp8E4M3>(const PrefillArgs&, std::int32_t, cudaStream_t);
 PAGEDKV_CUDA_FOR_EACH_DTYPE_HEAD_DIM(PAGEDKV_INSTANTIATE_PREFILL)
 #undef PAGEDKV_INSTANTIATE_PREFILL
 
@@ -52,10 +53,13 @@ Status prefill(const PrefillParams& p, Stream stream) noexcept {
     a.block_size = p.kv.block_size;
     a.num_qo_heads = p.num_qo_heads;
     a.group_size = p.num_qo_heads / p.kv.num_kv_heads;
-    a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+    const bool fp8 = p.kv.kv_dtype == KVDType::kFp8E4M3;
+    a.scale_log2 = p.sm_scale * 1.4426950408889634f * (fp8 ? p.kv.k_scale : 1.f);
+    a.v_scale = fp8 ? p.kv.v_scale : 1.f;
     a.window_tokens = p.window.sliding_window_tokens;
     a.chunk_tokens = p.window.attention_chunk_tokens;
     a.total_q_tokens = p.total_q_tokens;
+    if (fp8) return launch_prefill<T, HD, Fp8E4M3>(a, p.total_q_tokens, static_cast<cudaStream_t>(stream));
     return launch_prefill<T, HD>(a, p.total_q_tokens, static_cast<cudaStream_t>(stream));
   });
 }

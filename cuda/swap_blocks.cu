@@ -40,7 +40,7 @@ Status check_space(const void* ptr, Space want) {
 }
 
 Side make_side(const KVPoolView& kv) {
-  const auto es = static_cast<std::int64_t>(dtype_size_bytes(kv.dtype));
+  const auto es = static_cast<std::int64_t>(kv.storage_size_bytes());
   return {static_cast<char*>(kv.k), static_cast<char*>(kv.v), kv.stride_page * es, kv.stride_token * es,
           kv.stride_head * es, detail::block_is_dense(kv)};
 }
@@ -94,7 +94,7 @@ Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
     const KVPoolView& skv = p.src_layers[l];
     const Side s = make_side(skv);
     const Side d = make_side(p.dst_layers[l]);
-    const auto es = static_cast<std::int64_t>(dtype_size_bytes(skv.dtype));
+    const auto es = static_cast<std::int64_t>(skv.storage_size_bytes());
     const std::int64_t row_bytes = skv.head_dim * es;
     const std::int64_t block_bytes = std::int64_t{skv.block_size} * skv.num_kv_heads * row_bytes;
 

@@ -20,17 +20,10 @@ using pagedkv::detail::fail;
 using reference::detail::same_block_shape;
 using reference::detail::same_geometry;
 
-/// Pool checks: the CPU reference's rule set (reference::detail::validate_pool: enumerators, fp8 scales, pointers,
-/// extents, block_size <= kMaxBlockSize, strides that keep a page's elements distinct, no 64-bit overflow, K/V
-/// pages apart), then the CUDA-only rule: a storage dtype the kernels lack is kUnsupported.
-inline Status validate_pool(const KVPoolView& kv) {
-  if (const Status s = reference::detail::validate_pool(kv); s != Status::kSuccess) return s;
-  if (kv.kv_dtype != KVDType::kSame) {  // fp8 KV: CPU reference only for now
-    return fail(Status::kUnsupported, "kv.kv_dtype", " = %d: fp8 KV is not compiled for CUDA",
-                static_cast<int>(kv.kv_dtype));
-  }
-  return Status::kSuccess;
-}
+/// Pool checks: the CPU reference's rule set (reference::detail::validate_pool: enumerators (kUnsupported otherwise),
+/// fp8 scales finite and > 0, pointers, extents, block_size <= kMaxBlockSize, strides that keep a page's elements
+/// distinct, no 64-bit overflow, K/V pages apart). Both storage dtypes (kSame, kFp8E4M3) are compiled.
+inline Status validate_pool(const KVPoolView& kv) { return reference::detail::validate_pool(kv); }
 
 /// kUnsupported naming kv.dtype or kv.head_dim when (dtype, head_dim) is outside the compiled set.
 inline Status check_supported(DType dt, std::int32_t head_dim) {

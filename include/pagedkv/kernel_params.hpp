@@ -31,7 +31,7 @@ enum class Status : int {
   kSuccess = 0,
   kInvalidValue = 1,  ///< A shape, stride, pointer or count is inconsistent (validated before anything runs).
   kUnsupported = 2,   ///< A dtype / head_dim combination outside the compiled set {fp16, bf16, fp32} x {64, 128, 256},
-                      ///< or a KV storage dtype the implementation lacks (fp8 KV on CUDA: CPU reference only).
+                      ///< or a dtype / KV storage dtype value that is not an enumerator.
   kCudaError = 3,     ///< A CUDA runtime call or this launch failed (the launcher checks the launch's own return
                       ///< value, never the thread's sticky last-error slot; see docs/kernels.md).
   kNoDevice = 4,      ///< No CUDA device is present.
@@ -133,7 +133,7 @@ enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 ///  - kFp8E4M3: K/V are stored as OCP FP8 E4M3FN (1 byte: sign, 4 exponent bits with bias 7, 3 mantissa bits; max
 ///    finite 448, no infinities, NaN = S.1111.111), with per-tensor scales: write_kv stores e4m3(x / k_scale) for K
 ///    (v_scale for V) and the attention ops load e4m3_to_float(stored) * scale. q, o and write_kv's key/value stay
-///    in `dtype`. CPU reference only for now: every CUDA launcher returns Status::kUnsupported for such a pool.
+///    in `dtype`. Implemented by the CPU reference and the CUDA launchers (the latter compiled, not yet run on a GPU).
 enum class KVDType : std::uint8_t { kSame = 0, kFp8E4M3 = 1 };
 
 /// Bytes per stored K/V element of a pool with storage dtype `kv_dt` and element dtype `dt`.

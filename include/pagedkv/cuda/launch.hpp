@@ -5,8 +5,9 @@
 //
 // Every launcher follows "validate -> launch -> check" (CUTLASS/CUB): it validates shapes, pointers and alignment
 // on the host and returns Status::kInvalidValue before anything runs; it dispatches (dtype, head_dim) in one place
-// and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}, and for any pool whose
-// KVPoolView::kv_dtype is not KVDType::kSame (fp8 KV on CUDA: not yet implemented; CPU reference only); it launches
+// and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}. Both KV storage dtypes are compiled:
+// kSame and kFp8E4M3 (write_kv quantizes with the reference's exact rounding, decode / prefill dequantize on load,
+// copy_blocks / swap_blocks move the bytes; per-tensor k_scale / v_scale); it launches
 // through cudaLaunchKernelEx and returns Status::kCudaError when *that launch* fails (its own return value: an
 // earlier, unrelated error left in the thread's last-error slot is neither reported nor consumed; see
 // docs/kernels.md). Launchers never synchronize the host, never allocate and never throw, so a sequence of them can
@@ -64,7 +65,8 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 ///   is skipped, and so is a slot >= num_blocks * block_size (precondition violation, detected on the device).
 /// - p.kv: the destination pool (device), any strides (NHD / HND / separate K and V).
 /// Accesses are 16 bytes wide when every pointer and stride allows it, narrower otherwise (never wrong, only
-/// slower). Returns kInvalidValue for null pointers or non-positive shapes, kUnsupported outside the compiled set,
+/// slower). An fp8 pool (KVDType::kFp8E4M3) stores float_to_e4m3(x / k_scale) (V: v_scale): one IEEE float division
+/// then round-to-nearest-even with saturation to +-448 and NaN kept, bit-identical to reference::write_kv. Returns kInvalidValue for null pointers or non-positive shapes, kUnsupported outside the compiled set,
 /// kCudaError if the launch fails. num_tokens == 0 launches nothing.
 [[nodiscard]] PAGEDKV_CUDA_API Status write_kv(const WriteKVParams& p, Stream stream = nullptr) noexcept;
 
@@ -137,7 +139,10 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// the page table gives, so it never reads past a sequence; a list that does not cover every (request, head,
 /// token) exactly once gives wrong o, never an out-of-bounds access (items and merges naming workspace rows at or
 /// past partial_row_capacity are skipped too).
-/// Unsupported (kUnsupported): dtype / head_dim outside the compiled set, fp8 pools. kCudaError: a launch failed.
+/// Unsupported (kUnsupported): dtype / head_dim outside the compiled set. kCudaError: a launch failed.
+/// fp8 pools (KVDType::kFp8E4M3): K/V bytes are e4m3 codes, dequantized exactly in registers; k_scale is folded
+/// into the prescaled q and v_scale multiplies each output (or partial) row once, so the result equals the reference's
+/// to float32 rounding (not bit for bit: the reference multiplies each element by its scale).
 [[nodiscard]] PAGEDKV_CUDA_API Status decode(const DecodeParams& p, const DecodeWorkList& wl,
                                             Stream stream = nullptr) noexcept;
 

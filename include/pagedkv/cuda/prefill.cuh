@@ -51,14 +51,18 @@ struct PrefillArgs {
   std::int32_t block_size;
   std::int32_t num_qo_heads;
   std::int32_t group_size;
-  float scale_log2;
+  float scale_log2;            // sm_scale * log2(e) (fp8 pool: times k_scale, folded into q)
+  float v_scale;               // 1, or an fp8 pool's v_scale (applied to the output)
   std::int32_t window_tokens;  // PrefillParams::window.sliding_window_tokens (0 = off)
   std::int32_t chunk_tokens;   // PrefillParams::window.attention_chunk_tokens (0 = off)
   std::int32_t total_q_tokens; // rows of q / o: no CTA reads or writes a row at or past it, whatever qo_indptr says
 };
 
 /// grid = (ceil(total_q / 32) + batch, num_qo_heads), block = 128, dynamic smem = PrefillTraits::kSmemBytes.
-template <KernelElement T, int HD>
+/// KV = T reads the pool as T; KV = Fp8E4M3 reads kVec e4m3 bytes per vector and dequantizes them (exact) into the
+/// fp32 shared tiles (k_scale folded into the prescaled q, v_scale applied to the output).
+template <KernelElement T, int HD, class KV = T>
+  requires KVStorageOf<KV, T>
 __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel(const PrefillArgs a) {
   using Tr = PrefillTraits<T, HD>;
   extern __shared__ __align__(16) float smem_f[];
@@ -153,8 +157,8 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   const std::int32_t kv_begin = rows > 0 ? first_visible_token(pos0, a.window_tokens, a.chunk_tokens) : 0;
   const std::int32_t kv_end = min(kv_len, pos0 + rows);  // one past the last visible key of the tile
 
-  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
-  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
+  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
 
   float acc[Tr::kDimGroups][4];
 #pragma unroll
@@ -174,10 +178,10 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
         const std::int32_t page = tok / a.block_size;
         const std::int32_t in_page = tok - page * a.block_size;
         const std::int64_t blk = page_block(a.pages, b, page);
-        const std::int64_t off = (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(T)} +
-                                 c * 16;
-        unpack16<T>(ldg16(k_head + off), kf);
-        unpack16<T>(ldg16(v_head + off), vf);
+        const std::int64_t off = (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(KV)} +
+                                 c * Tr::kVec * std::int64_t{sizeof(KV)};
+        load_kv_vec<T, KV, true>(k_head + off, kf);
+        load_kv_vec<T, KV, true>(v_head + off, vf);
       }
 #pragma unroll
       for (int e = 0; e < Tr::kVec; e += 4) {
@@ -250,7 +254,7 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
 
   if (r < rows) {
     const std::int64_t row = static_cast<std::int64_t>(q_begin + tile_q0 + r) * a.num_qo_heads + h;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? a.v_scale / l : 0.f;  // v_scale: 1 unless fp8
     T* out = static_cast<T*>(a.o) + row * HD;
 #pragma unroll
     for (int k = 0; k < Tr::kDimGroups; ++k) {
@@ -294,8 +298,8 @@ Status ensure_max_dynamic_smem(Kernel* kernel, std::size_t smem_bytes, std::atom
   return Status::kSuccess;
 }
 
-/// Host: launches prefill_kernel<T, HD>. Arguments validated by the caller; total_q_tokens > 0, batch > 0.
-template <KernelElement T, int HD>
+/// Host: launches prefill_kernel<T, HD, KV>. Arguments validated by the caller; total_q_tokens > 0, batch > 0.
+template <KernelElement T, int HD, class KV = T>
 Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStream_t stream) {
   using Tr = PrefillTraits<T, HD>;
   const std::int64_t tiles = ceil_div(total_q_tokens, Tr::kTileQ) + a.pages.batch_size;
@@ -304,12 +308,12 @@ Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStr
                                  total_q_tokens, static_cast<long long>(tiles));
   }
   static std::atomic<std::uint64_t> smem_set{0};  // one per instantiation: devices whose attribute is set
-  if (const Status s = ensure_max_dynamic_smem(prefill_kernel<T, HD>, Tr::kSmemBytes, smem_set);
+  if (const Status s = ensure_max_dynamic_smem(prefill_kernel<T, HD, KV>, Tr::kSmemBytes, smem_set);
       s != Status::kSuccess) {
     return s;
   }
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_qo_heads));
-  return launch_kernel(prefill_kernel<T, HD>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, a);
+  return launch_kernel(prefill_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, a);
 }
 
 }  // namespace detail
