@@ -16,18 +16,20 @@ template __global__ void copy_blocks_kernel<2>(const CopyBlocksArgs);
 
 Status copy_blocks(const CopyBlocksParams& p, Stream stream) noexcept {
   using namespace detail;
-  if (p.num_layers < 0 || p.capacity < 0) return Status::kInvalidValue;
-  if (p.num_layers > 0 && p.layers == nullptr) return Status::kInvalidValue;
-  if (p.capacity > 0 && p.block_mapping == nullptr) return Status::kInvalidValue;
+  if (const Status s = reference::detail::validate_copy_blocks_shape(p); s != Status::kSuccess) return s;
   for (std::int32_t l = 0; l < p.num_layers; ++l) {
-    if (const Status s = validate_pool(p.layers[l]); s != Status::kSuccess) return s;
-    if (!same_geometry(p.layers[0], p.layers[l])) return Status::kInvalidValue;
+    if (const Status s = validate_pool(p.layers[l]); s != Status::kSuccess) {
+      pagedkv::detail::prefix_detail("layers", l);
+      return s;
+    }
   }
-  if (p.num_layers > 0 && !is_supported(p.layers[0].dtype, p.layers[0].head_dim)) return Status::kUnsupported;
+  if (p.num_layers > 0) {
+    if (const Status s = check_supported(p.layers[0].dtype, p.layers[0].head_dim); s != Status::kSuccess) return s;
+  }
   if (p.num_layers == 0 || p.capacity == 0) return Status::kSuccess;
 
   const KVPoolView& g = p.layers[0];
-  const auto es = static_cast<std::int64_t>(dtype_size_bytes(g.dtype));
+  const auto es = static_cast<std::int64_t>(g.storage_size_bytes());  // fp8 pools: bytes are moved
   CopyBlocksArgs a{};
   a.block_mapping = p.block_mapping;
   a.num_blocks = g.num_blocks;

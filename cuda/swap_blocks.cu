@@ -29,15 +29,18 @@ enum class Space { kHost, kDevice };
 Status check_space(const void* ptr, Space want) {
   cudaPointerAttributes attr{};
   const cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
-  if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver) return Status::kNoDevice;
-  if (e != cudaSuccess) return Status::kCudaError;
+  if (e != cudaSuccess) return detail::cuda_fail("cudaPointerGetAttributes", e);
   const bool ok = want == Space::kHost ? attr.type == cudaMemoryTypeHost
                                        : (attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged);
-  return ok ? Status::kSuccess : Status::kWrongMemorySpace;
+  if (ok) return Status::kSuccess;
+  return detail::fail(Status::kWrongMemorySpace, want == Space::kHost ? "host side" : "device side",
+                      " pointer %p: cudaPointerGetAttributes type %d, need %s", ptr, static_cast<int>(attr.type),
+                      want == Space::kHost ? "page-locked host memory (cudaHostAlloc / cudaHostRegister)"
+                                           : "device or managed memory");
 }
 
 Side make_side(const KVPoolView& kv) {
-  const auto es = static_cast<std::int64_t>(dtype_size_bytes(kv.dtype));
+  const auto es = static_cast<std::int64_t>(kv.storage_size_bytes());
   return {static_cast<char*>(kv.k), static_cast<char*>(kv.v), kv.stride_page * es, kv.stride_token * es,
           kv.stride_head * es, detail::block_is_dense(kv)};
 }
@@ -46,29 +49,29 @@ Side make_side(const KVPoolView& kv) {
 
 Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
   using namespace detail;
-  if (p.num_layers < 0 || p.num_pairs < 0) return Status::kInvalidValue;
-  if (p.num_layers > 0 && (p.src_layers == nullptr || p.dst_layers == nullptr)) return Status::kInvalidValue;
-  if (p.num_pairs > 0 && p.block_mapping == nullptr) return Status::kInvalidValue;
-  if (p.direction != SwapDirection::kDeviceToHost && p.direction != SwapDirection::kHostToDevice) {
-    return Status::kInvalidValue;
-  }
+  if (const Status s = reference::detail::validate_swap_blocks_shape(p); s != Status::kSuccess) return s;
   for (std::int32_t l = 0; l < p.num_layers; ++l) {
     const KVPoolView& s = p.src_layers[l];
     const KVPoolView& d = p.dst_layers[l];
-    const Status vs = validate_pool(s);
-    const Status vd = validate_pool(d);
-    if (vs == Status::kInvalidValue || vd == Status::kInvalidValue) return Status::kInvalidValue;
-    if (vs != Status::kSuccess || vd != Status::kSuccess) return Status::kUnsupported;  // fp8 KV: not on CUDA yet
-    if (s.dtype != d.dtype || s.block_size != d.block_size || s.num_kv_heads != d.num_kv_heads ||
-        s.head_dim != d.head_dim) {
-      return Status::kInvalidValue;
+    for (int side = 0; side < 2; ++side) {
+      if (const Status st = validate_pool(side == 0 ? s : d); st != Status::kSuccess) {
+        pagedkv::detail::prefix_detail(side == 0 ? "src_layers" : "dst_layers", l);
+        return st;
+      }
     }
-    if (!is_supported(s.dtype, s.head_dim)) return Status::kUnsupported;
+    if (const Status st = check_supported(s.dtype, s.head_dim); st != Status::kSuccess) return st;
     for (std::int32_t i = 0; i < p.num_pairs; ++i) {
       const std::int32_t src = p.block_mapping[2 * i];
       const std::int32_t dst = p.block_mapping[2 * i + 1];
       if (src < 0) continue;
-      if (src >= s.num_blocks || dst < 0 || dst >= d.num_blocks) return Status::kInvalidValue;
+      if (src >= s.num_blocks) {
+        return fail(Status::kInvalidValue, "block_mapping", "[%d].src = %d: out of [0, src_layers[%d].num_blocks = %d)",
+                    i, src, l, s.num_blocks);
+      }
+      if (dst < 0 || dst >= d.num_blocks) {
+        return fail(Status::kInvalidValue, "block_mapping", "[%d].dst = %d: out of [0, dst_layers[%d].num_blocks = %d)",
+                    i, dst, l, d.num_blocks);
+      }
     }
   }
   if (p.num_layers == 0 || p.num_pairs == 0) return Status::kSuccess;
@@ -91,7 +94,7 @@ Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
     const KVPoolView& skv = p.src_layers[l];
     const Side s = make_side(skv);
     const Side d = make_side(p.dst_layers[l]);
-    const auto es = static_cast<std::int64_t>(dtype_size_bytes(skv.dtype));
+    const auto es = static_cast<std::int64_t>(skv.storage_size_bytes());
     const std::int64_t row_bytes = skv.head_dim * es;
     const std::int64_t block_bytes = std::int64_t{skv.block_size} * skv.num_kv_heads * row_bytes;
 
@@ -115,12 +118,15 @@ Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
         const std::int64_t so = src * s.page_bytes;
         const std::int64_t dof = dst * d.page_bytes;
         const std::int64_t bytes = (run - 1) * unit + unit;
-        if (cudaMemcpyAsync(d.k + dof, s.k + so, static_cast<std::size_t>(bytes), kind, st) != cudaSuccess) {
-          return Status::kCudaError;
+        if (const cudaError_t e = cudaMemcpyAsync(d.k + dof, s.k + so, static_cast<std::size_t>(bytes), kind, st);
+            e != cudaSuccess) {
+          return cuda_fail("cudaMemcpyAsync", e);
         }
-        if (!kv_joined &&
-            cudaMemcpyAsync(d.v + dof, s.v + so, static_cast<std::size_t>(bytes), kind, st) != cudaSuccess) {
-          return Status::kCudaError;
+        if (!kv_joined) {
+          if (const cudaError_t e = cudaMemcpyAsync(d.v + dof, s.v + so, static_cast<std::size_t>(bytes), kind, st);
+              e != cudaSuccess) {
+            return cuda_fail("cudaMemcpyAsync", e);
+          }
         }
       }
       continue;
@@ -140,15 +146,17 @@ Status swap_blocks(const SwapBlocksParams& p, Stream stream) noexcept {
           if (pitch_ok) {
             const auto sp = static_cast<std::size_t>(skv.num_kv_heads == 1 ? row_bytes : s.head_bytes);
             const auto dp = static_cast<std::size_t>(skv.num_kv_heads == 1 ? row_bytes : d.head_bytes);
-            if (cudaMemcpy2DAsync(dr, dp, sr, sp, static_cast<std::size_t>(row_bytes),
-                                  static_cast<std::size_t>(skv.num_kv_heads), kind, st) != cudaSuccess) {
-              return Status::kCudaError;
+            if (const cudaError_t e = cudaMemcpy2DAsync(dr, dp, sr, sp, static_cast<std::size_t>(row_bytes),
+                                                        static_cast<std::size_t>(skv.num_kv_heads), kind, st);
+                e != cudaSuccess) {
+              return cuda_fail("cudaMemcpy2DAsync", e);
             }
           } else {
             for (std::int32_t h = 0; h < skv.num_kv_heads; ++h) {
-              if (cudaMemcpyAsync(dr + h * d.head_bytes, sr + h * s.head_bytes, static_cast<std::size_t>(row_bytes),
-                                  kind, st) != cudaSuccess) {
-                return Status::kCudaError;
+              if (const cudaError_t e = cudaMemcpyAsync(dr + h * d.head_bytes, sr + h * s.head_bytes,
+                                                        static_cast<std::size_t>(row_bytes), kind, st);
+                  e != cudaSuccess) {
+                return cuda_fail("cudaMemcpyAsync", e);
               }
             }
           }

@@ -11,21 +11,47 @@ template __global__ void write_kv_kernel<16>(const WriteKVArgs);
 template __global__ void write_kv_kernel<8>(const WriteKVArgs);
 template __global__ void write_kv_kernel<4>(const WriteKVArgs);
 template __global__ void write_kv_kernel<2>(const WriteKVArgs);
+template __global__ void write_kv_fp8_kernel<float>(const WriteKVFp8Args);
+template __global__ void write_kv_fp8_kernel<__half>(const WriteKVFp8Args);
+template __global__ void write_kv_fp8_kernel<__nv_bfloat16>(const WriteKVFp8Args);
 }  // namespace detail
 }  // namespace v0_1
 
 Status write_kv(const WriteKVParams& p, Stream stream) noexcept {
   using namespace detail;
   if (const Status s = validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (p.num_tokens < 0 || p.stride_token_elems < 0) return Status::kInvalidValue;
-  if (p.num_tokens > 0 && (p.key == nullptr || p.value == nullptr || p.slot_mapping == nullptr)) {
-    return Status::kInvalidValue;
-  }
-  if (!is_supported(p.kv.dtype, p.kv.head_dim)) return Status::kUnsupported;
+  if (const Status s = reference::detail::validate_write_kv_shape(p); s != Status::kSuccess) return s;
+  if (const Status s = check_supported(p.kv.dtype, p.kv.head_dim); s != Status::kSuccess) return s;
   const std::int64_t row_elems = std::int64_t{p.kv.num_kv_heads} * p.kv.head_dim;
   const std::int64_t src_stride = p.stride_token_elems == 0 ? row_elems : p.stride_token_elems;
-  if (src_stride < row_elems) return Status::kInvalidValue;  // rows of one token would overlap
   if (p.num_tokens == 0) return Status::kSuccess;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const dim3 grid(static_cast<unsigned>(p.num_tokens));
+
+  if (p.kv.kv_dtype == KVDType::kFp8E4M3) {  // quantize on write (1-byte storage elements: strides are bytes)
+    WriteKVFp8Args f{};
+    f.key = p.key;
+    f.value = p.value;
+    f.src_token_elems = src_stride;
+    f.slot_mapping = p.slot_mapping;
+    f.k_pool = static_cast<unsigned char*>(p.kv.k);
+    f.v_pool = static_cast<unsigned char*>(p.kv.v);
+    f.page_bytes = p.kv.stride_page;
+    f.token_bytes = p.kv.stride_token;
+    f.head_bytes = p.kv.stride_head;
+    f.num_slots = std::int64_t{p.kv.num_blocks} * p.kv.block_size;
+    f.block_size = p.kv.block_size;
+    f.num_kv_heads = p.kv.num_kv_heads;
+    f.head_dim = p.kv.head_dim;
+    f.k_scale = p.kv.k_scale;
+    f.v_scale = p.kv.v_scale;
+    switch (p.kv.dtype) {
+      case DType::kFloat32: return launch_kernel(write_kv_fp8_kernel<float>, grid, dim3(128), 0, s, f);
+      case DType::kFloat16: return launch_kernel(write_kv_fp8_kernel<__half>, grid, dim3(128), 0, s, f);
+      case DType::kBFloat16: return launch_kernel(write_kv_fp8_kernel<__nv_bfloat16>, grid, dim3(128), 0, s, f);
+    }
+    return Status::kUnsupported;  // unreachable: check_supported passed
+  }
 
   const auto es = static_cast<std::int64_t>(dtype_size_bytes(p.kv.dtype));
   WriteKVArgs a{};
@@ -44,8 +70,6 @@ Status write_kv(const WriteKVParams& p, Stream stream) noexcept {
   a.row_bytes = static_cast<std::int32_t>(p.kv.head_dim * es);
   const int w = widest_access({p.key, p.value, p.kv.k, p.kv.v},
                               {a.src_token_bytes, a.page_bytes, a.token_bytes, a.head_bytes, a.row_bytes});
-  const auto s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(static_cast<unsigned>(p.num_tokens));
   switch (w) {
     case 16: return launch_kernel(write_kv_kernel<16>, grid, dim3(128), 0, s, a);
     case 8: return launch_kernel(write_kv_kernel<8>, grid, dim3(128), 0, s, a);

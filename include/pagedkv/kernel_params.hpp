@@ -16,8 +16,11 @@
 //    a C boundary.
 #pragma once
 
+#include <cstdarg>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 
 #include <pagedkv/config.hpp>
 
@@ -28,7 +31,7 @@ enum class Status : int {
   kSuccess = 0,
   kInvalidValue = 1,  ///< A shape, stride, pointer or count is inconsistent (validated before anything runs).
   kUnsupported = 2,   ///< A dtype / head_dim combination outside the compiled set {fp16, bf16, fp32} x {64, 128, 256},
-                      ///< or a KV storage dtype the implementation lacks (fp8 KV on CUDA: CPU reference only).
+                      ///< or a dtype / KV storage dtype value that is not an enumerator.
   kCudaError = 3,     ///< A CUDA runtime call or this launch failed (the launcher checks the launch's own return
                       ///< value, never the thread's sticky last-error slot; see docs/kernels.md).
   kNoDevice = 4,      ///< No CUDA device is present.
@@ -49,6 +52,76 @@ enum class Status : int {
   return "unknown_status";
 }
 
+/// Which check a failing launcher or reference op refused, on this thread (docs/kernels.md, "Error details").
+/// Every CPU reference op and every CUDA launcher that returns a Status other than kSuccess records, just before it
+/// returns, the failed check here: `field` names the parameter (a static string such as "kv.block_size",
+/// "pages.indptr", "sm_scale"), `message` says the field (with its index where it has one), the bad value and the
+/// rule, e.g. "kv.block_size = 0: must be in [1, 65536]" or "pages.indptr[3] = 5: decreases (pages.indptr[2] = 7)".
+/// A successful call writes nothing (no cost on the success path), so, like errno, the detail is meaningful only
+/// right after a call returned a failure; kCudaError and kNoDevice name the CUDA call and its cudaError_t.
+struct StatusDetail {
+  Status status = Status::kSuccess;  ///< The status the failing call returned.
+  const char* field = "";            ///< The parameter that failed (static storage, never null).
+  char message[256] = {};            ///< "<field>[index] = <value>: <rule>" (NUL-terminated, truncated to fit).
+};
+
+namespace detail {
+#if defined(__GNUC__) || defined(__clang__)
+#define PAGEDKV_SHARED_TLS [[gnu::visibility("default")]]
+#else
+#define PAGEDKV_SHARED_TLS
+#endif
+/// The per-thread detail. Default visibility, so the header-only reference, libpagedkv_cuda (built with hidden
+/// visibility) and the program share one instance per thread (ELF unifies the vague-linkage definitions).
+PAGEDKV_SHARED_TLS inline thread_local StatusDetail tls_status_detail{};
+
+/// Records a failed check (status `s`, parameter `field`, then a printf-style "= value: rule" tail appended to the
+/// field name) in this thread's StatusDetail and returns `s`. Cold and out of line: only failures pay for it.
+#if defined(__GNUC__) || defined(__clang__)
+[[gnu::cold, gnu::noinline, gnu::format(printf, 3, 4)]]
+#endif
+inline Status fail(Status s, const char* field, const char* fmt, ...) noexcept {
+  StatusDetail& d = tls_status_detail;
+  d.status = s;
+  d.field = field;
+  const int n = std::snprintf(d.message, sizeof(d.message), "%s", field);
+  if (n >= 0 && static_cast<std::size_t>(n) < sizeof(d.message)) {
+    va_list ap;
+    va_start(ap, fmt);
+    (void)std::vsnprintf(d.message + n, sizeof(d.message) - static_cast<std::size_t>(n), fmt, ap);
+    va_end(ap);
+  }
+  return s;
+}
+
+/// Prefixes this thread's StatusDetail message with "<what>[index]." (e.g. "layers[3].") to say which element of
+/// an array of views failed; the end of the message is truncated if it no longer fits. Cold, out of line.
+#if defined(__GNUC__) || defined(__clang__)
+[[gnu::cold, gnu::noinline]]
+#endif
+inline void prefix_detail(const char* what, int index) noexcept {
+  StatusDetail& d = tls_status_detail;
+  char prefix[64];
+  const int n = std::snprintf(prefix, sizeof(prefix), "%s[%d].", what, index);
+  if (n <= 0 || static_cast<std::size_t>(n) >= sizeof(prefix)) return;
+  const std::size_t len = std::strlen(d.message);
+  const std::size_t keep = len + static_cast<std::size_t>(n) < sizeof(d.message) ? len : sizeof(d.message) - 1 - static_cast<std::size_t>(n);
+  std::memmove(d.message + n, d.message, keep);
+  std::memcpy(d.message, prefix, static_cast<std::size_t>(n));
+  d.message[static_cast<std::size_t>(n) + keep] = '\0';
+}
+}  // namespace detail
+
+/// This thread's detail of the last failing launcher / reference op (see StatusDetail). Never throws.
+[[nodiscard]] inline const StatusDetail& last_status_detail() noexcept { return detail::tls_status_detail; }
+
+/// The largest KVPoolView::block_size (tokens per block) any op accepts: 65536. Larger values are kInvalidValue
+/// (reference and CUDA). Why a bound: the CUDA kernels compute token positions and in-block offsets in int32
+/// (a sequence's kv_len = (pages - 1) * block_size + last_page_len, `token / block_size`, `page * block_size`); a
+/// block size near 2^31 would wrap those negative after one page. 2^16 keeps every in-block quantity far from the
+/// int32 limit, and exceeds every page size engines use (vLLM 16..256 tokens, FlashInfer / TensorRT-LLM <= 128).
+inline constexpr std::int32_t kMaxBlockSize = std::int32_t{1} << 16;
+
 /// Element type of q, k, v, o. Storage: fp32 = float, fp16 = IEEE binary16, bf16 = bfloat16 (both 2 bytes).
 enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -60,7 +133,7 @@ enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 ///  - kFp8E4M3: K/V are stored as OCP FP8 E4M3FN (1 byte: sign, 4 exponent bits with bias 7, 3 mantissa bits; max
 ///    finite 448, no infinities, NaN = S.1111.111), with per-tensor scales: write_kv stores e4m3(x / k_scale) for K
 ///    (v_scale for V) and the attention ops load e4m3_to_float(stored) * scale. q, o and write_kv's key/value stay
-///    in `dtype`. CPU reference only for now: every CUDA launcher returns Status::kUnsupported for such a pool.
+///    in `dtype`. Implemented by the CPU reference and the CUDA launchers (the latter compiled, not yet run on a GPU).
 enum class KVDType : std::uint8_t { kSame = 0, kFp8E4M3 = 1 };
 
 /// Bytes per stored K/V element of a pool with storage dtype `kv_dt` and element dtype `dt`.
@@ -80,7 +153,7 @@ struct KVPoolView {
   void* v = nullptr;
   DType dtype = DType::kFloat16;
   std::int32_t num_blocks = 0;    ///< Blocks in the pool, including the null block 0.
-  std::int32_t block_size = 0;    ///< Tokens per block; any positive value.
+  std::int32_t block_size = 0;    ///< Tokens per block, in [1, kMaxBlockSize] (kInvalidValue otherwise).
   std::int32_t num_kv_heads = 0;
   std::int32_t head_dim = 0;
   std::int64_t stride_page = 0;   ///< Elements between consecutive blocks.
@@ -277,7 +350,10 @@ struct DecodeParams {
   KVPoolView kv;
   PageTable pages;
   std::int32_t num_qo_heads = 0;
-  float sm_scale = 0.f;                  ///< Usually 1/sqrt(head_dim).
+  /// Softmax scale applied to q.k, finite and > 0; usually 1 / sqrt(head_dim). No default: 0 (the value-initialized
+  /// state), a negative or a non-finite scale is kInvalidValue (reference and CUDA), so a forgotten scale fails
+  /// instead of returning unscaled attention.
+  float sm_scale = 0.f;
   std::int32_t kv_chunk_size_tokens = 0; ///< Split-KV chunk, tokens; 0 = implementation's choice.
   std::int32_t max_num_chunks = 0;       ///< Upper bound on chunks per sequence the workspace was sized for.
   void* workspace = nullptr;             ///< Scratch in the kernel's memory space, >= decode_workspace_bytes().
@@ -312,6 +388,8 @@ struct PrefillParams {
   KVPoolView kv;
   PageTable pages;
   std::int32_t num_qo_heads = 0;
+  /// Softmax scale, finite and > 0 (usually 1 / sqrt(head_dim)); 0, negative or non-finite is kInvalidValue, as for
+  /// DecodeParams::sm_scale.
   float sm_scale = 0.f;
   /// Local attention: the query at position pos sees keys [window.first_visible(pos), pos]. Default: off (causal
   /// only). Last member (aggregate initialization that stops earlier keeps working).

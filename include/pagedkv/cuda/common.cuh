@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <utility>
 
+#include <pagedkv/cuda/fp8_e4m3.hpp>
 #include <pagedkv/kernel_params.hpp>
 
 namespace pagedkv::cuda {
@@ -107,6 +108,34 @@ __device__ __forceinline__ uint4 pack16(const float* in) {
   }
 }
 
+/// A K/V storage type of the attention kernels: the element type T itself (a kSame pool) or Fp8E4M3 (an fp8 pool,
+/// dequantized on load).
+template <class KV, class T>
+concept KVStorageOf = std::same_as<KV, T> || std::same_as<KV, Fp8E4M3>;
+
+/// Decodes `n` (4 or 8) packed e4m3 codes (little-endian in `lo`, then `hi`) to floats: exact, scale not applied.
+template <int N>
+__device__ __forceinline__ void unpack_e4m3(unsigned lo, unsigned hi, float* out) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = e4m3_to_float(((i < 4 ? lo : hi) >> (8 * (i % 4))) & 0xffu);
+}
+
+/// Loads the K/V storage of kVecElems<T> elements at `p` as floats: a 16-byte vector of T for a kSame pool, or
+/// kVecElems<T> e4m3 bytes (8 for fp16/bf16, 4 for fp32) for an fp8 pool. `kGlobal`: through the read-only path
+/// (global memory), else a plain (shared-memory) load. Precondition: p aligned to the bytes read.
+template <KernelElement T, class KV, bool kGlobal>
+__device__ __forceinline__ void load_kv_vec(const void* p, float* out) {
+  if constexpr (std::same_as<KV, T>) {
+    unpack16<T>(kGlobal ? __ldg(static_cast<const uint4*>(p)) : *static_cast<const uint4*>(p), out);
+  } else if constexpr (kVecElems<T> == 8) {
+    const uint2 r = kGlobal ? __ldg(static_cast<const uint2*>(p)) : *static_cast<const uint2*>(p);
+    unpack_e4m3<8>(r.x, r.y, out);
+  } else {
+    const unsigned r = kGlobal ? __ldg(static_cast<const unsigned*>(p)) : *static_cast<const unsigned*>(p);
+    unpack_e4m3<4>(r, 0u, out);
+  }
+}
+
 /// 16-byte global load through the read-only path. Precondition: p is 16-byte aligned.
 __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
@@ -144,8 +173,10 @@ Status launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, std::
   cfg.stream = stream;
   cfg.attrs = nullptr;
   cfg.numAttrs = 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...) == cudaSuccess ? Status::kSuccess
-                                                                                       : Status::kCudaError;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  if (e == cudaSuccess) return Status::kSuccess;
+  return pagedkv::detail::fail(Status::kCudaError, "cudaLaunchKernelEx", ": %s (%s)", cudaGetErrorName(e),
+                               cudaGetErrorString(e));
 }
 
 // ---- page tables (docs/contract.md section 3) ----

@@ -32,9 +32,11 @@ namespace pagedkv::cuda {
 inline namespace v0_1 {
 namespace detail {
 
-/// Compile-time geometry of the decode kernel for (T, HD).
-template <KernelElement T, int HD>
-  requires KernelHeadDim<HD>
+/// Compile-time geometry of the decode kernel for (T, HD) and the K/V storage type KV (T, or Fp8E4M3: the same
+/// lane layout over kVec-element groups, each group kVec bytes in shared memory instead of 16; tiles keep T's token
+/// count, so an fp8 stage uses 1/2 (fp16/bf16) or 1/4 (fp32) of the shared memory).
+template <KernelElement T, int HD, class KV = T>
+  requires KernelHeadDim<HD> && KVStorageOf<KV, T>
 struct DecodeTraits {
   static constexpr int kVec = kVecElems<T>;                           // elements per 16-byte vector
   static constexpr int kEpt = (HD / 32 > kVec) ? HD / 32 : kVec;      // elements per thread (multiple of kVec)
@@ -43,11 +45,13 @@ struct DecodeTraits {
   static constexpr int kThreads = (8 * kLanesPerRow > 128) ? 8 * kLanesPerRow : 128;
   static constexpr int kSlots = kThreads / kLanesPerRow;              // >= 8
   static constexpr int kRowBytes = HD * static_cast<int>(sizeof(T));
-  static constexpr int kChunksPerRow = kRowBytes / 16;                // 16-byte chunks per row
-  static constexpr int kTileTokens = (8192 / kRowBytes) < 8 ? 8 : 8192 / kRowBytes;  // 8 KiB of K per stage
+  static constexpr int kKVRowBytes = HD * static_cast<int>(sizeof(KV));  // stored bytes of one K (or V) row
+  static constexpr int kChunksPerRow = kKVRowBytes / 16;              // 16-byte cp.async chunks per stored row
+  static constexpr int kChunkElems = 16 / static_cast<int>(sizeof(KV));
+  static constexpr int kTileTokens = (8192 / kRowBytes) < 8 ? 8 : 8192 / kRowBytes;  // 8 KiB of K (T) per stage
   static constexpr int kStages = 2;
   static constexpr int kStageElems = kTileTokens * HD;                // one of K or V, one stage
-  static constexpr int kKVSmemBytes = kStages * 2 * kStageElems * static_cast<int>(sizeof(T));
+  static constexpr int kKVSmemBytes = kStages * 2 * kStageElems * static_cast<int>(sizeof(KV));
   static constexpr int kRedStride = HD + 2;                           // per slot: o[HD], m, d
   static constexpr int kRedSmemBytes = kSlots * kRedStride * static_cast<int>(sizeof(float));
   static constexpr int kSmemBytes = kKVSmemBytes > kRedSmemBytes ? kKVSmemBytes : kRedSmemBytes;
@@ -72,7 +76,8 @@ struct DecodeArgs {
   std::int32_t heads_per_tile;  // query heads one CTA computes
   std::int32_t num_head_tiles;  // ceil(group_size / heads_per_tile)
   std::int32_t phases;          // kSlots / heads_per_tile
-  float scale_log2;             // sm_scale * log2(e)
+  float scale_log2;             // sm_scale * log2(e) (fp8 pool: times k_scale, folded into q)
+  float v_scale;                // 1, or an fp8 pool's v_scale (applied to each output / partial row)
   // Local attention (DecodeParams::window): the query at kv_len - 1 sees [first_visible_token(kv_len - 1, ...), kv_len).
   std::int32_t window_tokens;   // AttentionWindow::sliding_window_tokens (0 = off)
   std::int32_t chunk_tokens;    // AttentionWindow::attention_chunk_tokens (0 = off)
@@ -90,13 +95,14 @@ struct DecodeArgs {
 };
 
 /// Decode kernel. Work-list mode: grid = item capacity; grid mode: grid = (batch, num_kv_heads * num_head_tiles,
-/// split ? max_num_chunks : 1). block = kThreads.
-template <KernelElement T, int HD>
-__global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
+/// split ? max_num_chunks : 1). block = kThreads. KV = T reads the pool as T; KV = Fp8E4M3 reads e4m3 bytes and
+/// dequantizes them in registers (k_scale folded into the prescaled q, v_scale applied to the output).
+template <KernelElement T, int HD, class KV = T>
+__global__ void __launch_bounds__(DecodeTraits<T, HD, KV>::kThreads, 1)
     decode_kernel(const DecodeArgs a) {
-  using Tr = DecodeTraits<T, HD>;
+  using Tr = DecodeTraits<T, HD, KV>;
   __shared__ __align__(16) unsigned char smem_raw[Tr::kSmemBytes];
-  T* const smem_kv = reinterpret_cast<T*>(smem_raw);
+  KV* const smem_kv = reinterpret_cast<KV*>(smem_raw);
   const std::int32_t bs = a.block_size;
 
   // ---- which work: (b, kv head, head tile, [chunk_begin, chunk_end), partial row or -1) ----
@@ -165,13 +171,13 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
   const std::int32_t num_tokens = chunk_end - chunk_begin;
   const std::int32_t num_tiles = static_cast<std::int32_t>(ceil_div(num_tokens, Tr::kTileTokens));
 
-  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
-  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
+  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
 
   // Stage tile `tile` (tokens [chunk_begin + tile * kTileTokens, ...)) into shared-memory stage `stage`.
   auto load_tile = [&](int tile, int stage) {
-    T* const ks = smem_kv + stage * 2 * Tr::kStageElems;
-    T* const vs = ks + Tr::kStageElems;
+    KV* const ks = smem_kv + stage * 2 * Tr::kStageElems;
+    KV* const vs = ks + Tr::kStageElems;
     const std::int32_t tok0 = chunk_begin + tile * Tr::kTileTokens;
     const std::int32_t n = min(Tr::kTileTokens, chunk_end - tok0);
 #pragma unroll
@@ -185,9 +191,9 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
         const std::int32_t in_page = tok - page * bs;
         const std::int64_t blk = page_block(a.pages, b, page);
         const std::int64_t byte_off =
-            (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(T)} + c * 16;
-        cp_async16(ks + r * HD + c * Tr::kVec, k_head + byte_off);
-        cp_async16(vs + r * HD + c * Tr::kVec, v_head + byte_off);
+            (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(KV)} + c * 16;
+        cp_async16(ks + r * HD + c * Tr::kChunkElems, k_head + byte_off);
+        cp_async16(vs + r * HD + c * Tr::kChunkElems, v_head + byte_off);
       }
     }
     cp_async_commit();
@@ -231,8 +237,8 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
     __syncthreads();
 
     if (active) {
-      const T* const ks = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
-      const T* const vs = ks + Tr::kStageElems;
+      const KV* const ks = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
+      const KV* const vs = ks + Tr::kStageElems;
       const int n = min(Tr::kTileTokens, num_tokens - tile * Tr::kTileTokens);
       // kUnroll tokens per step: independent dot products and shuffles in flight, one rescale per step.
       constexpr int kUnroll = 4;
@@ -246,9 +252,8 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
             float kf[Tr::kEpt];
 #pragma unroll
             for (int j = 0; j < Tr::kVecsPerThread; ++j) {
-              const uint4 raw =
-                  *reinterpret_cast<const uint4*>(ks + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec);
-              unpack16<T>(raw, kf + j * Tr::kVec);
+              load_kv_vec<T, KV, false>(ks + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec,
+                                        kf + j * Tr::kVec);
             }
             float dot = 0.f;
 #pragma unroll
@@ -277,9 +282,8 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
             float vf[Tr::kEpt];
 #pragma unroll
             for (int j = 0; j < Tr::kVecsPerThread; ++j) {
-              const uint4 raw =
-                  *reinterpret_cast<const uint4*>(vs + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec);
-              unpack16<T>(raw, vf + j * Tr::kVec);
+              load_kv_vec<T, KV, false>(vs + t * HD + (j * Tr::kLanesPerRow + lane_in_row) * Tr::kVec,
+                                        vf + j * Tr::kVec);
             }
 #pragma unroll
             for (int e = 0; e < Tr::kEpt; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
@@ -322,7 +326,7 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD>::kThreads, 1)
       num = fmaf(row[dim], w, num);
     }
     // den > 0: the chunk has >= 1 token, so some phase saw it.
-    const float out = num / den;
+    const float out = num / den * a.v_scale;  // v_scale: 1 unless fp8 (x * 1 is exact)
     const float lse_nat = (mx + log2f(den)) * 0.69314718055994530942f;
     const std::int64_t h = head0 + hl;
     if (partial_row >= 0) {
@@ -406,13 +410,13 @@ __global__ void __launch_bounds__(128) decode_merge_kernel(const DecodeArgs a) {
 /// Host: launches the decode kernel and, when anything can be split, the merge kernel, for (T, HD). Arguments
 /// validated by the caller. Work-list mode: item_capacity attention CTAs and, if merge_capacity > 0 and the list
 /// has partial rows (has_partials), ceil(merge_capacity * num_qo_heads / 4) merge CTAs; grid mode as before.
-template <KernelElement T, int HD>
+template <KernelElement T, int HD, class KV = T>
 Status launch_decode(const DecodeArgs& a, std::int32_t item_capacity, bool has_partials, cudaStream_t stream) {
-  using Tr = DecodeTraits<T, HD>;
+  using Tr = DecodeTraits<T, HD, KV>;
   const std::int32_t batch = a.pages.batch_size;
   if (a.items != nullptr) {
     if (item_capacity > 0) {
-      const Status s = launch_kernel(decode_kernel<T, HD>, dim3(static_cast<unsigned>(item_capacity)),
+      const Status s = launch_kernel(decode_kernel<T, HD, KV>, dim3(static_cast<unsigned>(item_capacity)),
                                      dim3(Tr::kThreads), 0, stream, a);
       if (s != Status::kSuccess) return s;
     }
@@ -425,7 +429,7 @@ Status launch_decode(const DecodeArgs& a, std::int32_t item_capacity, bool has_p
   }
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(a.num_kv_heads * a.num_head_tiles),
                   a.split ? static_cast<unsigned>(a.max_num_chunks) : 1u);
-  if (const Status s = launch_kernel(decode_kernel<T, HD>, grid, dim3(Tr::kThreads), 0, stream, a);
+  if (const Status s = launch_kernel(decode_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), 0, stream, a);
       s != Status::kSuccess) {
     return s;
   }

@@ -5,13 +5,18 @@
 //
 // Every launcher follows "validate -> launch -> check" (CUTLASS/CUB): it validates shapes, pointers and alignment
 // on the host and returns Status::kInvalidValue before anything runs; it dispatches (dtype, head_dim) in one place
-// and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}, and for any pool whose
-// KVPoolView::kv_dtype is not KVDType::kSame (fp8 KV on CUDA: not yet implemented; CPU reference only); it launches
+// and returns Status::kUnsupported outside {fp32, fp16, bf16} x {64, 128, 256}. Both KV storage dtypes are compiled:
+// kSame and kFp8E4M3 (write_kv quantizes with the reference's exact rounding, decode / prefill dequantize on load,
+// copy_blocks / swap_blocks move the bytes; per-tensor k_scale / v_scale); it launches
 // through cudaLaunchKernelEx and returns Status::kCudaError when *that launch* fails (its own return value: an
 // earlier, unrelated error left in the thread's last-error slot is neither reported nor consumed; see
 // docs/kernels.md). Launchers never synchronize the host, never allocate and never throw, so a sequence of them can
-// be captured into a CUDA graph and replayed (swap_blocks: see its note). Thread safety: launchers keep no state;
-// concurrent calls on different streams are safe. Values that live in device memory (page tables, slot mappings,
+// be captured into a CUDA graph and replayed (swap_blocks: see its note). On any failure a launcher records which
+// check failed (field, bad value, rule; or the CUDA call and its error) in the calling thread's StatusDetail,
+// read with pagedkv::last_status_detail() (kernel_params.hpp); a success records nothing. The pool, head, scale,
+// window and workspace rules are the CPU reference's own functions, so both refuse the same inputs with the same
+// message. Thread safety: launchers keep no state beyond that thread-local detail and prefill's once-per-device
+// shared-memory attribute (an atomic); concurrent calls on different streams are safe. Values that live in device memory (page tables, slot mappings,
 // copy lists, decode work lists) cannot be checked on the host: out-of-range entries there are preconditions, and
 // the kernels skip what they can detect (documented per op).
 //
@@ -60,7 +65,8 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 ///   is skipped, and so is a slot >= num_blocks * block_size (precondition violation, detected on the device).
 /// - p.kv: the destination pool (device), any strides (NHD / HND / separate K and V).
 /// Accesses are 16 bytes wide when every pointer and stride allows it, narrower otherwise (never wrong, only
-/// slower). Returns kInvalidValue for null pointers or non-positive shapes, kUnsupported outside the compiled set,
+/// slower). An fp8 pool (KVDType::kFp8E4M3) stores float_to_e4m3(x / k_scale) (V: v_scale): one IEEE float division
+/// then round-to-nearest-even with saturation to +-448 and NaN kept, bit-identical to reference::write_kv. Returns kInvalidValue for null pointers or non-positive shapes, kUnsupported outside the compiled set,
 /// kCudaError if the launch fails. num_tokens == 0 launches nothing.
 [[nodiscard]] PAGEDKV_CUDA_API Status write_kv(const WriteKVParams& p, Stream stream = nullptr) noexcept;
 
@@ -133,7 +139,10 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 /// the page table gives, so it never reads past a sequence; a list that does not cover every (request, head,
 /// token) exactly once gives wrong o, never an out-of-bounds access (items and merges naming workspace rows at or
 /// past partial_row_capacity are skipped too).
-/// Unsupported (kUnsupported): dtype / head_dim outside the compiled set, fp8 pools. kCudaError: a launch failed.
+/// Unsupported (kUnsupported): dtype / head_dim outside the compiled set. kCudaError: a launch failed.
+/// fp8 pools (KVDType::kFp8E4M3): K/V bytes are e4m3 codes, dequantized exactly in registers; k_scale is folded
+/// into the prescaled q and v_scale multiplies each output (or partial) row once, so the result equals the reference's
+/// to float32 rounding (not bit for bit: the reference multiplies each element by its scale).
 [[nodiscard]] PAGEDKV_CUDA_API Status decode(const DecodeParams& p, const DecodeWorkList& wl,
                                             Stream stream = nullptr) noexcept;
 
@@ -154,7 +163,8 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 ///   merges them by log-sum-exp. The grid is (batch, kv heads x head tiles, max_num_chunks): the split does not
 ///   look at the actual lengths; decode(p, wl) with plan_decode does.
 /// Preconditions checked (kInvalidValue): non-null q, o, kv.k, kv.v and page-table pointers of the chosen format;
-/// positive block_size, num_kv_heads, num_blocks, num_qo_heads with num_qo_heads % num_kv_heads == 0; q, o, k, v
+/// the pool rules of the CPU reference (block_size in [1, kMaxBlockSize], strides, K/V apart, ...); sm_scale finite
+/// and > 0; positive num_kv_heads, num_blocks, num_qo_heads with num_qo_heads % num_kv_heads == 0; q, o, k, v
 /// and workspace 16-byte aligned and kv strides multiples of 16 bytes; kv_chunk_size_tokens >= 0; max_num_chunks
 /// in [0, 65535] (and >= 1 when kv_chunk_size_tokens > 0); workspace large enough when splitting; window limits >= 0.
 /// Preconditions not checked (device data): page ids in [0, num_blocks), last_page_len in [1, block_size],
@@ -173,8 +183,13 @@ inline constexpr std::int32_t kSupportedHeadDims[] = {64, 128, 256};
 ///   never read (they may be the null block 0).
 /// - One CTA per (32-query tile of a sequence, qo head), KV in 32-token tiles through shared memory, fp32
 ///   CUDA-core math and online softmax (correctness first; no tensor cores yet).
-/// Checks as decode() (kInvalidValue / kUnsupported / kCudaError; a negative p.window limit is kInvalidValue);
-/// qo_indptr must be non-null when total_q_tokens > 0. total_q_tokens == 0 or batch == 0 launches nothing.
+/// Checks as decode() (kInvalidValue / kUnsupported / kCudaError; a negative p.window limit is kInvalidValue; sm_scale
+/// finite and > 0); qo_indptr must be non-null when total_q_tokens > 0; total_q_tokens must be 0 when batch is 0.
+/// total_q_tokens == 0 or batch == 0 launches nothing. Device-data preconditions the launcher cannot check:
+/// qo_indptr[0] == 0, non-decreasing, qo_indptr[batch] == total_q_tokens, q_len_b <= kv_len_b. Broken, they give
+/// wrong rows, never an out-of-bounds access: no CTA touches a q / o row outside [0, total_q_tokens), and the leading
+/// queries of a sequence with q_len_b > kv_len_b see no key (o = 0, lse = -inf). The CPU reference checks all four.
+/// The kernel's dynamic shared memory attribute is set on the first launch per (dtype, head_dim, device) only.
 [[nodiscard]] PAGEDKV_CUDA_API Status prefill(const PrefillParams& p, Stream stream = nullptr) noexcept;
 
 /// Copies whole blocks (K and V, every layer) for copy-on-write (vLLM `copy_blocks`).

@@ -11,6 +11,7 @@
 // tile counts ceil(q_len_b / 32).
 #pragma once
 
+#include <atomic>
 #include <cmath>
 
 #include <cub/warp/warp_scan.cuh>
@@ -50,13 +51,18 @@ struct PrefillArgs {
   std::int32_t block_size;
   std::int32_t num_qo_heads;
   std::int32_t group_size;
-  float scale_log2;
+  float scale_log2;            // sm_scale * log2(e) (fp8 pool: times k_scale, folded into q)
+  float v_scale;               // 1, or an fp8 pool's v_scale (applied to the output)
   std::int32_t window_tokens;  // PrefillParams::window.sliding_window_tokens (0 = off)
   std::int32_t chunk_tokens;   // PrefillParams::window.attention_chunk_tokens (0 = off)
+  std::int32_t total_q_tokens; // rows of q / o: no CTA reads or writes a row at or past it, whatever qo_indptr says
 };
 
 /// grid = (ceil(total_q / 32) + batch, num_qo_heads), block = 128, dynamic smem = PrefillTraits::kSmemBytes.
-template <KernelElement T, int HD>
+/// KV = T reads the pool as T; KV = Fp8E4M3 reads kVec e4m3 bytes per vector and dequantizes them (exact) into the
+/// fp32 shared tiles (k_scale folded into the prescaled q, v_scale applied to the output).
+template <KernelElement T, int HD, class KV = T>
+  requires KVStorageOf<KV, T>
 __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel(const PrefillArgs a) {
   using Tr = PrefillTraits<T, HD>;
   extern __shared__ __align__(16) float smem_f[];
@@ -111,8 +117,17 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   const std::int32_t h = static_cast<std::int32_t>(blockIdx.y);
   const std::int32_t kv_head = h / a.group_size;
   const std::int32_t tile_q0 = s_tile * Tr::kTileQ;
-  const std::int32_t rows = min(Tr::kTileQ, q_len - tile_q0);
-  const std::int32_t pos0 = kv_len - q_len + tile_q0;  // position of the tile's first query
+  // Rows of this tile, clamped to [0, total_q_tokens): a qo_indptr that breaks its preconditions (device data the
+  // host cannot check: qo_indptr[0] != 0, qo_indptr[batch] != total_q_tokens) never makes a CTA touch q / o rows
+  // outside the tensors; those rows are simply not computed.
+  if (q_begin < 0) return;
+  const std::int32_t rows = max(0, min(min(Tr::kTileQ, q_len - tile_q0), a.total_q_tokens - (q_begin + tile_q0)));
+  if (rows <= 0) return;  // uniform across the CTA
+  // Position of the tile's first query. With q_len > kv_len (a precondition the reference checks and the launcher
+  // cannot: both lengths are device data) pos0 is negative for the leading queries: every key is masked for them
+  // (key >= 0 > qpos), so they get o = 0, lse = -inf, and kv_begin >= 0, kv_end <= kv_len keep every K/V load inside
+  // the sequence's pages: never an out-of-bounds read.
+  const std::int32_t pos0 = kv_len - q_len + tile_q0;
 
   // ---- Q tile (prescaled by sm_scale * log2 e), zero rows past the sequence ----
   constexpr int kVecsPerRow = HD / Tr::kVec;
@@ -142,8 +157,8 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   const std::int32_t kv_begin = rows > 0 ? first_visible_token(pos0, a.window_tokens, a.chunk_tokens) : 0;
   const std::int32_t kv_end = min(kv_len, pos0 + rows);  // one past the last visible key of the tile
 
-  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
-  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
+  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
 
   float acc[Tr::kDimGroups][4];
 #pragma unroll
@@ -163,10 +178,10 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
         const std::int32_t page = tok / a.block_size;
         const std::int32_t in_page = tok - page * a.block_size;
         const std::int64_t blk = page_block(a.pages, b, page);
-        const std::int64_t off = (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(T)} +
-                                 c * 16;
-        unpack16<T>(ldg16(k_head + off), kf);
-        unpack16<T>(ldg16(v_head + off), vf);
+        const std::int64_t off = (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(KV)} +
+                                 c * Tr::kVec * std::int64_t{sizeof(KV)};
+        load_kv_vec<T, KV, true>(k_head + off, kf);
+        load_kv_vec<T, KV, true>(v_head + off, vf);
       }
 #pragma unroll
       for (int e = 0; e < Tr::kVec; e += 4) {
@@ -239,7 +254,7 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
 
   if (r < rows) {
     const std::int64_t row = static_cast<std::int64_t>(q_begin + tile_q0 + r) * a.num_qo_heads + h;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = l > 0.f ? a.v_scale / l : 0.f;  // v_scale: 1 unless fp8
     T* out = static_cast<T*>(a.o) + row * HD;
 #pragma unroll
     for (int k = 0; k < Tr::kDimGroups; ++k) {
@@ -255,18 +270,50 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   }
 }
 
-/// Host: launches prefill_kernel<T, HD>. Arguments validated by the caller; total_q_tokens > 0, batch > 0.
-template <KernelElement T, int HD>
+/// Sets `kernel`'s cudaFuncAttributeMaxDynamicSharedMemorySize to `smem_bytes` once per (kernel, device) for the
+/// process: a kernel that needs more than the default 48 KiB of dynamic shared memory must opt in before its first
+/// launch on each device (the attribute belongs to the device's context). `done` is the kernel's per-device bitmask
+/// (devices 0..63; a device >= 64 sets the attribute on every launch, still correct). Thread-safe: two threads
+/// racing on the first launch both set the same value (idempotent), then the bit is set with a relaxed fetch_or;
+/// later launches read one atomic and make no CUDA call besides cudaGetDevice, so a launch inside stream capture
+/// issues no API call beyond the kernel node itself (warm each kernel up once before capturing to keep even the
+/// first call out of the capture; cudaFuncSetAttribute is not a stream operation, so it does not join the graph).
+/// After cudaDeviceReset the attribute is lost but the bit stays: a program that resets a device must not relaunch.
+template <class Kernel>
+Status ensure_max_dynamic_smem(Kernel* kernel, std::size_t smem_bytes, std::atomic<std::uint64_t>& done) {
+  int dev = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) {
+    return pagedkv::detail::fail(Status::kCudaError, "cudaGetDevice", ": %s (%s)", cudaGetErrorName(e),
+                                 cudaGetErrorString(e));
+  }
+  const std::uint64_t bit = dev < 64 ? std::uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit) != 0) return Status::kSuccess;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem_bytes));
+      e != cudaSuccess) {
+    return pagedkv::detail::fail(Status::kCudaError, "cudaFuncSetAttribute", ": %s (%s), %zu bytes of dynamic smem",
+                                 cudaGetErrorName(e), cudaGetErrorString(e), smem_bytes);
+  }
+  if (bit != 0) done.fetch_or(bit, std::memory_order_relaxed);
+  return Status::kSuccess;
+}
+
+/// Host: launches prefill_kernel<T, HD, KV>. Arguments validated by the caller; total_q_tokens > 0, batch > 0.
+template <KernelElement T, int HD, class KV = T>
 Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStream_t stream) {
   using Tr = PrefillTraits<T, HD>;
   const std::int64_t tiles = ceil_div(total_q_tokens, Tr::kTileQ) + a.pages.batch_size;
-  if (tiles > 0x7fffffff || a.num_qo_heads > 65535) return Status::kInvalidValue;
-  if (cudaFuncSetAttribute(prefill_kernel<T, HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(Tr::kSmemBytes)) != cudaSuccess) {
-    return Status::kCudaError;
+  if (tiles > 0x7fffffff) {
+    return pagedkv::detail::fail(Status::kInvalidValue, "total_q_tokens", " = %d: %lld query tiles exceed grid.x",
+                                 total_q_tokens, static_cast<long long>(tiles));
+  }
+  static std::atomic<std::uint64_t> smem_set{0};  // one per instantiation: devices whose attribute is set
+  if (const Status s = ensure_max_dynamic_smem(prefill_kernel<T, HD, KV>, Tr::kSmemBytes, smem_set);
+      s != Status::kSuccess) {
+    return s;
   }
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_qo_heads));
-  return launch_kernel(prefill_kernel<T, HD>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, a);
+  return launch_kernel(prefill_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, a);
 }
 
 }  // namespace detail

@@ -13,22 +13,6 @@ namespace pagedkv::reference {
 
 namespace detail {
 
-/// True when blocks of the two views hold the same elements: same dtype, kv_dtype, block_size, num_kv_heads and
-/// head_dim, and for fp8 pools the same k_scale and v_scale (so moving the bytes keeps the dequantized values;
-/// strides, num_blocks and pointers may differ).
-[[nodiscard]] inline bool same_block_shape(const KVPoolView& a, const KVPoolView& b) noexcept {
-  if (a.kv_dtype != b.kv_dtype) return false;
-  if (a.kv_dtype == KVDType::kFp8E4M3 && (a.k_scale != b.k_scale || a.v_scale != b.v_scale)) return false;
-  return a.dtype == b.dtype && a.block_size == b.block_size && a.num_kv_heads == b.num_kv_heads &&
-         a.head_dim == b.head_dim;
-}
-
-/// True when the two views have the same block shape, strides and num_blocks (the layers of one model).
-[[nodiscard]] inline bool same_geometry(const KVPoolView& a, const KVPoolView& b) noexcept {
-  return same_block_shape(a, b) && a.num_blocks == b.num_blocks && a.stride_page == b.stride_page &&
-         a.stride_token == b.stride_token && a.stride_head == b.stride_head;
-}
-
 /// Copies every K and V element (token, head, dim) of block `src_block` of `src` to block `dst_block` of `dst`,
 /// row by row (head_dim contiguous elements at a time); bytes between rows (padding of a strided layout) are not
 /// touched; the two views may have different strides (e.g. an NHD pool and an HND one). Preconditions: both views
@@ -53,19 +37,29 @@ inline void copy_block(const KVPoolView& src, std::int64_t src_block, const KVPo
 [[nodiscard]] inline Status validate_block_pairs(const std::int32_t* pairs, std::int32_t count,
                                                  std::int32_t src_num_blocks, std::int32_t dst_num_blocks,
                                                  bool dst_may_be_src) noexcept {
+  constexpr Status kBad = Status::kInvalidValue;
   std::vector<std::uint8_t> is_dst(static_cast<std::size_t>(dst_num_blocks), 0);
   for (std::int32_t i = 0; i < count; ++i) {
     const std::int32_t s = pairs[2 * i];
     const std::int32_t d = pairs[2 * i + 1];
     if (s < 0) continue;
-    if (s >= src_num_blocks || d < 0 || d >= dst_num_blocks) return Status::kInvalidValue;
-    if (is_dst[static_cast<std::size_t>(d)] != 0) return Status::kInvalidValue;
+    if (s >= src_num_blocks) {
+      return fail(kBad, "block_mapping", "[%d].src = %d: out of [0, %d) (src num_blocks)", i, s, src_num_blocks);
+    }
+    if (d < 0 || d >= dst_num_blocks) {
+      return fail(kBad, "block_mapping", "[%d].dst = %d: out of [0, %d) (dst num_blocks)", i, d, dst_num_blocks);
+    }
+    if (is_dst[static_cast<std::size_t>(d)] != 0) {
+      return fail(kBad, "block_mapping", "[%d].dst = %d: appears twice as a destination", i, d);
+    }
     is_dst[static_cast<std::size_t>(d)] = 1;
   }
   if (!dst_may_be_src) {
     for (std::int32_t i = 0; i < count; ++i) {
       const std::int32_t s = pairs[2 * i];
-      if (s >= 0 && is_dst[static_cast<std::size_t>(s)] != 0) return Status::kInvalidValue;
+      if (s >= 0 && is_dst[static_cast<std::size_t>(s)] != 0) {
+        return fail(kBad, "block_mapping", "[%d].src = %d: is also a destination (copy order would matter)", i, s);
+      }
     }
   }
   return Status::kSuccess;
@@ -81,15 +75,8 @@ inline void copy_block(const KVPoolView& src, std::int64_t src_block, const KVPo
 /// enumerator. The last two rules are the manager's guarantee; the CUDA launcher cannot check them (the mapping
 /// is in device memory) and the reference does, so tests catch a bad copy list. Thread safety: reads only.
 [[nodiscard]] inline Status validate(const CopyBlocksParams& p) noexcept {
-  if (p.num_layers < 0 || p.capacity < 0) return Status::kInvalidValue;
-  if (p.num_layers == 0) return Status::kSuccess;
-  if (p.layers == nullptr) return Status::kInvalidValue;
-  for (std::int32_t l = 0; l < p.num_layers; ++l) {
-    if (const Status s = detail::validate_pool(p.layers[l]); s != Status::kSuccess) return s;
-    if (!detail::same_geometry(p.layers[l], p.layers[0])) return Status::kInvalidValue;
-  }
-  if (p.capacity == 0) return Status::kSuccess;
-  if (p.block_mapping == nullptr) return Status::kInvalidValue;
+  if (const Status s = detail::validate_copy_blocks_shape(p); s != Status::kSuccess) return s;
+  if (p.num_layers == 0 || p.capacity == 0) return Status::kSuccess;
   return detail::validate_block_pairs(p.block_mapping, p.capacity, p.layers[0].num_blocks, p.layers[0].num_blocks,
                                       /*dst_may_be_src=*/false);
 }

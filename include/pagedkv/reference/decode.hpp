@@ -57,25 +57,36 @@ namespace pagedkv::reference {
 /// or anything else. kUnsupported when the dtype is not one of the three enumerators (the reference supports every
 /// head_dim and every dtype; the CUDA launcher restricts head_dim to {64, 128, 256}). Thread safety: reads only.
 [[nodiscard]] inline Status validate(const DecodeParams& p) noexcept {
+  using detail::fail;
+  constexpr Status kBad = Status::kInvalidValue;
   if (const Status s = detail::validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (!p.window.valid()) return Status::kInvalidValue;
+  if (const Status s = detail::validate_window(p.window); s != Status::kSuccess) return s;
   const auto first_read = [&](std::int32_t, std::int64_t len) { return p.window.first_needed_token(len, 1); };
-  if (detail::validate_page_table(p.pages, p.kv, first_read) != Status::kSuccess) return Status::kInvalidValue;
-  if (p.num_qo_heads <= 0 || p.num_qo_heads % p.kv.num_kv_heads != 0) return Status::kInvalidValue;
-  if (!std::isfinite(p.sm_scale)) return Status::kInvalidValue;
+  if (const Status s = detail::validate_page_table(p.pages, p.kv, first_read); s != Status::kSuccess) return s;
+  if (const Status s = detail::validate_heads(p.num_qo_heads, p.kv.num_kv_heads); s != Status::kSuccess) return s;
+  if (const Status s = detail::validate_sm_scale(p.sm_scale); s != Status::kSuccess) return s;
   const std::int32_t batch = p.pages.batch_size;
-  if (batch > 0 && (p.q == nullptr || p.o == nullptr)) return Status::kInvalidValue;
-  if (p.kv_chunk_size_tokens < 0) return Status::kInvalidValue;
+  if (batch > 0 && p.q == nullptr) return fail(kBad, "q", " = null with batch %d > 0", batch);
+  if (batch > 0 && p.o == nullptr) return fail(kBad, "o", " = null with batch %d > 0", batch);
+  if (p.kv_chunk_size_tokens < 0) {
+    return fail(kBad, "kv_chunk_size_tokens", " = %d: must be >= 0 (0 = no split)", p.kv_chunk_size_tokens);
+  }
   if (p.kv_chunk_size_tokens > 0) {
-    if (p.max_num_chunks < 0) return Status::kInvalidValue;
+    if (p.max_num_chunks < 0) return fail(kBad, "max_num_chunks", " = %d: must be >= 0", p.max_num_chunks);
     for (std::int32_t b = 0; b < batch; ++b) {
       const detail::SeqPages seq = detail::seq_pages(p.pages, p.kv.block_size, b);
-      if (num_kv_chunks(seq.kv_len, p.kv_chunk_size_tokens) > p.max_num_chunks) return Status::kInvalidValue;
+      const std::int64_t need = num_kv_chunks(seq.kv_len, p.kv_chunk_size_tokens);
+      if (need > p.max_num_chunks) {
+        return fail(kBad, "max_num_chunks",
+                    " = %d: sequence %d (%lld tokens) needs %lld chunks of kv_chunk_size_tokens = %d", p.max_num_chunks,
+                    b, static_cast<long long>(seq.kv_len), static_cast<long long>(need), p.kv_chunk_size_tokens);
+      }
     }
     const std::size_t need = decode_workspace_bytes(batch, p.max_num_chunks, p.num_qo_heads, p.kv.head_dim);
     if (need > 0) {
-      if (p.workspace == nullptr || p.workspace_bytes < need) return Status::kInvalidValue;
-      if (reinterpret_cast<std::uintptr_t>(p.workspace) % alignof(float) != 0) return Status::kInvalidValue;
+      if (const Status s = detail::validate_workspace(p.workspace, p.workspace_bytes, need); s != Status::kSuccess) {
+        return s;
+      }
     }
   }
   return Status::kSuccess;
@@ -99,13 +110,20 @@ namespace pagedkv::reference {
   for (std::int32_t b = 0; b < batch; ++b) {
     lens[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(detail::seq_pages(p.pages, p.kv.block_size, b).kv_len);
   }
-  if (validate_decode_work_list(lens, p.num_qo_heads, p.kv.num_kv_heads, wl, p.window) != Status::kSuccess) {
-    return Status::kInvalidValue;
+  if (const Status s = validate_decode_work_list(lens, p.num_qo_heads, p.kv.num_kv_heads, wl, p.window);
+      s != Status::kSuccess) {
+    return detail::fail(Status::kInvalidValue, "work_list",
+                        ": validate_decode_work_list refused it (%s) for this page table's lengths (item_capacity %d, "
+                        "merge_capacity %d, heads_per_tile %d, partial_row_capacity %d): it must cover every visible "
+                        "(request, head, token) exactly once",
+                        to_string(s), wl.item_capacity, wl.merge_capacity, wl.heads_per_tile,
+                        static_cast<int>(wl.partial_row_capacity));
   }
   if (wl.partial_row_capacity > 0) {
     const std::size_t need = decode_plan_workspace_bytes(wl.partial_row_capacity, p.num_qo_heads, p.kv.head_dim);
-    if (p.workspace == nullptr || p.workspace_bytes < need) return Status::kInvalidValue;
-    if (reinterpret_cast<std::uintptr_t>(p.workspace) % alignof(float) != 0) return Status::kInvalidValue;
+    if (const Status s = detail::validate_workspace(p.workspace, p.workspace_bytes, need); s != Status::kSuccess) {
+      return s;
+    }
   }
   return Status::kSuccess;
 }
@@ -225,7 +243,7 @@ void run_work_list(const DecodeParams& p, const DecodeWorkList& wl, int num_thre
 /// FlashInfer's merge_states for split-KV and the lse merge.
 [[nodiscard]] inline Status decode(const DecodeParams& p, int num_threads = 0) noexcept {
   const int nt = detail::resolve_num_threads(num_threads);
-  if (nt < 0) return Status::kInvalidValue;
+  if (nt < 0) return detail::fail(Status::kInvalidValue, "num_threads", " = %d: must be >= 0", num_threads);
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   const std::int32_t batch = p.pages.batch_size;
   const std::int32_t chunks = p.kv_chunk_size_tokens > 0 ? p.max_num_chunks : 0;
@@ -260,7 +278,7 @@ void run_work_list(const DecodeParams& p, const DecodeWorkList& wl, int num_thre
 /// numerics, preconditions: as decode(p). Allocates during validation (std::bad_alloc terminates).
 [[nodiscard]] inline Status decode(const DecodeParams& p, const DecodeWorkList& wl, int num_threads = 0) noexcept {
   const int nt = detail::resolve_num_threads(num_threads);
-  if (nt < 0) return Status::kInvalidValue;
+  if (nt < 0) return detail::fail(Status::kInvalidValue, "num_threads", " = %d: must be >= 0", num_threads);
   if (const Status s = validate(p, wl); s != Status::kSuccess) return s;
   detail::dispatch_pool(p.kv, [&]<class T, class KV>(std::type_identity<T>, std::type_identity<KV>) {
     detail::run_work_list<T, KV>(p, wl, nt);

@@ -22,27 +22,51 @@ namespace pagedkv::reference {
 /// are never read and not checked (the null block 0 of a sliding-window group, or anything). kUnsupported when the
 /// dtype is not one of the three enumerators. Thread safety: reads only.
 [[nodiscard]] inline Status validate(const PrefillParams& p) noexcept {
+  using detail::fail;
+  constexpr Status kBad = Status::kInvalidValue;
   if (const Status s = detail::validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (!p.window.valid()) return Status::kInvalidValue;
+  if (const Status s = detail::validate_window(p.window); s != Status::kSuccess) return s;
   // The first key read for sequence b; 0 (check everything) while qo_indptr is unusable (rejected below anyway).
   const auto first_read = [&](std::int32_t b, std::int64_t len) -> std::int64_t {
     if (!p.window.enabled() || p.qo_indptr == nullptr) return 0;
     const std::int64_t q_len = std::int64_t{p.qo_indptr[b + 1]} - p.qo_indptr[b];
     return q_len < 0 ? 0 : p.window.first_needed_token(len, q_len);
   };
-  if (detail::validate_page_table(p.pages, p.kv, first_read) != Status::kSuccess) return Status::kInvalidValue;
-  if (p.num_qo_heads <= 0 || p.num_qo_heads % p.kv.num_kv_heads != 0) return Status::kInvalidValue;
-  if (!std::isfinite(p.sm_scale) || p.total_q_tokens < 0) return Status::kInvalidValue;
+  if (const Status s = detail::validate_page_table(p.pages, p.kv, first_read); s != Status::kSuccess) return s;
+  if (const Status s = detail::validate_heads(p.num_qo_heads, p.kv.num_kv_heads); s != Status::kSuccess) return s;
+  if (const Status s = detail::validate_sm_scale(p.sm_scale); s != Status::kSuccess) return s;
+  if (p.total_q_tokens < 0) return fail(kBad, "total_q_tokens", " = %d: must be >= 0", p.total_q_tokens);
   const std::int32_t batch = p.pages.batch_size;
-  if (batch == 0) return p.total_q_tokens == 0 ? Status::kSuccess : Status::kInvalidValue;
-  if (p.qo_indptr == nullptr || p.qo_indptr[0] != 0) return Status::kInvalidValue;
-  for (std::int32_t b = 0; b < batch; ++b) {
-    if (p.qo_indptr[b + 1] < p.qo_indptr[b]) return Status::kInvalidValue;
-    const std::int64_t q_len = p.qo_indptr[b + 1] - p.qo_indptr[b];
-    if (q_len > detail::seq_pages(p.pages, p.kv.block_size, b).kv_len) return Status::kInvalidValue;
+  if (batch == 0) {
+    if (p.total_q_tokens != 0) {
+      return fail(kBad, "total_q_tokens", " = %d: must be 0 with batch 0", p.total_q_tokens);
+    }
+    return Status::kSuccess;
   }
-  if (p.qo_indptr[batch] != p.total_q_tokens) return Status::kInvalidValue;
-  if (p.total_q_tokens > 0 && (p.q == nullptr || p.o == nullptr)) return Status::kInvalidValue;
+  if (p.qo_indptr == nullptr) return fail(kBad, "qo_indptr", " = null with batch %d > 0", batch);
+  if (p.qo_indptr[0] != 0) {
+    return fail(kBad, "qo_indptr", "[0] = %d: must be 0 (q row r belongs to the b with qo_indptr[b] <= r)",
+                p.qo_indptr[0]);
+  }
+  for (std::int32_t b = 0; b < batch; ++b) {
+    if (p.qo_indptr[b + 1] < p.qo_indptr[b]) {
+      return fail(kBad, "qo_indptr", "[%d] = %d: decreases (qo_indptr[%d] = %d)", b + 1, p.qo_indptr[b + 1], b,
+                  p.qo_indptr[b]);
+    }
+    const std::int64_t q_len = p.qo_indptr[b + 1] - p.qo_indptr[b];
+    const std::int64_t kv_len = detail::seq_pages(p.pages, p.kv.block_size, b).kv_len;
+    if (q_len > kv_len) {
+      return fail(kBad, "qo_indptr", "[%d..%d]: sequence %d has q_len %lld > kv_len %lld (the queries' K/V must be in "
+                  "the pages: q_len_b <= kv_len_b)", b, b + 1, b, static_cast<long long>(q_len),
+                  static_cast<long long>(kv_len));
+    }
+  }
+  if (p.qo_indptr[batch] != p.total_q_tokens) {
+    return fail(kBad, "total_q_tokens", " = %d: differs from qo_indptr[%d] = %d", p.total_q_tokens, batch,
+                p.qo_indptr[batch]);
+  }
+  if (p.total_q_tokens > 0 && p.q == nullptr) return fail(kBad, "q", " = null with %d query rows", p.total_q_tokens);
+  if (p.total_q_tokens > 0 && p.o == nullptr) return fail(kBad, "o", " = null with %d query rows", p.total_q_tokens);
   return Status::kSuccess;
 }
 
@@ -99,7 +123,7 @@ void prefill_one(const PrefillParams& p, std::int32_t r, std::int32_t h, AttnScr
 /// the online softmax of FlashAttention.
 [[nodiscard]] inline Status prefill(const PrefillParams& p, int num_threads = 0) noexcept {
   const int nt = detail::resolve_num_threads(num_threads);
-  if (nt < 0) return Status::kInvalidValue;
+  if (nt < 0) return detail::fail(Status::kInvalidValue, "num_threads", " = %d: must be >= 0", num_threads);
   if (const Status s = validate(p); s != Status::kSuccess) return s;
   if (p.pages.batch_size == 0) return Status::kSuccess;
   const std::int64_t items = std::int64_t{p.total_q_tokens} * p.num_qo_heads;

@@ -21,23 +21,14 @@ namespace pagedkv::reference {
 /// non-padding pair (src >= 0) has src out of [0, src num_blocks) or dst out of [0, dst num_blocks) for some
 /// layer; a dst appears twice. kUnsupported for a dtype that is not an enumerator. Thread safety: reads only.
 [[nodiscard]] inline Status validate(const SwapBlocksParams& p) noexcept {
-  if (p.num_layers < 0 || p.num_pairs < 0) return Status::kInvalidValue;
-  if (p.direction != SwapDirection::kDeviceToHost && p.direction != SwapDirection::kHostToDevice) {
-    return Status::kInvalidValue;
-  }
-  if (p.num_layers == 0) return Status::kSuccess;
-  if (p.src_layers == nullptr || p.dst_layers == nullptr) return Status::kInvalidValue;
+  if (const Status s = detail::validate_swap_blocks_shape(p); s != Status::kSuccess) return s;
+  if (p.num_layers == 0 || p.num_pairs == 0) return Status::kSuccess;
   std::int32_t min_src_blocks = p.src_layers[0].num_blocks;
   std::int32_t min_dst_blocks = p.dst_layers[0].num_blocks;
   for (std::int32_t l = 0; l < p.num_layers; ++l) {
-    if (const Status s = detail::validate_pool(p.src_layers[l]); s != Status::kSuccess) return s;
-    if (const Status s = detail::validate_pool(p.dst_layers[l]); s != Status::kSuccess) return s;
-    if (!detail::same_block_shape(p.src_layers[l], p.dst_layers[l])) return Status::kInvalidValue;
     min_src_blocks = std::min(min_src_blocks, p.src_layers[l].num_blocks);
     min_dst_blocks = std::min(min_dst_blocks, p.dst_layers[l].num_blocks);
   }
-  if (p.num_pairs == 0) return Status::kSuccess;
-  if (p.block_mapping == nullptr) return Status::kInvalidValue;
   return detail::validate_block_pairs(p.block_mapping, p.num_pairs, min_src_blocks, min_dst_blocks,
                                       /*dst_may_be_src=*/true);
 }

@@ -16,15 +16,17 @@ namespace pagedkv::reference {
 /// Reads slot_mapping (host memory). Returns kSuccess, kInvalidValue, or kUnsupported (dtype not an enumerator).
 /// Thread safety: reads only.
 [[nodiscard]] inline Status validate(const WriteKVParams& p) noexcept {
+  using detail::fail;
+  constexpr Status kBad = Status::kInvalidValue;
   if (const Status s = detail::validate_pool(p.kv); s != Status::kSuccess) return s;
-  if (p.num_tokens < 0 || p.stride_token_elems < 0) return Status::kInvalidValue;
-  const std::int64_t row = std::int64_t{p.kv.num_kv_heads} * p.kv.head_dim;
-  if (p.stride_token_elems != 0 && p.stride_token_elems < row) return Status::kInvalidValue;
+  if (const Status s = detail::validate_write_kv_shape(p); s != Status::kSuccess) return s;
   if (p.num_tokens == 0) return Status::kSuccess;
-  if (p.key == nullptr || p.value == nullptr || p.slot_mapping == nullptr) return Status::kInvalidValue;
   const std::int64_t num_slots = std::int64_t{p.kv.num_blocks} * p.kv.block_size;
   for (std::int32_t t = 0; t < p.num_tokens; ++t) {
-    if (p.slot_mapping[t] >= num_slots) return Status::kInvalidValue;
+    if (p.slot_mapping[t] >= num_slots) {
+      return fail(kBad, "slot_mapping", "[%d] = %lld: must be < num_blocks * block_size = %lld (or < 0: padding)", t,
+                  static_cast<long long>(p.slot_mapping[t]), static_cast<long long>(num_slots));
+    }
   }
   return Status::kSuccess;
 }
