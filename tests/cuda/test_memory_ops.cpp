@@ -135,7 +135,7 @@ TEST_CASE("copy_blocks matches the reference bit for bit, every layer in one lau
 
 TEST_CASE("swap_blocks moves blocks device <-> pinned host like the reference", "[swap_blocks]") {
   std::uint64_t seed = 333;
-  for (DType dt : {DType::kFloat16, DType::kFloat32}) {
+  for (DType dt : {DType::kFloat16, DType::kFloat32, DType::kBFloat16}) {
     for (Layout layout : kLayouts) {
       for (auto dir : {SwapDirection::kDeviceToHost, SwapDirection::kHostToDevice}) {
         INFO(dtype_name(dt) << " " << layout_name(layout)
