@@ -74,16 +74,18 @@ if ! [[ "$deadline_s" =~ ^[0-9]+$ ]] || (( deadline_s < 10 )); then
   exit 2
 fi
 deadline_at=$(( start_all + deadline_s ))
-reserve_s=15  # preflight, probe and the summary
+reserve_s=15  # preflight, probe and the summary (a quarter of a deadline under 60 s)
+(( deadline_s < 60 )) && reserve_s=$(( deadline_s / 4 ))
 remaining() { echo $(( deadline_at - $(now) )); }
 
 # Stage table: name, share of (deadline - reserve) in tenths of a percent.
 stage_order=(build tests bench torch memcheck racecheck synccheck initcheck)
 declare -A share=([build]=340 [tests]=270 [bench]=110 [torch]=50 [memcheck]=80 [racecheck]=80 [synccheck]=35
                   [initcheck]=35)
-declare -A st_cap st_secs st_status st_rc
+declare -A st_cap st_share st_secs st_status st_rc
 for s in "${stage_order[@]}"; do
-  st_cap[$s]=$(( (deadline_s - reserve_s) * ${share[$s]} / 1000 ))
+  st_share[$s]=$(( (deadline_s - reserve_s) * ${share[$s]} / 1000 ))  # fixed: the shares sum to <= deadline - reserve
+  st_cap[$s]=${st_share[$s]}                                            # effective: share + time left unused before
   st_secs[$s]=0
   st_status[$s]="pending"
   st_rc[$s]=null
@@ -139,12 +141,13 @@ write_summary() {
     for s in "${stage_order[@]}"; do
       (( first )) || printf ',\n'
       first=0
-      printf '    {"name": "%s", "cap_s": %d, "seconds": %d, "status": "%s", "rc": %s}' "$s" "${st_cap[$s]}" \
+      printf '    {"name": "%s", "share_s": %d, "cap_s": %d, "seconds": %d, "status": "%s", "rc": %s}' "$s" \
+        "${st_share[$s]}" "${st_cap[$s]}" \
         "${st_secs[$s]}" "$(json_str "${st_status[$s]}")" "${st_rc[$s]}"
     done
-    printf '\n  ],\n  "stage_seconds_total": %d,\n  "stage_caps_total": %d\n}\n' \
+    printf '\n  ],\n  "reserve_s": %d,\n  "stage_seconds_total": %d,\n  "stage_shares_total": %d\n}\n' "$reserve_s" \
       "$(( ${st_secs[build]} + ${st_secs[tests]} + ${st_secs[bench]} + ${st_secs[torch]} + ${st_secs[memcheck]} + ${st_secs[racecheck]} + ${st_secs[synccheck]} + ${st_secs[initcheck]} ))" \
-      "$(( ${st_cap[build]} + ${st_cap[tests]} + ${st_cap[bench]} + ${st_cap[torch]} + ${st_cap[memcheck]} + ${st_cap[racecheck]} + ${st_cap[synccheck]} + ${st_cap[initcheck]} ))"
+      "$(( ${st_share[build]} + ${st_share[tests]} + ${st_share[bench]} + ${st_share[torch]} + ${st_share[memcheck]} + ${st_share[racecheck]} + ${st_share[synccheck]} + ${st_share[initcheck]} ))"
   } > "$tmp" && mv -f "$tmp" "$out/summary.json"
   if [[ -n "$work" && -d "$work" ]]; then
     tar -czf "$out/.logs.tar.gz.tmp" -C "$work" . 2>/dev/null && mv -f "$out/.logs.tar.gz.tmp" "$out/logs.tar.gz"
@@ -206,7 +209,8 @@ finish() {  # STATUS REASON EXIT
       echo "device: $device | driver: $driver_smi | clocks: $clocks_smi | nvcc: ${nvcc_version:-} | cmake: ${cmake_version:-} | sm_${arch:-?}"
       echo "revision: $(revision commit) ($(revision changed_paths) changed paths) | seed $seed (replay: --seed $seed) | deadline ${deadline_s}s"
       for s in "${stage_order[@]}"; do
-        printf '  stage %-10s cap %4ss  took %4ss  %s\n' "$s" "${st_cap[$s]}" "${st_secs[$s]}" "${st_status[$s]}"
+        printf '  stage %-10s share %4ss  cap %4ss  took %4ss  %s\n' "$s" "${st_share[$s]}" "${st_cap[$s]}" "${st_secs[$s]}" \
+          "${st_status[$s]}"
       done
       echo "GPU tests (label gpu): $counts of $registered registered, $not_finished not finished"
       [[ -n "$failed_names" ]] && echo "  failed: $failed_names"
