@@ -15,8 +15,17 @@
 // Pools are larger than L2, block ids shuffled, data random. Rows that do not fit in 85% of free memory are
 // reported as skipped. Prints a table; writes JSON with --json PATH.
 //
-// Usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick]
-//   --quick: only the rows of docs/contract.md sec. 5 (for a fast smoke run).
+// fp8 rows decode an fp8 e4m3 pool (KVPoolView kv_dtype kFp8E4M3, scales 1): while the CUDA launchers return
+// kUnsupported for it, the row is recorded as "unsupported", never as a number. The prefill row (batch 8, 2048
+// cached + 512 new tokens, causal, bf16, qo 32 / kv 8, d128) reports TFLOP/s (4 * head_dim flops per visible
+// (query, key) pair and query head) besides bytes. Inputs are random from --seed (fresh per run; the seed is in
+// the JSON). Setup (fills, uploads) is finished (cudaDeviceSynchronize) before any timed launch on the benchmark's
+// non-blocking stream. The JSON has every repetition of every row, not only the median.
+//
+// Usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick] [--seed N]
+//   --quick: the rows the GPU issue asks for (decode grid b 1/64/256 x 4k/32k x heads 32/32, 32/8, 64/8; ragged vs
+//   uniform; block sizes 8-64; fp8 vs bf16 at 4k and 32k; prefill; write_kv; copy_blocks; the copy bandwidth),
+//   5 repetitions; without it also the unsplit / chunk-rule / graph / window rows and the 256-sequence ragged batch.
 // Exit: 0 ran, 2 a CUDA or pagedkv error, 77 no CUDA device.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -60,6 +69,18 @@ using pagedkv::Status;
     }                                                                                                             \
   } while (0)
 
+/// Random fp8 e4m3 bytes with the exponent's top bit clear (|x| < 2, never NaN: e4m3fn NaN is S.1111.111).
+__global__ void fill_random_fp8(unsigned char* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    p[i] = static_cast<unsigned char>(x & 0xb7u);
+  }
+}
+
 __global__ void fill_random_bf16(__nv_bfloat16* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
@@ -90,23 +111,41 @@ struct Buf {
   }
 };
 
-void fill(void* p, std::size_t elems, std::uint32_t seed) {
-  fill_random_bf16<<<1024, 256>>>(static_cast<__nv_bfloat16*>(p), elems, seed);
+int g_reps = 7;
+cudaStream_t g_stream = nullptr;
+std::uint64_t g_seed = 1;
+
+/// A 32-bit seed for one buffer: the run's seed mixed with a per-buffer tag.
+std::uint32_t seed_of(std::uint32_t tag) {
+  std::uint64_t z = g_seed * 0x9e3779b97f4a7c15ull + tag;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<std::uint32_t>(z ^ (z >> 31));
+}
+
+/// Random bf16 values in [-1, 1) (every setup runs on g_stream; time_launches synchronizes the device first).
+void fill(void* p, std::size_t elems, std::uint32_t tag) {
+  fill_random_bf16<<<1024, 256, 0, g_stream>>>(static_cast<__nv_bfloat16*>(p), elems, seed_of(tag));
+  BENCH_CUDA(cudaGetLastError());
+}
+void fill_fp8(void* p, std::size_t bytes, std::uint32_t tag) {
+  fill_random_fp8<<<1024, 256, 0, g_stream>>>(static_cast<unsigned char*>(p), bytes, seed_of(tag));
   BENCH_CUDA(cudaGetLastError());
 }
 
 struct Timing {
   double ms = 0;  // median per launch
   int per_event = 1;
+  std::vector<double> reps_ms;  // every repetition, per launch
 };
-
-int g_reps = 7;
-cudaStream_t g_stream = nullptr;
 
 /// Median time (ms) per launch of f(stream): `g_reps` repetitions of N launches between one event pair (graph:
 /// one graph of N launches), after a warm-up; N chosen so a repetition lasts >= 2 ms.
 template <class F>
 Timing time_launches(F&& f, bool graph) {
+  // Setup may have used the legacy default stream (cudaMemcpy from pageable memory can return before its DMA
+  // lands) or g_stream: finish all of it before the first launch on the non-blocking g_stream.
+  BENCH_CUDA(cudaDeviceSynchronize());
   cudaEvent_t a, b;
   BENCH_CUDA(cudaEventCreate(&a));
   BENCH_CUDA(cudaEventCreate(&b));
@@ -148,20 +187,25 @@ Timing time_launches(F&& f, bool graph) {
   if (exec != nullptr) BENCH_CUDA(cudaGraphExecDestroy(exec));
   BENCH_CUDA(cudaEventDestroy(a));
   BENCH_CUDA(cudaEventDestroy(b));
+  std::vector<double> all = t;
   std::sort(t.begin(), t.end());
-  return {t[t.size() / 2], n};
+  return {t[t.size() / 2], n, std::move(all)};
 }
 
 struct Result {
   std::string name;
   std::string mode;  // stream | graph
   double ms = 0, bytes = 0, gbps = 0, frac_copy = 0, frac_spec = 0;
+  double flops = 0;  // > 0: also report TFLOP/s (prefill)
   int per_event = 0;
-  std::string plan;     // plan summary (decode rows)
-  std::string skipped;  // non-empty: not run, why
+  std::vector<double> reps_ms;
+  std::string plan;         // plan summary (decode rows)
+  std::string skipped;      // non-empty: not run, why
+  std::string unsupported;  // non-empty: the launcher returned kUnsupported (no number)
 };
 
 double g_copy_gbps = 0, g_spec_gbps = 0;
+std::vector<double> g_copy_reps_ms;  // every repetition of the device-to-device copy
 
 Result finish(std::string name, const Timing& t, double bytes, bool graph) {
   Result r;
@@ -169,6 +213,7 @@ Result finish(std::string name, const Timing& t, double bytes, bool graph) {
   r.mode = graph ? "graph" : "stream";
   r.ms = t.ms;
   r.per_event = t.per_event;
+  r.reps_ms = t.reps_ms;
   r.bytes = bytes;
   r.gbps = bytes / (t.ms * 1e-3) / 1e9;
   r.frac_copy = r.gbps / g_copy_gbps;
@@ -185,6 +230,7 @@ struct DecodeShape {
   Split split = Split::kPlan;
   bool graph = false;
   pagedkv::AttentionWindow window{};  // local attention: only the visible pages exist in the pool (the rest -> block 0)
+  bool fp8 = false;                   // fp8 e4m3 KV (1 byte per element, scales 1)
 };
 
 Result bench_decode(const DecodeShape& s) {
@@ -200,7 +246,8 @@ Result bench_decode(const DecodeShape& s) {
   }
   const std::int64_t num_blocks = total_pages + 1;
   const std::int64_t page_elems = std::int64_t{s.block_size} * s.kv_heads * s.head_dim;
-  const double pool_bytes = static_cast<double>(num_blocks) * 2 * page_elems * 2;
+  const double kv_elem_bytes = s.fp8 ? 1.0 : 2.0;
+  const double pool_bytes = static_cast<double>(num_blocks) * 2 * page_elems * kv_elem_bytes;
   std::size_t free_b = 0, total_b = 0;
   BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
   if (pool_bytes > 0.85 * static_cast<double>(free_b)) {
@@ -212,10 +259,14 @@ Result bench_decode(const DecodeShape& s) {
     return r;
   }
   Buf pool(static_cast<std::size_t>(pool_bytes));
-  fill(pool.p, static_cast<std::size_t>(num_blocks * 2 * page_elems), 7);
+  if (s.fp8) {
+    fill_fp8(pool.p, static_cast<std::size_t>(pool_bytes), 7);
+  } else {
+    fill(pool.p, static_cast<std::size_t>(num_blocks * 2 * page_elems), 7);
+  }
   std::vector<std::int32_t> fresh(static_cast<std::size_t>(num_blocks - 1));
   std::iota(fresh.begin(), fresh.end(), 1);
-  std::shuffle(fresh.begin(), fresh.end(), std::mt19937(1));
+  std::shuffle(fresh.begin(), fresh.end(), std::mt19937(seed_of(1)));
   std::vector<std::int32_t> ids, indptr{0}, last;
   std::size_t next_id = 0;
   for (int len : s.lens) {
@@ -236,8 +287,10 @@ Result bench_decode(const DecodeShape& s) {
   p.q = q.p;
   p.o = o.p;
   p.lse = lse.as<float>();
+  // fp8: the factory places V after K's bytes (page elements x 1 byte), scales 1.
   p.kv = pagedkv::KVPoolView::nhd(pool.p, DType::kBFloat16, static_cast<std::int32_t>(num_blocks), s.block_size,
-                                  s.kv_heads, s.head_dim);
+                                  s.kv_heads, s.head_dim,
+                                  s.fp8 ? pagedkv::KVDType::kFp8E4M3 : pagedkv::KVDType::kSame, 1.f, 1.f);
   p.pages = pagedkv::PageTable::csr(batch, d_indptr->as<std::int32_t>(), d_ids->as<std::int32_t>(),
                                     d_last->as<std::int32_t>());
   p.num_qo_heads = s.qo_heads;
@@ -286,9 +339,24 @@ Result bench_decode(const DecodeShape& s) {
                   "%d items (max %d, mean %.0f tokens), %d split requests, T %d, %d SMs x %d CTAs, plan %.0f us",
                   info.num_items, info.max_item_tokens, info.mean_item_tokens, info.num_merges,
                   info.chunk_target_tokens, cfg.num_sms, cfg.ctas_per_sm, plan_us);
+    BENCH_CUDA(cudaDeviceSynchronize());
+    const Status first = pagedkv::cuda::decode(p, wl, g_stream);
+    if (first == Status::kUnsupported) {
+      Result r;
+      r.name = s.name;
+      r.unsupported = "pagedkv::cuda::decode returned kUnsupported";
+      delete d_indptr;
+      delete d_ids;
+      delete d_last;
+      delete d_items;
+      delete d_merges;
+      return r;
+    }
+    BENCH_OK(first);
     t = time_launches([&](cudaStream_t st) { BENCH_OK(pagedkv::cuda::decode(p, wl, st)); }, s.graph);
   }
-  const double bytes = 2.0 * static_cast<double>(total_tokens) * s.kv_heads * s.head_dim * 2 + 2.0 * q_elems * 2;
+  const double bytes =
+      2.0 * static_cast<double>(total_tokens) * s.kv_heads * s.head_dim * kv_elem_bytes + 2.0 * q_elems * 2;
   Result r = finish(s.name, t, bytes, s.graph);
   r.plan = plan;
   delete d_indptr;
@@ -296,6 +364,56 @@ Result bench_decode(const DecodeShape& s) {
   delete d_last;
   delete d_items;
   delete d_merges;
+  return r;
+}
+
+/// Prefill over a paged prefix: `batch` sequences of `cached` tokens in the pool plus `fresh` new ones (also in the
+/// pool, as write_kv would have put them), causal, bf16. Bytes: K/V of every token once per kv head + q + o; flops:
+/// 4 * head_dim per visible (query, key) pair per query head.
+Result bench_prefill(const std::string& name, int batch, int cached, int fresh, int hq, int hkv, int hd, int bs) {
+  const int kv_len = cached + fresh;
+  const int pages = (kv_len + bs - 1) / bs;
+  const std::int64_t num_blocks = std::int64_t{batch} * pages + 1;
+  const std::int64_t page_elems = std::int64_t{bs} * hkv * hd;
+  Buf pool(static_cast<std::size_t>(num_blocks * 2 * page_elems * 2));
+  fill(pool.p, static_cast<std::size_t>(num_blocks * 2 * page_elems), 21);
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(num_blocks - 1));
+  std::iota(ids.begin(), ids.end(), 1);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(seed_of(22)));
+  std::vector<std::int32_t> indptr{0}, last, qo{0};
+  for (int b = 0; b < batch; ++b) {
+    indptr.push_back(indptr.back() + pages);
+    last.push_back(kv_len - (pages - 1) * bs);
+    qo.push_back(qo.back() + fresh);
+  }
+  Buf* d_indptr = Buf::of(indptr);
+  Buf* d_ids = Buf::of(ids);
+  Buf* d_last = Buf::of(last);
+  Buf* d_qo = Buf::of(qo);
+  const std::size_t q_elems = static_cast<std::size_t>(batch) * fresh * hq * hd;
+  Buf q(q_elems * 2), o(q_elems * 2), lse(static_cast<std::size_t>(batch) * fresh * hq * 4);
+  fill(q.p, q_elems, 23);
+  pagedkv::PrefillParams p;
+  p.q = q.p;
+  p.o = o.p;
+  p.lse = lse.as<float>();
+  p.qo_indptr = d_qo->as<std::int32_t>();
+  p.total_q_tokens = batch * fresh;
+  p.kv = pagedkv::KVPoolView::nhd(pool.p, DType::kBFloat16, static_cast<std::int32_t>(num_blocks), bs, hkv, hd);
+  p.pages = pagedkv::PageTable::csr(batch, d_indptr->as<std::int32_t>(), d_ids->as<std::int32_t>(),
+                                    d_last->as<std::int32_t>());
+  p.num_qo_heads = hq;
+  p.sm_scale = 1.f / std::sqrt(static_cast<float>(hd));
+  const Timing t = time_launches([&](cudaStream_t st) { BENCH_OK(pagedkv::cuda::prefill(p, st)); }, false);
+  const double pairs = static_cast<double>(fresh) * cached + static_cast<double>(fresh) * (fresh + 1) / 2;
+  const double bytes = 2.0 * batch * kv_len * hkv * hd * 2 + 2.0 * q_elems * 2;
+  Result r = finish(name, t, bytes, false);
+  r.flops = 4.0 * hd * hq * pairs * batch;
+  r.plan = "TFLOP/s " + std::to_string(r.flops / (t.ms * 1e-3) / 1e12);
+  delete d_indptr;
+  delete d_ids;
+  delete d_last;
+  delete d_qo;
   return r;
 }
 
@@ -323,8 +441,10 @@ int main(int argc, char** argv) {
       spec_override = std::atof(argv[++i]);
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
+      g_seed = std::strtoull(argv[++i], nullptr, 10);
     } else {
-      std::fprintf(stderr, "usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick]\n");
+      std::fprintf(stderr, "usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick] [--seed N]\n");
       return 2;
     }
   }
@@ -344,6 +464,7 @@ int main(int argc, char** argv) {
   BENCH_CUDA(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0));
   g_spec_gbps = spec_override > 0 ? spec_override : 2.0 * mem_clock_khz * 1e3 * bus_bits / 8 / 1e9;
   BENCH_CUDA(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  if (quick && g_reps == 7) g_reps = 5;
 
   // Device-to-device copy bandwidth: 1 GiB, counting read + write.
   {
@@ -354,50 +475,50 @@ int main(int argc, char** argv) {
         [&](cudaStream_t st) { BENCH_CUDA(cudaMemcpyAsync(b.p, a.p, copy_bytes, cudaMemcpyDeviceToDevice, st)); },
         false);
     g_copy_gbps = 2.0 * copy_bytes / (t.ms * 1e-3) / 1e9;
+    g_copy_reps_ms = t.reps_ms;
   }
 
   std::vector<Result> results;
   const auto uniform = [](int batch, int len) { return std::vector<int>(static_cast<std::size_t>(batch), len); };
   std::vector<int> ragged(63, 4096);
   ragged.push_back(32768);
-  std::vector<DecodeShape> shapes = {
-      // docs/contract.md sec. 5: batch 64 x 4096, 8 kv heads, d128, bf16, block 16 (>= 85% of copy bandwidth).
-      {"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16},
-      {"decode b64 kv4096 qo32/kv8 d128 bs16 unsplit", uniform(64, 4096), 32, 8, 128, 16, Split::kUnsplit},
-      {"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16, Split::kPlan, true},
-      // Block sizes 8-64 within 3% of each other.
-      {"decode b64 kv4096 qo32/kv8 d128 bs8", uniform(64, 4096), 32, 8, 128, 8},
-      {"decode b64 kv4096 qo32/kv8 d128 bs32", uniform(64, 4096), 32, 8, 128, 32},
-      {"decode b64 kv4096 qo32/kv8 d128 bs64", uniform(64, 4096), 32, 8, 128, 64},
-      // GQA group sizes 1, 4, 8.
-      {"decode b64 kv4096 qo32/kv32 d128 bs16", uniform(64, 4096), 32, 32, 128, 16},
-      {"decode b64 kv4096 qo64/kv8 d128 bs16", uniform(64, 4096), 64, 8, 128, 16},
-      // Ragged (63 x 4k + 1 x 32k) vs the uniform batch of the same total tokens (64 x 4544).
-      {"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16", ragged, 32, 8, 128, 16},
-      {"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged, 32, 8, 128, 16, Split::kUnsplit},
-      {"decode b64 kv4544 qo32/kv8 d128 bs16 (ragged's total)", uniform(64, 4544), 32, 8, 128, 16},
-      // Long context, batch 1.
-      {"decode b1 kv32768 qo32/kv8 d128 bs16", uniform(1, 32768), 32, 8, 128, 16},
-      {"decode b1 kv32768 qo32/kv8 d128 bs16 chunk rule", uniform(1, 32768), 32, 8, 128, 16, Split::kChunkRule},
-      // Local attention (issue 13): a sliding-window layer of 4096 over 32k-token sequences moves the bytes of
-      // "b64 kv4096" above; Llama 4's chunked-local 8192 those of 8192 tokens. Pages before the window are block 0.
-      {"decode b64 kv32768 window4096 qo32/kv8 d128 bs16", uniform(64, 32768), 32, 8, 128, 16, Split::kPlan, false,
-       {4096, 0}},
-      {"decode b64 kv32768 chunk8192 qo32/kv8 d128 bs16", uniform(64, 32768), 32, 8, 128, 16, Split::kPlan, false,
-       {0, 8192}},
-  };
-  if (!quick) {
-    for (int batch : {1, 64, 256}) {
-      for (int len : {4096, 32768}) {
-        for (auto [hq, hkv] : {std::pair{32, 32}, std::pair{32, 8}, std::pair{64, 8}}) {
-          if (batch == 64 && len == 4096) continue;  // above
-          if (batch == 1 && len == 32768 && hq == 32 && hkv == 8) continue;
-          shapes.push_back({"decode b" + std::to_string(batch) + " kv" + std::to_string(len) + " qo" +
-                                std::to_string(hq) + "/kv" + std::to_string(hkv) + " d128 bs16",
-                            uniform(batch, len), hq, hkv, 128, 16});
-        }
+  // The rows the GPU issue asks for (--quick runs exactly these).
+  std::vector<DecodeShape> shapes;
+  for (int batch : {1, 64, 256}) {
+    for (int len : {4096, 32768}) {
+      for (auto [hq, hkv] : {std::pair{32, 32}, std::pair{32, 8}, std::pair{64, 8}}) {
+        shapes.push_back({"decode b" + std::to_string(batch) + " kv" + std::to_string(len) + " qo" +
+                              std::to_string(hq) + "/kv" + std::to_string(hkv) + " d128 bs16",
+                          uniform(batch, len), hq, hkv, 128, 16});
       }
     }
+  }
+  // Ragged (63 x 4k + 1 x 32k) vs the uniform batch of the same total tokens (64 x 4544).
+  shapes.push_back({"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16", ragged, 32, 8, 128, 16});
+  shapes.push_back({"decode b64 kv4544 qo32/kv8 d128 bs16 (ragged's total)", uniform(64, 4544), 32, 8, 128, 16});
+  // Block sizes 8-64 (bs16 is in the grid above).
+  for (int bs : {8, 32, 64}) {
+    shapes.push_back({"decode b64 kv4096 qo32/kv8 d128 bs" + std::to_string(bs), uniform(64, 4096), 32, 8, 128, bs});
+  }
+  // fp8 e4m3 KV vs bf16 (the bf16 rows of the same shapes are in the grid above).
+  for (auto [batch, len] : {std::pair{64, 4096}, std::pair{1, 32768}, std::pair{64, 32768}}) {
+    DecodeShape f{"decode fp8 b" + std::to_string(batch) + " kv" + std::to_string(len) + " qo32/kv8 d128 bs16",
+                  uniform(batch, len), 32, 8, 128, 16};
+    f.fp8 = true;
+    shapes.push_back(f);
+  }
+  if (!quick) {
+    shapes.push_back({"decode b64 kv4096 qo32/kv8 d128 bs16 unsplit", uniform(64, 4096), 32, 8, 128, 16, Split::kUnsplit});
+    shapes.push_back({"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16, Split::kPlan, true});
+    shapes.push_back({"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged, 32, 8, 128, 16, Split::kUnsplit});
+    shapes.push_back({"decode b1 kv32768 qo32/kv8 d128 bs16 chunk rule", uniform(1, 32768), 32, 8, 128, 16,
+                      Split::kChunkRule});
+    // Local attention (issue 13): a sliding-window layer of 4096 over 32k-token sequences moves the bytes of
+    // "b64 kv4096"; Llama 4's chunked-local 8192 those of 8192 tokens. Pages before the window are block 0.
+    shapes.push_back({"decode b64 kv32768 window4096 qo32/kv8 d128 bs16", uniform(64, 32768), 32, 8, 128, 16,
+                      Split::kPlan, false, {4096, 0}});
+    shapes.push_back({"decode b64 kv32768 chunk8192 qo32/kv8 d128 bs16", uniform(64, 32768), 32, 8, 128, 16,
+                      Split::kPlan, false, {0, 8192}});
     std::vector<int> ragged256(255, 4096);
     ragged256.push_back(32768);
     shapes.push_back({"decode ragged 255x4096+1x32768 qo32/kv8 d128 bs16", ragged256, 32, 8, 128, 16});
@@ -408,6 +529,7 @@ int main(int argc, char** argv) {
     results.push_back(bench_decode(s));
     std::fflush(stdout);
   }
+  results.push_back(bench_prefill("prefill b8 cached2048+new512 causal qo32/kv8 d128 bs16", 8, 2048, 512, 32, 8, 128, 16));
 
   // write_kv: 65536 tokens x 8 heads x 128 bf16 into a shuffled set of slots (read + write of K and V).
   {
@@ -420,7 +542,7 @@ int main(int argc, char** argv) {
     fill(value.p, static_cast<std::size_t>(tokens) * heads * hd, 6);
     std::vector<std::int64_t> slots(tokens);
     std::iota(slots.begin(), slots.end(), std::int64_t{bs});
-    std::shuffle(slots.begin(), slots.end(), std::mt19937(2));
+    std::shuffle(slots.begin(), slots.end(), std::mt19937(seed_of(2)));
     Buf* d_slots = Buf::of(slots);
     pagedkv::WriteKVParams w;
     w.key = key.p;
@@ -448,7 +570,7 @@ int main(int argc, char** argv) {
     }
     std::vector<std::int32_t> ids(static_cast<std::size_t>(num_blocks - 1));
     std::iota(ids.begin(), ids.end(), 1);
-    std::shuffle(ids.begin(), ids.end(), std::mt19937(3));
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(seed_of(3)));
     std::vector<std::int32_t> mapping(2 * static_cast<std::size_t>(pairs));
     for (int i = 0; i < pairs; ++i) {
       mapping[2 * i] = ids[i];
@@ -482,6 +604,10 @@ int main(int argc, char** argv) {
       std::printf("%-60s skipped: %s\n", r.name.c_str(), r.skipped.c_str());
       continue;
     }
+    if (!r.unsupported.empty()) {
+      std::printf("%-60s unsupported: %s\n", r.name.c_str(), r.unsupported.c_str());
+      continue;
+    }
     std::printf("%-60s %6s %5d %10.1f %9.1f %6.1f%% %6.1f%%  %s\n", r.name.c_str(), r.mode.c_str(), r.per_event,
                 r.ms * 1e3, r.gbps, 100 * r.frac_copy, 100 * r.frac_spec, r.plan.c_str());
   }
@@ -498,21 +624,38 @@ int main(int argc, char** argv) {
                  "  \"memory_bus_bits\": %d,\n  \"sm_clock_mhz\": %d,\n  \"l2_bytes\": %d,\n",
                  json_escape(prop.name).c_str(), sms, prop.major, prop.minor, driver, runtime, mem_clock_khz / 1000,
                  bus_bits, sm_clock_khz / 1000, l2_bytes);
+    std::fprintf(f, "  \"seed\": %llu,\n  \"quick\": %s,\n", static_cast<unsigned long long>(g_seed),
+                 quick ? "true" : "false");
     std::fprintf(f, "  \"reps\": %d,\n  \"copy_bandwidth_gbps\": %.3f,\n  \"spec_bandwidth_gbps\": %.3f,\n", g_reps,
                  g_copy_gbps, g_spec_gbps);
+    std::fprintf(f, "  \"copy_reps_us\": [");
+    for (std::size_t k = 0; k < g_copy_reps_ms.size(); ++k) {
+      std::fprintf(f, "%s%.3f", k ? ", " : "", g_copy_reps_ms[k] * 1e3);
+    }
+    std::fprintf(f, "],\n");
     std::fprintf(f, "  \"results\": [\n");
     for (std::size_t i = 0; i < results.size(); ++i) {
       const auto& r = results[i];
       if (!r.skipped.empty()) {
         std::fprintf(f, "    {\"name\": \"%s\", \"skipped\": \"%s\"}", json_escape(r.name).c_str(),
                      json_escape(r.skipped).c_str());
+      } else if (!r.unsupported.empty()) {
+        std::fprintf(f, "    {\"name\": \"%s\", \"unsupported\": \"%s\"}", json_escape(r.name).c_str(),
+                     json_escape(r.unsupported).c_str());
       } else {
+        std::string reps;
+        for (std::size_t k = 0; k < r.reps_ms.size(); ++k) {
+          char buf[32];
+          std::snprintf(buf, sizeof buf, "%s%.3f", k ? ", " : "", r.reps_ms[k] * 1e3);
+          reps += buf;
+        }
         std::fprintf(f,
                      "    {\"name\": \"%s\", \"mode\": \"%s\", \"launches_per_event_pair\": %d, \"median_us\": %.3f, "
                      "\"bytes\": %.0f, \"gbps\": %.3f, \"fraction_of_copy\": %.4f, \"fraction_of_spec\": %.4f, "
-                     "\"plan\": \"%s\"}",
+                     "\"tflops\": %.4f, \"reps_us\": [%s], \"plan\": \"%s\"}",
                      json_escape(r.name).c_str(), r.mode.c_str(), r.per_event, r.ms * 1e3, r.bytes, r.gbps,
-                     r.frac_copy, r.frac_spec, json_escape(r.plan).c_str());
+                     r.frac_copy, r.frac_spec, r.flops > 0 ? r.flops / (r.ms * 1e-3) / 1e12 : 0.0, reps.c_str(),
+                     json_escape(r.plan).c_str());
       }
       std::fprintf(f, "%s\n", i + 1 < results.size() ? "," : "");
     }

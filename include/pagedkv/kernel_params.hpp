@@ -115,12 +115,11 @@ inline void prefix_detail(const char* what, int index) noexcept {
 /// This thread's detail of the last failing launcher / reference op (see StatusDetail). Never throws.
 [[nodiscard]] inline const StatusDetail& last_status_detail() noexcept { return detail::tls_status_detail; }
 
-/// The largest KVPoolView::block_size (tokens per block) any op accepts: 65536. Larger values are kInvalidValue
-/// (reference and CUDA). Why a bound: the CUDA kernels compute token positions and in-block offsets in int32
-/// (a sequence's kv_len = (pages - 1) * block_size + last_page_len, `token / block_size`, `page * block_size`); a
-/// block size near 2^31 would wrap those negative after one page. 2^16 keeps every in-block quantity far from the
-/// int32 limit, and exceeds every page size engines use (vLLM 16..256 tokens, FlashInfer / TensorRT-LLM <= 128).
-inline constexpr std::int32_t kMaxBlockSize = std::int32_t{1} << 16;
+// The largest KVPoolView::block_size any op accepts is pagedkv::kMaxBlockSize (config.hpp, 65536: the managers
+// refuse larger block sizes too); larger values are kInvalidValue (reference and CUDA). Why a bound: the CUDA
+// kernels compute token positions and in-block offsets in int32 (a sequence's kv_len = (pages - 1) * block_size +
+// last_page_len, `token / block_size`, `page * block_size`); a block size near 2^31 would wrap those negative after
+// one page. 2^16 keeps every in-block quantity far from the int32 limit.
 
 /// Element type of q, k, v, o. Storage: fp32 = float, fp16 = IEEE binary16, bf16 = bfloat16 (both 2 bytes).
 enum class DType : std::uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };

@@ -1,13 +1,39 @@
-// tests/cuda/gpu_main.cpp: Catch2 runner for the GPU tests. Exits with 77 (CTest SKIP_RETURN_CODE) after printing
-// "no CUDA device" when no CUDA device is usable, unless the test spec selects only device-free tests ("[host]") or
-// the run only lists tests. No CUDA call happens at static-initialization time.
+// tests/cuda/gpu_main.cpp: Catch2 runner for the GPU tests. Prints the run's seed (PAGEDKV_GPU_SEED, or a fresh one
+// from std::random_device; every test case mixes it into its own seed, so each run draws fresh random inputs and
+// `PAGEDKV_GPU_SEED=<seed>` replays one). Exits with 77 (CTest SKIP_RETURN_CODE) after printing "no CUDA device" when
+// no CUDA device is usable, unless the test spec selects only device-free tests ("[host]") or the run only lists
+// tests. No CUDA call happens at static-initialization time.
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <random>
+
+namespace pkt {
+namespace {
+std::uint64_t g_seed = 0;
+bool g_seed_set = false;
+}  // namespace
+
+std::uint64_t run_seed() {
+  if (!g_seed_set) {
+    const char* env = std::getenv("PAGEDKV_GPU_SEED");
+    if (env != nullptr && *env != '\0') {
+      g_seed = std::strtoull(env, nullptr, 10);
+    } else {
+      std::random_device rd;
+      g_seed = (std::uint64_t{rd()} << 32 | rd()) & ((std::uint64_t{1} << 48) - 1);
+    }
+    g_seed_set = true;
+  }
+  return g_seed;
+}
+}  // namespace pkt
 
 int main(int argc, char** argv) {
   bool host_only = false;
@@ -15,6 +41,8 @@ int main(int argc, char** argv) {
     host_only = host_only || std::strstr(argv[i], "[host]") != nullptr || std::strncmp(argv[i], "--list", 6) == 0 ||
                 std::strcmp(argv[i], "-l") == 0;
   }
+  std::printf("pagedkv GPU tests: seed %llu (replay: PAGEDKV_GPU_SEED=%llu)\n",
+              static_cast<unsigned long long>(pkt::run_seed()), static_cast<unsigned long long>(pkt::run_seed()));
   if (!host_only) {
     int n = 0;
     const cudaError_t e = cudaGetDeviceCount(&n);

@@ -17,6 +17,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <pagedkv/cuda/launch.hpp>
@@ -108,10 +109,23 @@ inline float round_to(DType dt, float f) {
   return load_elem(tmp, 0, dt);
 }
 
-/// Random values in [-1, 1) rounded to dt (never zeros).
+/// The run's seed: PAGEDKV_GPU_SEED when set (scripts/gpu-check.sh sets it; set it to replay a run), else drawn
+/// from std::random_device once per process. gpu_main.cpp prints it before any test runs.
+std::uint64_t run_seed();
+
+/// splitmix64 (Steele et al., OOPSLA'14) of (case seed, run seed): every case keeps its own stream, and every run
+/// draws fresh inputs.
+inline std::uint64_t mix_seed(std::uint64_t case_seed) {
+  std::uint64_t z = case_seed + 0x9e3779b97f4a7c15ull * (run_seed() + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/// Random values in [-1, 1) rounded to dt (never zeros). Seeded by mix_seed(case seed): fresh on every run.
 struct Rng {
   std::mt19937_64 gen;
-  explicit Rng(std::uint64_t seed) : gen(seed) {}
+  explicit Rng(std::uint64_t seed) : gen(mix_seed(seed)) {}
   float uniform() { return std::uniform_real_distribution<float>(-1.f, 1.f)(gen); }
   int range(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); }  // inclusive
 };
@@ -322,6 +336,24 @@ inline bool lse_ok(const std::vector<float>& got, const std::vector<double>& ref
     }
   }
   return true;
+}
+
+/// Runs f(i) for i in [0, n) on up to hardware_concurrency threads (the float64 oracles: host time per case).
+template <class F>
+void parallel_for(std::int64_t n, F&& f) {
+  const std::int64_t threads = std::clamp<std::int64_t>(std::thread::hardware_concurrency(), 1, 16);
+  if (n < 8 || threads == 1) {
+    for (std::int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const std::int64_t per = (n + threads - 1) / threads;
+  for (std::int64_t t = 0; t < threads && t * per < n; ++t) {
+    pool.emplace_back([&f, t, per, n] {
+      for (std::int64_t i = t * per; i < std::min(n, (t + 1) * per); ++i) f(i);
+    });
+  }
+  for (auto& th : pool) th.join();
 }
 
 inline std::vector<float> to_floats(const Tensor& t) {

@@ -1,6 +1,7 @@
 // tests/cuda/test_attention.cpp: decode and prefill kernels against a float64 oracle and the CPU reference
-// (pagedkv::reference), over dtypes x head dims x GQA group sizes x block sizes x page-table forms x split-KV x
-// layouts, with every unused pool slot NaN and outputs poisoned before each run. Decode runs both entry points:
+// (pagedkv::reference), over dtypes x head dims x GQA group sizes x block sizes (powers of two, 12/24/48, 128/256)
+// x page-table forms x split-KV x layouts, with every unused pool slot NaN and outputs poisoned before each run;
+// every case is launched twice and must repeat bit for bit; large-magnitude logits near fp32's exp range. Decode runs both entry points:
 // the chunk rule (decode(p)) and work lists from plan_decode (decode(p, work_list)), the latter compared with the
 // reference executing the very same list.
 #include "gpu_test_util.hpp"
@@ -47,6 +48,20 @@ void attend(const KVPoolView& v, const Batch& bt, int b, int kvh, const float* q
   *lse = m + std::log(den);
 }
 
+/// Multiplies every element of t by f (rounded to its dtype) and uploads it again.
+void scale_tensor(Tensor& t, float f) {
+  if (f == 1.f) return;
+  for (std::int64_t i = 0; i < t.n; ++i) store_elem(t.host.data(), i, t.dt, t.at(i) * f);
+  t.dev.upload(t.host.data(), t.host.size());
+}
+
+/// Bytes of a device buffer.
+std::vector<unsigned char> bytes_of(const DevBuf& b, std::size_t n) {
+  std::vector<unsigned char> h(n);
+  b.download(h.data(), n);
+  return h;
+}
+
 struct DecodeCase {
   DType dt;
   int head_dim, group, block_size;
@@ -64,6 +79,7 @@ struct DecodeCase {
   int plan_ctas_per_sm = 0;
   int plan_min_chunk = 256;
   int plan_heads_per_tile = 0;  // 0 = cuda::decode_heads_per_tile
+  float q_scale = 1.f;          // q drawn from [-q_scale, q_scale): large values put the logits near fp32's exp range
 };
 
 std::string describe(const DecodeCase& c) {
@@ -125,6 +141,7 @@ void run_decode(const DecodeCase& c) {
   Batch bt(r, pool, c.lens);
   Tensor q(c.dt, std::int64_t{batch} * hq * c.head_dim);
   q.randomize(r);
+  scale_tensor(q, c.q_scale);
   Tensor o(c.dt, q.n);
   o.dev.poison();
   DevBuf lse(static_cast<std::size_t>(batch) * hq * sizeof(float));
@@ -164,19 +181,32 @@ void run_decode(const DecodeCase& c) {
   o.fetch();
   std::vector<float> got_lse(static_cast<std::size_t>(batch) * hq);
   lse.download(got_lse.data(), got_lse.size() * sizeof(float));
+  {
+    // The same launch again on the same inputs, outputs poisoned: o and lse must repeat bit for bit (a result
+    // that moves between identical launches is a race).
+    o.dev.poison();
+    lse.poison();
+    PKT_CUDA(cudaDeviceSynchronize());
+    REQUIRE((c.plan ? pagedkv::cuda::decode(p, dplan.device_list()) : pagedkv::cuda::decode(p)) == Status::kSuccess);
+    PKT_CUDA(cudaDeviceSynchronize());
+    const bool same_o = bytes_of(o.dev, o.host.size()) == o.host;
+    std::vector<float> lse2(got_lse.size());
+    lse.download(lse2.data(), lse2.size() * sizeof(float));
+    const bool same_lse = std::memcmp(lse2.data(), got_lse.data(), lse2.size() * sizeof(float)) == 0;
+    INFO("second identical launch: o " << (same_o ? "same" : "DIFFERENT") << ", lse " << (same_lse ? "same" : "DIFFERENT"));
+    CHECK((same_o && same_lse));
+  }
   const std::vector<float> got = to_floats(o);
 
   // float64 oracle.
   const KVPoolView hv = pool.host_view();
   const std::vector<float> qf = to_floats(q);
   Ref ref{std::vector<double>(got.size()), std::vector<double>(got_lse.size())};
-  for (int b = 0; b < batch; ++b) {
-    for (int h = 0; h < hq; ++h) {
-      const std::int64_t row = std::int64_t{b} * hq + h;
-      attend(hv, bt, b, h / c.group, qf.data() + row * c.head_dim, c.lens[b], p.sm_scale,
-             ref.o.data() + row * c.head_dim, &ref.lse[row]);
-    }
-  }
+  parallel_for(std::int64_t{batch} * hq, [&](std::int64_t row) {
+    const int b = static_cast<int>(row / hq), h = static_cast<int>(row % hq);
+    attend(hv, bt, b, h / c.group, qf.data() + row * c.head_dim, c.lens[b], p.sm_scale,
+           ref.o.data() + row * c.head_dim, &ref.lse[row]);
+  });
   const double err = row_rel_error(got, ref.o, c.head_dim);
   INFO("max row-relative error vs float64 oracle: " << err);
   CHECK(err <= o_tolerance(c.dt));
@@ -288,17 +318,21 @@ TEST_CASE("decode executes length-aware plans over the grid (small devices force
   }
 }
 
-TEST_CASE("decode with the real device's plan: batch 1 x 32k, and a ragged batch of 256 with one 32k sequence",
-          "[decode][plan]") {
+// [long]: the two largest decode cases, registered as their own CTest test (cuda.decode_long) so `ctest -j` runs them
+// beside the grids. The ragged batch is 63 x 4k + 1 x 32k (the benchmark's ragged row; 0.29 M tokens): the earlier
+// 255 x 4k + 1 x 32k (1.08 M tokens) spent about 50 s of host time in its random fill, float64 oracle and CPU
+// reference; this one's oracle runs on every core (parallel_for).
+TEST_CASE("decode with the real device's plan: batch 1 x 32k, and a ragged batch of 64 with one 32k sequence",
+          "[decode][plan][long]") {
   SECTION("batch 1 x 32768, 8 kv heads, group 4") {
     DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kCsr, false, Layout::kNhd, {32768}};
     c.kv_heads = 8;
     c.plan = true;
     run_decode(c);
   }
-  SECTION("255 x 4096 + 1 x 32768, 2 kv heads, group 4") {
-    std::vector<int> lens(255, 4096);
-    lens.insert(lens.begin() + 100, 32768);
+  SECTION("63 x 4096 + 1 x 32768, 2 kv heads, group 4") {
+    std::vector<int> lens(63, 4096);
+    lens.insert(lens.begin() + 25, 32768);
     DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kPadded, false, Layout::kNhd, lens};
     c.kv_heads = 2;
     c.plan = true;
@@ -326,6 +360,7 @@ struct PrefillCase {
   std::vector<std::pair<int, int>> q_kv;  // (q_len, kv_len) per sequence, q_len <= kv_len
   int kv_heads = 2;
   std::uint64_t seed = 1;
+  float q_scale = 1.f;  // as DecodeCase::q_scale
 };
 
 void run_prefill(const PrefillCase& c) {
@@ -348,6 +383,7 @@ void run_prefill(const PrefillCase& c) {
   Batch bt(r, pool, lens);
   Tensor q(c.dt, std::int64_t{total_q} * hq * c.head_dim);
   q.randomize(r);
+  scale_tensor(q, c.q_scale);
   Tensor o(c.dt, q.n);
   o.dev.poison();
   DevBuf lse(static_cast<std::size_t>(total_q) * hq * sizeof(float));
@@ -369,22 +405,36 @@ void run_prefill(const PrefillCase& c) {
   o.fetch();
   std::vector<float> got_lse(static_cast<std::size_t>(total_q) * hq);
   lse.download(got_lse.data(), got_lse.size() * sizeof(float));
+  {
+    // Run twice on the same inputs: bit-for-bit equal outputs, or the kernel races.
+    o.dev.poison();
+    lse.poison();
+    PKT_CUDA(cudaDeviceSynchronize());
+    REQUIRE(pagedkv::cuda::prefill(p) == Status::kSuccess);
+    PKT_CUDA(cudaDeviceSynchronize());
+    const bool same_o = bytes_of(o.dev, o.host.size()) == o.host;
+    std::vector<float> lse2(got_lse.size());
+    lse.download(lse2.data(), lse2.size() * sizeof(float));
+    const bool same_lse = std::memcmp(lse2.data(), got_lse.data(), lse2.size() * sizeof(float)) == 0;
+    INFO("second identical launch: o " << (same_o ? "same" : "DIFFERENT") << ", lse " << (same_lse ? "same" : "DIFFERENT"));
+    CHECK((same_o && same_lse));
+  }
   const std::vector<float> got = to_floats(o);
 
   const KVPoolView hv = pool.host_view();
   const std::vector<float> qf = to_floats(q);
   Ref ref{std::vector<double>(got.size()), std::vector<double>(got_lse.size())};
-  for (int b = 0; b < batch; ++b) {
+  parallel_for(batch, [&](std::int64_t b) {
     const int ql = qo_indptr[b + 1] - qo_indptr[b];
     for (int i = 0; i < ql; ++i) {
       const int visible = lens[b] - ql + i + 1;  // causal: positions <= kv_len - q_len + i
       for (int h = 0; h < hq; ++h) {
         const std::int64_t row = std::int64_t{qo_indptr[b] + i} * hq + h;
-        attend(hv, bt, b, h / c.group, qf.data() + row * c.head_dim, visible, p.sm_scale,
+        attend(hv, bt, static_cast<int>(b), h / c.group, qf.data() + row * c.head_dim, visible, p.sm_scale,
                ref.o.data() + row * c.head_dim, &ref.lse[row]);
       }
     }
-  }
+  });
   const double err = row_rel_error(got, ref.o, c.head_dim);
   INFO("max row-relative error vs float64 oracle: " << err);
   CHECK(err <= o_tolerance(c.dt));
@@ -438,6 +488,75 @@ TEST_CASE("prefill with GQA group 8 and a long prompt", "[prefill]") {
   PrefillCase c{DType::kBFloat16, 128, 8, 16, PageTableFormat::kCsr, Layout::kNhd, {{300, 700}, {129, 129}}};
   c.kv_heads = 1;
   run_prefill(c);
+}
+
+TEST_CASE("prefill with GQA group 8 for every dtype and head dim", "[prefill]") {
+  std::uint64_t seed = 9500;
+  for (DType dt : kDTypes) {
+    for (int hd : kHeadDims) {
+      PrefillCase c{dt, hd, 8, 16, PageTableFormat::kPadded, Layout::kSeparateHnd, {{70, 150}, {33, 33}, {1, 90}}};
+      c.kv_heads = 2;
+      c.seed = seed++;
+      run_prefill(c);
+    }
+  }
+}
+
+// Block sizes that are not powers of two (12, 24, 48) and above 64 (128, 256): the kernels divide by the block size
+// (no shift or mask), so every one must work. Decode through the chunk rule and a work list, prefill over a cached
+// prefix, both page-table forms.
+TEST_CASE("decode and prefill with block sizes that are not powers of two, and above 64", "[decode][prefill][block_size]") {
+  std::uint64_t seed = 12000;
+  int li = 0;
+  for (int bs : {12, 24, 48, 128, 256}) {
+    for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+      Rng lr(seed);
+      const std::vector<int> lens{lr.range(1, bs - 1), bs, lr.range(3 * bs + 1, 5 * bs), 0, lr.range(200, 700)};
+      DecodeCase chunked{dt, 128, 4, bs, PageTableFormat::kCsr, true, kLayouts[li++ % 5], lens};
+      chunked.chunk = 40;  // not a multiple of any block size here: chunks end inside pages
+      chunked.seed = seed++;
+      run_decode(chunked);
+      DecodeCase planned{dt, 64, 8, bs, PageTableFormat::kPadded, false, kLayouts[li++ % 5], lens};
+      planned.plan = true;
+      planned.plan_sms = 3;
+      planned.plan_ctas_per_sm = 2;
+      planned.plan_min_chunk = 7;
+      planned.seed = seed++;
+      run_decode(planned);
+      PrefillCase pre{dt, 128, 4, bs, li % 2 ? PageTableFormat::kCsr : PageTableFormat::kPadded, kLayouts[li++ % 5],
+                      {{lr.range(1, 70), 300}, {bs + 1, bs + 1}, {1, lr.range(1, 2 * bs)}}};
+      pre.seed = seed++;
+      run_prefill(pre);
+    }
+  }
+}
+
+// Scores near the top of fp32's exp range: q drawn from [-64, 64) makes sm_scale * q.k reach about +-100 (std ~21 at
+// head_dim 128), so a kernel that exponentiates before subtracting the running max overflows to inf / NaN, and one
+// that rescales carelessly loses the winning token. The float64 oracle subtracts the max.
+TEST_CASE("decode and prefill with large-magnitude logits", "[decode][prefill][logits]") {
+  std::uint64_t seed = 13000;
+  for (DType dt : kDTypes) {
+    for (int hd : {64, 128}) {
+      DecodeCase split{dt, hd, 4, 16, PageTableFormat::kCsr, true, Layout::kNhd, {900, 17, 1, 300}};
+      split.chunk = 64;
+      split.q_scale = 64.f;
+      split.seed = seed++;
+      run_decode(split);
+      DecodeCase planned{dt, hd, 4, 16, PageTableFormat::kCsr, false, Layout::kHnd, {900, 17, 1, 300}};
+      planned.plan = true;
+      planned.plan_sms = 2;
+      planned.plan_ctas_per_sm = 2;
+      planned.plan_min_chunk = 16;
+      planned.q_scale = 64.f;
+      planned.seed = seed++;
+      run_decode(planned);
+      PrefillCase pre{dt, hd, 2, 16, PageTableFormat::kCsr, Layout::kNhd, {{100, 400}, {40, 40}}};
+      pre.q_scale = 64.f;
+      pre.seed = seed++;
+      run_prefill(pre);
+    }
+  }
 }
 
 TEST_CASE("decode and prefill on a reduced grid, for compute-sanitizer", "[sanitize]") {

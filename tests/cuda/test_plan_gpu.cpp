@@ -133,6 +133,10 @@ TEST_CASE("a captured decode graph replays changing plans, lengths and page tabl
       PKT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
       PKT_CUDA(cudaGraphDestroy(graph));
     }
+    // The uploads (cudaMemcpy from pageable memory may return before the DMA lands) and the poison (cudaMemset,
+    // asynchronous) ran on the legacy default stream, which a non-blocking stream is not ordered after: wait for
+    // them, or the replay could read stale plans / K/V and the poison could land after the kernel's writes.
+    PKT_CUDA(cudaDeviceSynchronize());
     PKT_CUDA(cudaGraphLaunch(exec, stream));
     PKT_CUDA(cudaStreamSynchronize(stream));
     o.fetch();

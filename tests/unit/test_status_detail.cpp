@@ -124,7 +124,7 @@ TEST_CASE("StatusDetail: reference::decode names the failed check, the field and
        Status::kInvalidValue, "sm_scale", "inf"},
       {"block_size 2^31 - 1", [](P& p, Fixture&) { p.kv.block_size = std::numeric_limits<std::int32_t>::max(); },
        Status::kInvalidValue, "kv.block_size", "2147483647"},
-      {"block_size kMaxBlockSize + 1", [](P& p, Fixture&) { p.kv.block_size = pagedkv::kMaxBlockSize + 1; },
+      {"block_size kMaxBlockSize + 1", [](P& p, Fixture&) { p.kv.block_size = static_cast<std::int32_t>(pagedkv::kMaxBlockSize) + 1; },
        Status::kInvalidValue, "kv.block_size", "65537"},
       {"block_size 0", [](P& p, Fixture&) { p.kv.block_size = 0; }, Status::kInvalidValue, "kv.block_size", "= 0"},
       {"dtype not an enumerator", [](P& p, Fixture&) { p.kv.dtype = static_cast<DType>(9); }, Status::kUnsupported,

@@ -105,9 +105,9 @@ using pagedkv::detail::fail;
   if (kv.v == nullptr) return fail(Status::kInvalidValue, "kv.v", " = null: the V pool pointer is required");
   if (kv.k == kv.v) return fail(Status::kInvalidValue, "kv.v", " = %p: equals kv.k (K and V must differ)", kv.v);
   if (kv.num_blocks <= 0) return fail(Status::kInvalidValue, "kv.num_blocks", " = %d: must be > 0", kv.num_blocks);
-  if (kv.block_size <= 0 || kv.block_size > kMaxBlockSize) {
+  if (kv.block_size <= 0 || kv.block_size > static_cast<std::int32_t>(kMaxBlockSize)) {
     return fail(Status::kInvalidValue, "kv.block_size", " = %d: must be in [1, %d] (kMaxBlockSize)", kv.block_size,
-                kMaxBlockSize);
+                static_cast<int>(kMaxBlockSize));
   }
   if (kv.num_kv_heads <= 0) {
     return fail(Status::kInvalidValue, "kv.num_kv_heads", " = %d: must be > 0", kv.num_kv_heads);
