@@ -60,7 +60,7 @@ class OptionError : public std::invalid_argument {
 };
 
 /// A replay that would need more host memory than the machine has (check_host_memory). pagedkv-replay exits with
-/// status 4 on it, before allocating the pools or reading past the trace.
+/// status 4 on it, found before the pools are allocated (the trace's requests: right after the trace is read).
 class MemoryError : public std::length_error {
  public:
   using std::length_error::length_error;
@@ -76,8 +76,8 @@ inline constexpr std::size_t kMaxTraceLineBytes = std::size_t{4} << 20;
 /// header with TIMESTAMP, ContextTokens and GeneratedTokens: Azure). Keeps at most `limit` requests (0 = all).
 /// Arrival times are relative to the first request and must never decrease; every prompt has at least one token;
 /// a Mooncake line has exactly the hash_ids that cover its prompt, ceil(input_length / 512). Too few cannot be
-/// replayed; too many are refused too, not ignored: the published Mooncake traces always carry exactly that many
-/// (the bundled ones do, every line), so an extra id means the line's input_length and hash_ids disagree (a
+/// replayed; too many are refused too, not ignored: the format gives one id per 512-token block of the prompt (the
+/// bundled traces carry exactly that many on every line), so an extra id means the line's input_length and hash_ids disagree (a
 /// truncated prompt, or ids hashed over blocks of another size than 512 tokens, which would make the replay's
 /// synthesized prompts share the wrong prefixes), and replaying it would report hit ratios of a different trace.
 /// Throws TraceError ("<file>:<line>: <what is wrong>", or "<file>: <what>" before the first line) on a directory
