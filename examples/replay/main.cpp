@@ -108,6 +108,7 @@ struct RunShape {
   bool publishing = false;
 };
 
+/// The mode as --mode spells it.
 const char* mode_name_of(Mode mode) {
   return mode == Mode::kServe ? "serve" : mode == Mode::kFork ? "fork" : "prefix";
 }
@@ -123,15 +124,18 @@ struct FlagRule {
   std::string (*rules_out)(const RunShape&);
 };
 
+/// Why `r` is not of mode `wanted` ("this is --mode fork"), or "" if it is.
 std::string unless_mode(const RunShape& r, Mode wanted) {
   return r.mode == wanted ? std::string() : std::string("this is --mode ") + mode_name_of(r.mode);
 }
 
+/// Why `r` is not a serve run without --model-layers, or "".
 std::string serve_without_hybrid(const RunShape& r) {
   if (r.mode != Mode::kServe) return unless_mode(r, Mode::kServe);
   return r.hybrid ? "the hybrid replay (--model-layers) does not use it" : "";
 }
 
+/// Why `r` has no host tier, or "".
 std::string needs_host_tier(const RunShape& r) {
   return r.host_tier ? "" : "there is no host tier (--host-capacity-tokens is 0 or not given)";
 }
