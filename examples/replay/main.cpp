@@ -74,11 +74,130 @@ Every mode reports manager_seconds (steady_clock time inside library calls only)
 ns_per_block_op; serve also ns_per_seq_step (library time per running sequence per step), admit_seconds
 (try_admit alone) and decode_ns_per_seq_step (try_append + build_batch_metadata per sequence per step).
 
+Exit status:
+  0  the replay ran (or --help)
+  2  bad command line: an unknown flag, a bad value, conflicting flags, or a flag that does not apply to this run
+     (see "Flags that apply to some runs only" above: refused, never silently ignored)
+  3  bad trace file: cannot be opened or read, a directory, a line over 4 MiB, or malformed content (file:line)
+  4  the replay would need more host memory than this machine has (checked before anything large is allocated)
+  1  the replay failed while running (a library error or a failed self-check: a bug; please report it)
+
 Examples:
   pagedkv-replay --mode prefix --capacity-tokens 1e6,3e6,1e7,5e7
   pagedkv-replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --json
   pagedkv-replay --mode fork --n 4 --limit 500
 )";
+
+/// Exit status of pagedkv-replay (listed in --help). CLI11's own codes (105 ValidationError, 109 ExtrasError, ...)
+/// are all mapped to kExitUsage.
+enum ExitStatus : int {
+  kExitOk = 0,
+  kExitFailed = 1,     ///< The replay failed while running: a library error or a failed self-check (a bug).
+  kExitUsage = 2,      ///< Bad command line: unknown flag, bad value, conflict, or a flag that does not apply.
+  kExitBadTrace = 3,   ///< The trace file cannot be read or is malformed (replay::TraceError).
+  kExitTooLarge = 4,   ///< More host memory than the machine has (replay::MemoryError).
+};
+
+/// What decides whether a flag applies: the mode, whether --model-layers selects the hybrid replay, the host tier,
+/// speculation and event publishing.
+struct RunShape {
+  Mode mode = Mode::kPrefix;
+  bool hybrid = false;
+  bool host_tier = false;
+  bool speculation = false;
+  bool publishing = false;
+};
+
+/// The mode as --mode spells it.
+const char* mode_name_of(Mode mode) {
+  return mode == Mode::kServe ? "serve" : mode == Mode::kFork ? "fork" : "prefix";
+}
+
+/// A flag that only some runs use, where it applies, and what about this run rules it out ("" = it applies). Every
+/// flag given on the command line that does not apply is refused, naming the flag and the reason, rather than
+/// silently ignored. Flags not listed apply to every run (trace, --mode, --capacity-tokens, --block-size, --hash,
+/// --limit, --json, --no-progress); the cross-flag rules checked before this table (--preempt swap, --host-eviction
+/// with --hash, retention priorities, fork, --model-layers) are listed under it in --help.
+struct FlagRule {
+  const char* flag;
+  const char* applies_to;
+  std::string (*rules_out)(const RunShape&);
+};
+
+/// Why `r` is not of mode `wanted` ("this is --mode fork"), or "" if it is.
+std::string unless_mode(const RunShape& r, Mode wanted) {
+  return r.mode == wanted ? std::string() : std::string("this is --mode ") + mode_name_of(r.mode);
+}
+
+/// Why `r` is not a serve run without --model-layers, or "".
+std::string serve_without_hybrid(const RunShape& r) {
+  if (r.mode != Mode::kServe) return unless_mode(r, Mode::kServe);
+  return r.hybrid ? "the hybrid replay (--model-layers) does not use it" : "";
+}
+
+/// Why `r` has no host tier, or "".
+std::string needs_host_tier(const RunShape& r) {
+  return r.host_tier ? "" : "there is no host tier (--host-capacity-tokens is 0 or not given)";
+}
+
+constexpr FlagRule kFlagRules[] = {
+    {"--step-ms", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
+    {"--max-num-seqs", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
+    {"--max-num-batched-tokens", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
+    {"--max-model-len", "--mode serve without --model-layers", serve_without_hybrid},
+    {"--spec-tokens", "--mode serve without --model-layers", serve_without_hybrid},
+    {"--spec-accept", "--mode serve with --spec-tokens > 0",
+     [](const RunShape& r) {
+       const std::string s = serve_without_hybrid(r);
+       return !s.empty() || r.speculation ? s : std::string("--spec-tokens is 0 (no speculation)");
+     }},
+    {"--preempt", "--mode serve without --model-layers", serve_without_hybrid},
+    {"--decode-priority", "--mode serve (blocks of generated tokens)",
+     [](const RunShape& r) {
+       return r.mode == Mode::kServe ? std::string()
+                                     : unless_mode(r, Mode::kServe) + ", whose sequences generate no tokens";
+     }},
+    {"--n", "--mode fork", [](const RunShape& r) { return unless_mode(r, Mode::kFork); }},
+    {"--offload", "runs with a host tier (--host-capacity-tokens > 0)", needs_host_tier},
+    {"--host-eviction", "runs with a host tier (--host-capacity-tokens > 0)", needs_host_tier},
+    {"--kv-bytes-per-token", "runs with a host tier (the bytes copied between tiers)",
+     needs_host_tier},
+    {"--publish-wait-ms", "runs with --publish-events",
+     [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--check", "runs without --model-layers",
+     [](const RunShape& r) {
+       return r.hybrid ? std::string("the hybrid replay (--model-layers) has no block-count cross-check") : "";
+     }},
+    {"--progress", "runs without --model-layers",
+     [](const RunShape& r) {
+       return r.hybrid ? std::string("the hybrid replay (--model-layers) draws no progress line") : "";
+     }},
+};
+
+/// "Flags that apply to some runs only" for --help, from kFlagRules and the cross-flag rules main() checks first.
+std::string flag_rules_help() {
+  std::string text = "Flags that apply to some runs only (given anywhere else they are refused, exit status 2):\n";
+  for (const FlagRule& rule : kFlagRules) {
+    char line[160];
+    std::snprintf(line, sizeof line, "  %-24s %s\n", rule.flag, rule.applies_to);
+    text += line;
+  }
+  text +=
+      "  --capacity-tokens        one value in serve and fork modes (a list in prefix mode)\n"
+      "  --host-capacity-tokens   > 0: prefix or serve mode without --model-layers\n"
+      "  --preempt swap           with a host tier\n"
+      "  --eviction               other than lru: prefix or serve mode without --model-layers\n"
+      "  --head-priority          with --eviction priority (as --decode-priority)\n"
+      "  --host-eviction          other than --eviction's: with --hash sha256\n"
+      "  --publish-events         runs without --model-layers\n"
+      "  --model-layers           --mode serve or prefix, LRU, no host tier, no --spec-tokens\n\n";
+  return text;
+}
+
+/// Print a command-line error as CLI11 does and return the exit status: 0 for --help, kExitUsage otherwise.
+int usage_exit(const CLI::App& app, const CLI::Error& e) {
+  return app.exit(e) == 0 ? kExitOk : kExitUsage;
+}
 
 // ---- argument validation: every number is checked as typed, and every size against the machine, before anything
 // large is allocated.
@@ -241,7 +360,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "pagedkv-replay: replay an LLM-serving trace through pagedkv's KVCacheManager and report prefix-cache hit\n"
       "ratios, KV memory utilization, sharing savings and the library's own cost."};
-  app.footer(kFooter);
+  app.footer(flag_rules_help() + kFooter);
 
   std::string trace_arg;
   std::string mode_name = "prefix";
@@ -366,7 +485,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 600000))
       ->capture_default_str();
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return usage_exit(app, e);
+  }
 
   const Mode mode = mode_name == "serve" ? Mode::kServe : mode_name == "fork" ? Mode::kFork : Mode::kPrefix;
   opt.hash = hash_name == "xxh3" ? replay::HashKind::kXxh3 : replay::HashKind::kSha256;
@@ -450,6 +573,28 @@ int main(int argc, char** argv) {
         throw CLI::ValidationError("--model-layers", e.what());
       }
     }
+    // Every capacity must hold a block and fit 32-bit block ids (the hybrid pool: one block per group per
+    // block_size tokens, below 2^31 blocks), checked here rather than when the replay builds its pool.
+    for (const double c : opt.capacity_tokens) {
+      const std::size_t blocks = replay::usable_blocks_for(c, opt.block_size);
+      if (num_groups > 1 && static_cast<double>(blocks) * static_cast<double>(num_groups) >= 2147483647.0) {
+        throw CLI::ValidationError("--capacity-tokens", format_number(c) + " gives " + std::to_string(blocks) +
+                                                            " blocks per group x " + std::to_string(num_groups) +
+                                                            " groups, more than 2^31 - 1 blocks");
+      }
+    }
+    // A flag this run does not use is refused, never ignored (kFlagRules).
+    const RunShape shape{mode, !model_layers.empty(), opt.host_capacity_tokens > 0, opt.spec_tokens > 0,
+                         !opt.publish_events.empty()};
+    for (const FlagRule& rule : kFlagRules) {
+      if (app.count(rule.flag) == 0) continue;
+      if (std::string_view(rule.flag) == "--progress" && !opt.progress) continue;  // --no-progress always applies
+      const std::string why = rule.rules_out(shape);
+      if (!why.empty()) {
+        throw CLI::ValidationError(rule.flag, std::string("applies only to ") + rule.applies_to + ", but " + why +
+                                                  " (refused rather than ignored)");
+      }
+    }
     const std::uint64_t available = replay::host_memory_available_bytes();
     // A hybrid run's pool has one block per group per block_size tokens of capacity, and one prefix index per group
     // (two managers, one at a time): counted as num_groups^2 single-group pools, an upper bound.
@@ -475,7 +620,7 @@ int main(int argc, char** argv) {
         h.capacity_tokens = c;
         replay::run_hybrid_serve(trace, h, std::cout);
       }
-      return 0;
+      return kExitOk;
     }
 
     std::vector<replay::Row> rows;
@@ -491,15 +636,21 @@ int main(int argc, char** argv) {
                 << trace.requests.size() << " requests)\n";
       replay::print_table(std::cout, rows);
     }
-    return 0;
+    return kExitOk;
   } catch (const CLI::Error& e) {
-    return app.exit(e);
+    return usage_exit(app, e);
+  } catch (const replay::OptionError& e) {  // a value found unusable after parsing (it names the flag)
+    return usage_exit(app, CLI::ValidationError(e.what()));
   } catch (const replay::TraceError& e) {
-    std::fprintf(stderr, "pagedkv-replay: error: %s\n", e.what());
+    std::fprintf(stderr, "pagedkv-replay: bad trace: %s\n", e.what());
+    return kExitBadTrace;
+  } catch (const replay::MemoryError& e) {
+    std::fprintf(stderr, "pagedkv-replay: too large for this machine: %s\n", e.what());
+    return kExitTooLarge;
   } catch (const pagedkv::Error& e) {
     std::fprintf(stderr, "pagedkv-replay: library error: %s\n", e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pagedkv-replay: error: %s\n", e.what());
   }
-  return 1;
+  return kExitFailed;
 }

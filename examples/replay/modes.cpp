@@ -54,11 +54,11 @@ const char* to_string(pagedkv::PreemptMode preempt) noexcept {
 std::size_t usable_blocks_for(double capacity_tokens, std::uint32_t block_size, const char* flag) {
   const double blocks = std::floor(capacity_tokens / block_size);
   if (!(blocks >= 1.0)) {
-    throw std::invalid_argument(std::string(flag) + " " + format_tokens(capacity_tokens) + " holds no block of " +
+    throw OptionError(std::string(flag) + " " + format_tokens(capacity_tokens) + " holds no block of " +
                                 std::to_string(block_size) + " tokens");
   }
   if (blocks >= static_cast<double>(std::numeric_limits<std::uint32_t>::max())) {
-    throw std::invalid_argument(std::string(flag) + " " + format_tokens(capacity_tokens) +
+    throw OptionError(std::string(flag) + " " + format_tokens(capacity_tokens) +
                                 " needs more than 2^32 - 1 blocks");
   }
   return static_cast<std::size_t>(blocks);

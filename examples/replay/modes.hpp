@@ -135,7 +135,7 @@ decltype(auto) with_manager(const Options& opt, F&& f) {
   });
 }
 
-/// Usable blocks of a pool of `capacity_tokens` tokens: floor(capacity / block_size). Throws std::invalid_argument
+/// Usable blocks of a pool of `capacity_tokens` tokens: floor(capacity / block_size). Throws OptionError
 /// (naming `flag`) if that is 0 or does not fit 32-bit block ids.
 [[nodiscard]] std::size_t usable_blocks_for(double capacity_tokens, std::uint32_t block_size,
                                             const char* flag = "--capacity-tokens");

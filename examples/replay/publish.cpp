@@ -12,6 +12,8 @@
 #include <pagedkv/events_zmq/publisher.hpp>
 #endif
 
+#include "trace.hpp"  // OptionError
+
 namespace replay {
 
 #if PAGEDKV_REPLAY_WITH_EVENTS_ZMQ
@@ -31,7 +33,7 @@ EventPublishing::EventPublishing(const std::string& endpoint, int wait_ms) {
   try {
     impl_ = std::make_unique<Impl>(std::move(o));
   } catch (const pagedkv::Error& e) {
-    throw std::invalid_argument("--publish-events: " + e.message());
+    throw OptionError("--publish-events: " + e.message());
   }
   std::fprintf(stderr, "pagedkv-replay: publishing KV events on %s (topic kv-events, replay %s)\n",
                impl_->pub.endpoint().c_str(), impl_->pub.replay_endpoint().c_str());
@@ -66,7 +68,7 @@ struct EventPublishing::Impl {};
 
 EventPublishing::EventPublishing(const std::string& endpoint, int /*wait_ms*/) {
   if (!endpoint.empty()) {
-    throw std::invalid_argument("--publish-events " + endpoint + ": this pagedkv-replay was built without the "
+    throw OptionError("--publish-events " + endpoint + ": this pagedkv-replay was built without the "
                                 "events_zmq component (install libzmq3-dev cppzmq-dev libmsgpack-cxx-dev and "
                                 "rebuild)");
   }

@@ -21,7 +21,7 @@ namespace replay {
 class EventPublishing {
  public:
   /// Binds `endpoint` (e.g. tcp://127.0.0.1:5557) unless it is empty, then waits `wait_ms` so subscribers can
-  /// connect before the first batch. Throws std::invalid_argument naming the endpoint when it cannot be bound, or
+  /// connect before the first batch. Throws OptionError (trace.hpp) naming the endpoint when it cannot be bound, or
   /// when this pagedkv-replay was built without the events_zmq component.
   EventPublishing(const std::string& endpoint, int wait_ms);
   ~EventPublishing();

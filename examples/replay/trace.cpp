@@ -6,7 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
+#include <cstring>
 #include <cstdio>
 #include <fstream>
 #include <istream>
@@ -154,6 +156,13 @@ Request parse_mooncake_line(std::string_view text, const std::filesystem::path& 
     fail(path, line, "hash_ids has " + std::to_string(r.hash_ids.size()) + " entries, input_length " +
                          std::to_string(r.input_tokens) + " needs ceil(input_length / 512) = " + std::to_string(needed));
   }
+  if (r.hash_ids.size() > needed) {  // refused, not ignored: see load_trace's documentation
+    fail(path, line, "hash_ids has " + std::to_string(r.hash_ids.size()) + " entries, " +
+                         std::to_string(r.hash_ids.size() - needed) + " more than input_length " +
+                         std::to_string(r.input_tokens) + " covers (ceil(input_length / 512) = " +
+                         std::to_string(needed) + "): were its ids hashed over blocks of another size than 512 "
+                         "tokens?");
+  }
   return r;
 }
 
@@ -201,6 +210,32 @@ Request parse_azure_line(std::string_view text, const AzureColumns& cols, const 
   return r;
 }
 
+enum class LineRead { kLine, kEnd, kTooLong };
+
+// The next line of `in` into `out`, without its '\n': kLine, kEnd at the end of the input (nothing read), or
+// kTooLong once kMaxTraceLineBytes bytes were read without a '\n' (the rest of the line is left unread, so an
+// endless input such as /dev/zero is refused after reading the cap, in bounded memory). A read error (a directory
+// opened as a file, EIO) throws TraceError naming the file and `line_number`.
+LineRead read_line(std::istream& in, std::string& out, const std::filesystem::path& path, std::size_t line_number) {
+  out.clear();
+  std::streambuf* buf = in.rdbuf();
+  if (buf == nullptr) throw TraceError(path.string() + ": no stream to read");
+  try {
+    for (;;) {
+      const int c = buf->sbumpc();  // libstdc++'s filebuf throws std::ios_base::failure on a read error
+      if (c == std::char_traits<char>::eof()) {
+        in.setstate(std::ios::eofbit);
+        return out.empty() ? LineRead::kEnd : LineRead::kLine;  // a last line without '\n' is a line
+      }
+      if (c == '\n') return LineRead::kLine;
+      if (out.size() == kMaxTraceLineBytes) return LineRead::kTooLong;
+      out.push_back(static_cast<char>(c));
+    }
+  } catch (const std::exception& e) {
+    fail(path, line_number, std::string("read error: ") + e.what());
+  }
+}
+
 }  // namespace
 
 const char* to_string(TraceFormat format) noexcept {
@@ -224,8 +259,16 @@ std::uint64_t Trace::total_input_tokens() const noexcept {
 }
 
 Trace load_trace(const std::filesystem::path& path, std::size_t limit) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw TraceError(path.string() + ": is a directory, not a trace file");
+  }
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw TraceError(path.string() + ": cannot open the trace file");
+  if (!in) {
+    throw TraceError(path.string() + ": cannot open the trace file" +
+                     (errno != 0 ? std::string(": ") + std::strerror(errno) : std::string()));
+  }
   return parse_trace(in, path, limit);
 }
 
@@ -238,8 +281,15 @@ Trace parse_trace(std::istream& in, const std::filesystem::path& path, std::size
   double previous_ms = 0.0;
   std::string raw;
   std::size_t line = 0;
-  while ((limit == 0 || trace.requests.size() < limit) && std::getline(in, raw)) {
+  while (limit == 0 || trace.requests.size() < limit) {
+    const LineRead got = read_line(in, raw, path, line + 1);
+    if (got == LineRead::kEnd) break;
     ++line;
+    if (got == LineRead::kTooLong) {
+      fail(path, line, "line longer than " + std::to_string(kMaxTraceLineBytes) + " bytes (" +
+                           std::to_string(kMaxTraceLineBytes >> 20) + " MiB, the cap on a trace line): not a " +
+                           "trace file?");
+    }
     const std::string_view text = trim(raw);
     if (text.empty()) continue;
     if (!detected) {
@@ -266,7 +316,6 @@ Trace parse_trace(std::istream& in, const std::filesystem::path& path, std::size
     if (trace.requests.size() == kMaxRequests) fail(path, line, "more than 2^30 requests");
     trace.requests.push_back(std::move(r));
   }
-  if (in.bad()) throw TraceError(path.string() + ": read error");
   if (trace.requests.empty()) throw TraceError(path.string() + ": the trace holds no requests");
   return trace;
 }
@@ -325,7 +374,7 @@ std::uint64_t host_memory_available_bytes() {
 void check_host_memory(std::uint64_t needed_bytes, std::uint64_t available_bytes, const std::string& what,
                        const std::string& hint) {
   if (needed_bytes <= available_bytes) return;
-  throw std::length_error(what + " needs about " + gib(needed_bytes) + " of host memory, but only " +
+  throw MemoryError(what + " needs about " + gib(needed_bytes) + " of host memory, but only " +
                           gib(available_bytes) + " are available (" + hint + ")");
 }
 

@@ -46,16 +46,42 @@ struct Trace {
 };
 
 /// A malformed or unreadable trace file. `what()` names the file and, where it applies, the 1-based line.
+/// pagedkv-replay exits with status 3 on it.
 class TraceError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };
 
+/// A command-line value the replay cannot use, found after parsing (a capacity holding no block, an endpoint that
+/// cannot be bound). `what()` starts with the flag. pagedkv-replay exits with status 2 on it, as on any bad option.
+class OptionError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// A replay that would need more host memory than the machine has (check_host_memory). pagedkv-replay exits with
+/// status 4 on it, found before the pools are allocated (the trace's requests: right after the trace is read).
+class MemoryError : public std::length_error {
+ public:
+  using std::length_error::length_error;
+};
+
+/// The longest line a trace may have, in bytes (4 MiB). Reading stops there, so an input without line breaks
+/// (/dev/zero, a binary file) is refused after reading 4 MiB, in bounded memory, instead of growing one line
+/// until memory runs out. The bundled traces' longest line is 2.7 KB; 4 MiB holds a Mooncake line of over 200,000
+/// hash_ids (a prompt of 100M+ tokens), and the 1 MiB fields of tests/fuzz/replay_input_tests.cpp.
+inline constexpr std::size_t kMaxTraceLineBytes = std::size_t{4} << 20;
+
 /// Read the trace at `path`, detecting its format from the first non-empty line (a JSON object: Mooncake; a CSV
 /// header with TIMESTAMP, ContextTokens and GeneratedTokens: Azure). Keeps at most `limit` requests (0 = all).
 /// Arrival times are relative to the first request and must never decrease; every prompt has at least one token;
-/// a Mooncake line has enough hash_ids to cover its prompt (ceil(input_length / 512)).
-/// Throws TraceError ("<file>:<line>: <what is wrong>") on an unreadable or malformed file.
+/// a Mooncake line has exactly the hash_ids that cover its prompt, ceil(input_length / 512). Too few cannot be
+/// replayed; too many are refused too, not ignored: the format gives one id per 512-token block of the prompt (the
+/// bundled traces carry exactly that many on every line), so an extra id means the line's input_length and hash_ids disagree (a
+/// truncated prompt, or ids hashed over blocks of another size than 512 tokens, which would make the replay's
+/// synthesized prompts share the wrong prefixes), and replaying it would report hit ratios of a different trace.
+/// Throws TraceError ("<file>:<line>: <what is wrong>", or "<file>: <what>" before the first line) on a directory
+/// ("is a directory"), an unopenable or unreadable file, a line longer than kMaxTraceLineBytes, or malformed content.
 [[nodiscard]] Trace load_trace(const std::filesystem::path& path, std::size_t limit = 0);
 
 /// `load_trace` over an open stream: `name` is the file name used in messages and stored in Trace::path.
@@ -80,7 +106,8 @@ inline constexpr std::uint64_t kHostBytesPerRequestToken = 32;
 /// RLIMIT_DATA) and the cgroup v2 memory limit less its current usage. Never 0 (falls back to physical memory).
 [[nodiscard]] std::uint64_t host_memory_available_bytes();
 
-/// Throws std::length_error naming `what`, both sizes and the remedy when `needed_bytes` > `available_bytes`:
+/// Throws MemoryError (a std::length_error) naming `what`, both sizes and the remedy when `needed_bytes` >
+/// `available_bytes`:
 /// "<what> needs about N GiB of host memory, but only M GiB are available (<hint>)".
 void check_host_memory(std::uint64_t needed_bytes, std::uint64_t available_bytes, const std::string& what,
                        const std::string& hint);
