@@ -14,6 +14,12 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# PyPI: cbor2 + xxhash for the golden-vector generator of tests/unit/test_block_identity.cpp (an encoder independent
+# of pagedkv's; CTest skips its re-run without them). Non-fatal: Debian's python3-cbor2 / python3-xxhash also work.
+if command -v python3 >/dev/null 2>&1 && ! python3 -c "import cbor2, xxhash" 2>/dev/null; then
+  python3 -m pip install --quiet cbor2 xxhash ||
+    echo "install-deps: pip could not install cbor2 xxhash (try: apt-get install python3-cbor2 python3-xxhash)" >&2
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all packages present"
   exit 0

@@ -41,7 +41,9 @@ int run_engine(const EngineArgs& a) {
   pagedkv::events::PublisherOptions po;
   po.endpoint = "tcp://127.0.0.1:*";
   po.replay_endpoint = "tcp://127.0.0.1:*";
-  po.topic = "kv-events";
+  // llm-d's topic form, kv@<pod-id>@<model> (events_zmq/topic.hpp): the router subscribes by the prefix "kv@".
+  po.pod_id = engine_id(a.instance);
+  po.model_name = kModelName;
   po.linger_ms = 1000;
   po.encoding.layout = a.layout;
   po.encoding.hash_format = a.hashes;

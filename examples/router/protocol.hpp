@@ -16,6 +16,12 @@
 
 namespace router {
 
+/// The model name every engine reports in its event topic, kv@<pod-id>@<model> (llm-d's form).
+inline constexpr const char* kModelName = "pagedkv/router-example";
+
+/// An engine's id: its control socket's routing id and the pod id in its event topic.
+inline std::string engine_id(std::size_t i) { return "engine-" + std::to_string(i); }
+
 /// First frame of a control message.
 enum class Msg : char {
   kHello = 'H',    ///< engine -> router: [H, Hello, pub endpoint, replay endpoint], once after binding.

@@ -113,8 +113,6 @@ class Children {
   std::vector<pid_t> live_;
 };
 
-std::string engine_id(std::size_t i) { return "engine-" + std::to_string(i); }
-
 /// Prefill tokens routed to an instance within a sliding window of simulated time.
 class RecentLoad {
  public:
@@ -206,7 +204,7 @@ FleetResult run_fleet(const replay::Trace& trace, const FleetConfig& cfg) {
   std::vector<std::unique_ptr<ev::ZmqSubscriber>> subs;
   std::vector<std::unique_ptr<ev::EventStreamFollower>> followers;
   for (std::size_t i = 0; i < n; ++i) {
-    subs.push_back(std::make_unique<ev::ZmqSubscriber>(ev::SubscriberOptions{pub_ep[i], replay_ep[i], "kv-events", 1000000}));
+    subs.push_back(std::make_unique<ev::ZmqSubscriber>(ev::SubscriberOptions{pub_ep[i], replay_ep[i], std::string(ev::kLlmdTopicPrefix), 1000000}));
     ev::FollowerOptions fo;
     fo.start_synced_at_zero = true;  // we started the engine: its stream starts empty at 0
     fo.reply_timeout = timeout;

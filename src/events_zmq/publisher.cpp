@@ -1,6 +1,8 @@
 // src/events_zmq/publisher.cpp: ZmqPublisher (PUB + ROUTER replay, bounded replay buffer, no thread of its own).
 #include <pagedkv/events_zmq/publisher.hpp>
 
+#include <unistd.h>
+
 #include <deque>
 #include <string_view>
 #include <utility>
@@ -14,6 +16,22 @@ namespace pagedkv::events {
 
 using zmq_detail::be64;
 using zmq_detail::from_be64;
+
+namespace {
+
+// The pod id of the default topic: the host name (as a Kubernetes pod sees its own name), else the endpoint with
+// '@' (impossible in a host name, possible in no ZeroMQ endpoint either) replaced.
+std::string default_pod_id(const std::string& endpoint) {
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) == 0 && host[0] != '\0') return std::string(host);
+  std::string id = endpoint;
+  for (char& c : id) {
+    if (c == '@') c = '_';
+  }
+  return id;
+}
+
+}  // namespace
 
 struct ZmqPublisher::Impl {
   PublisherOptions opt;
@@ -49,16 +67,27 @@ struct ZmqPublisher::Impl {
       pagedkv::detail::raise(Errc::kInvalidArgument, "ZmqPublisher: linger_ms " + std::to_string(opt.linger_ms) +
                                                           " is negative (it must bound the shutdown)");
     }
+    if (opt.topic.empty() && !opt.model_name.empty()) {
+      // llm-d's form; checked before any socket exists, so a bad name leaves nothing behind.
+      opt.topic = llmd_topic(opt.pod_id.empty() ? default_pod_id(opt.endpoint) : opt.pod_id, opt.model_name);
+    }
     pub = zmq::socket_t(ctx, zmq::socket_type::pub);
     pub.set(zmq::sockopt::sndhwm, opt.send_hwm);
     pub.set(zmq::sockopt::linger, opt.linger_ms);
+    const bool connect = opt.mode == SocketMode::kConnect;
     try {
-      pub.bind(opt.endpoint);
+      if (connect) {
+        pub.connect(opt.endpoint);
+      } else {
+        pub.bind(opt.endpoint);
+      }
     } catch (const zmq::error_t& e) {
       close_all();
-      zmq_detail::raise_zmq("ZmqPublisher: cannot bind the PUB endpoint", opt.endpoint, e);
+      zmq_detail::raise_zmq(connect ? "ZmqPublisher: cannot connect the PUB socket to"
+                                    : "ZmqPublisher: cannot bind the PUB endpoint",
+                            opt.endpoint, e);
     }
-    endpoint = pub.get(zmq::sockopt::last_endpoint);
+    endpoint = connect ? opt.endpoint : pub.get(zmq::sockopt::last_endpoint);
     if (!opt.replay_endpoint.empty()) {
       replay = zmq::socket_t(ctx, zmq::socket_type::router);
       replay.set(zmq::sockopt::linger, opt.linger_ms);
@@ -161,6 +190,7 @@ ZmqPublisher& ZmqPublisher::operator=(ZmqPublisher&&) noexcept = default;
 
 const std::string& ZmqPublisher::endpoint() const noexcept { return impl_->endpoint; }
 const std::string& ZmqPublisher::replay_endpoint() const noexcept { return impl_->replay_ep; }
+const std::string& ZmqPublisher::topic() const noexcept { return impl_->opt.topic; }
 
 std::size_t ZmqPublisher::publish(const KVEventBatch& batch) {
   Impl& m = *impl_;

@@ -35,17 +35,26 @@ struct ZmqSubscriber::Impl {
   zmq::socket_t sub;
   zmq::socket_t dealer;  // created on demand, reset after an incomplete reply
   SubscriberStats stats;
+  std::string endpoint;
 
   explicit Impl(SubscriberOptions o) : opt(std::move(o)) {
     sub = zmq::socket_t(ctx, zmq::socket_type::sub);
     sub.set(zmq::sockopt::rcvhwm, opt.receive_hwm);
     sub.set(zmq::sockopt::linger, 0);
     sub.set(zmq::sockopt::subscribe, opt.topic);
+    const bool bind = opt.mode == SocketMode::kBind;
     try {
-      sub.connect(opt.endpoint);
+      if (bind) {
+        sub.bind(opt.endpoint);
+      } else {
+        sub.connect(opt.endpoint);
+      }
     } catch (const zmq::error_t& e) {
-      zmq_detail::raise_zmq("ZmqSubscriber: cannot connect to the PUB endpoint", opt.endpoint, e);
+      zmq_detail::raise_zmq(bind ? "ZmqSubscriber: cannot bind the SUB endpoint"
+                                 : "ZmqSubscriber: cannot connect to the PUB endpoint",
+                            opt.endpoint, e);
     }
+    endpoint = bind ? sub.get(zmq::sockopt::last_endpoint) : opt.endpoint;
     if (!opt.replay_endpoint.empty()) open_dealer();
   }
 
@@ -71,6 +80,7 @@ struct ZmqSubscriber::Impl {
         if (zmq::recv_multipart(sub, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
           if (frames.size() == 3 && frames[1].size() == 8) {
             RawBatch b;
+            b.topic.assign(static_cast<const char*>(frames[0].data()), frames[0].size());
             b.seq = from_be64(frames[1].data());
             const auto* p = static_cast<const std::byte*>(frames[2].data());
             b.payload.assign(p, p + frames[2].size());
@@ -147,6 +157,7 @@ ReplayReply ZmqSubscriber::request_snapshot(milliseconds timeout, std::size_t ma
   return impl_->request(kSnapshotRequest, timeout, max_batches, idle);
 }
 
+const std::string& ZmqSubscriber::endpoint() const noexcept { return impl_->endpoint; }
 bool ZmqSubscriber::has_replay() const noexcept { return !impl_->opt.replay_endpoint.empty(); }
 
 const SubscriberStats& ZmqSubscriber::stats() const noexcept { return impl_->stats; }

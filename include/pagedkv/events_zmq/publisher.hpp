@@ -17,6 +17,7 @@
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/events_zmq/export.hpp>
+#include <pagedkv/events_zmq/topic.hpp>
 #include <pagedkv/events_zmq/wire.hpp>
 
 namespace pagedkv::events {
@@ -30,14 +31,26 @@ inline constexpr std::uint64_t kEndOfReplaySeq = ~std::uint64_t{0};
 
 /// Configuration of a ZmqPublisher. Defaults follow vLLM's KVEventsConfig where it has one.
 struct PublisherOptions {
-  /// PUB endpoint, bound (the publisher is the stable side). "tcp://127.0.0.1:*" binds a free port; the bound
-  /// endpoint is `ZmqPublisher::endpoint()`. vLLM's default is tcp://*:5557.
+  /// PUB endpoint. Bound by default: "tcp://127.0.0.1:*" binds a free port and `ZmqPublisher::endpoint()` returns
+  /// the bound one; vLLM's default is tcp://*:5557. With `mode = kConnect`, the router's SUB endpoint to connect to
+  /// (no '*'), e.g. "tcp://router:5557".
   std::string endpoint = "tcp://127.0.0.1:*";
+  /// Bind (default) or connect the PUB endpoint. vLLM binds when its endpoint contains '*' and connects otherwise;
+  /// pagedkv makes it explicit. The replay socket is always bound (replay needs a stable address).
+  SocketMode mode = SocketMode::kBind;
   /// ROUTER endpoint for replay and snapshot requests, bound; empty = no replay socket. vLLM: replay_endpoint
   /// (commonly port 5558).
   std::string replay_endpoint;
-  /// First frame of every message (vLLM's `topic`, default ""). Subscribers filter by prefix.
+  /// First frame of every message (vLLM's `topic`); subscribers filter by prefix. When empty and `model_name` is
+  /// set, the publisher uses llm-d's form "kv@<pod_id>@<model_name>" (events_zmq/topic.hpp), which llm-d's
+  /// subscribers require (they subscribe to "kv@" and read the pod and model from the topic). Empty with no model
+  /// name: "" (vLLM's default; matches every subscription except llm-d's).
   std::string topic;
+  /// The engine's model name (as the router knows it, e.g. "Qwen/Qwen3-32B"), for the default topic. No '@'.
+  std::string model_name;
+  /// The pod (instance) id for the default topic; empty = this host's name (gethostname), or the endpoint when the
+  /// host has none. No '@'.
+  std::string pod_id;
   /// Batches kept for replay (vLLM's buffer_steps, default 10000), and a byte bound on them (oldest dropped first).
   std::size_t replay_buffer_batches = 10000;
   std::size_t replay_buffer_bytes = std::size_t{256} << 20;
@@ -81,8 +94,10 @@ struct PublisherStats {
 /// Move: movable, not copyable; a moved-from publisher may only be destroyed or assigned to.
 class PAGEDKV_EVENTS_ZMQ_API ZmqPublisher {
  public:
-  /// Binds the sockets. Throws pagedkv::Error kInvalidArgument naming the endpoint when binding fails (address in
-  /// use, malformed) or an option is out of range (replay_buffer_batches == 0 with a replay endpoint, hwm < 0).
+  /// Binds (or connects) the sockets. Throws pagedkv::Error kInvalidArgument naming the endpoint when binding or
+  /// connecting fails (address in use, malformed; connecting to an absent peer is not an error, ZeroMQ retries in
+  /// the background) or an option is out of range (replay_buffer_batches == 0 with a replay endpoint, hwm < 0, a
+  /// pod id or model name containing '@').
   explicit ZmqPublisher(PublisherOptions options);
   ~ZmqPublisher();
   ZmqPublisher(const ZmqPublisher&) = delete;
@@ -90,8 +105,11 @@ class PAGEDKV_EVENTS_ZMQ_API ZmqPublisher {
   ZmqPublisher(ZmqPublisher&&) noexcept;
   ZmqPublisher& operator=(ZmqPublisher&&) noexcept;
 
-  /// The bound PUB endpoint (the port resolved when the option asked for "*"), e.g. "tcp://127.0.0.1:40123".
+  /// The bound PUB endpoint (the port resolved when the option asked for "*"), e.g. "tcp://127.0.0.1:40123"; in
+  /// connect mode the endpoint connected to.
   [[nodiscard]] const std::string& endpoint() const noexcept;
+  /// The topic every message carries (the option, or the llm-d default built from pod id and model name).
+  [[nodiscard]] const std::string& topic() const noexcept;
   /// The bound replay endpoint, or "" without a replay socket.
   [[nodiscard]] const std::string& replay_endpoint() const noexcept;
 

@@ -13,22 +13,28 @@
 #include <vector>
 
 #include <pagedkv/events_zmq/export.hpp>
+#include <pagedkv/events_zmq/topic.hpp>
 #include <pagedkv/events_zmq/wire.hpp>
 
 namespace pagedkv::events {
 
 /// Configuration of a ZmqSubscriber.
 struct SubscriberOptions {
-  std::string endpoint;         ///< The publisher's PUB endpoint (connected), e.g. "tcp://127.0.0.1:5557".
+  std::string endpoint;         ///< The publisher's PUB endpoint (connected), e.g. "tcp://127.0.0.1:5557"; with
+                                ///< `mode = kBind`, the endpoint engines connect to ("tcp://127.0.0.1:*": a free port).
   std::string replay_endpoint;  ///< Its replay (ROUTER) endpoint; empty = no replay or snapshot requests.
   std::string topic;            ///< Subscription prefix ("" = every topic).
   int receive_hwm = 100000;     ///< ZeroMQ receive high-water mark, in messages.
+  /// kBind: llm-d's centralized mode (the router's SUB binds `endpoint`, engines' publishers connect with
+  /// SocketMode::kConnect; their messages interleave, so use RawBatch::topic, not an EventStreamFollower).
+  SocketMode mode = SocketMode::kConnect;
 };
 
-/// One message as received: the sequence number and the msgpack payload (decode it with decode_batch).
+/// One message as received: the sequence number, the msgpack payload (decode it with decode_batch) and the topic.
 struct RawBatch {
   std::uint64_t seq = 0;
   std::vector<std::byte> payload;
+  std::string topic;  ///< The topic frame (tells engines apart on a bound, centralized socket; see parse_llmd_topic).
 };
 
 /// The answer to a replay or snapshot request.
@@ -79,6 +85,10 @@ class PAGEDKV_EVENTS_ZMQ_API ZmqSubscriber {
   /// answers with the end marker only: complete and empty. Bounds and `idle` as request_replay.
   [[nodiscard]] ReplayReply request_snapshot(std::chrono::milliseconds timeout, std::size_t max_batches = 1000000,
                                              const std::function<void()>& idle = {});
+
+  /// The SUB endpoint: the one connected to, or in bind mode the bound one (port resolved), e.g.
+  /// "tcp://127.0.0.1:40123".
+  [[nodiscard]] const std::string& endpoint() const noexcept;
 
   /// Whether a replay endpoint was configured.
   [[nodiscard]] bool has_replay() const noexcept;

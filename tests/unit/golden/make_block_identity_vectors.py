@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""Golden vectors for pagedkv/block_identity.hpp, computed with an encoder independent of pagedkv's.
+
+CBOR: the `cbor2` package (the encoder vLLM's sha256_cbor itself calls, with canonical=True); SHA-256: hashlib;
+XXH3-64: the `xxhash` package; FNV-1a 64 written out below from its definition. The block-hash rules restate the
+facts listed in include/pagedkv/block_identity.hpp (vLLM kv_cache_utils.py / hashing.py, Dynamo protocols.rs /
+salt.rs / lib/tokens, llm-d token_processor.go), not pagedkv's C++.
+
+Usage:
+  make_block_identity_vectors.py OUT            write the vectors to OUT (tests/unit/golden/block_identity_vectors.txt)
+  make_block_identity_vectors.py --check FILE   regenerate and compare with FILE; exit 1 on any difference,
+                                                77 when cbor2 or xxhash is missing (CTest: skipped)
+
+Format: one vector per line, `kind key=value ...`; strings are hex of their UTF-8 bytes ("-" = absent, "" written
+as "="), lists are comma-separated, multimodal items `idhex:offset[:length]` separated by ';'. Deterministic: a
+fixed PRNG seed, so --check compares byte for byte.
+"""
+
+import hashlib
+import random
+import sys
+
+try:
+    import cbor2
+    import xxhash
+except ImportError as e:  # pragma: no cover
+    print(f"make_block_identity_vectors: missing module ({e}); pip install cbor2 xxhash", file=sys.stderr)
+    sys.exit(77)
+
+MASK64 = (1 << 64) - 1
+
+
+def hx(s):
+    """Hex of a str's UTF-8 bytes; '-' for None, '=' for the empty string."""
+    if s is None:
+        return "-"
+    return s.encode().hex() or "="
+
+
+def toks(t):
+    return ",".join(str(x) for x in t) if t else "-"
+
+
+# ---- vLLM sha256_cbor ----
+
+def sha256_cbor(obj):
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def vllm_block(parent, tokens, extra):
+    """hash_block_tokens: sha256_cbor((parent, tuple(tokens), extra_keys))."""
+    payload = (parent, tuple(tokens), extra)
+    return cbor2.dumps(payload, canonical=True), sha256_cbor(payload)
+
+
+def vllm_extra(lora, mm, salt, embeds):
+    """generate_block_hash_extra_keys: lora name, mm entries, salt, prompt-embeds hash; None when empty."""
+    keys = []
+    if lora is not None:
+        keys.append(lora)
+    for ident, off in mm:
+        keys.append(ident if off is None else (ident, off))
+    if salt is not None:
+        keys.append(salt)
+    if embeds is not None:
+        keys.append(embeds)
+    return tuple(keys) if keys else None
+
+
+def vllm_request(tokens, block_size, lora, mm_items, salt, bare, none_hash):
+    """get_request_block_hasher + _gen_mm_extra_hash_keys, restated."""
+    out = []
+    parent = none_hash
+    for b in range(len(tokens) // block_size):
+        start, end = b * block_size, (b + 1) * block_size
+        mm = []
+        for ident, off, length in mm_items:
+            if end > off and start < off + length:
+                mm.append((ident, None if bare else off - start))
+        extra = vllm_extra(lora, mm, salt if (start == 0 and salt) else None, None)
+        _, parent = vllm_block(parent, tokens[start:end], extra)
+        out.append(parent)
+    return out
+
+
+# ---- Dynamo ----
+
+def xxh3(data, seed):
+    return xxhash.xxh3_64_intdigest(data, seed=seed)
+
+
+def le_u32s(tokens):
+    return b"".join(t.to_bytes(4, "little") for t in tokens)
+
+
+def dynamo_salt(lora, salt):
+    seed = 1337
+    if lora:
+        seed = (seed + xxh3(lora.encode(), 0)) & MASK64
+    if salt:
+        seed = (seed + xxh3(salt.encode(), 1)) & MASK64
+    return seed
+
+
+def dynamo_tokens(tokens, seed, mm):
+    data = le_u32s(tokens) + b"".join(h.to_bytes(8, "little") for h in sorted(mm))
+    return xxh3(data, seed)
+
+
+def dynamo_seq(parent, block, chain_seed):
+    return xxh3(parent.to_bytes(8, "little") + block.to_bytes(8, "little"), chain_seed)
+
+
+# ---- llm-d ----
+
+def fnv1a64(data):
+    h = 0xCBF29CE484222325
+    for b in data:
+        h ^= b
+        h = (h * 0x100000001B3) & MASK64
+    return h
+
+
+def llmd_root(seed, model):
+    payload = [fnv1a64(seed.encode()), None, model]
+    data = cbor2.dumps(payload, canonical=True)
+    return data, fnv1a64(data)
+
+
+def llmd_block(parent, tokens, mm_ids):
+    extra = [{"Hash": i} for i in mm_ids] if mm_ids else None
+    data = cbor2.dumps([parent, list(tokens), extra], canonical=True)
+    return data, fnv1a64(data)
+
+
+# ---- the vectors ----
+
+def rand_tokens(rng, n):
+    # Mixed magnitudes so every CBOR integer head width (inline, 1, 2, 4 bytes) appears.
+    pools = [(0, 23), (24, 255), (256, 65535), (65536, 2**32 - 1), (0, 200000)]
+    out = []
+    for _ in range(n):
+        lo, hi = rng.choice(pools)
+        out.append(rng.randint(lo, hi))
+    return out
+
+
+def rand_str(rng, n):
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789-_/.é€"
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+def generate():
+    rng = random.Random(20260612)
+    lines = ["# pagedkv block identity golden vectors: generated by make_block_identity_vectors.py; do not edit"]
+
+    # vLLM NONE_HASH for the default seed and PYTHONHASHSEED-style seeds.
+    for seed in ["vllm-none-hash", "0", "42", "12345", ""]:
+        lines.append(f"vllm_none_hash seed={hx(seed)} digest={sha256_cbor(seed).hex()}")
+
+    # vLLM single blocks: random parents, tokens and every extra-key kind; CBOR bytes, digest, event u64.
+    for i in range(60):
+        parent = sha256_cbor(str(i)) if i % 3 else sha256_cbor("vllm-none-hash")
+        n = rng.choice([1, 4, 16, 23, 24, 32])
+        tokens = rand_tokens(rng, n)
+        lora = rand_str(rng, rng.randint(0, 12)) if rng.random() < 0.4 else None
+        mm = []
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):
+            ident = hashlib.sha256(str(rng.random()).encode()).hexdigest()[: rng.choice([8, 64])]
+            off = None if rng.random() < 0.3 else rng.randint(-5000, 300)
+            mm.append((ident, off))
+        salt = rand_str(rng, rng.randint(1, 20)) if rng.random() < 0.3 else None
+        embeds = hashlib.sha256(bytes([i])).digest() if rng.random() < 0.2 else None
+        extra = vllm_extra(lora, mm, salt, embeds)
+        data, digest = vllm_block(parent, tokens, extra)
+        mm_s = ";".join(f"{m[0].encode().hex()}:{'_' if m[1] is None else m[1]}" for m in mm) or "-"
+        lines.append(
+            f"vllm_block parent={parent.hex()} tokens={toks(tokens)} lora={hx(lora)} "
+            f"mm={mm_s} salt={hx(salt)} embeds={embeds.hex() if embeds else '-'} cbor={data.hex()} "
+            f"digest={digest.hex()} event={int.from_bytes(digest, 'big') & MASK64}")
+
+    # vLLM requests: extra-key generation per block (LoRA on all, MM overlap and relative offsets, salt on block 0).
+    for i in range(25):
+        bs = rng.choice([1, 4, 16])
+        tokens = rand_tokens(rng, rng.randint(0, 80))
+        lora = rand_str(rng, 6) if rng.random() < 0.4 else None
+        items = []
+        pos = 0
+        while rng.random() < 0.6 and pos < len(tokens):
+            off = rng.randint(pos, len(tokens) - 1)
+            length = rng.randint(1, len(tokens) - off)
+            items.append((hashlib.sha256(f"img{i}{off}".encode()).hexdigest()[:16], off, length))
+            pos = off + length
+        salt = rand_str(rng, 8) if rng.random() < 0.4 else ""
+        bare = rng.random() < 0.25
+        seed = rng.choice(["vllm-none-hash", "0"])
+        hashes = vllm_request(tokens, bs, lora, items, salt, bare, sha256_cbor(seed))
+        items_s = ";".join(f"{a.encode().hex()}:{b}:{c}" for a, b, c in items) or "-"
+        lines.append(
+            f"vllm_request seed={hx(seed)} block_size={bs} tokens={toks(tokens)} lora={hx(lora)} "
+            f"mm={items_s} salt={hx(salt)} bare={int(bare)} digests={','.join(h.hex() for h in hashes) or '-'}")
+
+    # Dynamo salt hashes, tokens hashes (with MM), sequence steps, whole requests.
+    for lora, salt in [(None, None), ("", ""), ("my-lora", None), (None, "tenant-a"), ("my-lora", "tenant-a"),
+                       ("é", "€")]:
+        lines.append(f"dynamo_salt lora={hx(lora)} salt={hx(salt) if salt != '' else '='} "
+                     f"seed={dynamo_salt(lora, salt)}")
+    for i in range(40):
+        tokens = rand_tokens(rng, rng.choice([0, 1, 4, 16, 64]))
+        seed = rng.choice([1337, 0, dynamo_salt("adapter", None), rng.getrandbits(64)])
+        mm = [rng.getrandbits(64) for _ in range(rng.choice([0, 0, 1, 3]))]
+        lines.append(f"dynamo_tokens tokens={toks(tokens)} seed={seed} mm={toks(mm)} "
+                     f"hash={dynamo_tokens(tokens, seed, mm)}")
+    for i in range(20):
+        p, b = rng.getrandbits(64), rng.getrandbits(64)
+        cs = rng.choice([0, 1337, rng.getrandbits(64)])
+        lines.append(f"dynamo_seq parent={p} block={b} chain_seed={cs} hash={dynamo_seq(p, b, cs)}")
+    for i in range(10):
+        bs = rng.choice([4, 16, 32])
+        tokens = rand_tokens(rng, rng.randint(0, 100))
+        seed = dynamo_salt(rng.choice([None, "lora-x"]), rng.choice([None, "ns"]))
+        cs = rng.choice([0, 1337])
+        th = [dynamo_tokens(tokens[j * bs:(j + 1) * bs], seed, []) for j in range(len(tokens) // bs)]
+        sh = []
+        for j, h in enumerate(th):
+            sh.append(h if j == 0 else dynamo_seq(sh[-1], h, cs))
+        lines.append(f"dynamo_request block_size={bs} tokens={toks(tokens)} seed={seed} chain_seed={cs} "
+                     f"tokens_hashes={toks(th)} sequence_hashes={toks(sh)}")
+
+    # llm-d: init, root, blocks (text and MM), whole requests.
+    for seed in ["", "0", "test-seed", "12345"]:
+        lines.append(f"llmd_init seed={hx(seed)} hash={fnv1a64(seed.encode())}")
+        for model in ["test-model", "Qwen/Qwen3-32B", "meta-llama/Llama-3.1-8B-Instruct"]:
+            data, h = llmd_root(seed, model)
+            lines.append(f"llmd_root seed={hx(seed)} model={hx(model)} cbor={data.hex()} hash={h}")
+    for i in range(40):
+        parent = rng.getrandbits(rng.choice([8, 16, 32, 64]))
+        tokens = rand_tokens(rng, rng.choice([1, 16, 24, 64]))
+        mm = [hashlib.sha256(str(rng.random()).encode()).hexdigest() for _ in range(rng.choice([0, 0, 1, 2]))]
+        data, h = llmd_block(parent, tokens, mm)
+        lines.append(f"llmd_block parent={parent} tokens={toks(tokens)} mm={','.join(x.encode().hex() for x in mm) or '-'} "
+                     f"cbor={data.hex()} hash={h}")
+    for i in range(10):
+        bs = rng.choice([4, 16])
+        tokens = rand_tokens(rng, rng.randint(0, 70))
+        seed = rng.choice(["", "0"])
+        model = rng.choice(["test-model", "Qwen/Qwen3-32B"])
+        _, parent = llmd_root(seed, model)
+        keys = []
+        for j in range(len(tokens) // bs):
+            _, parent = llmd_block(parent, tokens[j * bs:(j + 1) * bs], [])
+            keys.append(parent)
+        lines.append(f"llmd_request block_size={bs} tokens={toks(tokens)} seed={hx(seed)} "
+                     f"model={hx(model)} keys={toks(keys)}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    if len(argv) == 2:
+        with open(argv[1], "w", encoding="utf-8") as f:
+            f.write(generate())
+        return 0
+    if len(argv) == 3 and argv[1] == "--check":
+        with open(argv[2], encoding="utf-8") as f:
+            committed = f.read()
+        fresh = generate()
+        if committed == fresh:
+            print(f"make_block_identity_vectors: {argv[2]} matches a fresh run ({fresh.count(chr(10))} lines)")
+            return 0
+        a, b = committed.splitlines(), fresh.splitlines()
+        for n, (x, y) in enumerate(zip(a, b), 1):
+            if x != y:
+                print(f"line {n} differs:\n committed: {x[:200]}\n fresh:     {y[:200]}", file=sys.stderr)
+                break
+        else:
+            print(f"line counts differ: committed {len(a)}, fresh {len(b)}", file=sys.stderr)
+        return 1
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
