@@ -1,15 +1,29 @@
 #!/usr/bin/env bash
-# The test command: installs dependencies, then
+# The test command: installs dependencies, then (each stage prints its name, then its seconds when it ends)
 #  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest, with the
 #     concurrency test also built and run under ThreadSanitizer
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
-#  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package)
+#  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package, whose code is the
+#     README's snippet: scripts/check-readme-snippet.sh), and the CUDA and events_zmq component consumers
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
 #  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: the three fuzz targets, two at a time, PAGEDKV_FUZZ_SECONDS (80) each
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 jobs=$(nproc)
+t_start=$(date +%s)
+t_stage=$t_start
+stage_name="install dependencies"
+# stage NAME: closes the previous stage (its name and seconds) and opens the next one, so a long stretch (the
+# ASan build, the fuzzers) is never silent about where it is.
+stage() {
+  local now; now=$(date +%s)
+  echo "== done: $stage_name ($(( now - t_stage )) s; $(( now - t_start )) s in all)"
+  stage_name=$1
+  t_stage=$now
+  echo "== $1 (started at $(( now - t_start )) s)"
+}
+echo "== $stage_name"
 scripts/install-deps.sh
 
 cuda_args=(-DPAGEDKV_ENABLE_CUDA=ON)
@@ -17,27 +31,28 @@ if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda
   export CUDACXX=/usr/local/cuda/bin/nvcc
 fi
 
-echo "== 1/4 Release build + tests"
+stage "1/4 Release build + tests"
 cmake -S . -B build-ci -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" -DPAGEDKV_TSAN_TESTS=ON \
       -DCMAKE_INSTALL_PREFIX="$root/build-ci/install" >/dev/null
 cmake --build build-ci -j "$jobs"
 ctest --test-dir build-ci -j "$jobs" --output-on-failure
 
-echo "== 2/4 ASan + UBSan build + tests"
+stage "2/4 ASan + UBSan build + tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPAGEDKV_SANITIZE=ON -DPAGEDKV_ENABLE_CUDA=OFF \
       -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" >/dev/null
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -j "$jobs" --output-on-failure
 
-echo "== 3/4 installed package consumer (find_package(pagedkv))"
+stage "3/4 installed package consumer (find_package(pagedkv))"
 rm -rf build-ci/install build-package
 cmake --install build-ci >/dev/null
 cmake -S tests/package -B build-package -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" >/dev/null
 cmake --build build-package
 ./build-package/pagedkv_consumer
+scripts/check-readme-snippet.sh   # the README's snippet is that consumer's code
 if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
-  echo "== 3b/4 installed CUDA component consumer (find_package(pagedkv COMPONENTS cuda))"
+  stage "3b/4 installed CUDA component consumer (find_package(pagedkv COMPONENTS cuda))"
   rm -rf build-package-cuda
   cmake -S tests/package/cuda -B build-package-cuda -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" \
         -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
@@ -45,12 +60,12 @@ if [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null; then
   rc=0; ./build-package-cuda/pagedkv_cuda_consumer || rc=$?
   [ "$rc" -eq 0 ] || [ "$rc" -eq 77 ]   # 77: no GPU; built, linked, host part and launcher validation checked
 fi
-echo "== 3c/4 installed events_zmq component consumer (find_package(pagedkv COMPONENTS events_zmq), loopback)"
+stage "3c/4 installed events_zmq component consumer (find_package(pagedkv COMPONENTS events_zmq), loopback)"
 rm -rf build-package-ezmq
 cmake -S tests/events_zmq/package -B build-package-ezmq -G Ninja -DCMAKE_PREFIX_PATH="$root/build-ci/install" >/dev/null
 cmake --build build-package-ezmq
 ./build-package-ezmq/pagedkv_events_zmq_consumer
-echo "== 3d/4 a CPU-only install ships no CUDA headers, and COMPONENTS cuda fails on it"
+stage "3d/4 a CPU-only install ships no CUDA headers, and COMPONENTS cuda fails on it"
 rm -rf build-asan/install build-package-nocuda
 cmake --install build-asan --prefix "$root/build-asan/install" >/dev/null
 test ! -e build-asan/install/include/pagedkv/cuda
@@ -58,7 +73,7 @@ if cmake -S tests/package/cuda -B build-package-nocuda -DCMAKE_PREFIX_PATH="$roo
   echo "find_package(pagedkv COMPONENTS cuda) must fail on a CPU-only install"; exit 1
 fi
 
-echo "== 4/4 pagedkv-replay smoke"
+stage "4/4 pagedkv-replay smoke"
 replay=build-ci/examples/pagedkv-replay
 $replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capacity-tokens 1e6,5e7 --limit 500
 $replay data/traces/mooncake-fast25/conversation_trace.jsonl --mode prefix --capacity-tokens 1e6 --limit 500 --hash xxh3
@@ -68,13 +83,14 @@ $replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capaci
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --capacity-tokens 2e4 \
         --host-capacity-tokens 1e6 --offload none --preempt swap --limit 300
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode serve --model-layers full:12,swa4096:24 --limit 300
-echo "== decode_loop (manager + CPU reference kernels, checked against float64 every step)"
+stage "decode_loop (manager + CPU reference kernels, checked against float64 every step)"
 build-ci/examples/decode_loop --block-size 16
 build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3
 build-ci/examples/decode_loop --block-size 4 --gpu-blocks 70 --host-blocks 256 --steps 40   # swap to a host tier
-echo "== 5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 3 minutes)"
+stage "5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 3 minutes)"
 tests/fuzz/check_replay_args.sh build-ci/examples/pagedkv-replay
 scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-80}"
-echo "== router example: 2 engine processes publishing KV events over ZeroMQ on loopback + a KV-aware router (bounded)"
+stage "router example: 2 engine processes publishing KV events over ZeroMQ on loopback + a KV-aware router (bounded)"
 timeout 60 build-ci/examples/pagedkv-router --instances 2 --limit 300 --capacity-tokens 2e5 --timeout-s 20
-echo "== all checks passed"
+stage "summary"
+echo "== all checks passed in $(( $(date +%s) - t_start )) s"

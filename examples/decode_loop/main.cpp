@@ -331,6 +331,7 @@ class Runtime {
     for (std::size_t i = 0; i < seqs_.size(); ++i) {
       if (seqs_[i].swapped || seqs_[i].done) continue;
       if (!prefill && seqs_[i].decoded_at != step) continue;  // waited this step: no token to compute
+      if (prefill && mgr_.sequence(seqs_[i].id).num_pending() == 0) continue;  // prefilled by an earlier step
       batch.push_back(seqs_[i].id);
       batch_idx_.push_back(i);
     }

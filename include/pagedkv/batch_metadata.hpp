@@ -6,6 +6,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <vector>
 
 #include <pagedkv/error.hpp>
 
@@ -72,6 +73,86 @@ struct BatchMetadataSizes {
   std::size_t num_swap_out = 0;   ///< Pairs written to `swap_out` before padding.
   std::size_t num_swap_in = 0;    ///< Pairs written to `swap_in` before padding.
   std::uint64_t transfer_token = 0;  ///< Token naming this build's swaps for complete_transfers (0: none).
+};
+
+/// An engine's fixed limits for one build (what a CUDA-graph engine captures once): the buffers sized from them
+/// never make a build fail with kBadShape for a batch within them. Units: sequences, tokens, blocks.
+struct BatchMetadataLimits {
+  std::size_t max_batch = 0;            ///< Sequences per build (vLLM max_num_seqs).
+  std::size_t max_tokens_per_step = 0;  ///< New tokens per build, all sequences together (max_num_batched_tokens).
+  std::size_t max_blocks_per_seq = 0;   ///< Blocks of the longest sequence: ceil(max_model_len / block_size).
+  /// Copy-on-write pairs per build; 0 = max_batch (one per sequence: what decode, chunked prefill and lookahead
+  /// produce between two builds; a rewind then an append into a shared block can add one more).
+  std::size_t max_copies = 0;
+  /// Swap pairs per direction per build (host tier: offloads of evicted blocks, swap preemption of whole
+  /// sequences, onboarding of host hits); 0 = no host tier (no swap buffers).
+  std::size_t max_swaps = 0;
+};
+
+/// Entries of each BatchMetadataBuffers span for `limits` (element counts; `copies` / `swap_*` count int32 entries,
+/// two per pair). `indices` is max_batch * max_blocks_per_seq (every sequence at its longest).
+struct BatchMetadataCapacity {
+  std::size_t indptr = 0, indices = 0, last_page_len = 0, block_tables = 0, seq_lens = 0, qo_indptr = 0,
+              slot_mapping = 0, copies = 0, swap_out = 0, swap_in = 0;
+  std::int32_t max_blocks_per_seq = 0;  ///< The row length of block_tables.
+};
+
+/// The capacities of the buffers a build writes for an engine with `limits`. Throws kInvalidArgument (max_batch,
+/// max_tokens_per_step or max_blocks_per_seq 0) or kLimitExceeded (a capacity beyond the int32 metadata).
+[[nodiscard]] inline BatchMetadataCapacity batch_metadata_capacity(const BatchMetadataLimits& limits) {
+  if (limits.max_batch == 0 || limits.max_tokens_per_step == 0 || limits.max_blocks_per_seq == 0) {
+    detail::raise(Errc::kInvalidArgument, "batch_metadata_capacity: max_batch = " + std::to_string(limits.max_batch) +
+                                              ", max_tokens_per_step = " + std::to_string(limits.max_tokens_per_step) +
+                                              ", max_blocks_per_seq = " + std::to_string(limits.max_blocks_per_seq) +
+                                              ": each must be > 0");
+  }
+  detail::check_metadata_value(limits.max_blocks_per_seq, "batch_metadata_capacity: max_blocks_per_seq");
+  detail::check_metadata_value(limits.max_tokens_per_step, "batch_metadata_capacity: max_tokens_per_step");
+  if (limits.max_batch > kMaxMetadataValue / limits.max_blocks_per_seq) {
+    detail::raise(Errc::kLimitExceeded, "batch_metadata_capacity: max_batch * max_blocks_per_seq = " +
+                                            std::to_string(limits.max_batch) + " * " +
+                                            std::to_string(limits.max_blocks_per_seq) +
+                                            " exceeds the int32 limit of the batch metadata");
+  }
+  BatchMetadataCapacity c;
+  c.indptr = c.qo_indptr = limits.max_batch + 1;
+  c.last_page_len = c.seq_lens = limits.max_batch;
+  c.indices = c.block_tables = limits.max_batch * limits.max_blocks_per_seq;
+  c.max_blocks_per_seq = static_cast<std::int32_t>(limits.max_blocks_per_seq);
+  c.slot_mapping = limits.max_tokens_per_step;
+  c.copies = 2 * (limits.max_copies != 0 ? limits.max_copies : limits.max_batch);
+  c.swap_out = c.swap_in = 2 * limits.max_swaps;
+  return c;
+}
+
+/// Owning host storage for one build's metadata, sized once by batch_metadata_capacity (allocates only in the
+/// constructor); `buffers()` is the view a build writes into. An engine that mirrors the buffers on the device
+/// copies `data()` of each vector after the build (or allocates its own pinned memory of the same capacities).
+struct BatchMetadataStorage {
+  std::vector<std::int32_t> indptr, indices, last_page_len, block_tables, seq_lens, qo_indptr, copies, swap_out, swap_in;
+  std::vector<std::int64_t> slot_mapping;
+  std::int32_t max_blocks_per_seq = 0;
+
+  /// Storage for `limits` (see batch_metadata_capacity, whose errors it raises).
+  explicit BatchMetadataStorage(const BatchMetadataLimits& limits) {
+    const BatchMetadataCapacity c = batch_metadata_capacity(limits);
+    indptr.resize(c.indptr);
+    indices.resize(c.indices);
+    last_page_len.resize(c.last_page_len);
+    block_tables.resize(c.block_tables);
+    seq_lens.resize(c.seq_lens);
+    qo_indptr.resize(c.qo_indptr);
+    slot_mapping.resize(c.slot_mapping);
+    copies.resize(c.copies);
+    swap_out.resize(c.swap_out);
+    swap_in.resize(c.swap_in);
+    max_blocks_per_seq = c.max_blocks_per_seq;
+  }
+  /// Every output (swap lists only with a host tier). Valid while this storage lives.
+  [[nodiscard]] BatchMetadataBuffers buffers() noexcept {
+    return {indptr, indices, last_page_len, block_tables, max_blocks_per_seq, seq_lens, qo_indptr, slot_mapping,
+            copies, swap_out, swap_in};
+  }
 };
 
 }  // namespace pagedkv

@@ -17,6 +17,7 @@
 #include <pagedkv/kernel_params.hpp>
 #include <pagedkv/kv_cache_groups.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include <pagedkv/kv_pool_view.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>
 #include <pagedkv/retention.hpp>

@@ -38,8 +38,11 @@ std::uint64_t run_seed() {
 int main(int argc, char** argv) {
   bool host_only = false;
   for (int i = 1; i < argc; ++i) {
-    host_only = host_only || std::strstr(argv[i], "[host]") != nullptr || std::strncmp(argv[i], "--list", 6) == 0 ||
-                std::strcmp(argv[i], "-l") == 0;
+    // A spec that selects [host] (not one that excludes it with ~[host]) needs no device.
+    for (const char* at = std::strstr(argv[i], "[host]"); at != nullptr; at = std::strstr(at + 1, "[host]")) {
+      host_only = host_only || at == argv[i] || at[-1] != '~';
+    }
+    host_only = host_only || std::strncmp(argv[i], "--list", 6) == 0 || std::strcmp(argv[i], "-l") == 0;
   }
   std::printf("pagedkv GPU tests: seed %llu (replay: PAGEDKV_GPU_SEED=%llu)\n",
               static_cast<unsigned long long>(pkt::run_seed()), static_cast<unsigned long long>(pkt::run_seed()));

@@ -3,6 +3,9 @@
 // references; empty spans; validation failures that write nothing and change nothing.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <random>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -433,4 +436,70 @@ TEST_CASE("build_batch_metadata: invalid input throws, writes nothing and change
   CHECK(sz.num_new_tokens == 7);
   CHECK(ok.copies == I32{3, 6});
   CHECK(ok.indptr == I32{0, 3, 5, 8});
+}
+
+TEST_CASE("BatchMetadataStorage sized from the engine's limits holds every build within them",
+          "[batch_metadata][capacity]") {
+  // An engine of at most 8 sequences of at most 100 tokens (block size 4: 25 blocks each) and 64 new tokens per
+  // step: prompts of up to 8 tokens, decode, forks (copy-on-write), frees, on random input. Every build into the
+  // storage sized once from these limits succeeds (a guess that fails only when the first long sequence arrives
+  // is what this replaces).
+  const pagedkv::BatchMetadataLimits limits{8, 64, 25, 0, 0};
+  const pagedkv::BatchMetadataCapacity cap = pagedkv::batch_metadata_capacity(limits);
+  CHECK(cap.indptr == 9);
+  CHECK(cap.indices == 200);
+  CHECK(cap.block_tables == 200);
+  CHECK(cap.max_blocks_per_seq == 25);
+  CHECK(cap.slot_mapping == 64);
+  CHECK(cap.copies == 16);
+  CHECK(cap.swap_out == 0);
+  pagedkv::BatchMetadataStorage storage(limits);
+  pagedkv::CacheConfig c = cfg(8 * 25 + 9, 4);
+  c.max_tokens_per_seq = 100;
+  Mgr m(c);
+  std::mt19937_64 rng(0x5eed);
+  std::vector<SeqId> live;
+  SeqId next = 1;
+  std::size_t builds = 0, copies = 0, longest = 0;
+  for (int step = 0; step < 2000; ++step) {
+    if (live.size() < 8 && rng() % 3 == 0) {
+      const SeqId parent = live.empty() ? 0 : live[rng() % live.size()];
+      if (parent != 0 && rng() % 2 == 0 && m.sequence(parent).settled()) {
+        m.fork(parent, next);
+      } else {
+        REQUIRE(m.try_admit(next, toks(static_cast<TokenId>(rng() % 5), 1 + rng() % 8)).admitted());
+      }
+      live.push_back(next++);
+    }
+    std::vector<SeqId> batch;
+    for (SeqId id : live) {
+      if (m.sequence(id).num_pending() == 0) {
+        if (m.num_tokens(id) >= 100) continue;
+        REQUIRE(m.try_append(id, toks(static_cast<TokenId>(rng() % 3), 1)).ok());
+      }
+      batch.push_back(id);
+    }
+    if (batch.empty()) continue;
+    const auto sz = m.build_batch_metadata(batch, storage.buffers());
+    ++builds;
+    copies += sz.num_copies;
+    for (SeqId id : live) longest = std::max(longest, m.num_tokens(id));
+    for (std::size_t i = 0; i < live.size();) {
+      if (m.num_tokens(live[i]) >= 100 && rng() % 4 == 0) {
+        m.free(live[i]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        ++i;
+      }
+    }
+  }
+  CHECK(builds > 1000);
+  CHECK(copies > 20);
+  CHECK(longest == 100);
+
+  CHECK_THAT(expect_error([] { (void)pagedkv::batch_metadata_capacity({0, 64, 25, 0, 0}); }, Errc::kInvalidArgument),
+             Catch::Contains("max_batch = 0"));
+  CHECK_THAT(expect_error([] { (void)pagedkv::batch_metadata_capacity({std::size_t{1} << 20, 64, std::size_t{1} << 12, 0, 0}); },
+                          Errc::kLimitExceeded),
+             Catch::Contains("max_batch * max_blocks_per_seq"));
 }

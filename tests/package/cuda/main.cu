@@ -12,6 +12,7 @@
 #include <pagedkv/cuda/common.cuh>  // the installed device templates compile in a consumer TU
 #include <pagedkv/cuda/launch.hpp>
 #include <pagedkv/decode_plan.hpp>
+#include <pagedkv/pagedkv.hpp>  // the whole host API compiles in a consumer's CUDA TU (C++20 from pagedkv::cuda)
 #include <pagedkv/reference/all.hpp>
 
 namespace {
@@ -39,6 +40,11 @@ int main() {
   }
   const int num_blocks = next_block;
   const std::size_t pool_elems = static_cast<std::size_t>(num_blocks) * 2 * bs * hkv * hd;
+  // The manager that would hand out these block ids; the kernels' views below are checked against its config.
+  pagedkv::CacheConfig manager_config;
+  manager_config.num_blocks = static_cast<std::size_t>(num_blocks);
+  manager_config.block_size = bs;
+  const pagedkv::KVCacheManager<> cache(manager_config);
 
   // K/V rows for every token (slot order), q: deterministic, non-zero, fp32.
   int tokens = 0;
@@ -77,7 +83,8 @@ int main() {
   w.value = value.data();
   w.slot_mapping = slots.data();
   w.num_tokens = tokens;
-  w.kv = pagedkv::KVPoolView::nhd(pool.data(), DType::kFloat32, num_blocks, bs, hkv, hd);
+  w.kv = pagedkv::make_kv_pool_view(cache.config(), pagedkv::KVLayout::kNhd, pool.data(), nullptr,
+                                     {.dtype = DType::kFloat32, .num_kv_heads = hkv, .head_dim = hd});
   pagedkv::DecodeParams p;
   p.q = q.data();
   p.o = o_ref.data();
@@ -142,6 +149,7 @@ int main() {
   dw.value = d_value;
   dw.slot_mapping = d_slots;
   dw.kv = pagedkv::KVPoolView::nhd(d_pool, DType::kFloat32, num_blocks, bs, hkv, hd);
+  pagedkv::check_kv_pool_view(cache.config(), dw.kv);  // a view made by hand: checked against the manager's
   pagedkv::DecodeParams dp = p;
   dp.q = d_q;
   dp.o = d_o;
