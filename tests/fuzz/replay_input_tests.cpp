@@ -126,3 +126,24 @@ TEST_CASE("host_memory_available_bytes: positive and at most the physical memory
   CHECK(avail > 0);
   CHECK(avail <= physical);
 }
+
+TEST_CASE("parse_trace: hash_ids beyond the prompt are refused, naming the line and the counts", "[replay][trace]") {
+  // 600 tokens need ceil(600 / 512) = 2 ids; a third means input_length and hash_ids disagree.
+  const std::string msg =
+      parse_error("{\"timestamp\": 0, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1, 2]}\n"
+                  "{\"timestamp\": 1, \"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1, 2, 3]}\n");
+  CHECK(msg.starts_with("t.jsonl:2: hash_ids has 3 entries, 1 more than input_length"));
+  CHECK(parse_error("{\"timestamp\": 0, \"input_length\": 512, \"output_length\": 1, \"hash_ids\": [9]}\n").empty());
+}
+
+TEST_CASE("parse_trace: a line past the cap is refused after reading the cap, naming the line", "[replay][trace]") {
+  // No line break at all (what /dev/zero or a binary file gives): refused once kMaxTraceLineBytes were read.
+  std::string text = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}\n";
+  text.append(replay::kMaxTraceLineBytes + 10, 'x');
+  const std::string msg = parse_error(text);
+  CHECK(msg.starts_with("t.jsonl:2: line longer than " + std::to_string(replay::kMaxTraceLineBytes) + " bytes"));
+  // A line exactly at the cap is read (and then judged on its content).
+  std::string at_cap = "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, \"hash_ids\": [1]}";
+  at_cap.append(replay::kMaxTraceLineBytes - at_cap.size(), ' ');
+  CHECK(parse_error(at_cap + "\n").empty());
+}
