@@ -279,14 +279,16 @@ class HybridKVCacheManager {
   /// the rest through try_reserve). All or nothing: on kNoCapacity / kNeverFits nothing changes. kNeverFits: the
   /// blocks this admission holds, or the blocks the prompt needs at least (every full group ceil(prompt_len /
   /// block_size), every windowed group 1), exceed the pool.
-  /// Throws kDuplicateSequence, kInvalidArgument (empty prompt, invalid keys), kLimitExceeded (prompt_len >
-  /// max_tokens_per_seq()).
+  /// Throws kDuplicateSequence, kInvalidArgument (empty prompt, invalid keys, `opts.retention` set: retention
+  /// priorities need KVCacheManager until the managers merge; they used to be dropped silently), kLimitExceeded
+  /// (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                         const AdmitOptions& opts = {}) {
     if (seqs_.contains(seq)) {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
     validate_prompt(prompt, keys, "try_admit");
+    refuse_retention(opts, "try_admit");
     Plan plan = plan_admit(prompt, keys, opts);
     if (!plan.query.fits()) return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
     const std::size_t G = num_groups();
@@ -344,6 +346,7 @@ class HybridKVCacheManager {
   [[nodiscard]] CapacityQuery query_admit(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                                           const AdmitOptions& opts = {}) const {
     validate_prompt(prompt, keys, "query_admit");
+    refuse_retention(opts, "query_admit");
     return plan_admit(prompt, keys, opts).query;
   }
 
@@ -935,6 +938,16 @@ class HybridKVCacheManager {
                                                 std::to_string(c.num_blocks) + " blocks overflows size_t");
     }
     return c;
+  }
+  // Retention priorities (AdmitOptions::retention) are applied by KVCacheManager's retention eviction policies; this
+  // manager has none, so a request carrying them is refused rather than admitted without them.
+  static void refuse_retention(const AdmitOptions& opts, const char* what) {
+    if (opts.retention) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) +
+                                                ": AdmitOptions::retention is not supported by HybridKVCacheManager "
+                                                "(its eviction is LRU; retention priorities need KVCacheManager with a "
+                                                "RetentionEvictionPolicy): not applied, so refused");
+    }
   }
   void validate_prompt(std::span<const TokenId> prompt, const RequestKeys* keys, const char* what) const {
     if (prompt.empty()) detail::raise(Errc::kInvalidArgument, std::string(what) + ": empty prompt");

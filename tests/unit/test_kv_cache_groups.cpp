@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
@@ -651,6 +652,18 @@ TEST_CASE("HybridKVCacheManager: failed calls change nothing", "[kv_cache_groups
   // Misuse.
   expect_error([&] { (void)m.try_admit(1, pagedkv_test::toks(1, 3)); }, Errc::kDuplicateSequence);
   expect_error([&] { (void)m.try_admit(3, Toks{}); }, Errc::kInvalidArgument);
+  {  // Retention priorities are not applied by this manager: refused (they used to be dropped silently), nothing
+     // changes, and the capacity query answers the same.
+    pagedkv::AdmitOptions o;
+    o.retention = std::make_shared<const pagedkv::RetentionConfig>();
+    CHECK_THAT(expect_error([&] { (void)m.try_admit(3, pagedkv_test::toks(900, 8), nullptr, o); },
+                            Errc::kInvalidArgument),
+               Catch::Contains("AdmitOptions::retention is not supported by HybridKVCacheManager"));
+    CHECK_THAT(expect_error([&] { (void)m.query_admit(pagedkv_test::toks(900, 8), nullptr, o); },
+                            Errc::kInvalidArgument),
+               Catch::Contains("query_admit"));
+    same(s0);
+  }
   expect_error([&] { (void)m.try_append(9, pagedkv_test::toks(1, 1)); }, Errc::kUnknownSequence);
   expect_error([&] { (void)m.try_reserve(1, 1); }, Errc::kInvalidArgument);
   expect_error([&] { m.free(9); }, Errc::kUnknownSequence);
