@@ -100,7 +100,9 @@ struct AdmitOptions {
   /// Chunked admission: reserve slots (and blocks) only for the first `num_reserved_tokens` uncached prompt tokens
   /// now; the rest get them chunk by chunk through `try_reserve`, each all or nothing (then kNoCapacity is a
   /// preemption signal, as in vLLM's allocate_slots). Default: the whole prompt (vLLM's full-prompt-must-fit
-  /// gate, so a running prefill is never preempted for lack of blocks). Clamped to the uncached tokens.
+  /// gate, so a running prefill is never preempted for lack of blocks). Clamped to the uncached tokens. 0 admits the
+  /// sequence with its cached prefix only: it has no slots, and a build refuses it (kInvalidArgument) until
+  /// `try_reserve` gives it some.
   std::optional<std::size_t> num_reserved_tokens = std::nullopt;
   /// Retention priorities of the request's blocks (TensorRT-LLM's KvCacheRetentionConfig; see RetentionConfig):
   /// applied when the sequence releases its blocks (free, preempt, rewind) under a RetentionEvictionPolicy such as
