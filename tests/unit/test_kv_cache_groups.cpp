@@ -781,7 +781,7 @@ class GroupsHarness {
   }
 
   std::size_t builds = 0, admitted = 0, hits = 0, no_capacity = 0, content_checks = 0, copies = 0, rewinds_refused = 0,
-              releases = 0, dedups = 0;
+              releases = 0, dedups = 0, kept_copies = 0;
 
  private:
   static constexpr std::uint64_t kUnwritten = 0xdeadbeefULL;
@@ -958,12 +958,40 @@ class GroupsHarness {
     for (auto& [id, s] : seqs_) {
       const std::size_t pending = s.slotted - s.built;
       if (pending == 0) continue;  // a build refuses a row with nothing to compute
+      if (rng_() % 5 == 0) continue;  // left out (prefill and decode built apart): its copies stay pending
       batch.push_back(id);
       sched.push_back(static_cast<std::uint32_t>(rng_() % 4 != 0 ? pending : 1 + rng_() % pending));
+    }
+    // The copies this build must hand out, per the rule: into a batch sequence's table or an idle sequence's, or
+    // reading a block the build writes; the others stay pending, in order.
+    std::set<std::pair<std::uint32_t, std::uint32_t>> claimed, written;  // (group, block)
+    for (const auto& [id, s] : seqs_) {
+      const bool in_batch = std::find(batch.begin(), batch.end(), id) != batch.end();
+      if (!in_batch && s.slotted != s.built) continue;
+      for (std::size_t g = 0; g < G(); ++g) {
+        for (auto b : m_.block_ids(id, g)) claimed.insert({static_cast<std::uint32_t>(g), b});
+      }
+    }
+    for (std::size_t b = 0; b < batch.size(); ++b) {
+      const ModelSeq& s = seqs_[batch[b]];
+      for (std::size_t g = 0; g < G(); ++g) {
+        const auto t = m_.block_ids(batch[b], g);
+        for (std::size_t p = s.built; p < s.built + sched[b]; ++p) written.insert({static_cast<std::uint32_t>(g), t[p / bs_]});
+      }
+    }
+    std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>> kept;
+    for (const auto& c : m_.pending_copies()) {
+      if (!claimed.contains({c.group, c.dst}) && !written.contains({c.group, c.src})) kept.emplace_back(c.src, c.dst, c.group);
     }
     const std::uint64_t dedup_before = m_.stats().dedup_blocks;
     auto [sizes, buf] = build(m_, batch, sched);
     for (const auto& sz : sizes) copies += sz.num_copies;
+    {
+      std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>> now;
+      for (const auto& c : m_.pending_copies()) now.emplace_back(c.src, c.dst, c.group);
+      REQUIRE(now == kept);
+      kept_copies += kept.size();
+    }
     dedups += m_.stats().dedup_blocks - dedup_before;
     ++builds;
     // Execute the step on the shadow pool: per group its copies, then its slot mapping.
@@ -1117,6 +1145,7 @@ TEST_CASE("HybridKVCacheManager: randomized operations against a shadow model an
       {"bs16 full+swa20+swa40", 16, 60, {full(), swa(20), swa(40)}},
       {"bs4 full only", 4, 50, {full(), full()}},
   };
+  std::size_t total_kept = 0;  // copies of sequences left out of a build, kept pending for their own
   for (const Cfg& c : cfgs) {
     for (std::uint64_t seed : {1ULL, 2ULL, 3ULL}) {
       CAPTURE(c.name, seed);
@@ -1124,16 +1153,19 @@ TEST_CASE("HybridKVCacheManager: randomized operations against a shadow model an
       h.run(1500);
       INFO("builds " << h.builds << " admitted " << h.admitted << " hits " << h.hits << " no_capacity "
                      << h.no_capacity << " content " << h.content_checks << " copies " << h.copies << " releases "
-                     << h.releases << " rewinds_refused " << h.rewinds_refused << " dedups " << h.dedups);
+                     << h.releases << " rewinds_refused " << h.rewinds_refused << " dedups " << h.dedups
+                     << " kept copies " << h.kept_copies);
       CHECK(h.builds > 100);
       CHECK(h.admitted > 30);
       CHECK(h.hits > 3);
       CHECK(h.no_capacity > 0);
       CHECK(h.content_checks > 1000);
       if (c.bs > 1) CHECK(h.copies > 0);  // (no partial block at block size 1)
+      total_kept += h.kept_copies;
       if (c.groups[1].kind != AttentionKind::kFull) CHECK(h.releases > 20);
     }
   }
+  CHECK(total_kept > 10);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
