@@ -304,7 +304,8 @@ void register_errors(nb::module_& m) {
     const std::string doc = std::string("pagedkv.Error with code ") + to_string(s.code) + ".";
     nb::object bases = nb::make_tuple(nb::borrow(g_error), nb::borrow(s.also));
     PyObject* t = PyErr_NewExceptionWithDoc(qual.c_str(), doc.c_str(), bases.ptr(), nullptr);
-    PyObject_SetAttrString(t, "code", PyLong_FromLong(static_cast<int>(s.code)));
+    nb::object code = m.attr("Errc")(static_cast<int>(s.code));
+    PyObject_SetAttrString(t, "code", code.ptr());
     g_errors[static_cast<int>(s.code)] = t;
     m.attr(s.name) = nb::borrow(t);
   }
@@ -660,26 +661,26 @@ NB_MODULE(_pagedkv, m) {
           [](Manager& s, const SeqIds& seq_ids, const Tokens& tokens, std::optional<OutU8> out) {
             const std::size_t n = seq_ids.size;
             std::uint8_t* status = nullptr;
-            nb::object result;
+            nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>> result;
             if (out) {
               if (out->shape(0) < n) {
                 bad_shape("append_tokens: out holds " + std::to_string(out->shape(0)) + " entries for " +
                           std::to_string(n) + " sequences");
               }
               status = out->data();
-              result = nb::cast(*out);
+              result = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(status, {n}, nb::cast(*out));
             } else {
               auto* buf = new std::uint8_t[n == 0 ? 1 : n];
               nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
               status = buf;
-              result = nb::cast(nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(buf, {n}, owner));
+              result = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(buf, {n}, owner);
             }
             s.work([&](auto& mm) { append_tokens_into(mm, seq_ids.span(), tokens.span(), status); });
             return result;
           },
           "seq_ids"_a, "tokens"_a, "out"_a.noconvert() = nb::none(),
           "Decode step in one call: try_append(seq_ids[i], [tokens[i]]) for every i, in order. Returns the uint8 "
-          "AppendStatus of each (in `out` if given). Every id is checked first (live, no prompt tokens without "
+          "AppendStatus of each (a new array, or a view of the first len(seq_ids) entries of `out` if given). Every id is checked first (live, no prompt tokens without "
           "slots, no lookahead, within max_tokens_per_seq), so a raised error changes nothing.")
       .def(
           "try_reserve",
