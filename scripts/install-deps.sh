@@ -20,6 +20,13 @@ if command -v python3 >/dev/null 2>&1 && ! python3 -c "import cbor2, xxhash" 2>/
   python3 -m pip install --quiet cbor2 xxhash ||
     echo "install-deps: pip could not install cbor2 xxhash (try: apt-get install python3-cbor2 python3-xxhash)" >&2
 fi
+# PyPI: the Python bindings (python/, docs/python.md; scripts/test.sh builds them and runs pytest): nanobind and
+# scikit-build-core build them, numpy is their array type, pytest runs python/tests.
+if command -v python3 >/dev/null 2>&1 &&
+   ! python3 -c "import nanobind, scikit_build_core, numpy, pytest" 2>/dev/null; then
+  python3 -m pip install --quiet "nanobind>=2.4" "scikit-build-core>=0.10" "numpy>=1.22" "pytest>=7" ||
+    echo "install-deps: pip could not install nanobind scikit-build-core numpy pytest (the Python stage needs them)" >&2
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all packages present"
   exit 0

@@ -7,6 +7,7 @@
 #     README's snippet: scripts/check-readme-snippet.sh), and the CUDA and events_zmq component consumers
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
 #  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: the three fuzz targets, two at a time, PAGEDKV_FUZZ_SECONDS (80) each
+#  6. the Python bindings (PAGEDKV_BUILD_PYTHON=ON) and their pytest suite (python/tests, docs/python.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -92,5 +93,17 @@ tests/fuzz/check_replay_args.sh build-ci/examples/pagedkv-replay
 scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-80}"
 stage "router example: 2 engine processes publishing KV events over ZeroMQ on loopback + a KV-aware router (bounded)"
 timeout 60 build-ci/examples/pagedkv-router --instances 2 --limit 300 --capacity-tokens 2e5 --timeout-s 20
+stage "Python bindings: pagedkv._pagedkv (PAGEDKV_BUILD_PYTHON=ON, nanobind) + pytest python/tests"
+cmake -S . -B build-python -G Ninja -DCMAKE_BUILD_TYPE=Release -DPAGEDKV_BUILD_PYTHON=ON -DPAGEDKV_BUILD_TESTS=OFF \
+      -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DPAGEDKV_ENABLE_CUDA=OFF \
+      -DPAGEDKV_ENABLE_EVENTS_ZMQ=OFF >/dev/null
+cmake --build build-python -j "$jobs" --target _pagedkv
+# The replay parity test runs build-ci's pagedkv-replay; pytest's exit status 5 (no tests collected) fails too.
+py_rc=0
+PYTHONDONTWRITEBYTECODE=1 PAGEDKV_PYTHON_DIR=build-python/python PAGEDKV_REPLAY=build-ci/examples/pagedkv-replay \
+  python3 -m pytest python/tests -q >build-python/pytest.log 2>&1 || py_rc=$?
+[ "$py_rc" -eq 0 ] || tail -n 60 build-python/pytest.log
+echo "pytest: $(tail -n 1 build-python/pytest.log) (exit status $py_rc)"
+[ "$py_rc" -eq 0 ]
 stage "summary"
 echo "== all checks passed in $(( $(date +%s) - t_start )) s"

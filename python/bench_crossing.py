@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Per-step host cost of pagedkv from Python beside the same work in C++ (docs/python.md "Crossing cost").
+
+  decode step: 256 running sequences (prompts of 1000-4000 tokens, block size 16, a pool of 2^17 blocks), one step =
+               append_tokens (one token each, one call) + build_batch_metadata into preallocated numpy buffers
+               (CSR page table, padded block table of 512 blocks per sequence, seq_lens, qo_indptr, slot mapping,
+               copy list). As benchmarks/bench_decode_step.cpp BM_DecodeStep/batch:256/pool_blocks:131072: lengths
+               are reset every 256 steps (free + re-admit, untimed).
+  admission:   a 2048-token prompt whose first half is cached (64 prefixes, fresh suffixes): try_admit +
+               build_batch_metadata of the prefill + free, three calls. As benchmarks/bench_prefix_cache.cpp
+               BM_AdmitFree/prompt_tokens:2048.
+Each case is timed per iteration, wall (perf_counter_ns) and thread CPU time (thread_time_ns); the table gives the
+medians (and the wall 10th / 90th percentiles) over all iterations of --repeats runs. With --cpp-bench-dir the C++
+benchmarks are run (median of --repeats repetitions of Google Benchmark's per-iteration mean, wall and CPU) and the
+ratio Python / C++ of the CPU times is printed: on a shared machine the CPU times are the comparable pair (a mean
+of wall time absorbs every preemption, a median of single iterations mostly skips them).
+
+Usage: PYTHONPATH=build-py/python python python/bench_crossing.py [--cpp-bench-dir build-bench/benchmarks]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import sys
+
+import numpy as np
+
+# This script lives beside the source package python/pagedkv (no extension in it): import the built or installed one.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+import pagedkv  # noqa: E402
+
+BS = 16
+MAX_SEQ = 8192
+MAX_BLOCKS = MAX_SEQ // BS
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bench_decode(hasher: str, batch: int, steps: int, seed: int):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1000, 4001, size=batch)
+    prompts = [rng.integers(1, 128000, size=n, dtype=np.int32) for n in lens]
+    ids = rng.integers(1, 2**62, size=batch, dtype=np.int64)
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=1 << 17, block_size=BS, hash_seed=seed,
+                                                   max_tokens_per_seq=MAX_SEQ), hasher=hasher)
+    limits = pagedkv.BatchMetadataLimits(max_batch=batch, max_tokens_per_step=batch * 4000,
+                                         max_blocks_per_seq=MAX_BLOCKS)
+    prefill = pagedkv.BatchMetadataBuffers(limits)
+    step_buf = pagedkv.BatchMetadataBuffers(pagedkv.BatchMetadataLimits(max_batch=batch, max_tokens_per_step=batch,
+                                                                        max_blocks_per_seq=MAX_BLOCKS))
+    kw = step_buf.kwargs()
+
+    def admit_all():
+        for s, p in zip(ids, prompts):
+            assert m.try_admit(int(s), p).admitted
+        m.build_batch_metadata(ids, **prefill.kwargs())
+
+    admit_all()
+    tokens = rng.integers(1, 128000, size=(steps, batch), dtype=np.int32)
+    out = np.empty(batch, np.uint8)
+    times = []
+    for k in range(steps):
+        if k and k % 256 == 0:
+            m.free_many(ids)
+            admit_all()
+        tok = tokens[k]
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        m.append_tokens(ids, tok, out=out)
+        m.build_batch_metadata(ids, **kw)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        times.append((t1 - t0, c1 - c0))
+        if out.any():
+            raise RuntimeError("an append failed")
+    return times
+
+
+def bench_admit(hasher: str, prompt_tokens: int, iters: int, seed: int):
+    rng = np.random.default_rng(seed)
+    prefix = prompt_tokens // 2
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=1 << 16, block_size=BS, hash_seed=seed), hasher=hasher)
+    prompts = [rng.integers(1, 128000, size=prompt_tokens, dtype=np.int32) for _ in range(64)]
+    slots = np.empty(prompt_tokens, np.int64)
+    kw = dict(indptr=np.empty(2, np.int32), indices=np.empty(MAX_BLOCKS, np.int32),
+              last_page_len=np.empty(1, np.int32), seq_lens=np.empty(1, np.int32), qo_indptr=np.empty(2, np.int32),
+              slot_mapping=slots, copies=np.empty((1, 2), np.int32))
+    seq = 1
+    for p in prompts:
+        assert m.try_admit(seq, p[:prefix + 1]).admitted
+        m.build_batch_metadata([seq], **kw)
+        m.free(seq)
+        seq += 1
+    unique = 1
+    times = []
+    cached = 0
+    for k in range(iters):
+        p = prompts[k % 64]
+        p[prefix] = 1 + (unique % 2_000_000_000)
+        unique += 1
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        r = m.try_admit(seq, p)
+        m.build_batch_metadata([seq], **kw)
+        m.free(seq)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        times.append((t1 - t0, c1 - c0))
+        cached += r.num_cached_tokens
+        seq += 1
+    if cached != iters * prefix:
+        raise RuntimeError("admission did not hit exactly the shared prefix")
+    return times
+
+
+def bench_call_floor(iters: int):
+    """The cheapest bound call (num_tokens of a live sequence): nanobind's crossing alone."""
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=16, block_size=BS))
+    m.try_admit(1, [1, 2, 3])
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        m.num_tokens(1)
+        times.append(time.perf_counter_ns() - t0)
+    return times
+
+
+def run_cpp(bench_dir: str, exe: str, filt: str, repeats: int):
+    path = os.path.join(bench_dir, exe)
+    if not os.access(path, os.X_OK):
+        return None
+    out = subprocess.run([path, f"--benchmark_filter={filt}", f"--benchmark_repetitions={repeats}",
+                          "--benchmark_format=json", "--benchmark_min_time=0.5"],
+                         check=True, capture_output=True, text=True).stdout
+    rows = [b for b in json.loads(out)["benchmarks"] if b.get("aggregate_name") == "median"]
+    if not rows:
+        return None
+    b = rows[0]
+    scale = {"ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}[b["time_unit"]]
+    return b["real_time"] * scale, b["cpu_time"] * scale, b["name"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpp-bench-dir", default="", help="directory holding bench_decode_step and bench_prefix_cache")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=1024, help="decode steps per run")
+    ap.add_argument("--admits", type=int, default=2000, help="admissions per run")
+    ap.add_argument("--hasher", default="sha256")
+    args = ap.parse_args()
+
+    dec, adm = [], []
+    for r in range(args.repeats):
+        dec += bench_decode(args.hasher, 256, args.steps, seed=11 + r)
+        adm += bench_admit(args.hasher, 2048, args.admits, seed=21 + r)
+    floor = bench_call_floor(20000)
+    tmpl = "Sha256Hasher" if args.hasher == "sha256" else "Xxh3Hasher"
+    dec_filter = ("BM_DecodeStep/batch:256/pool_blocks:131072$" if args.hasher == "sha256"
+                  else "BM_DecodeStepXxh3/batch:256/pool_blocks:131072$")
+    cpp = {}
+    if args.cpp_bench_dir:
+        cpp["decode"] = run_cpp(args.cpp_bench_dir, "bench_decode_step", dec_filter, args.repeats)
+        cpp["admit"] = run_cpp(args.cpp_bench_dir, "bench_prefix_cache",
+                               f"BM_AdmitFree<{tmpl}>/prompt_tokens:2048$", args.repeats)
+
+    print(f"pagedkv {pagedkv.__version__}, hasher {args.hasher}, {args.repeats} runs")
+    print("| case | Python wall median (p10-p90) | Python CPU median | C++ wall median | C++ CPU median "
+          "| Python / C++ (CPU) |")
+    print("|---|---|---|---|---|---|")
+    for key, name, xs in (("decode", "decode step, 256 sequences (append_tokens + build into numpy)", dec),
+                          ("admit", "admission, 2048-token prompt half cached (try_admit + build + free)", adm)):
+        wall = [w for w, _ in xs]
+        cpu = [c for _, c in xs]
+        med, cmed = statistics.median(wall) / 1e3, statistics.median(cpu) / 1e3
+        c = cpp.get(key)
+        cw = f"{c[0] / 1e3:.1f} us" if c else "-"
+        cc = f"{c[1] / 1e3:.1f} us" if c else "-"
+        ratio = f"{cmed / (c[1] / 1e3):.2f}" if c else "-"
+        print(f"| {name} | {med:.1f} us ({pct(wall, 0.1) / 1e3:.1f}-{pct(wall, 0.9) / 1e3:.1f}) | {cmed:.1f} us "
+              f"| {cw} | {cc} | {ratio} |")
+    print(f"| one trivial bound call (num_tokens), wall | {statistics.median(floor):.0f} ns | | | | |")
+    for key in ("decode", "admit"):
+        if cpp.get(key):
+            print(f"C++ {key}: {cpp[key][2]} (Google Benchmark: mean per iteration; median of the repetitions)")
+    print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()

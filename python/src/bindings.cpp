@@ -1,0 +1,878 @@
+// python/src/bindings.cpp: the nanobind module pagedkv._pagedkv: KVCacheManager (over both hashers and three
+// eviction policies, selected by name), its result and statistics types, the KV events, and the batch-metadata
+// builder writing into caller-owned numpy arrays. docs/python.md describes the Python API.
+//
+// Conventions of this file:
+//  - Every call that does work releases the GIL (nb::gil_scoped_release) and then takes the manager's mutex: the
+//    C++ manager has one writer, and a released GIL would otherwise let two Python threads into it at once. Nothing
+//    under the mutex touches a Python object; results are copied out under it and converted after.
+//  - Input arrays (token ids, sequence ids) are read in place when they are C-contiguous 1-D numpy arrays of the
+//    exact dtype; a list or tuple of ints is converted element by element; other dtypes are refused (never cast
+//    silently). Output arrays (build_batch_metadata) are written in place and must be writable, C-contiguous and
+//    of the exact dtype: no implicit conversion, which would write into a temporary.
+//  - pagedkv::Error becomes pagedkv.Error's subclass for its code, with the same text (str(e) == what()).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <pagedkv/eviction_priority.hpp>
+#include <pagedkv/eviction_slru.hpp>
+#include <pagedkv/kv_cache_manager.hpp>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace pagedkv::python {
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------------
+// Input arrays: a 1-D view of T, borrowed from a numpy array of dtype T or owned after converting a list.
+
+template <class T>
+struct ArrayIn {
+  using ndarray_type = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+  ndarray_type array;      // keeps a borrowed numpy array alive (the GIL may be released while reading it)
+  std::vector<T> owned;    // a converted list or tuple
+  const T* data = nullptr;
+  std::size_t size = 0;
+  [[nodiscard]] std::span<const T> span() const noexcept { return {data, size}; }
+};
+
+}  // namespace
+}  // namespace pagedkv::python
+
+namespace nanobind::detail {
+
+template <class T>
+struct type_caster<pagedkv::python::ArrayIn<T>> {
+  using Value = pagedkv::python::ArrayIn<T>;
+  static constexpr auto Name =
+      const_name("numpy.typing.NDArray[numpy.") + const_name<std::is_same_v<T, std::int32_t>>(
+                                                      const_name("int32"),
+                                                      const_name<std::is_same_v<T, std::int64_t>>(
+                                                          const_name("int64"), const_name("uint32"))) +
+      const_name("] | collections.abc.Sequence[int]");
+  template <class U>
+  using Cast = movable_cast_t<U>;
+  template <class U>
+  static constexpr bool can_cast() { return true; }
+  Value value;
+  explicit operator Value*() { return &value; }
+  explicit operator Value&() { return value; }
+  explicit operator Value&&() { return std::move(value); }
+
+  bool from_python(handle src, uint8_t flags, cleanup_list* cleanup) noexcept {
+    make_caster<typename Value::ndarray_type> arr;
+    // Never let the ndarray caster convert (it would cast int64 token ids to int32 silently, wrapping).
+    if (arr.from_python(src, (uint8_t)(flags & ~(uint8_t)cast_flags::convert), cleanup)) {
+      value.array = arr.value;
+      value.data = value.array.data();
+      value.size = value.array.shape(0);
+      return true;
+    }
+    if (!PyList_Check(src.ptr()) && !PyTuple_Check(src.ptr())) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(src.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(src.ptr());
+    try {
+      value.owned.resize(static_cast<std::size_t>(n));
+    } catch (...) {
+      return false;
+    }
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      make_caster<T> c;  // range-checked: an int outside T's range is refused
+      if (!c.from_python(items[i], flags & ~(uint8_t)cast_flags::convert, cleanup)) return false;
+      value.owned[static_cast<std::size_t>(i)] = c.value;
+    }
+    value.data = value.owned.data();
+    value.size = value.owned.size();
+    return true;
+  }
+};
+
+}  // namespace nanobind::detail
+
+namespace pagedkv::python {
+namespace {
+
+using Tokens = ArrayIn<std::int32_t>;
+using SeqIds = ArrayIn<std::int64_t>;
+using U32s = ArrayIn<std::uint32_t>;
+
+// Output arrays of build_batch_metadata: writable, exact dtype, C-contiguous, host memory.
+using OutI32 = nb::ndarray<std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using OutI64 = nb::ndarray<std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using OutI32Table = nb::ndarray<std::int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using OutPairs = nb::ndarray<std::int32_t, nb::shape<-1, 2>, nb::c_contig, nb::device::cpu>;
+using OutU8 = nb::ndarray<std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+[[noreturn]] void bad_shape(std::string msg) { detail::raise(Errc::kBadShape, std::move(msg)); }
+[[noreturn]] void invalid(std::string msg) { detail::raise(Errc::kInvalidArgument, std::move(msg)); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The manager over every (hasher, eviction) pair, selected by name at construction.
+
+using Id = std::uint32_t;
+using Managers = std::variant<KVCacheManager<Sha256Hasher, Id, LruEviction<Id>>,
+                              KVCacheManager<Sha256Hasher, Id, SlruEviction<Id>>,
+                              KVCacheManager<Sha256Hasher, Id, PriorityLruEviction<Id>>,
+                              KVCacheManager<Xxh3Hasher, Id, LruEviction<Id>>,
+                              KVCacheManager<Xxh3Hasher, Id, SlruEviction<Id>>,
+                              KVCacheManager<Xxh3Hasher, Id, PriorityLruEviction<Id>>>;
+
+Managers make_manager(const CacheConfig& config, const std::string& hasher, const std::string& eviction) {
+  int h = -1;
+  if (hasher == "sha256") h = 0;
+  if (hasher == "xxh3" || hasher == "xxh3_128") h = 1;
+  if (h < 0) invalid("KVCacheManager: hasher = \"" + hasher + "\": expected \"sha256\" or \"xxh3\"");
+  int e = -1;
+  if (eviction == "lru") e = 0;
+  if (eviction == "slru") e = 1;
+  if (eviction == "priority") e = 2;
+  if (e < 0) invalid("KVCacheManager: eviction = \"" + eviction + "\": expected \"lru\", \"slru\" or \"priority\"");
+  switch (h * 3 + e) {
+    case 0: return Managers(std::in_place_index<0>, config);
+    case 1: return Managers(std::in_place_index<1>, config);
+    case 2: return Managers(std::in_place_index<2>, config);
+    case 3: return Managers(std::in_place_index<3>, config);
+    case 4: return Managers(std::in_place_index<4>, config);
+    default: return Managers(std::in_place_index<5>, config);
+  }
+}
+
+/// Result of try_append / try_reserve / try_reserve_lookahead, owning its slots (the C++ span is invalidated by
+/// the next call).
+struct PyAppendResult {
+  AppendStatus status = AppendStatus::kNoCapacity;
+  std::vector<std::int64_t> slots;
+  std::optional<std::pair<Id, Id>> copy;
+  std::size_t num_missing_blocks = 0;
+};
+
+template <class R>
+PyAppendResult to_py(const R& r) {
+  PyAppendResult p;
+  p.status = r.status;
+  p.slots.assign(r.slots.begin(), r.slots.end());
+  if (r.copy) p.copy = std::pair<Id, Id>{r.copy->src, r.copy->dst};
+  p.num_missing_blocks = r.num_missing_blocks;
+  return p;
+}
+
+AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved) {
+  AdmitOptions o;
+  o.max_cached_tokens = max_cached_tokens;
+  o.num_reserved_tokens = num_reserved;
+  return o;
+}
+
+class Manager {
+ public:
+  Manager(const CacheConfig& config, const std::string& hasher, const std::string& eviction)
+      : m_(make_manager(config, hasher, eviction)),
+        hasher_(m_.index() < 3 ? "sha256" : "xxh3"),
+        eviction_(eviction) {}
+
+  // Runs f(manager) with the GIL released and the manager's mutex held.
+  template <class F>
+  decltype(auto) work(F&& f) {
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::visit(std::forward<F>(f), m_);
+  }
+  // Runs f(manager) with the GIL held (cheap getters) and the mutex held.
+  template <class F>
+  decltype(auto) peek(F&& f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::visit(std::forward<F>(f), m_);
+  }
+
+  const std::string& hasher() const noexcept { return hasher_; }
+  const std::string& eviction() const noexcept { return eviction_; }
+
+ private:
+  Managers m_;
+  std::mutex mu_;
+  std::string hasher_, eviction_;
+};
+
+// Batched decode step: one token per sequence. Every id is checked first, as try_append checks it (live, no
+// prompt tokens without slots, no lookahead, within max_tokens_per_seq), so a refused batch changes nothing.
+template <class M>
+void append_tokens_into(M& m, std::span<const std::int64_t> ids, std::span<const TokenId> tokens,
+                        std::uint8_t* status) {
+  if (ids.size() != tokens.size()) {
+    bad_shape("append_tokens: " + std::to_string(ids.size()) + " sequence ids but " + std::to_string(tokens.size()) +
+              " tokens (one token per sequence)");
+  }
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const SeqId seq = static_cast<SeqId>(ids[i]);
+    if (!m.contains(seq)) {
+      detail::raise(Errc::kUnknownSequence,
+                    "append_tokens: seq_ids[" + std::to_string(i) + "] = " + std::to_string(seq) + " is not live");
+    }
+    const auto& q = m.sequence(seq);
+    if (q.num_unslotted() != 0 || q.num_lookahead != 0) {
+      invalid("append_tokens: seq_ids[" + std::to_string(i) + "] = " + std::to_string(seq) + " has " +
+              std::to_string(q.num_unslotted()) + " prompt tokens without slots and " +
+              std::to_string(q.num_lookahead) + " lookahead slots (reserve or commit them first)");
+    }
+  }
+  // A sequence may appear c times (c tokens): it must stay within max_tokens_per_seq after all of them. Only a
+  // sequence within n tokens of the limit can fail, so the O(n) count runs for those only (none, usually).
+  const std::size_t limit = m.max_tokens_per_seq();
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const SeqId seq = static_cast<SeqId>(ids[i]);
+    const std::size_t known = m.sequence(seq).num_known();
+    std::size_t grow = 1;
+    if (known + ids.size() > limit) {
+      grow = 0;
+      for (std::int64_t id : ids) grow += (id == ids[i]);
+    }
+    if (known + grow > limit) {
+      detail::raise(Errc::kLimitExceeded, "append_tokens: seq_ids[" + std::to_string(i) + "] = " +
+                                              std::to_string(seq) + " would reach " + std::to_string(known + grow) +
+                                              " tokens, above max_tokens_per_seq = " + std::to_string(limit));
+    }
+  }
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    status[i] = static_cast<std::uint8_t>(m.try_append(static_cast<SeqId>(ids[i]), tokens.subspan(i, 1)).status);
+  }
+}
+
+RequestKeys make_keys(std::uint64_t adapter_id, const std::string& salt,
+                      const std::vector<MultimodalItem>& multimodal) {
+  RequestKeys k;
+  k.adapter_id = adapter_id;
+  k.salt = salt;
+  k.multimodal = multimodal;
+  return k;
+}
+
+BlockHash hash_from_bytes(const nb::bytes& b, const char* what) {
+  if (b.size() != 16) {
+    invalid(std::string(what) + ": a block hash is 16 bytes, got " + std::to_string(b.size()));
+  }
+  BlockHash h;
+  std::memcpy(h.bytes.data(), b.c_str(), 16);
+  return h;
+}
+
+nb::bytes hash_to_bytes(const BlockHash& h) { return nb::bytes(reinterpret_cast<const char*>(h.bytes.data()), 16); }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Exceptions: pagedkv.Error (with .code, .message) and one subclass per Errc.
+
+PyObject* g_error = nullptr;
+PyObject* g_errors[8] = {};
+
+void register_errors(nb::module_& m) {
+  g_error = PyErr_NewExceptionWithDoc(
+      "pagedkv.Error",
+      "Misuse of a pagedkv call (pagedkv::Error). `code` is the stable pagedkv.Errc, `message` the text without the "
+      "\"pagedkv: <code>: \" prefix; str(e) is the C++ what(). The call changed nothing.",
+      PyExc_Exception, nullptr);
+  m.attr("Error") = nb::borrow(g_error);
+  struct Sub {
+    Errc code;
+    const char* name;
+    PyObject* also;
+  };
+  const Sub subs[] = {
+      {Errc::kInvalidArgument, "InvalidArgumentError", PyExc_ValueError},
+      {Errc::kUnknownSequence, "UnknownSequenceError", PyExc_LookupError},
+      {Errc::kDuplicateSequence, "DuplicateSequenceError", PyExc_ValueError},
+      {Errc::kDoubleFree, "DoubleFreeError", PyExc_RuntimeError},
+      {Errc::kLimitExceeded, "LimitExceededError", PyExc_ValueError},
+      {Errc::kBlockOutOfRange, "BlockOutOfRangeError", PyExc_IndexError},
+      {Errc::kBadShape, "BadShapeError", PyExc_ValueError},
+  };
+  for (const Sub& s : subs) {
+    const std::string qual = std::string("pagedkv.") + s.name;
+    const std::string doc = std::string("pagedkv.Error with code ") + to_string(s.code) + ".";
+    nb::object bases = nb::make_tuple(nb::borrow(g_error), nb::borrow(s.also));
+    PyObject* t = PyErr_NewExceptionWithDoc(qual.c_str(), doc.c_str(), bases.ptr(), nullptr);
+    nb::object code = m.attr("Errc")(static_cast<int>(s.code));
+    PyObject_SetAttrString(t, "code", code.ptr());
+    g_errors[static_cast<int>(s.code)] = t;
+    m.attr(s.name) = nb::borrow(t);
+  }
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      const int c = static_cast<int>(e.code());
+      PyObject* type = (c >= 1 && c <= 7 && g_errors[c] != nullptr) ? g_errors[c] : g_error;
+      nb::object errc = nb::module_::import_("pagedkv._pagedkv").attr("Errc")(c);
+      nb::object exc = nb::borrow(type)(nb::str(e.what()));
+      exc.attr("code") = errc;
+      exc.attr("message") = nb::str(e.message().c_str());
+      PyErr_SetObject(type, exc.ptr());
+    }
+  });
+}
+
+template <class T>
+std::string repr_fields(const char* name, std::initializer_list<std::pair<const char*, T>> f) {
+  std::string s = std::string(name) + "(";
+  bool first = true;
+  for (const auto& [k, v] : f) {
+    if (!first) s += ", ";
+    first = false;
+    s += k;
+    s += "=";
+    s += std::to_string(v);
+  }
+  return s + ")";
+}
+
+}  // namespace
+}  // namespace pagedkv::python
+
+NB_MODULE(_pagedkv, m) {
+  using namespace pagedkv;
+  using namespace pagedkv::python;
+  m.doc() = "pagedkv: paged KV-cache management (block tables, prefix caching, eviction, events) for LLM "
+            "serving schedulers. See docs/python.md.";
+  m.attr("__version__") = std::to_string(PAGEDKV_VERSION_MAJOR) + "." + std::to_string(PAGEDKV_VERSION_MINOR) + "." +
+                          std::to_string(PAGEDKV_VERSION_PATCH);
+
+  nb::enum_<Errc>(m, "Errc", nb::is_arithmetic(), "Stable error codes of pagedkv.Error (error.hpp).")
+      .value("INVALID_ARGUMENT", Errc::kInvalidArgument)
+      .value("UNKNOWN_SEQUENCE", Errc::kUnknownSequence)
+      .value("DUPLICATE_SEQUENCE", Errc::kDuplicateSequence)
+      .value("DOUBLE_FREE", Errc::kDoubleFree)
+      .value("LIMIT_EXCEEDED", Errc::kLimitExceeded)
+      .value("BLOCK_OUT_OF_RANGE", Errc::kBlockOutOfRange)
+      .value("BAD_SHAPE", Errc::kBadShape);
+  register_errors(m);
+
+  nb::enum_<OffloadPolicy>(m, "OffloadPolicy", "When cached device blocks are copied to the host tier.")
+      .value("NONE", OffloadPolicy::kNone)
+      .value("WRITE_BACK", OffloadPolicy::kWriteBack)
+      .value("WRITE_THROUGH", OffloadPolicy::kWriteThrough);
+  nb::enum_<PreemptMode>(m, "PreemptMode", "How preempt() frees a running sequence's device blocks.")
+      .value("RECOMPUTE", PreemptMode::kRecompute)
+      .value("SWAP", PreemptMode::kSwap);
+  nb::enum_<AdmitStatus>(m, "AdmitStatus", nb::is_arithmetic(), "Outcome of an admission.")
+      .value("ADMITTED", AdmitStatus::kAdmitted)
+      .value("NO_CAPACITY", AdmitStatus::kNoCapacity)
+      .value("NEVER_FITS", AdmitStatus::kNeverFits)
+      .value("TRANSFER_PENDING", AdmitStatus::kTransferPending);
+  nb::enum_<AppendStatus>(m, "AppendStatus", nb::is_arithmetic(),
+                          "Outcome of an append or reservation (also the values of append_tokens' status array).")
+      .value("OK", AppendStatus::kOk)
+      .value("NO_CAPACITY", AppendStatus::kNoCapacity)
+      .value("NEVER_FITS", AppendStatus::kNeverFits);
+  nb::enum_<CapacityStatus>(m, "CapacityStatus", nb::is_arithmetic(), "Outcome of a capacity query.")
+      .value("FITS", CapacityStatus::kFits)
+      .value("NO_CAPACITY", CapacityStatus::kNoCapacity)
+      .value("NEVER_FITS", CapacityStatus::kNeverFits);
+  nb::enum_<KVEventType>(m, "KVEventType", "Kind of a KV-cache event (vLLM's BlockStored / BlockRemoved / "
+                                           "AllBlocksCleared).")
+      .value("BLOCK_STORED", KVEventType::kBlockStored)
+      .value("BLOCK_REMOVED", KVEventType::kBlockRemoved)
+      .value("ALL_CLEARED", KVEventType::kAllCleared);
+  nb::enum_<Medium>(m, "Medium", "Memory tier of a block (vLLM's medium).")
+      .value("GPU", Medium::kGpu)
+      .value("CPU", Medium::kCpu);
+
+  nb::class_<CacheConfig>(m, "CacheConfig", "Configuration of one KV pool (kv_cache_manager.hpp CacheConfig).")
+      .def(
+          "__init__",
+          [](CacheConfig* c, std::size_t num_blocks, std::uint32_t block_size, bool enable_prefix_caching,
+             std::uint64_t hash_seed, std::size_t max_tokens_per_seq, bool enable_events, std::size_t num_host_blocks,
+             OffloadPolicy offload, std::uint8_t min_offload_priority) {
+            new (c) CacheConfig{num_blocks,     block_size,      enable_prefix_caching, hash_seed, max_tokens_per_seq,
+                                enable_events, num_host_blocks, offload,               min_offload_priority};
+          },
+          "num_blocks"_a, "block_size"_a = kDefaultBlockSize, "enable_prefix_caching"_a = true, "hash_seed"_a = 0,
+          "max_tokens_per_seq"_a = 0, "enable_events"_a = false, "num_host_blocks"_a = 0,
+          "offload"_a = OffloadPolicy::kWriteBack, "min_offload_priority"_a = 0,
+          "num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; "
+          "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier. Checked by KVCacheManager.")
+      .def_rw("num_blocks", &CacheConfig::num_blocks)
+      .def_rw("block_size", &CacheConfig::block_size)
+      .def_rw("enable_prefix_caching", &CacheConfig::enable_prefix_caching)
+      .def_rw("hash_seed", &CacheConfig::hash_seed)
+      .def_rw("max_tokens_per_seq", &CacheConfig::max_tokens_per_seq)
+      .def_rw("enable_events", &CacheConfig::enable_events)
+      .def_rw("num_host_blocks", &CacheConfig::num_host_blocks)
+      .def_rw("offload", &CacheConfig::offload)
+      .def_rw("min_offload_priority", &CacheConfig::min_offload_priority)
+      .def("__repr__", [](const CacheConfig& c) {
+        return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
+               std::to_string(c.block_size) + ", enable_prefix_caching=" + (c.enable_prefix_caching ? "True" : "False") +
+               ", hash_seed=" + std::to_string(c.hash_seed) + ", max_tokens_per_seq=" +
+               std::to_string(c.max_tokens_per_seq) + ", enable_events=" + (c.enable_events ? "True" : "False") +
+               ", num_host_blocks=" + std::to_string(c.num_host_blocks) + ")";
+      });
+
+  nb::class_<MultimodalItem>(m, "MultimodalItem",
+                             "A multimodal input at prompt positions [offset_tokens, offset_tokens + length_tokens); "
+                             "item_hash (16 bytes) identifies its content.")
+      .def(
+          "__init__",
+          [](MultimodalItem* p, nb::bytes item_hash, std::uint64_t offset_tokens, std::uint64_t length_tokens) {
+            new (p) MultimodalItem{hash_from_bytes(item_hash, "MultimodalItem"), offset_tokens, length_tokens};
+          },
+          "item_hash"_a, "offset_tokens"_a, "length_tokens"_a)
+      .def_prop_ro("item_hash", [](const MultimodalItem& i) { return hash_to_bytes(i.item_hash); })
+      .def_ro("offset_tokens", &MultimodalItem::offset_tokens)
+      .def_ro("length_tokens", &MultimodalItem::length_tokens);
+
+  nb::class_<RequestKeys>(m, "RequestKeys",
+                          "Per-request extra keys mixed into block hashes (vLLM's extra keys): LoRA adapter id "
+                          "(0 = base model), cache salt (first block only), multimodal items sorted by offset.")
+      .def(
+          "__init__",
+          [](RequestKeys* k, std::uint64_t adapter_id, const std::string& salt,
+             const std::vector<MultimodalItem>& multimodal) { new (k) RequestKeys(make_keys(adapter_id, salt, multimodal)); },
+          "adapter_id"_a = 0, "salt"_a = "", "multimodal"_a = std::vector<MultimodalItem>{})
+      .def_ro("adapter_id", &RequestKeys::adapter_id)
+      .def_ro("salt", &RequestKeys::salt)
+      .def_ro("multimodal", &RequestKeys::multimodal);
+
+  nb::class_<AdmitResult>(m, "AdmitResult", "Result of try_admit / try_resume. Only ADMITTED changed state.")
+      .def_ro("status", &AdmitResult::status)
+      .def_ro("num_cached_tokens", &AdmitResult::num_cached_tokens, "Prompt tokens found in the prefix cache.")
+      .def_ro("num_host_cached_tokens", &AdmitResult::num_host_cached_tokens, "Of which served by the host tier.")
+      .def_ro("num_new_blocks", &AdmitResult::num_new_blocks, "Blocks taken from the pool.")
+      .def_ro("num_missing_blocks", &AdmitResult::num_missing_blocks,
+              "NO_CAPACITY: blocks missing now; NEVER_FITS: beyond the pool; 0 when admitted.")
+      .def_prop_ro("admitted", &AdmitResult::admitted)
+      .def("__bool__", &AdmitResult::admitted)
+      .def("__repr__", [](const AdmitResult& r) {
+        return "AdmitResult(status=" + std::to_string(static_cast<int>(r.status)) +
+               ", num_cached_tokens=" + std::to_string(r.num_cached_tokens) +
+               ", num_new_blocks=" + std::to_string(r.num_new_blocks) +
+               ", num_missing_blocks=" + std::to_string(r.num_missing_blocks) + ")";
+      });
+
+  nb::class_<PyAppendResult>(m, "AppendResult",
+                             "Result of try_append / try_reserve / try_reserve_lookahead. `slots` are the slots "
+                             "reserved (block * block_size + offset); the build's slot mapping is the authority.")
+      .def_ro("status", &PyAppendResult::status)
+      .def_ro("slots", &PyAppendResult::slots)
+      .def_ro("copy", &PyAppendResult::copy, "The copy-on-write (src, dst) this call needs, or None.")
+      .def_ro("num_missing_blocks", &PyAppendResult::num_missing_blocks)
+      .def_prop_ro("ok", [](const PyAppendResult& r) { return r.status == AppendStatus::kOk; })
+      .def("__bool__", [](const PyAppendResult& r) { return r.status == AppendStatus::kOk; })
+      .def("__repr__", [](const PyAppendResult& r) {
+        return "AppendResult(status=" + std::to_string(static_cast<int>(r.status)) + ", slots=" +
+               std::to_string(r.slots.size()) + " slots, copy=" +
+               (r.copy ? "(" + std::to_string(r.copy->first) + ", " + std::to_string(r.copy->second) + ")"
+                       : std::string("None")) +
+               ", num_missing_blocks=" + std::to_string(r.num_missing_blocks) + ")";
+      });
+
+  nb::class_<CapacityQuery>(m, "CapacityQuery", "What an admission or growth would take from the pool now.")
+      .def_ro("status", &CapacityQuery::status)
+      .def_ro("num_blocks", &CapacityQuery::num_blocks)
+      .def_ro("num_missing_blocks", &CapacityQuery::num_missing_blocks)
+      .def_ro("num_cached_tokens", &CapacityQuery::num_cached_tokens)
+      .def_prop_ro("fits", &CapacityQuery::fits)
+      .def("__bool__", &CapacityQuery::fits);
+
+  nb::class_<BatchMetadataSizes>(m, "BatchMetadataSizes", "What one build wrote: the live extents in the buffers.")
+      .def_ro("batch_size", &BatchMetadataSizes::batch_size)
+      .def_ro("num_indices", &BatchMetadataSizes::num_indices)
+      .def_ro("num_new_tokens", &BatchMetadataSizes::num_new_tokens)
+      .def_ro("num_copies", &BatchMetadataSizes::num_copies)
+      .def_ro("num_swap_out", &BatchMetadataSizes::num_swap_out)
+      .def_ro("num_swap_in", &BatchMetadataSizes::num_swap_in)
+      .def_ro("transfer_token", &BatchMetadataSizes::transfer_token)
+      .def("__repr__", [](const BatchMetadataSizes& s) {
+        return repr_fields<std::uint64_t>("BatchMetadataSizes", {{"batch_size", s.batch_size},
+                                                                 {"num_indices", s.num_indices},
+                                                                 {"num_new_tokens", s.num_new_tokens},
+                                                                 {"num_copies", s.num_copies},
+                                                                 {"num_swap_out", s.num_swap_out},
+                                                                 {"num_swap_in", s.num_swap_in},
+                                                                 {"transfer_token", s.transfer_token}});
+      });
+
+  nb::class_<BatchMetadataLimits>(m, "BatchMetadataLimits", "An engine's fixed limits for one build.")
+      .def(
+          "__init__",
+          [](BatchMetadataLimits* l, std::size_t max_batch, std::size_t max_tokens_per_step,
+             std::size_t max_blocks_per_seq, std::size_t max_copies, std::size_t max_swaps) {
+            new (l) BatchMetadataLimits{max_batch, max_tokens_per_step, max_blocks_per_seq, max_copies, max_swaps};
+          },
+          "max_batch"_a, "max_tokens_per_step"_a, "max_blocks_per_seq"_a, "max_copies"_a = 0, "max_swaps"_a = 0)
+      .def_rw("max_batch", &BatchMetadataLimits::max_batch)
+      .def_rw("max_tokens_per_step", &BatchMetadataLimits::max_tokens_per_step)
+      .def_rw("max_blocks_per_seq", &BatchMetadataLimits::max_blocks_per_seq)
+      .def_rw("max_copies", &BatchMetadataLimits::max_copies)
+      .def_rw("max_swaps", &BatchMetadataLimits::max_swaps);
+
+  nb::class_<BatchMetadataCapacity>(m, "BatchMetadataCapacity",
+                                    "Entries of each buffer for some limits (copies / swaps: int32 entries, two per "
+                                    "pair).")
+      .def_ro("indptr", &BatchMetadataCapacity::indptr)
+      .def_ro("indices", &BatchMetadataCapacity::indices)
+      .def_ro("last_page_len", &BatchMetadataCapacity::last_page_len)
+      .def_ro("block_tables", &BatchMetadataCapacity::block_tables)
+      .def_ro("seq_lens", &BatchMetadataCapacity::seq_lens)
+      .def_ro("qo_indptr", &BatchMetadataCapacity::qo_indptr)
+      .def_ro("slot_mapping", &BatchMetadataCapacity::slot_mapping)
+      .def_ro("copies", &BatchMetadataCapacity::copies)
+      .def_ro("swap_out", &BatchMetadataCapacity::swap_out)
+      .def_ro("swap_in", &BatchMetadataCapacity::swap_in)
+      .def_ro("max_blocks_per_seq", &BatchMetadataCapacity::max_blocks_per_seq);
+  m.def("batch_metadata_capacity", &batch_metadata_capacity, "limits"_a,
+        "Capacities of the buffers a build writes for an engine with `limits`. Raises InvalidArgumentError (a "
+        "limit is 0) or LimitExceededError (beyond the int32 metadata).");
+
+  nb::class_<CacheStats>(m, "CacheStats", "Lifetime counters and block counts of a KVCacheManager (stats.hpp).")
+      .def_ro("num_usable_blocks", &CacheStats::num_usable_blocks)
+      .def_ro("blocks_used", &CacheStats::blocks_used)
+      .def_ro("blocks_cached", &CacheStats::blocks_cached)
+      .def_ro("blocks_free", &CacheStats::blocks_free)
+      .def_ro("usage", &CacheStats::usage)
+      .def_ro("prefix_query_requests", &CacheStats::prefix_query_requests)
+      .def_ro("prefix_hit_requests", &CacheStats::prefix_hit_requests)
+      .def_ro("prefix_query_tokens", &CacheStats::prefix_query_tokens)
+      .def_ro("prefix_hit_tokens", &CacheStats::prefix_hit_tokens)
+      .def_ro("readmitted_requests", &CacheStats::readmitted_requests)
+      .def_ro("readmitted_query_tokens", &CacheStats::readmitted_query_tokens)
+      .def_ro("readmitted_hit_tokens", &CacheStats::readmitted_hit_tokens)
+      .def_ro("evictions", &CacheStats::evictions)
+      .def_ro("cow_copies", &CacheStats::cow_copies)
+      .def_ro("dedup_blocks", &CacheStats::dedup_blocks)
+      .def_ro("preemptions", &CacheStats::preemptions)
+      .def_ro("block_ops", &CacheStats::block_ops)
+      .def_ro("host_num_usable_blocks", &CacheStats::host_num_usable_blocks)
+      .def_ro("host_blocks_used", &CacheStats::host_blocks_used)
+      .def_ro("host_blocks_cached", &CacheStats::host_blocks_cached)
+      .def_ro("host_blocks_free", &CacheStats::host_blocks_free)
+      .def_ro("host_hit_tokens", &CacheStats::host_hit_tokens)
+      .def_ro("host_evictions", &CacheStats::host_evictions)
+      .def_ro("offloads", &CacheStats::offloads)
+      .def_ro("offloads_dropped", &CacheStats::offloads_dropped)
+      .def_ro("offloads_below_priority", &CacheStats::offloads_below_priority)
+      .def_ro("onboards", &CacheStats::onboards)
+      .def_ro("swap_outs", &CacheStats::swap_outs)
+      .def_ro("swap_ins", &CacheStats::swap_ins)
+      .def_ro("transfers_in_flight", &CacheStats::transfers_in_flight)
+      .def_ro("transfers_queued", &CacheStats::transfers_queued)
+      .def_ro("events_lost", &CacheStats::events_lost)
+      .def("as_dict", [](const CacheStats& s) {
+        nb::dict d;
+        nb::object self = nb::cast(s);
+        for (const char* k :
+             {"num_usable_blocks", "blocks_used", "blocks_cached", "blocks_free", "usage", "prefix_query_requests",
+              "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "readmitted_requests",
+              "readmitted_query_tokens", "readmitted_hit_tokens", "evictions", "cow_copies", "dedup_blocks",
+              "preemptions", "block_ops", "host_num_usable_blocks", "host_blocks_used", "host_blocks_cached",
+              "host_blocks_free", "host_hit_tokens", "host_evictions", "offloads", "offloads_dropped",
+              "offloads_below_priority", "onboards", "swap_outs", "swap_ins", "transfers_in_flight",
+              "transfers_queued", "events_lost"}) {
+          d[k] = self.attr(k);
+        }
+        return d;
+      }, "Every field as a dict (compare two snapshots with ==).");
+
+  nb::class_<PrefixCacheStats>(m, "PrefixCacheStats",
+                               "Prefix-cache statistics of one interval, with vLLM's field names (queries / hits "
+                               "are prompt tokens).")
+      .def_ro("reset", &PrefixCacheStats::reset)
+      .def_ro("requests", &PrefixCacheStats::requests)
+      .def_ro("queries", &PrefixCacheStats::queries)
+      .def_ro("hits", &PrefixCacheStats::hits)
+      .def_ro("preempted_requests", &PrefixCacheStats::preempted_requests)
+      .def_ro("preempted_queries", &PrefixCacheStats::preempted_queries)
+      .def_ro("preempted_hits", &PrefixCacheStats::preempted_hits)
+      .def_prop_ro("hit_rate", &PrefixCacheStats::hit_rate)
+      .def_prop_ro("preempted_hit_rate", &PrefixCacheStats::preempted_hit_rate);
+
+  nb::class_<KVEvent>(m, "KVEvent", "One KV-cache event (events.hpp): hashes are 16-byte bytes objects.")
+      .def_ro("seq_no", &KVEvent::seq_no)
+      .def_ro("type", &KVEvent::type)
+      .def_prop_ro("hash", [](const KVEvent& e) { return hash_to_bytes(e.hash); })
+      .def_prop_ro("parent_hash",
+                   [](const KVEvent& e) -> std::optional<nb::bytes> {
+                     if (!e.parent_hash) return std::nullopt;
+                     return hash_to_bytes(*e.parent_hash);
+                   })
+      .def_ro("token_ids", &KVEvent::token_ids)
+      .def_ro("block_size", &KVEvent::block_size)
+      .def_ro("block_start", &KVEvent::block_start)
+      .def_ro("adapter_id", &KVEvent::adapter_id)
+      .def_ro("multimodal_items", &KVEvent::multimodal_items)
+      .def_ro("salt", &KVEvent::salt)
+      .def_ro("medium", &KVEvent::medium)
+      .def_ro("group", &KVEvent::group);
+  nb::class_<KVEventBatch>(m, "KVEventBatch", "The events of one engine step (vLLM's KVEventBatch).")
+      .def_ro("seq_no", &KVEventBatch::seq_no)
+      .def_ro("ts", &KVEventBatch::ts)
+      .def_ro("events", &KVEventBatch::events);
+
+  // ---- the manager ----
+  nb::class_<Manager>(m, "KVCacheManager",
+                      "The KV-cache manager a scheduler calls, one per KV pool (kv_cache_manager.hpp). `hasher`: "
+                      "\"sha256\" (default) or \"xxh3\"; `eviction`: \"lru\" (default), \"slru\" or \"priority\". "
+                      "Thread-safe in Python: each call holds the manager's lock (the GIL is released while it "
+                      "works).")
+      .def(nb::init<const CacheConfig&, const std::string&, const std::string&>(), "config"_a,
+           "hasher"_a = "sha256", "eviction"_a = "lru",
+           "Raises InvalidArgumentError (num_blocks < 2, block_size outside [1, 65536], unknown hasher or "
+           "eviction) or LimitExceededError (num_blocks > 2^31, max_tokens_per_seq > 2^31 - 1).")
+      .def_prop_ro("hasher", &Manager::hasher)
+      .def_prop_ro("eviction", &Manager::eviction)
+      .def_prop_ro("config", [](Manager& s) { return s.peek([](auto& mm) { return mm.config(); }); })
+      .def_prop_ro("block_size", [](Manager& s) { return s.peek([](auto& mm) { return mm.block_size(); }); })
+      .def_prop_ro("max_tokens_per_seq",
+                   [](Manager& s) { return s.peek([](auto& mm) { return mm.max_tokens_per_seq(); }); })
+      .def(
+          "try_admit",
+          [](Manager& s, SeqId seq, const Tokens& prompt, const RequestKeys* keys,
+             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+            return s.work([&](auto& mm) { return mm.try_admit(seq, prompt.span(), keys, o); });
+          },
+          "seq"_a, "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(),
+          "Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. Raises DuplicateSequenceError, "
+          "InvalidArgumentError (empty prompt, bad multimodal item), LimitExceededError (prompt > "
+          "max_tokens_per_seq).")
+      .def(
+          "try_append",
+          [](Manager& s, SeqId seq, const Tokens& tokens) {
+            return s.work([&](auto& mm) { return to_py(mm.try_append(seq, tokens.span())); });
+          },
+          "seq"_a, "tokens"_a,
+          "Append `tokens` to live sequence `seq`, reserving their slots (copy-on-write of a shared tail first). "
+          "Raises UnknownSequenceError, LimitExceededError, InvalidArgumentError.")
+      .def(
+          "append_tokens",
+          [](Manager& s, const SeqIds& seq_ids, const Tokens& tokens, std::optional<OutU8> out) {
+            const std::size_t n = seq_ids.size;
+            std::uint8_t* status = nullptr;
+            nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>> result;
+            if (out) {
+              if (out->shape(0) < n) {
+                bad_shape("append_tokens: out holds " + std::to_string(out->shape(0)) + " entries for " +
+                          std::to_string(n) + " sequences");
+              }
+              status = out->data();
+              result = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(status, {n}, nb::cast(*out));
+            } else {
+              auto* buf = new std::uint8_t[n == 0 ? 1 : n];
+              nb::capsule owner(buf, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
+              status = buf;
+              result = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(buf, {n}, owner);
+            }
+            s.work([&](auto& mm) { append_tokens_into(mm, seq_ids.span(), tokens.span(), status); });
+            return result;
+          },
+          "seq_ids"_a, "tokens"_a, "out"_a.noconvert() = nb::none(),
+          "Decode step in one call: try_append(seq_ids[i], [tokens[i]]) for every i, in order. Returns the uint8 "
+          "AppendStatus of each (a new array, or a view of the first len(seq_ids) entries of `out` if given). Every id is checked first (live, no prompt tokens without "
+          "slots, no lookahead, within max_tokens_per_seq), so a raised error changes nothing.")
+      .def(
+          "try_reserve",
+          [](Manager& s, SeqId seq, std::size_t n) {
+            return s.work([&](auto& mm) { return to_py(mm.try_reserve(seq, n)); });
+          },
+          "seq"_a, "n"_a, "Chunked prefill: reserve slots for the next `n` prompt tokens of `seq`, all or nothing.")
+      .def(
+          "try_reserve_lookahead",
+          [](Manager& s, SeqId seq, std::size_t k) {
+            return s.work([&](auto& mm) { return to_py(mm.try_reserve_lookahead(seq, k)); });
+          },
+          "seq"_a, "k"_a, "Speculative decoding: reserve `k` lookahead slots after the last token of `seq`.")
+      .def(
+          "commit_lookahead",
+          [](Manager& s, SeqId seq, const Tokens& accepted) {
+            s.work([&](auto& mm) { mm.commit_lookahead(seq, accepted.span()); });
+          },
+          "seq"_a, "accepted"_a, "Keep the accepted draft tokens of the outstanding lookahead, rewind the rest.")
+      .def(
+          "fork",
+          [](Manager& s, SeqId parent, SeqId child) { s.work([&](auto& mm) { mm.fork(parent, child); }); },
+          "parent"_a, "child"_a, "Share every block of settled `parent` with new sequence `child`.")
+      .def(
+          "free", [](Manager& s, SeqId seq) { s.work([&](auto& mm) { mm.free(seq); }); }, "seq"_a,
+          "Free sequence `seq` (live or swapped). Raises UnknownSequenceError (also on a double free).")
+      .def(
+          "free_many",
+          [](Manager& s, const SeqIds& seq_ids) {
+            s.work([&](auto& mm) {
+              const auto ids = seq_ids.span();
+              for (std::size_t i = 0; i < ids.size(); ++i) {
+                const SeqId seq = static_cast<SeqId>(ids[i]);
+                if (!mm.contains(seq) && !mm.is_swapped(seq)) {
+                  detail::raise(Errc::kUnknownSequence, "free_many: seq_ids[" + std::to_string(i) + "] = " +
+                                                            std::to_string(seq) + " is not live");
+                }
+              }
+              std::vector<std::int64_t> sorted(ids.begin(), ids.end());
+              std::sort(sorted.begin(), sorted.end());
+              if (const auto d = std::adjacent_find(sorted.begin(), sorted.end()); d != sorted.end()) {
+                detail::raise(Errc::kUnknownSequence, "free_many: sequence " + std::to_string(static_cast<SeqId>(*d)) +
+                                                          " appears twice in seq_ids (a double free)");
+              }
+              for (std::int64_t id : ids) mm.free(static_cast<SeqId>(id));
+            });
+          },
+          "seq_ids"_a,
+          "Free every sequence of `seq_ids` (int64). All are checked first (live or swapped, no repeats), so a "
+          "raised UnknownSequenceError frees nothing.")
+      .def(
+          "preempt",
+          [](Manager& s, SeqId seq, PreemptMode mode) {
+            return s.work([&](auto& mm) { return mm.preempt(seq, mode); });
+          },
+          "seq"_a, "mode"_a = PreemptMode::kRecompute,
+          "Preempt running sequence `seq`. RECOMPUTE frees it (counted as a preemption); SWAP copies its blocks to "
+          "the host tier (returns False, changing nothing, when the tier is full).")
+      .def(
+          "try_resume", [](Manager& s, SeqId seq) { return s.work([&](auto& mm) { return mm.try_resume(seq); }); },
+          "seq"_a, "Resume swapped sequence `seq`.")
+      .def(
+          "rewind", [](Manager& s, SeqId seq, std::size_t n) { s.work([&](auto& mm) { mm.rewind(seq, n); }); },
+          "seq"_a, "n"_a, "Drop the last `n` tokens of `seq`. Raises UnknownSequenceError, LimitExceededError.")
+      .def(
+          "lookup",
+          [](Manager& s, const Tokens& prompt, const RequestKeys* keys, std::optional<std::size_t> max_cached) {
+            return s.work([&](auto& mm) { return mm.lookup(prompt.span(), keys, max_cached); });
+          },
+          "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "Cached prefix length in tokens of `prompt` if it were admitted now (pure).")
+      .def(
+          "query_admit",
+          [](Manager& s, const Tokens& prompt, const RequestKeys* keys, std::optional<std::size_t> max_cached_tokens,
+             std::optional<std::size_t> num_reserved_tokens) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+            return s.work([&](auto& mm) { return mm.query_admit(prompt.span(), keys, o); });
+          },
+          "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(), "What try_admit would take now (pure).")
+      .def(
+          "query_append",
+          [](Manager& s, SeqId seq, std::size_t n) {
+            return s.work([&](auto& mm) { return mm.query_append(seq, n); });
+          },
+          "seq"_a, "n"_a, "What growing `seq` by `n` slots would take now (pure).")
+      .def(
+          "__contains__", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.contains(seq); }); },
+          "seq"_a)
+      .def(
+          "contains", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.contains(seq); }); },
+          "seq"_a, "Whether `seq` is live.")
+      .def_prop_ro("num_sequences",
+                   [](Manager& s) { return s.peek([](auto& mm) { return mm.num_sequences(); }); })
+      .def("__len__", [](Manager& s) { return s.peek([](auto& mm) { return mm.num_sequences(); }); })
+      .def(
+          "num_tokens", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.num_tokens(seq); }); },
+          "seq"_a, "Tokens of live sequence `seq` (positions with slots).")
+      .def(
+          "block_ids",
+          [](Manager& s, SeqId seq) {
+            std::vector<std::uint32_t> v =
+                s.peek([&](auto& mm) { auto b = mm.block_ids(seq); return std::vector<std::uint32_t>(b.begin(), b.end()); });
+            auto* heap = new std::vector<std::uint32_t>(std::move(v));
+            nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<std::uint32_t>*>(p); });
+            return nb::ndarray<nb::numpy, std::uint32_t, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
+          },
+          "seq"_a, "Block ids of live sequence `seq` (a new uint32 array).")
+      .def(
+          "token_ids",
+          [](Manager& s, SeqId seq) {
+            return s.peek([&](auto& mm) { auto t = mm.token_ids(seq); return std::vector<TokenId>(t.begin(), t.end()); });
+          },
+          "seq"_a, "Token ids of live sequence `seq` (a new list).")
+      .def(
+          "pending_slots", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.pending_slots(seq); }); },
+          "seq"_a, "Slots of the pending (unbuilt) positions of `seq`.")
+      .def(
+          "is_swapped", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.is_swapped(seq); }); },
+          "seq"_a)
+      .def("stats", [](Manager& s) { return s.peek([](auto& mm) { return mm.stats(); }); }, "Counters now.")
+      .def("take_prefix_cache_stats",
+           [](Manager& s) { return s.peek([](auto& mm) { return mm.take_prefix_cache_stats(); }); },
+           "Prefix-cache statistics since the previous call (vLLM's PrefixCacheStats).")
+      .def("reset_prefix_cache", [](Manager& s) { return s.work([](auto& mm) { return mm.reset_prefix_cache(); }); },
+           "Drop every block hash; False (nothing changed) while a block is referenced.")
+      .def(
+          "complete_transfers",
+          [](Manager& s, std::uint64_t token) { s.work([&](auto& mm) { mm.complete_transfers(token); }); },
+          "token"_a, "The copies of the build that returned `token` (transfer_token) have completed.")
+      .def(
+          "take_event_batch",
+          [](Manager& s, double ts) { return s.work([&](auto& mm) { return mm.take_event_batch(ts); }); }, "ts"_a,
+          "The events since the last take or drain as the next numbered KVEventBatch, or None.")
+      .def(
+          "drain_events",
+          [](Manager& s) {
+            return s.work([](auto& mm) {
+              std::vector<KVEvent> out;
+              mm.drain_events(out);
+              return out;
+            });
+          },
+          "The recorded events (oldest first), unbatched.")
+      .def(
+          "build_batch_metadata",
+          [](Manager& s, const SeqIds& batch, std::optional<OutI32> indptr, std::optional<OutI32> indices,
+             std::optional<OutI32> last_page_len, std::optional<OutI32Table> block_tables,
+             std::optional<OutI32> seq_lens, std::optional<OutI32> qo_indptr, std::optional<OutI64> slot_mapping,
+             std::optional<OutPairs> copies, std::optional<OutPairs> swap_out, std::optional<OutPairs> swap_in,
+             std::optional<U32s> num_scheduled_tokens) {
+            BatchMetadataBuffers buf;
+            auto span32 = [](std::optional<OutI32>& a) {
+              return a ? std::span<std::int32_t>(a->data(), a->shape(0)) : std::span<std::int32_t>{};
+            };
+            auto pairs = [](std::optional<OutPairs>& a) {
+              return a ? std::span<std::int32_t>(a->data(), 2 * a->shape(0)) : std::span<std::int32_t>{};
+            };
+            buf.indptr = span32(indptr);
+            buf.indices = span32(indices);
+            buf.last_page_len = span32(last_page_len);
+            if (block_tables) {
+              if (block_tables->shape(1) > kMaxMetadataValue) {
+                bad_shape("build_batch_metadata: block_tables has " + std::to_string(block_tables->shape(1)) +
+                          " columns, above the int32 limit");
+              }
+              buf.block_tables = {block_tables->data(), block_tables->shape(0) * block_tables->shape(1)};
+              buf.max_blocks_per_seq = static_cast<std::int32_t>(block_tables->shape(1));
+            }
+            buf.seq_lens = span32(seq_lens);
+            buf.qo_indptr = span32(qo_indptr);
+            if (slot_mapping) buf.slot_mapping = {slot_mapping->data(), slot_mapping->shape(0)};
+            buf.copies = pairs(copies);
+            buf.swap_out = pairs(swap_out);
+            buf.swap_in = pairs(swap_in);
+            const std::span<const std::uint32_t> sched =
+                num_scheduled_tokens ? num_scheduled_tokens->span() : std::span<const std::uint32_t>{};
+            const std::span<const std::int64_t> ids = batch.span();
+            static_assert(sizeof(SeqId) == sizeof(std::int64_t));
+            const std::span<const SeqId> seqs(reinterpret_cast<const SeqId*>(ids.data()), ids.size());
+            return s.work([&](auto& mm) { return mm.build_batch_metadata(seqs, buf, sched); });
+          },
+          "batch"_a, nb::kw_only(), "indptr"_a.noconvert() = nb::none(), "indices"_a.noconvert() = nb::none(),
+          "last_page_len"_a.noconvert() = nb::none(), "block_tables"_a.noconvert() = nb::none(),
+          "seq_lens"_a.noconvert() = nb::none(), "qo_indptr"_a.noconvert() = nb::none(),
+          "slot_mapping"_a.noconvert() = nb::none(), "copies"_a.noconvert() = nb::none(),
+          "swap_out"_a.noconvert() = nb::none(), "swap_in"_a.noconvert() = nb::none(),
+          "num_scheduled_tokens"_a = nb::none(),
+          "Write this step's metadata for the sequences `batch` (int64 ids, in order) straight into the given numpy "
+          "arrays (int32; slot_mapping int64; block_tables [max_batch, max_blocks_per_seq]; copies / swap_out / "
+          "swap_in [n, 2]); None skips an output. Returns the sizes written. Nothing is copied: the arrays are "
+          "written in place, so pinned host buffers can be reused step after step. Raises as the C++ call "
+          "(UnknownSequenceError, InvalidArgumentError, BadShapeError, LimitExceededError); then nothing is "
+          "written and nothing changes.");
+}
