@@ -357,7 +357,9 @@ elif ! ver_ge "$cmake_version" "$cmake_min"; then
   missing+=("cmake $cmake_version is older than $cmake_min")
 fi
 nvcc_version=$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | grep -o '[0-9.]*' || true)
-if [[ -z "$nvcc_version" ]]; then
+if [[ -z "$nvcc_version" ]] && command -v nvcc >/dev/null 2>&1; then
+  missing+=("nvcc ($(command -v nvcc)) does not run or report a version")
+elif [[ -z "$nvcc_version" ]]; then
   missing+=("nvcc (>= $nvcc_min) not found on PATH or in /usr/local/cuda/bin")
 elif ! ver_ge "$nvcc_version" "$nvcc_min"; then
   missing+=("nvcc $nvcc_version is older than $nvcc_min")
@@ -464,7 +466,7 @@ if (( probe_rc != 0 )); then
     for s in "${stage_order[@]}"; do st_status[$s]="not run (no device)"; done
     finish FAIL "$reason" 3
   fi
-  say "$reason; GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1: building and running anyway (dry run, the verdict stays FAIL)"
+  say "$reason; GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1: $([[ $mode == bundle ]] && echo "running the bundle" || echo "building and running") anyway (dry run, the verdict stays FAIL)"
 fi
 write_summary
 
