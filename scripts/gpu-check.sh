@@ -2,8 +2,9 @@
 # scripts/gpu-check.sh: the one command to run on a GPU machine; a definitive answer in one call, inside a deadline.
 #
 #   scripts/gpu-check.sh [--seed N]
+#   scripts/gpu-check.sh --source-hash | --probe-source   (used by scripts/stage-gpu-deps.sh --bundle)
 #   environment: OUT, GPU_CHECK_DEADLINE_S (420), GPU_CHECK_SEED, CMAKE_CUDA_ARCHITECTURES, PAGEDKV_GPU_BUILD_DIR,
-#                JOBS, GPU_CHECK_SANITIZER (1), GPU_CHECK_CONTINUE_WITHOUT_DEVICE (0)
+#                JOBS, GPU_CHECK_SANITIZER (1), GPU_CHECK_CONTINUE_WITHOUT_DEVICE (0), GPU_CHECK_USE_BUNDLE (0)
 #
 # Needs (checked first, in this order; the check refuses to start and names what is missing):
 #   1. CMake >= 3.25 (cuda/CMakeLists.txt's minimum; `ctest --test-dir` needs 3.20, `--no-tests=error` 3.17);
@@ -44,6 +45,19 @@
 #
 # Dry run on a machine without a GPU: GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1 goes on past the failed probe to build and
 # run the tests (which skip), to show the counting and the stage budget; the verdict is still FAIL.
+#
+# Prebuilt bundle (fallback when the GPU machine's toolchain fails): `scripts/stage-gpu-deps.sh --bundle` builds here
+# the test binary, bench_kernels and the probe for sm_90 with the static CUDA runtime and static libstdc++/libgcc
+# into .gpu-deps/bundle/ (BUNDLE: revision, source hash, glibc needed; gpu_tests.tsv / host_tests.tsv: every CTest
+# test's name and arguments, from the build's CTest files). It is run instead of building when the preflight refuses
+# (cmake / nvcc / C++20 compiler / Catch2 header missing), the probe does not compile, or the build stage fails or
+# is cut, and always with GPU_CHECK_USE_BUNDLE=1 (which refuses, exit 2, when the bundle is unusable). Usable means:
+# its commit is .gpu-deps/REVISION's, its source hash (include/, cuda/, tests/cuda/, benchmarks/cuda/,
+# src/error.cpp) is this tree's, this machine's glibc is at least the one its binaries need, and the binaries'
+# sha256 match. Otherwise it is never run and the verdict says why. The bundle path runs the same stages under the
+# same deadline (the build's share goes to the later stages), each GPU test family through the bundled binary with
+# the same per-test timeout and JOBS in parallel (no CTest), and counts and reports the same way; summary.json adds
+# "mode" ("build" or "bundle"), "mode_reason" and "bundle", and the verdict line ends with the bundle note.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export PATH="$PATH:/usr/local/cuda/bin"
@@ -57,13 +71,54 @@ json_str() { printf '%s' "$1" | sed 's/\\/\\\\/g; s/"/\\"/g' | tr -d '\n\r\t'; }
 now() { date +%s; }
 
 seed=${GPU_CHECK_SEED:-}
+print_source_hash=0
+print_probe_source=0
 while (( $# > 0 )); do
   case $1 in
     --seed) seed=${2:-}; shift 2 ;;
     --seed=*) seed=${1#--seed=}; shift ;;
-    *) echo "usage: scripts/gpu-check.sh [--seed N]" >&2; exit 2 ;;
+    --source-hash) print_source_hash=1; shift ;;
+    --probe-source) print_probe_source=1; shift ;;
+    *) echo "usage: scripts/gpu-check.sh [--seed N] | --source-hash | --probe-source" >&2; exit 2 ;;
   esac
 done
+# The device probe's source (also compiled into the bundle by scripts/stage-gpu-deps.sh --bundle).
+probe_source() {
+  cat <<'EOF'
+// Written by scripts/gpu-check.sh: what the device is, before anything else is built.
+#include <cstdio>
+#include <cuda_runtime.h>
+int main() {
+  int n = 0, driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  std::printf("driver_version=%d\nruntime_version=%d\n", driver, runtime);
+  if (e != cudaSuccess || n == 0) {
+    std::printf("error=%s\n", e != cudaSuccess ? cudaGetErrorString(e) : "device count 0");
+    return 3;
+  }
+  cudaDeviceProp p{};
+  cudaGetDeviceProperties(&p, 0);
+  int sms = 0, mclk = 0, bus = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  cudaDeviceGetAttribute(&mclk, cudaDevAttrMemoryClockRate, 0);
+  cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, 0);
+  std::printf("devices=%d\nname=%s\ncc=%d%d\nsms=%d\nmemory_gib=%.1f\nmemory_clock_mhz=%d\nbus_bits=%d\n", n,
+              p.name, p.major, p.minor, sms, p.totalGlobalMem / 1073741824.0, mclk / 1000, bus);
+  std::printf("spec_bandwidth_gbps=%.1f\n", 2.0 * mclk * 1e3 * bus / 8 / 1e9);
+  return 0;
+}
+EOF
+}
+# source_hash: sha256 over the sources the GPU binaries are built from (paths and contents, C locale order); the
+# bundle records it at staging, and the check compares it with the tree that travelled (`.git` does not travel).
+source_hash() {
+  (cd "$root" && find include cuda tests/cuda benchmarks/cuda src/error.cpp -type f ! -name '*.pyc' ! -name '*.swp' \
+     ! -path '*/__pycache__/*' -print0 2>/dev/null | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-64)
+}
+if (( print_probe_source )); then probe_source; exit 0; fi
+if (( print_source_hash )); then source_hash; exit 0; fi
 if [[ -z "$seed" ]]; then seed=$(( $(od -An -N6 -tu8 /dev/urandom | tr -d ' ') )); fi
 if ! [[ "$seed" =~ ^[0-9]+$ ]]; then echo "gpu-check: --seed wants a non-negative integer, got '$seed'" >&2; exit 2; fi
 export PAGEDKV_GPU_SEED=$seed
@@ -114,6 +169,58 @@ revision() {  # key from .gpu-deps/REVISION, else git, else unknown
   echo "${v:-unknown}"
 }
 
+# ---- the prebuilt bundle (.gpu-deps/bundle, scripts/stage-gpu-deps.sh --bundle) ---------------------------------
+bundle="$root/.gpu-deps/bundle"
+bundle_state="none"   # none | ok | why it is unusable
+mode=build            # build | bundle
+mode_reason=""
+bundle_note=""        # appended to the verdict line
+bundle_get() { [[ -f "$bundle/BUNDLE" ]] && grep -m1 "^$1=" "$bundle/BUNDLE" | cut -d= -f2- ; true; }
+bundle_check() {  # sets bundle_state
+  [[ -e "$bundle" ]] || { bundle_state="none"; return; }
+  local f want have glibc_need glibc_have sum
+  for f in BUNDLE gpu_tests.tsv host_tests.tsv pagedkv_cuda_tests bench_kernels probe; do
+    [[ -s "$bundle/$f" ]] || { bundle_state="incomplete (no $f)"; return; }
+  done
+  want=$(bundle_get commit); have=$(revision commit)
+  if [[ "$want" != "$have" ]]; then
+    bundle_state="built for another revision (bundle commit ${want:0:12}, tree ${have:0:12})"; return
+  fi
+  want=$(bundle_get source_hash); have=$(source_hash)
+  if [[ "$want" != "$have" ]]; then
+    bundle_state="built from other sources (bundle source hash ${want:0:12}, tree ${have:0:12})"; return
+  fi
+  for f in pagedkv_cuda_tests bench_kernels probe; do
+    sum=$(sha256sum "$bundle/$f" 2>/dev/null | cut -c1-64)
+    [[ "$sum" == "$(bundle_get "sha256_$f")" ]] || { bundle_state="damaged ($f sha256 differs from BUNDLE)"; return; }
+    [[ -x "$bundle/$f" ]] || chmod +x "$bundle/$f" 2>/dev/null || { bundle_state="$f not executable"; return; }
+  done
+  glibc_need=$(bundle_get glibc_required); glibc_need=${glibc_need#GLIBC_}
+  glibc_have=$(getconf GNU_LIBC_VERSION 2>/dev/null | grep -o '[0-9][0-9.]*' || true)
+  if [[ -z "$glibc_have" ]]; then
+    bundle_state="this machine's glibc version is unknown (needs >= ${glibc_need})"; return
+  elif ! ver_ge "$glibc_have" "${glibc_need:-0}"; then
+    bundle_state="needs glibc >= $glibc_need, this machine has $glibc_have"; return
+  fi
+  bundle_state="ok"
+}
+# use_bundle WHY: switch to the bundle path (caller checked bundle_state == ok).
+use_bundle() {
+  mode=bundle
+  mode_reason=$1
+  arch=$(bundle_get cuda_architectures)
+  bundle_note="ran the prebuilt bundle (commit $(bundle_get commit | cut -c1-12), sm_$arch, CUDA runtime $(bundle_get cuda_runtime) static): $1"
+  say "$bundle_note"
+}
+# no_bundle WHY: the bundle would have been used for WHY but is unusable (or absent): say so in the verdict.
+no_bundle() {
+  case $bundle_state in
+    ok) ;;
+    none) bundle_note="no prebuilt bundle to fall back on (scripts/stage-gpu-deps.sh --bundle)" ;;
+    *) bundle_note="bundle not run: $bundle_state" ;;
+  esac
+}
+
 write_summary() {
   [[ -n "$out" && -d "$out" ]] || return 0
   local tmp="$out/.summary.json.tmp" s first=1
@@ -130,6 +237,12 @@ write_summary() {
       "$(json_str "$clocks_smi")" "$(probe_get spec_bandwidth_gbps)" "${arch:-}"
     printf '  "tools": {"cmake": "%s", "nvcc": "%s", "cxx": "%s"},\n' "$(json_str "${cmake_version:-}")" \
       "$(json_str "${nvcc_version:-}")" "$(json_str "${cxx:-}")"
+    printf '  "mode": "%s",\n  "mode_reason": "%s",\n' "$mode" "$(json_str "$mode_reason")"
+    printf '  "bundle": {"state": "%s", "commit": "%s", "source_hash": "%s", "cuda_architectures": "%s", "cuda_runtime": "%s",\n' \
+      "$(json_str "$bundle_state")" "$(json_str "$(bundle_get commit)")" "$(json_str "$(bundle_get source_hash)")" \
+      "$(json_str "$(bundle_get cuda_architectures)")" "$(json_str "$(bundle_get cuda_runtime)")"
+    printf '             "glibc_required": "%s", "built_at": "%s", "note": "%s"},\n' \
+      "$(json_str "$(bundle_get glibc_required)")" "$(json_str "$(bundle_get built_at)")" "$(json_str "$bundle_note")"
     printf '  "gpu_tests": {"label": "gpu", "registered": %d, "passed": %d, "failed": %d, "skipped": %d, "not_finished": %d,\n' \
       "$registered" "$passed" "$failed" "$skipped" "$not_finished"
     printf '                "failed_names": "%s", "skipped_names": "%s"},\n' "$(json_str "$failed_names")" \
@@ -204,9 +317,11 @@ finish() {  # STATUS REASON EXIT
   else
     verdict_line="gpu-check: $1: $2: $counts; sanitizer: $san; seed $seed; $(( $(now) - start_all )) s of $deadline_s s"
   fi
+  verdict_line+="${bundle_note:+; $bundle_note}"
   if [[ -n "$work" && -d "$work" && -n "$out" ]]; then
     {
       echo "device: $device | driver: $driver_smi | clocks: $clocks_smi | nvcc: ${nvcc_version:-} | cmake: ${cmake_version:-} | sm_${arch:-?}"
+      echo "mode: $mode${mode_reason:+ ($mode_reason)} | bundle: $bundle_state"
       echo "revision: $(revision commit) ($(revision changed_paths) changed paths) | seed $seed (replay: --seed $seed) | deadline ${deadline_s}s"
       for s in "${stage_order[@]}"; do
         printf '  stage %-10s share %4ss  cap %4ss  took %4ss  %s\n' "$s" "${st_share[$s]}" "${st_cap[$s]}" "${st_secs[$s]}" \
@@ -242,7 +357,9 @@ elif ! ver_ge "$cmake_version" "$cmake_min"; then
   missing+=("cmake $cmake_version is older than $cmake_min")
 fi
 nvcc_version=$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | grep -o '[0-9.]*' || true)
-if [[ -z "$nvcc_version" ]]; then
+if [[ -z "$nvcc_version" ]] && command -v nvcc >/dev/null 2>&1; then
+  missing+=("nvcc ($(command -v nvcc)) does not run or report a version")
+elif [[ -z "$nvcc_version" ]]; then
   missing+=("nvcc (>= $nvcc_min) not found on PATH or in /usr/local/cuda/bin")
 elif ! ver_ge "$nvcc_version" "$nvcc_min"; then
   missing+=("nvcc $nvcc_version is older than $nvcc_min")
@@ -260,17 +377,39 @@ fi
 for d in include/pagedkv cuda tests/cuda benchmarks/cuda; do
   [[ -d "$root/$d" ]] || missing+=("$d/ (incomplete work tree)")
 done
-for tool in timeout tar gzip; do
-  command -v "$tool" >/dev/null 2>&1 || missing+=("$tool (coreutils / tar / gzip)")
+missing_base=()   # needed by the bundle path too
+for tool in timeout tar gzip sha256sum xargs; do
+  command -v "$tool" >/dev/null 2>&1 || missing_base+=("$tool (coreutils / tar / gzip / findutils)")
 done
 generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
-if (( ${#missing[@]} > 0 )); then
-  for m in "${missing[@]}"; do echo "gpu-check: missing: $m" >&2; done
-  what=$(IFS=';'; echo "${missing[*]}")
+refuse() {  # WHAT
   if [[ -n "$out" ]]; then mkdir -p "$out" 2>/dev/null || out=""; fi
   for s in "${stage_order[@]}"; do st_status[$s]="not run (refused)"; done
-  finish REFUSED "missing: $what" 2
+  finish REFUSED "$1" 2
+}
+if (( ${#missing_base[@]} > 0 )); then
+  for m in "${missing_base[@]}"; do echo "gpu-check: missing: $m" >&2; done
+  refuse "missing: $(IFS=';'; echo "${missing_base[*]}")"
+fi
+bundle_check
+if [[ "${GPU_CHECK_USE_BUNDLE:-0}" == 1 ]]; then
+  if [[ "$bundle_state" != ok ]]; then
+    no_bundle
+    [[ "$bundle_state" == none ]] && bundle_note="no prebuilt bundle at .gpu-deps/bundle (scripts/stage-gpu-deps.sh --bundle)"
+    refuse "GPU_CHECK_USE_BUNDLE=1 but the bundle is unusable"
+  fi
+  for m in "${missing[@]}"; do say "note: the build path would miss: $m"; done
+  use_bundle "GPU_CHECK_USE_BUNDLE=1"
+elif (( ${#missing[@]} > 0 )); then
+  for m in "${missing[@]}"; do echo "gpu-check: missing: $m" >&2; done
+  what=$(IFS=';'; echo "${missing[*]}")
+  if [[ "$bundle_state" == ok ]]; then
+    use_bundle "the preflight refused the build: missing: $what"
+  else
+    no_bundle
+    refuse "missing: $what"
+  fi
 fi
 
 # ---- 2. device probe ---------------------------------------------------------------------------------------------
@@ -279,45 +418,30 @@ mkdir -p "$build/probe"
 work="$build/check-logs"
 rm -rf "$work"
 mkdir -p "$work"
-cat > "$build/probe/probe.cu" <<'EOF'
-// Written by scripts/gpu-check.sh: what the device is, before anything else is built.
-#include <cstdio>
-#include <cuda_runtime.h>
-int main() {
-  int n = 0, driver = 0, runtime = 0;
-  cudaDriverGetVersion(&driver);
-  cudaRuntimeGetVersion(&runtime);
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  std::printf("driver_version=%d\nruntime_version=%d\n", driver, runtime);
-  if (e != cudaSuccess || n == 0) {
-    std::printf("error=%s\n", e != cudaSuccess ? cudaGetErrorString(e) : "device count 0");
-    return 3;
-  }
-  cudaDeviceProp p{};
-  cudaGetDeviceProperties(&p, 0);
-  int sms = 0, mclk = 0, bus = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  cudaDeviceGetAttribute(&mclk, cudaDevAttrMemoryClockRate, 0);
-  cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, 0);
-  std::printf("devices=%d\nname=%s\ncc=%d%d\nsms=%d\nmemory_gib=%.1f\nmemory_clock_mhz=%d\nbus_bits=%d\n", n,
-              p.name, p.major, p.minor, sms, p.totalGlobalMem / 1073741824.0, mclk / 1000, bus);
-  std::printf("spec_bandwidth_gbps=%.1f\n", 2.0 * mclk * 1e3 * bus / 8 / 1e9);
-  return 0;
-}
-EOF
+probe_source > "$build/probe/probe.cu"
 probe_txt="$work/probe.txt"
-if ! timeout 60 nvcc -std=c++17 -o "$build/probe/probe" "$build/probe/probe.cu" > "$probe_txt" 2>&1; then
+probe_bin="$build/probe/probe"
+if [[ "$mode" == bundle ]]; then
+  probe_bin="$bundle/probe"
+elif ! timeout 60 nvcc -std=c++17 -o "$build/probe/probe" "$build/probe/probe.cu" > "$probe_txt" 2>&1; then
   cat "$probe_txt" >&2
-  [[ -n "$out" ]] && mkdir -p "$out"
-  for s in "${stage_order[@]}"; do st_status[$s]="not run (probe did not compile)"; done
-  finish FAIL "the device probe did not compile with nvcc $nvcc_version" 1
+  cp -f "$probe_txt" "$work/probe_nvcc.txt"
+  if [[ "$bundle_state" == ok ]]; then
+    use_bundle "the device probe did not compile with nvcc $nvcc_version"
+    probe_bin="$bundle/probe"
+  else
+    no_bundle
+    [[ -n "$out" ]] && mkdir -p "$out"
+    for s in "${stage_order[@]}"; do st_status[$s]="not run (probe did not compile)"; done
+    finish FAIL "the device probe did not compile with nvcc $nvcc_version" 1
+  fi
 fi
 probe_rc=0
-timeout 30 "$build/probe/probe" > "$probe_txt" 2>&1 || probe_rc=$?
+timeout 30 "$probe_bin" > "$probe_txt" 2>&1 || probe_rc=$?
 device=$(probe_get name)
 device=${device:-none}
 cc=$(probe_get cc)
-arch=${CMAKE_CUDA_ARCHITECTURES:-${cc:-90}}
+if [[ "$mode" == bundle ]]; then arch=$(bundle_get cuda_architectures); else arch=${CMAKE_CUDA_ARCHITECTURES:-${cc:-90}}; fi
 if [[ -z "$out" ]]; then
   out="$root/benchmarks/results/$(date +%Y-%m-%d)-$(echo "$device" | tr -c 'A-Za-z0-9_.\n-' '-')"
 fi
@@ -333,52 +457,136 @@ else
 fi
 driver_smi=${driver_smi:-"unknown (nvidia-smi: none; CUDA driver API $(probe_get driver_version))"}
 cp -f "$root/.gpu-deps/REVISION" "$work/REVISION" 2>/dev/null || echo "no .gpu-deps/REVISION" > "$work/REVISION"
-say "cmake $cmake_version, nvcc $nvcc_version, device: $device${cc:+ (sm_$cc, $(probe_get sms) SMs)}, driver $driver_smi, seed $seed, deadline ${deadline_s}s -> $out"
+say "mode $mode, cmake ${cmake_version:-none}, nvcc ${nvcc_version:-none}, device: $device${cc:+ (sm_$cc, $(probe_get sms) SMs)}, driver $driver_smi, seed $seed, deadline ${deadline_s}s -> $out"
 if (( probe_rc != 0 )); then
-  reason="no CUDA device ($(probe_get error))"
+  probe_error=$(probe_get error)
+  [[ -z "$probe_error" ]] && probe_error="probe exited $probe_rc: $(tail -n1 "$probe_txt" 2>/dev/null)"
+  reason="no CUDA device ($probe_error)"
   if [[ "${GPU_CHECK_CONTINUE_WITHOUT_DEVICE:-0}" != 1 ]]; then
     for s in "${stage_order[@]}"; do st_status[$s]="not run (no device)"; done
     finish FAIL "$reason" 3
   fi
-  say "$reason; GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1: building and running anyway (dry run, the verdict stays FAIL)"
+  say "$reason; GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1: $([[ $mode == bundle ]] && echo "running the bundle" || echo "building and running") anyway (dry run, the verdict stays FAIL)"
 fi
 write_summary
 
-# ---- 3. configure + build ----------------------------------------------------------------------------------------
+# ---- 3. configure + build (or the prebuilt bundle) ----------------------------------------------------------------
 export GC_ROOT="$root" GC_BUILD="$build" GC_ARCH="$arch" GC_WORK="$work" GC_JOBS="${JOBS:-$(nproc)}"
-export GC_GEN="${generator[*]}"
-run_stage build bash -c '
-  cmake -S "$GC_ROOT/cuda" -B "$GC_BUILD" $GC_GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$GC_ARCH" \
-    -DPAGEDKV_BUILD_TESTS=ON -DPAGEDKV_BUILD_BENCHMARKS=ON -DPAGEDKV_CUDA_PTXAS_VERBOSE=ON > "$GC_WORK/configure.log" 2>&1 \
-    || { echo "configure failed" >> "$GC_WORK/configure.log"; exit 10; }
-  cmake --build "$GC_BUILD" -j "$GC_JOBS" > "$GC_WORK/build.log" 2>&1'
-build_rc=$?
-grep -E "Compiling entry|registers|spill" "$work/build.log" > "$work/ptxas.txt" 2>/dev/null || true
-if (( build_rc != 0 )); then
-  tail -n 30 "$work/configure.log" 2>/dev/null | grep -iE 'error|fail' | head -n 10
-  grep -E 'error|Error' "$work/build.log" 2>/dev/null | head -n 30
-  for s in tests bench torch memcheck racecheck synccheck initcheck; do st_status[$s]="not run (no build)"; done
-  if (( build_rc == 10 )); then finish FAIL "configure failed (configure.log in logs.tar.gz)" 1; fi
-  if (( build_rc == 124 )); then finish FAIL "build cut at its cap (${st_cap[build]} s; deadline ${deadline_s} s)" 1; fi
-  if (( build_rc == 125 )); then finish FAIL "no time left to build (deadline ${deadline_s} s)" 1; fi
-  finish FAIL "build failed (build.log in logs.tar.gz)" 1
+export GC_GEN="${generator[*]}" GC_BUNDLE="$bundle"
+if [[ "$mode" == build ]]; then
+  run_stage build bash -c '
+    cmake -S "$GC_ROOT/cuda" -B "$GC_BUILD" $GC_GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$GC_ARCH" \
+      -DPAGEDKV_BUILD_TESTS=ON -DPAGEDKV_BUILD_BENCHMARKS=ON -DPAGEDKV_CUDA_PTXAS_VERBOSE=ON > "$GC_WORK/configure.log" 2>&1 \
+      || { echo "configure failed" >> "$GC_WORK/configure.log"; exit 10; }
+    cmake --build "$GC_BUILD" -j "$GC_JOBS" > "$GC_WORK/build.log" 2>&1'
+  build_rc=$?
+  grep -E "Compiling entry|registers|spill" "$work/build.log" > "$work/ptxas.txt" 2>/dev/null || true
+  if (( build_rc != 0 )); then
+    tail -n 30 "$work/configure.log" 2>/dev/null | grep -iE 'error|fail' | head -n 10
+    grep -E 'error|Error' "$work/build.log" 2>/dev/null | head -n 30
+    case $build_rc in
+      10) why="configure failed (configure.log in logs.tar.gz)" ;;
+      124) why="build cut at its cap (${st_cap[build]} s; deadline ${deadline_s} s)" ;;
+      125) why="no time left to build (deadline ${deadline_s} s)" ;;
+      *) why="build failed (build.log in logs.tar.gz)" ;;
+    esac
+    if [[ "$bundle_state" == ok ]] && (( build_rc != 125 )); then
+      use_bundle "$why"
+      GC_ARCH=$arch
+    else
+      no_bundle
+      for s in tests bench torch memcheck racecheck synccheck initcheck; do st_status[$s]="not run (no build)"; done
+      finish FAIL "$why" 1
+    fi
+  else
+    say "built in ${st_secs[build]}s (cap ${st_cap[build]}s)"
+  fi
+else
+  skip_stage build "skipped (prebuilt bundle)"
+  banked=${st_share[build]}   # the build's share goes to the later stages
+  echo "prebuilt bundle: no ptxas report (see a build run's ptxas.txt)" > "$work/ptxas.txt"
 fi
-say "built in ${st_secs[build]}s (cap ${st_cap[build]}s)"
+if [[ "$mode" == bundle ]]; then
+  test_bin="$bundle/pagedkv_cuda_tests"
+  bench_bin="$bundle/bench_kernels"
+  cp -f "$bundle/BUNDLE" "$work/BUNDLE"
+else
+  test_bin="$build/tests/cuda/pagedkv_cuda_tests"
+  bench_bin="$build/benchmarks/bench_kernels"
+fi
 
 # ---- 4. tests: every GPU test, counted, in parallel with a per-test timeout -----------------------------------------
-registered=$(ctest --test-dir "$build" -N -L '^gpu$' 2>/dev/null | grep -c 'Test *#' || true)
 tests_cap=$(( ${st_cap[tests]} + banked ))
 per_test=$(( tests_cap - 10 ))
 (( per_test > 90 )) && per_test=90
 (( per_test < 5 )) && per_test=5
-run_stage tests bash -c '
-  ctest --test-dir "$GC_BUILD" -L "^gpu\$" --no-tests=error --output-on-failure -j "$GC_JOBS" --timeout '"$per_test"' \
-    > "$GC_WORK/tests.log" 2>&1
-  rc=$?
-  ctest --test-dir "$GC_BUILD" -L "^cuda_host\$" --no-tests=error --output-on-failure > "$GC_WORK/host_tests.log" 2>&1 \
-    || exit 20
-  exit $rc'
-tests_rc=$?
+if [[ "$mode" == build ]]; then
+  registered=$(ctest --test-dir "$build" -N -L '^gpu$' 2>/dev/null | grep -c 'Test *#' || true)
+  run_stage tests bash -c '
+    ctest --test-dir "$GC_BUILD" -L "^gpu\$" --no-tests=error --output-on-failure -j "$GC_JOBS" --timeout '"$per_test"' \
+      > "$GC_WORK/tests.log" 2>&1
+    rc=$?
+    ctest --test-dir "$GC_BUILD" -L "^cuda_host\$" --no-tests=error --output-on-failure > "$GC_WORK/host_tests.log" 2>&1 \
+      || exit 20
+    exit $rc'
+  tests_rc=$?
+else
+  # The bundle's CTest tests (name, then the test binary's arguments; tab-separated, one per line), run like
+  # `ctest -j JOBS --timeout per_test`: each writes one CTest-style result line (Passed / ***Skipped (exit 77) /
+  # ***Timeout / ***Failed) to tests/LIST.I.result and its output to tests/NAME.log; the lines are gathered into
+  # tests.log / host_tests.log afterwards, so a stage cut at its cap still counts what finished.
+  run_family() {  # LIST I N: returns 0 for passed or skipped, 1 otherwise
+    local list=$1 i=$2 n=$3 line name t0 t1 rc res ms
+    local -a f
+    line=$(sed -n "${i}p" "$GC_BUNDLE/$list.tsv")
+    IFS=$'\t' read -r -a f <<< "$line"
+    name=${f[0]}
+    t0=$(date +%s%N)
+    timeout -k 5 "$GC_PER_TEST" "$GC_BUNDLE/pagedkv_cuda_tests" "${f[@]:1}" > "$GC_WORK/tests/$name.log" 2>&1
+    rc=$?
+    t1=$(date +%s%N)
+    ms=$(( (t1 - t0) / 1000000 ))
+    case $rc in
+      0) res="   Passed" ;;
+      77) res="***Skipped" ;;
+      124|137) res="***Timeout" ;;
+      *) res="***Failed (exit $rc)" ;;
+    esac
+    printf '%3d/%d Test #%d: %s .......... %s %d.%02d sec\n' "$i" "$n" "$i" "$name" "$res" $(( ms / 1000 )) \
+      $(( ms % 1000 / 10 )) > "$GC_WORK/tests/$list.$i.result"
+    [[ $rc == 0 || $rc == 77 ]]
+  }
+  run_list() {  # LIST JOBS
+    local n
+    n=$(grep -c . "$GC_BUNDLE/$1.tsv")
+    seq 1 "$n" | xargs -P "$2" -I{} bash -c 'run_family "$1" "$2" "$3"' _ "$1" {} "$n"
+  }
+  gather() {  # LIST LOG: the result lines in registration order, then the output of each test that did not pass
+    local n i name
+    n=$(grep -c . "$bundle/$1.tsv")
+    {
+      echo "bundle: $(bundle_get commit) $test_bin, -j $GC_JOBS, per-test timeout ${per_test}s"
+      for (( i = 1; i <= n; i++ )); do
+        cat "$work/tests/$1.$i.result" 2>/dev/null
+      done
+      for (( i = 1; i <= n; i++ )); do
+        if [[ -f "$work/tests/$1.$i.result" ]] && ! grep -qE ' Passed |\*\*\*Skipped' "$work/tests/$1.$i.result"; then
+          name=$(sed -n "${i}p" "$bundle/$1.tsv" | cut -f1)
+          echo "---- output of $name:"
+          tail -n 60 "$work/tests/$name.log"
+        fi
+      done
+    } > "$2"
+  }
+  export -f run_family run_list
+  export GC_PER_TEST=$per_test PAGEDKV_GPU_SEED
+  mkdir -p "$work/tests"
+  registered=$(grep -c . "$bundle/gpu_tests.tsv" || true)
+  run_stage tests bash -c 'run_list gpu_tests "$GC_JOBS"; rc=$?; run_list host_tests 1 || exit 20; exit $rc'
+  tests_rc=$?
+  gather gpu_tests "$work/tests.log"
+  gather host_tests "$work/host_tests.log"
+fi
 count() { grep -E 'Test +#[0-9]+:' "$work/tests.log" 2>/dev/null | grep -cE "$1" || true; }
 passed=$(count ' Passed +[0-9.]+ sec')
 skipped=$(count '\*\*\*Skipped')
@@ -392,12 +600,11 @@ skipped_names=$(grep -E 'Test +#[0-9]+:' "$work/tests.log" 2>/dev/null | grep -E
                 sed -E 's/.*Test +#[0-9]+: ([^ ]+).*/\1/' | tr '\n' ' ' | sed 's/ $//')
 host_passed=$(grep -E 'Test +#[0-9]+:' "$work/host_tests.log" 2>/dev/null | grep -cE ' Passed +[0-9.]+ sec' || true)
 host_failed=$(( $(grep -cE 'Test +#[0-9]+:' "$work/host_tests.log" 2>/dev/null || true) - host_passed ))
-grep -hE '^(pagedkv GPU tests: seed|Randomness seeded)' "$work/tests.log" 2>/dev/null | sort -u | head -n 3
+grep -hE '^(pagedkv GPU tests: seed|Randomness seeded)' "$work/tests.log" "$work"/tests/*.log 2>/dev/null | sort -u | head -n 3
 write_summary
-say "GPU tests: $passed passed, $failed failed, $skipped skipped, $not_finished not finished of $registered registered (${st_secs[tests]}s of ${st_cap[tests]}s, per-test timeout ${per_test}s); host-only launcher tests: $host_passed passed, $host_failed failed"
+say "GPU tests ($mode): $passed passed, $failed failed, $skipped skipped, $not_finished not finished of $registered registered (${st_secs[tests]}s of ${st_cap[tests]}s, per-test timeout ${per_test}s); host-only launcher tests: $host_passed passed, $host_failed failed"
 
 # ---- 5. benchmark (also when a test failed: the numbers are still informative) ------------------------------------
-bench_bin="$build/benchmarks/bench_kernels"
 if [[ -x "$bench_bin" ]]; then
   run_stage bench "$bench_bin" --quick --seed "$seed" --json "$work/bench.json" > "$work/bench.txt" 2>&1
   bench_rc=$?
@@ -445,7 +652,7 @@ for tool in memcheck racecheck synccheck initcheck; do
   elif [[ -z "$san" ]]; then
     skip_stage "$tool" "missing (no compute-sanitizer)"
   else
-    run_stage "$tool" "$san" --tool "$tool" --error-exitcode 99 "$build/tests/cuda/pagedkv_cuda_tests" "[sanitize]" \
+    run_stage "$tool" "$san" --tool "$tool" --error-exitcode 99 "$test_bin" "[sanitize]" \
       -w NoTests > "$work/sanitizer_$tool.log" 2>&1
     rc=$?
     line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$work/sanitizer_$tool.log" | tail -n1 | sed 's/^=* *//')
@@ -462,7 +669,7 @@ say "compute-sanitizer: memcheck ${st_status[memcheck]}; racecheck ${st_status[r
 
 # ---- 8. verdict ---------------------------------------------------------------------------------------------------
 reason=""
-if (( probe_rc != 0 )); then reason="no CUDA device ($(probe_get error))"
+if (( probe_rc != 0 )); then reason="no CUDA device ($probe_error)"
 elif (( registered == 0 || passed + failed == 0 )); then reason="no GPU test ran (tests ${st_status[tests]})"
 elif (( failed > 0 )); then reason="GPU tests failed: $failed_names"
 elif (( not_finished > 0 )); then reason="$not_finished GPU tests did not finish (tests ${st_status[tests]})"
