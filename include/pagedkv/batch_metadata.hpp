@@ -27,6 +27,15 @@ inline void check_metadata_value(std::size_t value, const char* what) {
                                     std::to_string(kMaxMetadataValue) + ")");
   }
 }
+
+/// The message of a build refusing row `row` (sequence `id`) for having nothing to compute: no pending slot, or
+/// `num_scheduled_tokens[row] == 0` when `scheduled` (the span was given); `unslotted` prompt tokens still lack slots.
+inline std::string idle_row_message(std::uint64_t id, std::size_t row, bool scheduled, std::size_t unslotted) {
+  return "sequence " + std::to_string(id) + " has no tokens to compute in this build (" +
+         (scheduled ? "num_scheduled_tokens[" + std::to_string(row) + "] = 0" : std::string("no pending slots")) +
+         ", " + std::to_string(unslotted) +
+         " prompt tokens without slots): leave it out of the batch, or give it slots first (try_append, try_reserve)";
+}
 }  // namespace detail
 
 /// Caller-owned output buffers for one step's batch metadata (docs/contract.md sec. 3), in host memory; the engine

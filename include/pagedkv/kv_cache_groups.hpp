@@ -587,13 +587,8 @@ class HybridKVCacheManager {
     // Every row computes something (after the checks of ids, so an unknown or repeated id is named first).
     for (std::size_t r = 0; r < batch.size(); ++r) {
       if (qlen_scratch_[r] != 0) continue;
-      fail(Errc::kInvalidArgument,
-           "sequence " + std::to_string(batch[r]) + " has no tokens to compute in this build (" +
-               (num_scheduled_tokens.empty() ? std::string("no pending slots")
-                                             : "num_scheduled_tokens[" + std::to_string(r) + "] = 0") +
-               ", " + std::to_string(batch_scratch_[r]->unslotted()) +
-               " prompt tokens without slots): leave it out of the batch, or give it slots first "
-               "(try_append, try_reserve)");
+      fail(Errc::kInvalidArgument, detail::idle_row_message(batch[r], r, !num_scheduled_tokens.empty(),
+                                                            batch_scratch_[r]->unslotted()));
     }
     // The copies this build hands out, per group: its batch's own, and those reading a block it writes.
     std::vector<std::size_t> copies_per_group(G, 0);

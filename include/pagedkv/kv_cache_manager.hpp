@@ -942,13 +942,8 @@ class KVCacheManager {
     // Every row computes something (after the checks of ids, so an unknown or repeated id is named first).
     for (std::size_t r = 0; r < batch.size(); ++r) {
       if (qlen_scratch_[r] != 0) continue;
-      fail(Errc::kInvalidArgument,
-           "sequence " + std::to_string(batch[r]) + " has no tokens to compute in this build (" +
-               (num_scheduled_tokens.empty() ? std::string("no pending slots")
-                                             : "num_scheduled_tokens[" + std::to_string(r) + "] = 0") +
-               ", " + std::to_string(batch_scratch_[r]->num_unslotted()) +
-               " prompt tokens without slots): leave it out of the batch, or give it slots first "
-               "(try_append, try_reserve)");
+      fail(Errc::kInvalidArgument, detail::idle_row_message(batch[r], r, !num_scheduled_tokens.empty(),
+                                                            batch_scratch_[r]->num_unslotted()));
     }
     // The copies this build hands out: its batch's own, and those reading a block it writes.
     sz.num_copies = detail::select_batch_copies(
