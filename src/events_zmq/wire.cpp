@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include <msgpack.hpp>
 
@@ -329,9 +330,73 @@ void put_run(Packer& pk, const std::vector<const KVEvent*>& ev, const Run& r, co
   }
 }
 
-std::vector<std::byte> encode_events(const std::vector<const KVEvent*>& ev, double ts, const EncodeOptions& opt,
+/// Parents first: a BlockStored whose parent is stored later in the same batch (in any tier) is moved to just after
+/// that parent's BlockStored, unless an event between them names the block itself or clears everything. Why: a
+/// manager frees a sequence last block first, so a write-back host tier copies (and completes, and reports)
+/// children before parents; llm-d and Dynamo look an event's parent up when they apply it and drop the event when
+/// they do not know it. Only stores move, only later, past events of other blocks: the final state is the same.
+/// O(events) expected.
+std::vector<const KVEvent*> parents_first(const std::vector<const KVEvent*>& ev) {
+  std::unordered_map<BlockHash, std::vector<std::size_t>, BlockHashHasher> stored_at;  // hash -> store positions
+  std::vector<std::size_t> clears;
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i]->type == KVEventType::kBlockStored) stored_at[ev[i]->hash].push_back(i);
+    if (ev[i]->type == KVEventType::kAllCleared) clears.push_back(i);
+  }
+  std::unordered_map<BlockHash, std::vector<std::size_t>, BlockHashHasher> touched;  // hash -> every position
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i]->type != KVEventType::kAllCleared) touched[ev[i]->hash].push_back(i);
+  }
+  const auto next_after = [](const std::vector<std::size_t>& v, std::size_t i) -> std::optional<std::size_t> {
+    const auto it = std::upper_bound(v.begin(), v.end(), i);
+    return it == v.end() ? std::nullopt : std::optional<std::size_t>(*it);
+  };
+  // deferred[j]: events to write right after position j (the parent's store).
+  std::unordered_map<std::size_t, std::vector<std::size_t>> deferred;
+  std::vector<bool> moved(ev.size(), false);
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    const KVEvent& e = *ev[i];
+    if (e.type != KVEventType::kBlockStored || !e.parent_hash) continue;
+    const auto sp = stored_at.find(*e.parent_hash);
+    if (sp == stored_at.end()) continue;
+    const auto j = next_after(sp->second, i);
+    if (!j) continue;
+    const auto own = next_after(touched[e.hash], i);
+    const auto clear = next_after(clears, i);
+    if ((own && *own < *j) || (clear && *clear < *j)) continue;
+    deferred[*j].push_back(i);
+    moved[i] = true;
+  }
+  if (deferred.empty()) return ev;
+  std::vector<const KVEvent*> out;
+  out.reserve(ev.size());
+  std::vector<std::size_t> stack;
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (moved[i]) continue;
+    stack.assign(1, i);
+    while (!stack.empty()) {  // depth-first: a deferred child may have deferred children of its own
+      const std::size_t k = stack.back();
+      stack.pop_back();
+      out.push_back(ev[k]);
+      if (const auto d = deferred.find(k); d != deferred.end()) {
+        for (auto it = d->second.rbegin(); it != d->second.rend(); ++it) stack.push_back(*it);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::byte> encode_events(const std::vector<const KVEvent*>& in, double ts, const EncodeOptions& opt,
                                      const char* what) {
-  for (std::size_t i = 0; i < ev.size(); ++i) validate(*ev[i], i, what);
+  for (std::size_t i = 0; i < in.size(); ++i) validate(*in[i], i, what);
+  // A moved parent can land after a child that followed it; repeat until stable (each pass only moves stores
+  // later, behind a store of their parent, so chains settle within their depth; bounded all the same).
+  std::vector<const KVEvent*> ev = in;
+  for (int pass = 0; pass < 32; ++pass) {
+    std::vector<const KVEvent*> next = parents_first(ev);
+    if (next == ev) break;
+    ev = std::move(next);
+  }
   const std::vector<Run> runs = make_runs(ev, opt.merge_runs);
   std::size_t tokens = 0;
   for (const KVEvent* e : ev) tokens += e->token_ids.size();
