@@ -391,7 +391,15 @@ std::vector<std::byte> encode_events(const std::vector<const KVEvent*>& in, doub
   for (std::size_t i = 0; i < in.size(); ++i) validate(*in[i], i, what);
   // A moved parent can land after a child that followed it; repeat until stable (each pass only moves stores
   // later, behind a store of their parent, so chains settle within their depth; bounded all the same).
-  std::vector<const KVEvent*> ev = in;
+  std::vector<const KVEvent*> ev;
+  ev.reserve(in.size());
+  for (const KVEvent* e : in) {  // main-attention groups only (EncodeOptions::main_groups_only)
+    if (opt.main_groups_only && !opt.group_specs.empty() && e->type != KVEventType::kAllCleared &&
+        e->group < opt.group_specs.size() && !is_main_attention(opt.group_specs[e->group].kind)) {
+      continue;
+    }
+    ev.push_back(e);
+  }
   for (int pass = 0; pass < 32; ++pass) {
     std::vector<const KVEvent*> next = parents_first(ev);
     if (next == ev) break;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include <pagedkv/block_identity.hpp>
+#include <pagedkv/events_zmq/group_specs.hpp>
 #include <pagedkv/events_zmq/publisher.hpp>
 #include <pagedkv/events_zmq/subscriber.hpp>
 #include <pagedkv/events_zmq/topic.hpp>
@@ -541,4 +542,137 @@ TEST_CASE("fleet: 4 engines publish on loopback; llm-d and Dynamo rule sets inde
   CHECK(cpu_blocks_seen > 0);
   CHECK(nonzero > prompts / 4);
   CHECK(cross_salt > 0);
+}
+
+TEST_CASE("fleet: a hybrid engine (full + sliding-window groups) publishes its full-attention group only; both rule "
+          "sets index it and agree with the group's cached prefix", "[events_zmq][fleet]") {
+  using Hybrid = pagedkv::HybridKVCacheManager<>;
+  pagedkv::HybridCacheConfig c;
+  c.num_blocks = 96;
+  c.block_size = kBlockSize;
+  c.groups = {pagedkv::KVCacheGroupSpec{pagedkv::AttentionKind::kFull, 0, 1},
+              pagedkv::KVCacheGroupSpec{pagedkv::AttentionKind::kSlidingWindow, 8, 1}};
+  c.hash_seed = 5;
+  c.enable_events = true;
+  Hybrid m(c);
+  ev::PublisherOptions po;
+  po.replay_endpoint = "tcp://127.0.0.1:*";
+  po.model_name = kModel;
+  po.pod_id = "hybrid-0";
+  po.encoding.lora_name = [](std::uint64_t a) -> std::optional<std::string> { return lora_name(a); };
+  po.encoding.group_specs = ev::group_specs(c);
+  REQUIRE(po.encoding.group_specs.size() == 2);
+  CHECK(po.encoding.group_specs[1] == ev::GroupSpec{"sliding_window", 8});
+  ev::ZmqPublisher pub(po);
+  pub.set_snapshot_source([&m] { return m.event_snapshot(); });
+  ev::ZmqSubscriber sub({pub.endpoint(), pub.replay_endpoint(), "kv@", 100000});
+  Llmd llmd;
+  llmd.model = kModel;
+  Dynamo dynamo;
+  std::uint64_t non_main = 0, specs_seen = 0;
+  ev::FollowerOptions fo;
+  fo.start_synced_at_zero = true;
+  fo.quiet = milliseconds(2);
+  fo.idle = [&pub] { pub.service_requests(); };
+  ev::EventStreamFollower follower(sub, fo, [&](std::uint64_t, const ev::WireBatch& b, bool) {
+    for (const ev::WireEvent& w : b.events) {
+      if (const auto* s = std::get_if<ev::WireBlockStored>(&w)) {
+        // Dynamo's filter: only main-attention kinds are indexed; none other may reach the wire by default.
+        ++specs_seen;
+        if (!s->kv_cache_spec_kind || !ev::is_main_attention(*s->kv_cache_spec_kind)) ++non_main;
+        CHECK(s->group_idx == std::optional<std::int64_t>(0));
+      }
+    }
+    llmd.apply(b);
+    dynamo.apply(b);
+  });
+
+  // The full-attention group's cached hashes (from the engine's snapshot) and its prefix of a prompt.
+  const auto group0 = [&m] {
+    std::map<std::uint64_t, std::uint64_t> out;
+    for (const pagedkv::KVEvent& e : m.event_snapshot().stored) {
+      if (e.group == 0) out[ev::wire_key(e.hash)] |= 1;
+    }
+    return out;
+  };
+  const auto group0_prefix = [&](const Request& r, const std::map<std::uint64_t, std::uint64_t>& held) {
+    BlockHash parent = pagedkv::PrefixHashIndex<pagedkv::Sha256Hasher>::root_for_seed(c.hash_seed);
+    std::size_t n = 0;
+    for (std::size_t b = 0; b + kBlockSize <= r.prompt.size(); b += kBlockSize, ++n) {
+      parent = pagedkv::PrefixHashIndex<pagedkv::Sha256Hasher>::hash_block(
+          parent, std::span<const TokenId>(r.prompt).subspan(b, kBlockSize), b, &r.keys);
+      if (held.count(ev::wire_key(parent)) == 0) break;
+    }
+    return n;
+  };
+
+  std::mt19937_64 rng(77);
+  std::vector<SeqId> live;
+  SeqId next = 1;
+  std::uint64_t published = 0, prompts = 0, agree = 0, above_engine = 0;
+  for (int step = 0; step < 300; ++step) {
+    const Request r = make_request(rng);
+    if (m.try_admit(next, r.prompt, &r.keys).admitted()) live.push_back(next);
+    ++next;
+    for (const SeqId s : live) {
+      if (rng() % 2 == 0 && m.num_tokens(s) == m.num_built(s)) {
+        (void)m.try_append(s, std::vector<TokenId>{static_cast<TokenId>(rng() % 4)});
+      }
+    }
+    std::vector<SeqId> batch;
+    std::size_t tokens = 0;
+    for (const SeqId s : live) {
+      if (m.num_tokens(s) > m.num_built(s)) {
+        batch.push_back(s);
+        tokens += m.num_tokens(s) - m.num_built(s);
+      }
+    }
+    std::vector<std::vector<std::int64_t>> slots(2, std::vector<std::int64_t>(std::max<std::size_t>(1, tokens), -2));
+    std::vector<std::vector<std::int32_t>> copies(
+        2, std::vector<std::int32_t>(2 * std::max<std::size_t>(1, m.pending_copies().size()), -2));
+    std::vector<pagedkv::BatchMetadataBuffers> bufs(2);
+    for (std::size_t g = 0; g < 2; ++g) {
+      bufs[g].slot_mapping = slots[g];
+      bufs[g].copies = copies[g];
+    }
+    if (!batch.empty()) (void)m.build_batch_metadata(batch, bufs);
+    while (live.size() > 3) {
+      const std::size_t i = rng() % live.size();
+      m.free(live[i]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    if (const auto b = m.take_event_batch(1.8e9 + step)) {
+      pub.publish(*b);
+      published = b->seq_no;
+    }
+    follower.poll(milliseconds(0));
+    if (step % 30 == 29) {
+      REQUIRE(follower.catch_up(published, milliseconds(5000)));
+      const auto held = group0();
+      REQUIRE(model_blocks(llmd) == held);
+      REQUIRE(model_blocks(dynamo) == held);
+      for (int q = 0; q < 5; ++q) {
+        const Request p = make_request(rng);
+        const std::size_t full = group0_prefix(p, held);
+        const std::size_t truth = m.lookup(p.prompt, &p.keys, p.prompt.size()) / kBlockSize;
+        const std::size_t l = llmd.count_prefix(llmd.request_keys(p.prompt, p.keys));
+        const std::size_t d = dynamo.count_prefix(Dynamo::request_keys(p.prompt, p.keys));
+        ++prompts;
+        agree += l == full && d == full ? 1 : 0;
+        above_engine += full > truth ? 1 : 0;
+        CHECK(l == full);
+        CHECK(d == full);
+        CHECK(full >= truth);  // the engine's hit also needs the sliding-window group's blocks
+      }
+    }
+  }
+  WARN("hybrid engine: " << published << " batches, " << specs_seen << " BlockStored events (all group 0, "
+                         << non_main << " of a non-main kind), " << llmd.stored_blocks << " blocks; drops llm-d "
+                         << llmd.dropped_events << ", Dynamo " << dynamo.dropped_events << "; prompts " << prompts
+                         << ": both agree with the full-attention group's prefix " << agree << ", which exceeds "
+                         << "the engine's hybrid hit in " << above_engine);
+  CHECK(non_main == 0);
+  CHECK(llmd.dropped_events == 0);
+  CHECK(dynamo.dropped_events == 0);
+  CHECK(llmd.stored_blocks > 200);
 }

@@ -249,6 +249,7 @@ TEST_CASE("golden: lora_name, CPU tier, a non-UTF-8 salt as bytes", "[events_zmq
     return id == 300 ? std::optional<std::string>("sql") : std::nullopt;
   };
   opt.group_specs = {ev::GroupSpec{}, ev::GroupSpec{}, ev::GroupSpec{"sliding_window", 128}};
+  opt.main_groups_only = false;  // written as vLLM does (by default only main-attention groups are)
   Expect x;
   x.hex("93 cb 3f f8 00 00 00 00 00 00 91 9c ab").text("BlockStored")
       .hex("91 cf 18 19 1a 1b 1c 1d 1e 1f c0 91 01 01")
@@ -270,6 +271,10 @@ TEST_CASE("golden: lora_name, CPU tier, a non-UTF-8 salt as bytes", "[events_zmq
   const auto& s = std::get<ev::WireBlockStored>(d.events.at(0));
   CHECK(s.kv_cache_spec_kind == std::optional<std::string>("sliding_window"));
   CHECK(s.kv_cache_spec_sliding_window == std::optional<std::int64_t>(128));
+  // By default a sliding-window group's events are not written (Dynamo ignores them; llm-d would mis-index them).
+  opt.main_groups_only = true;
+  CHECK(ev::decode_batch(ev::encode_batch(batch, opt)).events.empty());
+  opt.main_groups_only = false;
   // A group the table does not cover is refused, naming it.
   opt.group_specs.resize(2);
   CHECK_THROWS_WITH(ev::encode_batch(batch, opt), Catch::Contains("KV-cache group 2") &&
@@ -704,4 +709,40 @@ TEMPLATE_TEST_CASE("every stored block of a manager's events recomputes from its
                     Catch::Contains("sent as a 64-bit integer"));
   CHECK_THROWS_WITH(ev::rehash_wire_block<TestType>(std::get<ev::WireBlockStored>(d.events[0]), 1, kSeed),
                     Catch::Contains("index out of range"));
+}
+
+TEST_CASE("a block's BlockStored is written after its parent's when both are in one batch", "[events_zmq][wire]") {
+  // Write-back offload completes a freed sequence's blocks last block first: the host tier reports C, B, A for
+  // the chain A <- B <- C. A router applies each store by looking its parent up, so the encoder writes A, B, C.
+  KVEvent a = stored(ramp(0x10), std::nullopt, {1}, 0);
+  KVEvent b = stored(ramp(0x20), ramp(0x10), {2}, 1);
+  KVEvent c = stored(ramp(0x30), ramp(0x20), {3}, 2);
+  for (KVEvent* e : {&a, &b, &c}) e->medium = Medium::kCpu;
+  const auto order = [](const KVEventBatch& batch) {
+    ev::EncodeOptions opt;
+    opt.merge_runs = false;
+    std::vector<std::uint64_t> keys;
+    for (const ev::WireEvent& w : ev::decode_batch(ev::encode_batch(batch, opt)).events) {
+      if (const auto* s = std::get_if<ev::WireBlockStored>(&w)) keys.push_back(s->block_hashes.at(0).key);
+      if (std::holds_alternative<ev::WireBlockRemoved>(w)) keys.push_back(0);
+      if (std::holds_alternative<ev::WireAllBlocksCleared>(w)) keys.push_back(1);
+    }
+    return keys;
+  };
+  const std::uint64_t ka = ev::wire_key(a.hash), kb = ev::wire_key(b.hash), kc = ev::wire_key(c.hash);
+  KVEventBatch batch;
+  batch.events = {c, b, a};
+  CHECK(order(batch) == std::vector<std::uint64_t>{ka, kb, kc});
+  batch.events = {b, c, removed(ramp(0x40)), a};  // other blocks' events are passed, in their order
+  CHECK(order(batch) == std::vector<std::uint64_t>{0, ka, kb, kc});
+  // Never past an event of the block itself, nor past a reset: those stay in place.
+  batch.events = {b, removed(ramp(0x20)), a};
+  CHECK(order(batch) == std::vector<std::uint64_t>{kb, 0, ka});
+  batch.events = {b, cleared(), a};
+  CHECK(order(batch) == std::vector<std::uint64_t>{kb, 1, ka});
+  // Merged, the reordered chain becomes one event.
+  batch.events = {c, b, a};
+  const ev::WireBatch d = ev::decode_batch(ev::encode_batch(batch));
+  REQUIRE(d.events.size() == 1);
+  CHECK(std::get<ev::WireBlockStored>(d.events[0]).block_hashes.size() == 3);
 }

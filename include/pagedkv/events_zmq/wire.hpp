@@ -141,7 +141,19 @@ struct EncodeOptions {
   /// (encode_batch throws kInvalidArgument naming the group otherwise). Written at array positions 10-11 (the
   /// event then has 12 elements, as vLLM >= 0.23 sends) or as map keys.
   std::vector<GroupSpec> group_specs;
+  /// With `group_specs`: write only the events of main-attention groups (kinds "full_attention",
+  /// "mla_attention", "sink_full_attention"; `is_main_attention`). Default true: NVIDIA Dynamo indexes only those
+  /// kinds (zmq_wire filter.rs, `is_main_attention`), and llm-d keys its index by pod and tier without the group,
+  /// so a sliding-window group's removal of a block the full-attention group still holds (same hash) would erase
+  /// it there. False: every group, as vLLM publishes them.
+  bool main_groups_only = true;
 };
+
+/// Whether vLLM's `kv_cache_spec_kind` names a main-attention kind, whose blocks a prefix match can reuse on their
+/// own ("full_attention", "mla_attention", "sink_full_attention"; Dynamo's `KvCacheSpecKind::is_main_attention`).
+[[nodiscard]] constexpr bool is_main_attention(std::string_view kind) noexcept {
+  return kind == "full_attention" || kind == "mla_attention" || kind == "sink_full_attention";
+}
 
 /// The wire form of a 128-bit block hash as an integer (HashFormat::kUint64): bytes 8..15 read big-endian, i.e.
 /// `int.from_bytes(hash, "big") & (2**64 - 1)`, vLLM's own bytes-to-int rule (`maybe_convert_block_hash`).
