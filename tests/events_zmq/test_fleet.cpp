@@ -363,7 +363,7 @@ std::map<std::uint64_t, std::uint64_t> model_blocks(const RouterModel& r) {
 
 }  // namespace
 
-TEST_CASE("fleet: 4 engines publish on loopback; llm-d and Dynamo rule sets index every block and agree with each "
+TEST_CASE("fleet: 4 engines publish on loopback - llm-d and Dynamo rule sets index every block and agree with each "
           "engine's lookup", "[events_zmq][fleet]") {
   std::vector<Engine> fleet(kEngines);
   ev::EncodeOptions enc;  // the defaults under test: array layout, u64 hashes, Dynamo salt form, 64-hex ids
@@ -544,7 +544,7 @@ TEST_CASE("fleet: 4 engines publish on loopback; llm-d and Dynamo rule sets inde
   CHECK(cross_salt > 0);
 }
 
-TEST_CASE("fleet: a hybrid engine (full + sliding-window groups) publishes its full-attention group only; both rule "
+TEST_CASE("fleet: a hybrid engine (full + sliding-window groups) publishes its full-attention group only - both rule "
           "sets index it and agree with the group's cached prefix", "[events_zmq][fleet]") {
   using Hybrid = pagedkv::HybridKVCacheManager<>;
   pagedkv::HybridCacheConfig c;

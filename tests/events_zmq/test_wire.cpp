@@ -176,7 +176,7 @@ TEST_CASE("golden: BlockStored, map layout, integer hashes", "[events_zmq][wire]
   CHECK(got == x.b);
 }
 
-TEST_CASE("golden: keyed blocks merged into one BlockStored, BlockRemoved, AllBlocksCleared; array, 16-byte hashes",
+TEST_CASE("golden: keyed blocks merged into one BlockStored, BlockRemoved, AllBlocksCleared - array, 16-byte hashes",
           "[events_zmq][wire][golden]") {
   ev::EncodeOptions opt;
   opt.hash_format = ev::HashFormat::kBytes16;
