@@ -213,6 +213,33 @@ std::uint64_t llmd_block_key(std::uint64_t parent, std::span<const std::uint32_t
   return fnv1a64(llmd_block_cbor(parent, token_ids, mm_identifiers));
 }
 
+std::vector<std::uint8_t> llmd_block_cbor_mm(std::uint64_t parent, std::span<const std::uint32_t> token_ids,
+                                             std::span<const LlmdMmHash> mm) {
+  CborWriter w;
+  w.array(3);
+  w.uint(parent);
+  w.array(token_ids.size());
+  for (std::uint32_t t : token_ids) w.uint(t);
+  if (mm.empty()) {
+    w.null();
+  } else {
+    w.array(mm.size());
+    for (const LlmdMmHash& m : mm) {
+      w.map(2);
+      w.text("Hash");
+      w.text(m.hash);
+      w.text("Offset");
+      w.sint(m.offset);
+    }
+  }
+  return w.data();
+}
+
+std::uint64_t llmd_block_key_mm(std::uint64_t parent, std::span<const std::uint32_t> token_ids,
+                                std::span<const LlmdMmHash> mm) {
+  return fnv1a64(llmd_block_cbor_mm(parent, token_ids, mm));
+}
+
 std::vector<std::uint64_t> llmd_request_keys(std::span<const std::uint32_t> token_ids, std::size_t block_size,
                                              std::string_view hash_seed, std::string_view model_name) {
   require_block_size(block_size, "llmd_request_keys");

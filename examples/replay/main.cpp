@@ -22,6 +22,7 @@
 
 #include <pagedkv/error.hpp>
 
+#include "publish.hpp"  // PublishFlags: --model-name, --pod-id, --topic, --publish-connect
 #include "hybrid_mode.hpp"
 #include "modes.hpp"
 #include "report.hpp"
@@ -163,6 +164,14 @@ constexpr FlagRule kFlagRules[] = {
     {"--kv-bytes-per-token", "runs with a host tier (the bytes copied between tiers)",
      needs_host_tier},
     {"--publish-wait-ms", "runs with --publish-events",
+     [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--model-name", "runs with --publish-events",
+     [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--pod-id", "runs with --publish-events",
+     [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--topic", "runs with --publish-events",
+     [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--publish-connect", "runs with --publish-events",
      [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
     {"--check", "runs without --model-layers",
      [](const RunShape& r) {
@@ -473,7 +482,8 @@ int main(int argc, char** argv) {
                "Cross-check the derived block and slot counts against the block tables every step (slow)");
   app.add_option("--publish-events", opt.publish_events,
                  "Publish the replay's KV events as it runs on this ZeroMQ endpoint, in vLLM's format (topic "
-                 "kv-events, replay socket on a free port, both printed on stderr; prefix mode: the first "
+                 "kv-events unless --topic / --model-name, replay socket on a free port, both printed on stderr; "
+                 "bound unless --publish-connect; prefix mode: the first "
                  "capacity's pool), e.g. tcp://127.0.0.1:5557 (docs/events-wire.md)");
   std::string model_layers;
   app.add_option("--model-layers", model_layers,
@@ -484,6 +494,22 @@ int main(int argc, char** argv) {
                  "With --publish-events: wait this long after binding, so subscribers can connect first")
       ->check(CLI::Range(0, 600000))
       ->capture_default_str();
+  const auto no_at = CLI::Validator(
+      [](std::string& v) { return v.find('@') == std::string::npos ? std::string() : "\"" + v + "\" contains '@'"; },
+      "TEXT without '@'");
+  app.add_option("--model-name", replay::publish_flags().model_name,
+                 "With --publish-events: the model name routers know; the topic becomes llm-d's "
+                 "kv@<pod-id>@<model-name> (unless --topic is given)")
+      ->check(no_at);
+  app.add_option("--pod-id", replay::publish_flags().pod_id,
+                 "With --publish-events: the pod id of llm-d's topic (default: the host name)")
+      ->check(no_at);
+  app.add_option("--topic", replay::publish_flags().topic,
+                 "With --publish-events: the topic frame of every message (default kv-events, or llm-d's form with "
+                 "--model-name)");
+  app.add_flag("--publish-connect", replay::publish_flags().connect,
+               "With --publish-events: connect the PUB socket to that endpoint (a router that binds one SUB socket "
+               "for its fleet: llm-d's centralized mode) instead of binding it");
 
   try {
     app.parse(argc, argv);

@@ -16,6 +16,11 @@
 
 namespace replay {
 
+PublishFlags& publish_flags() noexcept {
+  static PublishFlags flags;
+  return flags;
+}
+
 #if PAGEDKV_REPLAY_WITH_EVENTS_ZMQ
 
 struct EventPublishing::Impl {
@@ -25,18 +30,23 @@ struct EventPublishing::Impl {
 
 EventPublishing::EventPublishing(const std::string& endpoint, int wait_ms) {
   if (endpoint.empty()) return;
+  const PublishFlags& f = publish_flags();
   pagedkv::events::PublisherOptions o;
   o.endpoint = endpoint;
+  o.mode = f.connect ? pagedkv::events::SocketMode::kConnect : pagedkv::events::SocketMode::kBind;
   o.replay_endpoint = "tcp://127.0.0.1:*";
-  o.topic = "kv-events";
+  o.model_name = f.model_name;
+  o.pod_id = f.pod_id;
+  o.topic = !f.topic.empty() || !f.model_name.empty() ? f.topic : std::string("kv-events");
   o.linger_ms = 2000;
   try {
     impl_ = std::make_unique<Impl>(std::move(o));
   } catch (const pagedkv::Error& e) {
     throw OptionError("--publish-events: " + e.message());
   }
-  std::fprintf(stderr, "pagedkv-replay: publishing KV events on %s (topic kv-events, replay %s)\n",
-               impl_->pub.endpoint().c_str(), impl_->pub.replay_endpoint().c_str());
+  std::fprintf(stderr, "pagedkv-replay: publishing KV events on %s (%s, topic %s, replay %s)\n",
+               impl_->pub.endpoint().c_str(), f.connect ? "connected" : "bound", impl_->pub.topic().c_str(),
+               impl_->pub.replay_endpoint().c_str());
   // Let subscribers connect (ZeroMQ drops what a PUB socket sends before a subscription arrives), answering any
   // replay requests meanwhile.
   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);

@@ -13,10 +13,30 @@
 
 namespace replay {
 
+/// How `--publish-events` publishes, beyond its endpoint: the flags --model-name, --pod-id, --topic and
+/// --publish-connect (main.cpp binds them here; kFlagRules refuses them without --publish-events).
+struct PublishFlags {
+  /// The model name routers know the engine by; with it (and no --topic) the topic is llm-d's
+  /// "kv@<pod_id>@<model_name>" (pagedkv/events_zmq/topic.hpp). No '@'.
+  std::string model_name;
+  /// The pod (instance) id of llm-d's topic; empty = the host name. No '@'.
+  std::string pod_id;
+  /// An explicit topic (wins over the llm-d form); empty with no model name = "kv-events".
+  std::string topic;
+  /// Connect the PUB socket to the --publish-events endpoint (a router's bound SUB: llm-d's centralized mode)
+  /// instead of binding it. The replay socket still binds a free loopback port.
+  bool connect = false;
+};
+
+/// The process's publish flags (one replay per process; main.cpp fills them while parsing, EventPublishing reads
+/// them when it is constructed).
+PublishFlags& publish_flags() noexcept;
+
 /// The replay's event publisher: disabled (every call a no-op) without an endpoint. One manager is published per
 /// run (prefix mode: the first --capacity-tokens pool), one batch per engine step, stamped with the step's
-/// simulated time in seconds. Topic "kv-events"; a replay (ROUTER) socket with snapshots is bound on a free
-/// loopback port and announced on stderr with the endpoint. Recording events adds to the manager's library time.
+/// simulated time in seconds. Topic from publish_flags() ("kv-events" by default, llm-d's kv@<pod>@<model> with
+/// --model-name); the PUB socket binds, or connects with --publish-connect; a replay (ROUTER) socket with snapshots
+/// is bound on a free loopback port and announced on stderr with the endpoint. Recording events adds to the manager's library time.
 /// Thread safety: none (the replay's thread).
 class EventPublishing {
  public:

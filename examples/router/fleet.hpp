@@ -77,6 +77,7 @@ struct FleetResult {
   std::uint64_t event_bytes = 0;
   std::uint64_t stored_blocks = 0, removed_blocks = 0;
   std::uint64_t replays = 0, snapshots = 0, resync_failures = 0, unknown_removals = 0;
+  std::uint64_t dropped_stores = 0;  ///< BlockStored events whose parent the index did not know (Dynamo drops them).
   double engine_manager_seconds = 0;  ///< Sum over engines.
   double wall_seconds = 0;
   bool clean_shutdown = false;     ///< Every engine said bye and exited 0 within the bound.

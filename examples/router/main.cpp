@@ -55,8 +55,9 @@ constexpr const char* kFooter = R"(What it runs (per N in --instances, per polic
   requests it is sent with the prefix-cache semantics of `pagedkv-replay --mode prefix` (admit, build the
   prefill step, free; the LRU prefix cache carries over) and publishing its KV events on 127.0.0.1 in vLLM's
   ZeroMQ format (pagedkv::events::ZmqPublisher, with replay). The router follows every stream
-  (EventStreamFollower: replay / snapshot after a gap), keeps wire key -> instance mask from the events alone,
-  hashes each prompt's blocks itself and routes in trace order, in lockstep (the engine answers, the router takes
+  (EventStreamFollower: replay / snapshot after a gap), keeps Dynamo's sequence hash -> instance mask, recomputed
+  from the events' token ids as Dynamo's KV router does (pagedkv/block_identity.hpp), hashes each prompt's blocks
+  the same way and routes in trace order, in lockstep (the engine answers, the router takes
   in its events, then routes the next request), so the index is exact and its prediction of every hit is checked
   against the engine's answer (mismatches must be 0).
 
@@ -69,8 +70,8 @@ Policies:
   round-robin   request i to instance i mod N.
   ideal         one engine with N x the capacity: what perfect placement could reach.
 
-Exit status 0 when every run shut down cleanly with no mismatch, no resynchronization failure and no unknown
-removal; 1 otherwise; 2 for bad arguments.
+Exit status 0 when every run shut down cleanly with no mismatch, no resynchronization failure, no dropped store
+(a parent the index did not know) and no unknown removal; 1 otherwise; 2 for bad arguments.
 
 Example:
   pagedkv-router --instances 2,4,8 --capacity-tokens 1e6
@@ -192,7 +193,8 @@ int main(int argc, char** argv) {
         cfg.instances = n;
         cfg.policy = p;
         const router::FleetResult r = router::run_fleet(trace, cfg);
-        const bool ok = r.clean_shutdown && r.mismatches == 0 && r.resync_failures == 0 && r.unknown_removals == 0;
+        const bool ok = r.clean_shutdown && r.mismatches == 0 && r.resync_failures == 0 && r.unknown_removals == 0 &&
+                        r.dropped_stores == 0;
         if (!ok) rc = 1;
         if (json) {
           nlohmann::json j;
@@ -222,6 +224,7 @@ int main(int argc, char** argv) {
           j["snapshots"] = r.snapshots;
           j["resync_failures"] = r.resync_failures;
           j["unknown_removals"] = r.unknown_removals;
+          j["dropped_stores"] = r.dropped_stores;
           j["engine_manager_seconds"] = r.engine_manager_seconds;
           j["wall_seconds"] = r.wall_seconds;
           j["clean_shutdown"] = r.clean_shutdown;

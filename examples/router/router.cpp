@@ -24,7 +24,7 @@
 
 #include <pagedkv/events_zmq/subscriber.hpp>
 #include <pagedkv/events_zmq/wire.hpp>
-#include <pagedkv/prefix_hash_index.hpp>
+#include <pagedkv/block_identity.hpp>
 
 #include "fleet.hpp"
 #include "fleet_index.hpp"
@@ -201,6 +201,7 @@ FleetResult run_fleet(const replay::Trace& trace, const FleetConfig& cfg) {
 
   // Follow every engine's stream; the index learns the fleet's caches from the events alone.
   FleetIndex index(n);
+  DynamoKeys dynamo(n);  // the index is keyed by Dynamo's sequence hashes, recomputed from the events' tokens
   std::vector<std::unique_ptr<ev::ZmqSubscriber>> subs;
   std::vector<std::unique_ptr<ev::EventStreamFollower>> followers;
   for (std::size_t i = 0; i < n; ++i) {
@@ -209,18 +210,27 @@ FleetResult run_fleet(const replay::Trace& trace, const FleetConfig& cfg) {
     fo.start_synced_at_zero = true;  // we started the engine: its stream starts empty at 0
     fo.reply_timeout = timeout;
     followers.push_back(std::make_unique<ev::EventStreamFollower>(
-        *subs.back(), fo, [&res, &index, i](std::uint64_t, const ev::WireBatch& b, bool) {
+        *subs.back(), fo, [&res, &index, &dynamo, i](std::uint64_t, const ev::WireBatch& b, bool) {
           ++res.event_batches;
+          std::vector<std::uint64_t> keys;
           for (const ev::WireEvent& w : b.events) {
             if (std::holds_alternative<ev::WireAllBlocksCleared>(w)) {
               index.cleared(i);
+              dynamo.cleared(i);
             } else if (const auto* s = std::get_if<ev::WireBlockStored>(&w)) {
               if (s->medium && *s->medium != "GPU") continue;  // the device tier is what prefill can reuse
-              for (const ev::WireHash& h : s->block_hashes) index.stored(i, h.key);
+              if (!dynamo.stored(i, *s, keys)) {
+                ++res.dropped_stores;  // parent unknown: Dynamo drops such an event
+                continue;
+              }
+              for (const std::uint64_t k : keys) index.stored(i, k);
               res.stored_blocks += s->block_hashes.size();
             } else if (const auto* r = std::get_if<ev::WireBlockRemoved>(&w)) {
               if (r->medium && *r->medium != "GPU") continue;
-              for (const ev::WireHash& h : r->block_hashes) res.unknown_removals += index.removed(i, h.key) ? 0 : 1;
+              for (const ev::WireHash& h : r->block_hashes) {
+                const auto k = dynamo.removed(i, h.key);
+                res.unknown_removals += k && index.removed(i, *k) ? 0 : 1;
+              }
               res.removed_blocks += r->block_hashes.size();
             }
           }
@@ -235,23 +245,18 @@ FleetResult run_fleet(const replay::Trace& trace, const FleetConfig& cfg) {
   std::vector<std::uint64_t> keys;
   std::vector<pagedkv::TokenId> prompt;
   double hash_s = 0, match_s = 0, events_s = 0;
-  const pagedkv::BlockHash root = pagedkv::PrefixHashIndex<pagedkv::Sha256Hasher>::root_for_seed(cfg.hash_seed);
+  std::vector<std::uint32_t> tokens;
   const std::size_t total = trace.requests.size();
   for (std::size_t r = 0; r < total; ++r) {
     replay::synthesize_prompt(trace, r, prompt);
     const double arrival_s = trace.requests[r].arrival_ms / 1000.0;
 
-    // The prompt's block chain, hashed as the engines hash it (same hasher and seed), up to the admission cap:
-    // at least one token is computed, so at most floor((len - 1) / block_size) blocks can hit.
+    // The prompt's Dynamo sequence hashes (the keys the index learned from the events; base model, no salt), up
+    // to the admission cap: at least one token is computed, so at most floor((len - 1) / block_size) blocks hit.
     const double c0 = thread_cpu_seconds();
     const std::size_t nblocks = prompt.empty() ? 0 : (prompt.size() - 1) / bs;
-    keys.resize(nblocks);
-    pagedkv::BlockHash parent = root;
-    for (std::size_t j = 0; j < nblocks; ++j) {
-      parent = pagedkv::PrefixHashIndex<pagedkv::Sha256Hasher>::hash_block(
-          parent, std::span<const pagedkv::TokenId>(prompt).subspan(j * bs, bs), j * bs, nullptr);
-      keys[j] = ev::wire_key(parent);
-    }
+    tokens.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(nblocks * bs));
+    keys = pagedkv::identity::dynamo_request_hashes(tokens, bs, pagedkv::identity::kDynamoXxh3Seed).sequence_hashes;
     const double c1 = thread_cpu_seconds();
     index.match(keys, prefix);
     std::size_t e = 0;

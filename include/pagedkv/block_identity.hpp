@@ -294,6 +294,26 @@ struct DynamoBlockHashes {
 [[nodiscard]] PAGEDKV_API std::uint64_t llmd_block_key(std::uint64_t parent, std::span<const std::uint32_t> token_ids,
                                                        std::span<const std::string> mm_identifiers = {});
 
+/// One multimodal entry of llm-d's per-block extra features in its newest form (`kvblock.MMHash{Hash string;
+/// Offset int64}`, llm-d-kv-cache pkg/kvcache/kvblock/extra_keys.go at 026424fd, parsed from the event's
+/// `[identifier, offset]` pairs by ParseRawExtraKeys; bare strings are skipped there).
+struct LlmdMmHash {
+  std::string hash;          ///< The identifier as the event carries it.
+  std::int64_t offset = 0;   ///< Item offset - block start, in tokens (negative when it began in an earlier block).
+};
+
+/// The CBOR bytes llm-d (newest) hashes for one block with multimodal features: `[uint parent, [uint tokens...],
+/// [{"Hash": id, "Offset": off}, ...]]` (a Go struct of two untagged fields encodes as a two-key map; under
+/// `CanonicalEncOptions` "Hash" sorts before "Offset" by length and bytewise alike), or extra = null when `mm` is
+/// empty. Allocates. The two-key form is inferred from fxamacker/cbor's defaults, not run (docs/events-wire.md).
+[[nodiscard]] PAGEDKV_API std::vector<std::uint8_t> llmd_block_cbor_mm(std::uint64_t parent,
+                                                                       std::span<const std::uint32_t> token_ids,
+                                                                       std::span<const LlmdMmHash> mm);
+
+/// llm-d's (newest) key of one block with multimodal features: FNV-1a 64 of llmd_block_cbor_mm.
+[[nodiscard]] PAGEDKV_API std::uint64_t llmd_block_key_mm(std::uint64_t parent, std::span<const std::uint32_t> token_ids,
+                                                          std::span<const LlmdMmHash> mm);
+
 /// llm-d's keys of a text request's full blocks (`TokensToKVBlockKeys(EmptyBlockHash, tokens, model, nil)`): the
 /// chain starts at llmd_root_hash(hash_seed, model_name). Throws kInvalidArgument when block_size == 0.
 [[nodiscard]] PAGEDKV_API std::vector<std::uint64_t> llmd_request_keys(std::span<const std::uint32_t> token_ids,

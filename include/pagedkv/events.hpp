@@ -37,7 +37,7 @@ enum class Medium : std::uint8_t {
 /// consumer can recompute `hash` from the event alone (`rehash_stored_event` in prefix_hash_index.hpp, or the
 /// canonical encoding of docs/design.md "Block hashes" with the pool's hasher and seed):
 ///   hash = H(parent_hash or the pool's root, token_ids, adapter_id, multimodal items overlapping the block with
-///            offsets relative to block_start, salt if block_start == 0).
+///            offsets relative to block_start, salt if block_start == 0; `salt` is set on every block).
 /// For kBlockRemoved: hash, medium, group. For kAllCleared: medium (the tier cleared).
 struct KVEvent {
   std::uint64_t seq_no = 0;
@@ -49,7 +49,8 @@ struct KVEvent {
   std::uint64_t block_start = 0;         ///< Position of the block's first token in its sequence (tokens).
   std::uint64_t adapter_id = 0;          ///< LoRA adapter (0 = base model).
   std::vector<MultimodalItem> multimodal_items;  ///< Items overlapping the block (absolute prompt offsets).
-  std::string salt;                      ///< The request's cache salt; set on the first block only (block_start 0).
+  std::string salt;                      ///< The request's cache salt, on every block of the sequence; only the
+                                         ///< first block (block_start 0) mixes it into its hash.
   Medium medium = Medium::kGpu;          ///< Tier the block entered or left.
   std::uint32_t group = 0;               ///< KV-cache group (0 while a manager has one group).
 };

@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 
 #include <msgpack.hpp>
 
@@ -99,31 +100,77 @@ bool is_utf8(std::string_view s) {
 
 const char* medium_name(Medium m) { return to_string(m); }
 
-bool has_block_keys(const KVEvent& e) {
-  return e.adapter_id != 0 || !e.multimodal_items.empty() || (e.block_start == 0 && !e.salt.empty());
+
+std::optional<std::string> lora_name_of(std::uint64_t adapter_id, const EncodeOptions& opt) {
+  if (adapter_id == 0 || !opt.lora_name) return std::nullopt;
+  return opt.lora_name(adapter_id);
 }
 
-/// One block's `extra_keys` entry: nil, or [adapter_id?, [item_hex, offset]..., salt?] (docs/events-wire.md).
-void put_block_keys(Packer& pk, const KVEvent& e) {
-  if (!has_block_keys(e)) {
+std::string mm_identifier_of(const BlockHash& h, const EncodeOptions& opt) {
+  if (opt.mm_identifier) {
+    if (auto id = opt.mm_identifier(h)) return *id;
+  }
+  std::string hex = h.hex();
+  if (opt.mm_id_form == MmIdForm::kHex64) hex.append(32, '0');
+  return hex;
+}
+
+/// One block's `extra_keys` entry (docs/events-wire.md section 6): nil, or
+/// [lora_name or adapter_id?, [item_id, offset]..., salt (in `salt_form`)?], vLLM's order.
+/// `run_head`: the block is the first of its wire event. The bare (vLLM) salt goes on a sequence's first block
+/// only, where vLLM puts it and where it enters the hash; Dynamo's tagged salt goes on the first block of every
+/// event of a salted sequence, because Dynamo reads the namespace from an event's first block and seeds every
+/// block's hash with it (a continuation event without it would be indexed as unsalted).
+void put_block_keys(Packer& pk, const KVEvent& e, bool run_head, const std::optional<std::string>& lora,
+                    const EncodeOptions& opt) {
+  const bool utf8 = !e.salt.empty() && is_utf8(e.salt);
+  // A salt that is not UTF-8 cannot carry Dynamo's text prefix: it is written bare, as bytes, whatever the form.
+  const bool bare = e.block_start == 0 && !e.salt.empty() && (opt.salt_form != SaltForm::kDynamo || !utf8);
+  const bool tagged = run_head && utf8 && opt.salt_form != SaltForm::kVllm;
+  if (e.adapter_id == 0 && e.multimodal_items.empty() && !bare && !tagged) {
     pk.pack_nil();
     return;
   }
-  const bool salt = e.block_start == 0 && !e.salt.empty();
-  pk.pack_array(static_cast<std::uint32_t>((e.adapter_id != 0 ? 1 : 0) + e.multimodal_items.size() + (salt ? 1 : 0)));
-  if (e.adapter_id != 0) pk.pack_uint64(e.adapter_id);
+  pk.pack_array(static_cast<std::uint32_t>((e.adapter_id != 0 ? 1 : 0) + e.multimodal_items.size() + (bare ? 1 : 0) +
+                                           (tagged ? 1 : 0)));
+  if (e.adapter_id != 0) {
+    if (lora) {
+      put_str(pk, *lora);
+    } else {
+      pk.pack_uint64(e.adapter_id);
+    }
+  }
   for (const MultimodalItem& m : e.multimodal_items) {
     pk.pack_array(2);
-    put_str(pk, m.item_hash.hex());
+    put_str(pk, mm_identifier_of(m.item_hash, opt));
     pk.pack_int64(static_cast<std::int64_t>(m.offset_tokens - e.block_start));  // two's complement: may be < 0
   }
-  if (salt) {
-    if (is_utf8(e.salt)) {
+  if (bare) {
+    if (utf8) {
       put_str(pk, e.salt);
     } else {
       put_bin(pk, e.salt.data(), e.salt.size());
     }
   }
+  if (tagged) put_str(pk, std::string(kDynamoCacheSaltPrefix) + e.salt);
+}
+
+/// The spec of `group` (nullptr: none to write). Throws when a non-empty table lacks the group.
+const GroupSpec* group_spec(std::uint32_t group, const EncodeOptions& opt, std::size_t index) {
+  static const GroupSpec kFull{};
+  if (opt.group_specs.empty()) return group == 0 ? &kFull : nullptr;
+  if (group >= opt.group_specs.size()) {
+    pagedkv::detail::raise(Errc::kInvalidArgument,
+                           "encode_batch: event " + std::to_string(index) + " is in KV-cache group " +
+                               std::to_string(group) + ", but EncodeOptions::group_specs has " +
+                               std::to_string(opt.group_specs.size()) + " entries (one per group needed)");
+  }
+  const GroupSpec* g = &opt.group_specs[group];
+  if (g->kind.empty()) {
+    pagedkv::detail::raise(Errc::kInvalidArgument, "encode_batch: EncodeOptions::group_specs[" +
+                                                       std::to_string(group) + "].kind is empty");
+  }
+  return g;
 }
 
 void put_optional_lora_id(Packer& pk, std::uint64_t adapter_id) {
@@ -134,9 +181,7 @@ void put_optional_lora_id(Packer& pk, std::uint64_t adapter_id) {
   }
 }
 
-void put_lora_name(Packer& pk, std::uint64_t adapter_id, const EncodeOptions& opt) {
-  std::optional<std::string> name;
-  if (adapter_id != 0 && opt.lora_name) name = opt.lora_name(adapter_id);
+void put_lora_name(Packer& pk, const std::optional<std::string>& name) {
   if (name) {
     put_str(pk, *name);
   } else {
@@ -198,11 +243,17 @@ void put_run(Packer& pk, const std::vector<const KVEvent*>& ev, const Run& r, co
   switch (head.type) {
     case KVEventType::kBlockStored: {
       // BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
-      //             extra_keys, group_idx)  -- vllm/distributed/kv_events.py field order
+      //             extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window)
+      //   -- vllm/distributed/kv_events.py field order
+      const GroupSpec* spec = group_spec(head.group, opt, r.first);
+      const std::optional<std::string> lora = lora_name_of(head.adapter_id, opt);
+      // Array: 12 elements with a spec (a window of None written as nil), else 10. Map: None fields omitted.
+      const bool window = spec != nullptr && (spec->sliding_window.has_value() || !map);
+      const std::uint32_t fields = 10 + (spec != nullptr ? 1 : 0) + (window ? 1 : 0);
       if (map) {
-        pk.pack_map(10);
+        pk.pack_map(fields);
       } else {
-        pk.pack_array(10);
+        pk.pack_array(fields);
       }
       key("type");
       put_str(pk, kBlockStored);
@@ -227,12 +278,24 @@ void put_run(Packer& pk, const std::vector<const KVEvent*>& ev, const Run& r, co
       key("medium");
       put_str(pk, medium_name(head.medium));
       key("lora_name");
-      put_lora_name(pk, head.adapter_id, opt);
+      put_lora_name(pk, lora);
       key("extra_keys");
       pk.pack_array(n);
-      for (std::size_t i = r.first; i <= r.last; ++i) put_block_keys(pk, *ev[i]);
+      for (std::size_t i = r.first; i <= r.last; ++i) put_block_keys(pk, *ev[i], i == r.first, lora, opt);
       key("group_idx");
       pk.pack_uint32(head.group);
+      if (spec != nullptr) {
+        key("kv_cache_spec_kind");
+        put_str(pk, spec->kind);
+      }
+      if (window) {
+        key("kv_cache_spec_sliding_window");
+        if (spec->sliding_window) {
+          pk.pack_uint32(*spec->sliding_window);
+        } else {
+          pk.pack_nil();
+        }
+      }
       break;
     }
     case KVEventType::kBlockRemoved: {
@@ -267,9 +330,81 @@ void put_run(Packer& pk, const std::vector<const KVEvent*>& ev, const Run& r, co
   }
 }
 
-std::vector<std::byte> encode_events(const std::vector<const KVEvent*>& ev, double ts, const EncodeOptions& opt,
+/// Parents first: a BlockStored whose parent is stored later in the same batch (in any tier) is moved to just after
+/// that parent's BlockStored, unless an event between them names the block itself or clears everything. Why: a
+/// manager frees a sequence last block first, so a write-back host tier copies (and completes, and reports)
+/// children before parents; llm-d and Dynamo look an event's parent up when they apply it and drop the event when
+/// they do not know it. Only stores move, only later, past events of other blocks: the final state is the same.
+/// O(events) expected.
+std::vector<const KVEvent*> parents_first(const std::vector<const KVEvent*>& ev) {
+  std::unordered_map<BlockHash, std::vector<std::size_t>, BlockHashHasher> stored_at;  // hash -> store positions
+  std::vector<std::size_t> clears;
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i]->type == KVEventType::kBlockStored) stored_at[ev[i]->hash].push_back(i);
+    if (ev[i]->type == KVEventType::kAllCleared) clears.push_back(i);
+  }
+  std::unordered_map<BlockHash, std::vector<std::size_t>, BlockHashHasher> touched;  // hash -> every position
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (ev[i]->type != KVEventType::kAllCleared) touched[ev[i]->hash].push_back(i);
+  }
+  const auto next_after = [](const std::vector<std::size_t>& v, std::size_t i) -> std::optional<std::size_t> {
+    const auto it = std::upper_bound(v.begin(), v.end(), i);
+    return it == v.end() ? std::nullopt : std::optional<std::size_t>(*it);
+  };
+  // deferred[j]: events to write right after position j (the parent's store).
+  std::unordered_map<std::size_t, std::vector<std::size_t>> deferred;
+  std::vector<bool> moved(ev.size(), false);
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    const KVEvent& e = *ev[i];
+    if (e.type != KVEventType::kBlockStored || !e.parent_hash) continue;
+    const auto sp = stored_at.find(*e.parent_hash);
+    if (sp == stored_at.end()) continue;
+    const auto j = next_after(sp->second, i);
+    if (!j) continue;
+    const auto own = next_after(touched[e.hash], i);
+    const auto clear = next_after(clears, i);
+    if ((own && *own < *j) || (clear && *clear < *j)) continue;
+    deferred[*j].push_back(i);
+    moved[i] = true;
+  }
+  if (deferred.empty()) return ev;
+  std::vector<const KVEvent*> out;
+  out.reserve(ev.size());
+  std::vector<std::size_t> stack;
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    if (moved[i]) continue;
+    stack.assign(1, i);
+    while (!stack.empty()) {  // depth-first: a deferred child may have deferred children of its own
+      const std::size_t k = stack.back();
+      stack.pop_back();
+      out.push_back(ev[k]);
+      if (const auto d = deferred.find(k); d != deferred.end()) {
+        for (auto it = d->second.rbegin(); it != d->second.rend(); ++it) stack.push_back(*it);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::byte> encode_events(const std::vector<const KVEvent*>& in, double ts, const EncodeOptions& opt,
                                      const char* what) {
-  for (std::size_t i = 0; i < ev.size(); ++i) validate(*ev[i], i, what);
+  for (std::size_t i = 0; i < in.size(); ++i) validate(*in[i], i, what);
+  // A moved parent can land after a child that followed it; repeat until stable (each pass only moves stores
+  // later, behind a store of their parent, so chains settle within their depth; bounded all the same).
+  std::vector<const KVEvent*> ev;
+  ev.reserve(in.size());
+  for (const KVEvent* e : in) {  // main-attention groups only (EncodeOptions::main_groups_only)
+    if (opt.main_groups_only && !opt.group_specs.empty() && e->type != KVEventType::kAllCleared &&
+        e->group < opt.group_specs.size() && !is_main_attention(opt.group_specs[e->group].kind)) {
+      continue;
+    }
+    ev.push_back(e);
+  }
+  for (int pass = 0; pass < 32; ++pass) {
+    std::vector<const KVEvent*> next = parents_first(ev);
+    if (next == ev) break;
+    ev = std::move(next);
+  }
   const std::vector<Run> runs = make_runs(ev, opt.merge_runs);
   std::size_t tokens = 0;
   for (const KVEvent* e : ev) tokens += e->token_ids.size();
@@ -466,6 +601,8 @@ struct Fields {
   const msgpack::object* lora_name = nullptr;
   const msgpack::object* extra_keys = nullptr;
   const msgpack::object* group_idx = nullptr;
+  const msgpack::object* spec_kind = nullptr;
+  const msgpack::object* spec_window = nullptr;
 };
 
 const msgpack::object& require(const Where& w, std::string_view field, const msgpack::object* o) {
@@ -494,6 +631,10 @@ WireEvent decode_stored(const Where& w, const Fields& f) {
   if (f.lora_name != nullptr) e.lora_name = opt_str(w, "lora_name", *f.lora_name);
   if (f.extra_keys != nullptr) e.extra_keys = to_extra_keys(w, *f.extra_keys, e.block_hashes.size());
   if (f.group_idx != nullptr) e.group_idx = opt_i64(w, "group_idx", *f.group_idx);
+  if (f.spec_kind != nullptr) e.kv_cache_spec_kind = opt_str(w, "kv_cache_spec_kind", *f.spec_kind);
+  if (f.spec_window != nullptr) {
+    e.kv_cache_spec_sliding_window = opt_i64(w, "kv_cache_spec_sliding_window", *f.spec_window);
+  }
   return e;
 }
 
@@ -532,6 +673,10 @@ bool decode_event(std::size_t index, const msgpack::object& o, std::vector<WireE
       f.lora_name = at(7) != nullptr && (at(7)->type == object_type::STR || at(7)->type == object_type::NIL) ? at(7) : nullptr;
       f.extra_keys = at(8) != nullptr && (at(8)->type == object_type::ARRAY || at(8)->type == object_type::NIL) ? at(8) : nullptr;
       f.group_idx = at(9) != nullptr && (is_int(*at(9)) || at(9)->type == object_type::NIL) ? at(9) : nullptr;
+      f.spec_kind = at(10) != nullptr && at(10)->type == object_type::STR ? at(10) : nullptr;
+      f.spec_window = f.spec_kind != nullptr && at(11) != nullptr && (is_int(*at(11)) || at(11)->type == object_type::NIL)
+                          ? at(11)
+                          : nullptr;
     } else if (tag == kBlockRemoved) {
       f.block_hashes = at(1);
       f.medium = at(2) != nullptr && (at(2)->type == object_type::STR || at(2)->type == object_type::NIL) ? at(2) : nullptr;
@@ -565,6 +710,10 @@ bool decode_event(std::size_t index, const msgpack::object& o, std::vector<WireE
         f.extra_keys = v;
       } else if (name == "group_idx") {
         f.group_idx = v;
+      } else if (name == "kv_cache_spec_kind") {
+        f.spec_kind = v;
+      } else if (name == "kv_cache_spec_sliding_window") {
+        f.spec_window = v;
       }
     }
     if (tag.empty()) bad(w, "type", "missing (a tagged map needs the event type name)");
@@ -681,6 +830,9 @@ WireBlockKeys pagedkv_block_keys(const WireBlockStored& e, std::size_t i) {
   if (e.extra_keys.empty() || !e.extra_keys[i]) return k;
   bool have_adapter = false;
   bool have_salt = false;
+  bool lora_name_pending = e.lora_name.has_value();  // the first string equal to lora_name is the adapter's name
+  bool named_adapter = false;
+  std::optional<std::string> bare_salt, tagged_salt;
   const auto& keys = *e.extra_keys[i];
   for (std::size_t j = 0; j < keys.size(); ++j) {
     const WireExtraKey& x = keys[j];
@@ -693,8 +845,10 @@ WireBlockKeys pagedkv_block_keys(const WireBlockStored& e, std::size_t i) {
         k.adapter_id = x.unsigned_value;
         break;
       case WireExtraKey::Kind::kIdentifierWithOffset: {
-        if (x.text.size() != 32) {
-          fail(at + ": multimodal identifier '" + x.text + "' is not the 32 hex digits of a 16-byte item hash");
+        const bool padded = x.text.size() == 64 && x.text.find_first_not_of('0', 32) == std::string::npos;
+        if (x.text.size() != 32 && !padded) {
+          fail(at + ": multimodal identifier '" + x.text + "' is not the 32 hex digits of a 16-byte item hash " +
+               "(nor those followed by 32 '0', MmIdForm::kHex64)");
         }
         BlockHash h;
         for (std::size_t d = 0; d < 16; ++d) {
@@ -710,14 +864,34 @@ WireBlockKeys pagedkv_block_keys(const WireBlockStored& e, std::size_t i) {
         break;
       }
       case WireExtraKey::Kind::kString:
+        if (lora_name_pending && x.text == *e.lora_name) {
+          lora_name_pending = false;
+          named_adapter = true;
+          break;
+        }
+        if (x.text.starts_with(kDynamoCacheSaltPrefix)) {
+          if (tagged_salt) fail(at + ": a second \"dynamo-cache-salt:\" key");
+          tagged_salt = x.text.substr(kDynamoCacheSaltPrefix.size());
+          break;
+        }
+        [[fallthrough]];
       case WireExtraKey::Kind::kBytes:
-        if (have_salt) fail(at + ": a second salt (string) key");
-        have_salt = true;
-        k.salt = x.text;
+        if (bare_salt) fail(at + ": a second salt (string) key");
+        bare_salt = x.text;
         break;
       case WireExtraKey::Kind::kSigned: keys_fail(i, at + ": a negative integer is not a pagedkv key");
       case WireExtraKey::Kind::kOther: keys_fail(i, at + ": not a pagedkv key (int, [hex, offset] or str)");
     }
+  }
+  if (bare_salt && tagged_salt && *bare_salt != *tagged_salt) {
+    fail("the bare salt and the \"dynamo-cache-salt:\" one differ");
+  }
+  have_salt = bare_salt || tagged_salt;
+  if (have_salt) k.salt = bare_salt ? *bare_salt : *tagged_salt;
+  if (named_adapter) {
+    if (have_adapter) fail("both an adapter id and the adapter's name");
+    if (!e.lora_id || *e.lora_id <= 0) fail("the adapter's name without a positive lora_id");
+    k.adapter_id = static_cast<std::uint64_t>(*e.lora_id);
   }
   return k;
 }

@@ -130,7 +130,7 @@ TEST_CASE("each batch is one message [topic, 8-byte big-endian number, msgpack p
   CHECK(pub.last_seq() == std::optional<std::uint64_t>(seq));
 }
 
-TEST_CASE("replay: buffered batches from the start number, then the end marker; the buffer is bounded",
+TEST_CASE("replay: buffered batches from the start number, then the end marker - the buffer is bounded",
           "[events_zmq][publisher][replay]") {
   ev::PublisherOptions o;
   o.replay_endpoint = "tcp://127.0.0.1:*";
@@ -191,7 +191,7 @@ TEST_CASE("replay buffer bounded by bytes: the oldest batches go first", "[event
   CHECK(seqs(*r) == std::vector<std::uint64_t>{8, 9, 10});
 }
 
-TEST_CASE("snapshot requests: the snapshot numbered with its last batch, then later batches; none without a source",
+TEST_CASE("snapshot requests: the snapshot numbered with its last batch, then later batches - none without a source",
           "[events_zmq][publisher][snapshot]") {
   ev::PublisherOptions o;
   o.replay_endpoint = "tcp://127.0.0.1:*";
@@ -227,7 +227,7 @@ TEST_CASE("snapshot requests: the snapshot numbered with its last batch, then la
   CHECK(pub.stats().snapshot_requests == 1);
 }
 
-TEST_CASE("requests without the empty delimiter are ignored; a subscriber's timed-out request does not leak into "
+TEST_CASE("requests without the empty delimiter are ignored - a subscriber's timed-out request does not leak into "
           "the next one", "[events_zmq][publisher][replay]") {
   ev::PublisherOptions o;
   o.replay_endpoint = "tcp://127.0.0.1:*";

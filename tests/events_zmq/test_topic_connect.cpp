@@ -77,7 +77,7 @@ TEST_CASE("publisher topic: explicit, llm-d default from pod id and model, vLLM'
   CHECK_THROWS_WITH(ev::ZmqPublisher(bad), Catch::Contains("model name 'a@b' contains '@'"));
 }
 
-TEST_CASE("centralized mode: the router binds, two engines connect, topics tell them apart; kv@ prefix filters",
+TEST_CASE("centralized mode: the router binds, two engines connect, topics tell them apart - kv@ prefix filters",
           "[events_zmq][topic][publisher][subscriber]") {
   ev::SubscriberOptions so;
   so.endpoint = "tcp://127.0.0.1:*";

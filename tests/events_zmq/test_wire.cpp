@@ -130,7 +130,7 @@ TEST_CASE("golden: BlockStored, array layout, integer hashes", "[events_zmq][wir
   x.hex("93")                           // EventBatch: array(3) [ts, events, data_parallel_rank]
       .hex("cb 3f f8 00 00 00 00 00 00")  // ts: float64 1.5
       .hex("91")                          // events: array(1)
-      .hex("9a")                          // BlockStored: array(10)
+      .hex("9c")                          // BlockStored: array(12)
       .hex("ab").text("BlockStored")      // tag: fixstr(11)
       .hex("91 cf 18 19 1a 1b 1c 1d 1e 1f")  // block_hashes: [uint64 of bytes 8..15, big-endian]
       .hex("c0")                          // parent_block_hash: nil (a first block)
@@ -141,6 +141,8 @@ TEST_CASE("golden: BlockStored, array layout, integer hashes", "[events_zmq][wir
       .hex("c0")                          // lora_name: nil
       .hex("91 c0")                       // extra_keys: [nil] (one block, no keys)
       .hex("00")                          // group_idx: 0
+      .hex("ae").text("full_attention")   // kv_cache_spec_kind (no group_specs: group 0 is full attention)
+      .hex("c0")                          // kv_cache_spec_sliding_window: nil
       .hex("00");                         // data_parallel_rank: 0
   const Bytes got = ev::encode_batch(batch);
   INFO(dump(got));
@@ -156,7 +158,7 @@ TEST_CASE("golden: BlockStored, map layout, integer hashes", "[events_zmq][wire]
   opt.layout = ev::EventLayout::kMap;
   Expect x;
   x.hex("93 cb 3f f8 00 00 00 00 00 00 91")
-      .hex("8a")                                   // BlockStored: map(10), the tag first (msgspec)
+      .hex("8b")                                   // BlockStored: map(11), the tag first (msgspec)
       .hex("a4").text("type").hex("ab").text("BlockStored")
       .hex("ac").text("block_hashes").hex("91 cf 18 19 1a 1b 1c 1d 1e 1f")
       .hex("b1").text("parent_block_hash").hex("c0")  // nil is written: the field has no default
@@ -167,13 +169,14 @@ TEST_CASE("golden: BlockStored, map layout, integer hashes", "[events_zmq][wire]
       .hex("a9").text("lora_name").hex("c0")
       .hex("aa").text("extra_keys").hex("91 c0")
       .hex("a9").text("group_idx").hex("00")
+      .hex("b2").text("kv_cache_spec_kind").hex("ae").text("full_attention")  // window None: omitted
       .hex("00");
   const Bytes got = ev::encode_batch(batch, opt);
   INFO(dump(got));
   CHECK(got == x.b);
 }
 
-TEST_CASE("golden: keyed blocks merged into one BlockStored, BlockRemoved, AllBlocksCleared; array, 16-byte hashes",
+TEST_CASE("golden: keyed blocks merged into one BlockStored, BlockRemoved, AllBlocksCleared - array, 16-byte hashes",
           "[events_zmq][wire][golden]") {
   ev::EncodeOptions opt;
   opt.hash_format = ev::HashFormat::kBytes16;
@@ -181,7 +184,7 @@ TEST_CASE("golden: keyed blocks merged into one BlockStored, BlockRemoved, AllBl
   Expect x;
   x.hex("93 cb 40 00 00 00 00 00 00 00")  // ts 2.0
       .hex("93")                          // three wire events (the two stored blocks chain: one event)
-      .hex("9a ab").text("BlockStored")
+      .hex("9c ab").text("BlockStored")
       .hex("92 c4 10").raw(ramp(0x20)).hex("c4 10").raw(ramp(0x30))  // block_hashes: [bin16, bin16]
       .hex("c0")                          // parent of the first: none
       .hex("94 05 06 07 08")              // token_ids of both blocks
@@ -190,9 +193,11 @@ TEST_CASE("golden: keyed blocks merged into one BlockStored, BlockRemoved, AllBl
       .hex("a3").text("GPU")
       .hex("c0")                          // lora_name: no resolver given
       .hex("92")                          // extra_keys, one entry per block:
-      .hex("93 07 92 d9 20").text(kImageHex).hex("01 a1").text("s")  //   [7, ["a0..af", +1], "s"]
-      .hex("92 07 92 d9 20").text(kImageHex).hex("ff")               //   [7, ["a0..af", -1]] (no salt)
+      // [7, ["a0..af" + 32 '0' (MmIdForm::kHex64), +1], "dynamo-cache-salt:s" (SaltForm::kDynamo)]
+      .hex("93 07 92 d9 40").text(kImageHex).text(std::string(32, '0')).hex("01 b3").text("dynamo-cache-salt:s")
+      .hex("92 07 92 d9 40").text(kImageHex).text(std::string(32, '0')).hex("ff")  //   [7, [.., -1]] (no salt)
       .hex("00")                          // group_idx
+      .hex("ae").text("full_attention").hex("c0")  // kv_cache_spec_kind, kv_cache_spec_sliding_window
       .hex("94 ac").text("BlockRemoved")
       .hex("91 c4 10").raw(ramp(0x10))
       .hex("a3").text("GPU")
@@ -243,14 +248,18 @@ TEST_CASE("golden: lora_name, CPU tier, a non-UTF-8 salt as bytes", "[events_zmq
   opt.lora_name = [](std::uint64_t id) -> std::optional<std::string> {
     return id == 300 ? std::optional<std::string>("sql") : std::nullopt;
   };
+  opt.group_specs = {ev::GroupSpec{}, ev::GroupSpec{}, ev::GroupSpec{"sliding_window", 128}};
+  opt.main_groups_only = false;  // written as vLLM does (by default only main-attention groups are)
   Expect x;
-  x.hex("93 cb 3f f8 00 00 00 00 00 00 91 9a ab").text("BlockStored")
+  x.hex("93 cb 3f f8 00 00 00 00 00 00 91 9c ab").text("BlockStored")
       .hex("91 cf 18 19 1a 1b 1c 1d 1e 1f c0 91 01 01")
       .hex("cd 01 2c")                  // lora_id 300
       .hex("a3").text("CPU")
       .hex("a3").text("sql")            // lora_name from the resolver
-      .hex("91 92 cd 01 2c c4 01 ff")   // extra_keys: [[300, bin(ff)]]
+      .hex("91 92 a3").text("sql")      // extra_keys: [["sql", bin(ff)]]: the name where vLLM puts it, and a
+      .hex("c4 01 ff")                  //   non-UTF-8 salt bare as bytes (it cannot carry Dynamo's text prefix)
       .hex("02")                        // group_idx 2
+      .hex("ae").text("sliding_window").hex("cc 80")  // kv_cache_spec_kind, kv_cache_spec_sliding_window 128
       .hex("00");
   const Bytes got = ev::encode_batch(batch, opt);
   INFO(dump(got));
@@ -259,6 +268,55 @@ TEST_CASE("golden: lora_name, CPU tier, a non-UTF-8 salt as bytes", "[events_zmq
   const auto keys = ev::pagedkv_block_keys(std::get<ev::WireBlockStored>(d.events.at(0)), 0);
   CHECK(keys.adapter_id == 300);
   CHECK(keys.salt == e.salt);
+  const auto& s = std::get<ev::WireBlockStored>(d.events.at(0));
+  CHECK(s.kv_cache_spec_kind == std::optional<std::string>("sliding_window"));
+  CHECK(s.kv_cache_spec_sliding_window == std::optional<std::int64_t>(128));
+  // By default a sliding-window group's events are not written (Dynamo ignores them; llm-d would mis-index them).
+  opt.main_groups_only = true;
+  CHECK(ev::decode_batch(ev::encode_batch(batch, opt)).events.empty());
+  opt.main_groups_only = false;
+  // A group the table does not cover is refused, naming it.
+  opt.group_specs.resize(2);
+  CHECK_THROWS_WITH(ev::encode_batch(batch, opt), Catch::Contains("KV-cache group 2") &&
+                                                      Catch::Contains("group_specs has 2 entries"));
+}
+
+TEST_CASE("issue 21: salt forms, LoRA names and 64-hex multimodal ids round-trip to pagedkv's keys",
+          "[events_zmq][wire]") {
+  KVEvent e = stored(ramp(0x10), std::nullopt, {1, 2}, 0);
+  e.adapter_id = 9;
+  e.salt = "sql";  // equal to the adapter's name: told apart by position, as Dynamo does
+  e.multimodal_items = {pagedkv::MultimodalItem{ramp(0xa0), 1, 3}};
+  KVEventBatch batch;
+  batch.events = {e};
+  ev::EncodeOptions opt;
+  opt.lora_name = [](std::uint64_t) -> std::optional<std::string> { return "sql"; };
+  const auto form = GENERATE(ev::SaltForm::kDynamo, ev::SaltForm::kVllm, ev::SaltForm::kBoth);
+  const auto mm = GENERATE(ev::MmIdForm::kHex64, ev::MmIdForm::kHex32);
+  opt.salt_form = form;
+  opt.mm_id_form = mm;
+  INFO("salt form " << ev::to_string(form) << ", mm ids " << ev::to_string(mm));
+  const ev::WireBatch d = ev::decode_batch(ev::encode_batch(batch, opt));
+  const auto& s = std::get<ev::WireBlockStored>(d.events.at(0));
+  REQUIRE(s.extra_keys.at(0).has_value());
+  const auto& k = *s.extra_keys[0];
+  // vLLM's order: lora_name, items, salt.
+  CHECK(k.at(0).kind == ev::WireExtraKey::Kind::kString);
+  CHECK(k.at(0).text == "sql");
+  CHECK(k.at(1).kind == ev::WireExtraKey::Kind::kIdentifierWithOffset);
+  CHECK(k.at(1).text.size() == (mm == ev::MmIdForm::kHex64 ? 64u : 32u));
+  CHECK(k.at(1).text.substr(0, 32) == ramp(0xa0).hex());
+  CHECK(k.at(1).signed_value == 1);
+  const std::size_t n_salt = form == ev::SaltForm::kBoth ? 2 : 1;
+  REQUIRE(k.size() == 2 + n_salt);
+  if (form != ev::SaltForm::kVllm) CHECK(k.back().text == "dynamo-cache-salt:sql");
+  if (form != ev::SaltForm::kDynamo) CHECK(k.at(2).text == "sql");
+  const auto keys = ev::pagedkv_block_keys(s, 0);
+  CHECK(keys.adapter_id == 9);
+  CHECK(keys.salt == "sql");
+  REQUIRE(keys.items.size() == 1);
+  CHECK(keys.items[0].first == ramp(0xa0));
+  CHECK(keys.items[0].second == 1);
 }
 
 TEST_CASE("the snapshot payload is AllBlocksCleared followed by the stored blocks", "[events_zmq][wire]") {
@@ -651,4 +709,40 @@ TEMPLATE_TEST_CASE("every stored block of a manager's events recomputes from its
                     Catch::Contains("sent as a 64-bit integer"));
   CHECK_THROWS_WITH(ev::rehash_wire_block<TestType>(std::get<ev::WireBlockStored>(d.events[0]), 1, kSeed),
                     Catch::Contains("index out of range"));
+}
+
+TEST_CASE("a block's BlockStored is written after its parent's when both are in one batch", "[events_zmq][wire]") {
+  // Write-back offload completes a freed sequence's blocks last block first: the host tier reports C, B, A for
+  // the chain A <- B <- C. A router applies each store by looking its parent up, so the encoder writes A, B, C.
+  KVEvent a = stored(ramp(0x10), std::nullopt, {1}, 0);
+  KVEvent b = stored(ramp(0x20), ramp(0x10), {2}, 1);
+  KVEvent c = stored(ramp(0x30), ramp(0x20), {3}, 2);
+  for (KVEvent* e : {&a, &b, &c}) e->medium = Medium::kCpu;
+  const auto order = [](const KVEventBatch& batch) {
+    ev::EncodeOptions opt;
+    opt.merge_runs = false;
+    std::vector<std::uint64_t> keys;
+    for (const ev::WireEvent& w : ev::decode_batch(ev::encode_batch(batch, opt)).events) {
+      if (const auto* s = std::get_if<ev::WireBlockStored>(&w)) keys.push_back(s->block_hashes.at(0).key);
+      if (std::holds_alternative<ev::WireBlockRemoved>(w)) keys.push_back(0);
+      if (std::holds_alternative<ev::WireAllBlocksCleared>(w)) keys.push_back(1);
+    }
+    return keys;
+  };
+  const std::uint64_t ka = ev::wire_key(a.hash), kb = ev::wire_key(b.hash), kc = ev::wire_key(c.hash);
+  KVEventBatch batch;
+  batch.events = {c, b, a};
+  CHECK(order(batch) == std::vector<std::uint64_t>{ka, kb, kc});
+  batch.events = {b, c, removed(ramp(0x40)), a};  // other blocks' events are passed, in their order
+  CHECK(order(batch) == std::vector<std::uint64_t>{0, ka, kb, kc});
+  // Never past an event of the block itself, nor past a reset: those stay in place.
+  batch.events = {b, removed(ramp(0x20)), a};
+  CHECK(order(batch) == std::vector<std::uint64_t>{kb, 0, ka});
+  batch.events = {b, cleared(), a};
+  CHECK(order(batch) == std::vector<std::uint64_t>{kb, 1, ka});
+  // Merged, the reordered chain becomes one event.
+  batch.events = {c, b, a};
+  const ev::WireBatch d = ev::decode_batch(ev::encode_batch(batch));
+  REQUIRE(d.events.size() == 1);
+  CHECK(std::get<ev::WireBlockStored>(d.events[0]).block_hashes.size() == 3);
 }

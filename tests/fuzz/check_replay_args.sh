@@ -144,6 +144,14 @@ expect_refusal $usage "--host-eviction: applies only to runs with a host tier" "
 expect_refusal $usage "--kv-bytes-per-token: applies only to runs with a host tier" "$trace" --kv-bytes-per-token 65536
 expect_refusal $usage "--publish-wait-ms: applies only to runs with --publish-events, but" "$trace" \
   --publish-wait-ms 100
+expect_refusal $usage "--model-name: applies only to runs with --publish-events, but" "$trace" --model-name m
+expect_refusal $usage "--pod-id: applies only to runs with --publish-events, but" "$trace" --pod-id p
+expect_refusal $usage "--topic: applies only to runs with --publish-events, but" "$trace" --topic kv-events
+expect_refusal $usage "--publish-connect: applies only to runs with --publish-events, but" "$trace" --publish-connect
+expect_refusal $usage "contains '@'" "$trace" --publish-events tcp://127.0.0.1:0 --model-name a@b
+expect_ok "$trace" --limit 20 --publish-events 'tcp://127.0.0.1:*' --publish-wait-ms 0 --model-name acme/m \
+  --pod-id replay-0
+expect_ok "$trace" --limit 20 --publish-events tcp://127.0.0.1:9 --publish-connect --publish-wait-ms 0 --topic kv@a@b
 expect_refusal $usage "--check: applies only to runs without --model-layers, but the hybrid replay" "$trace" \
   --model-layers full:12,swa4096:24 --check
 expect_refusal $usage "--progress: applies only to runs without --model-layers, but the hybrid replay" "$trace" \

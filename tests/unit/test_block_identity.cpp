@@ -305,3 +305,16 @@ TEST_CASE("block_identity: golden vectors from an independent encoder (cbor2, ha
     CHECK(g_checked[k] > 0);
   }
 }
+
+TEST_CASE("block_identity: llm-d newest multimodal features: [parent, tokens, [{Hash, Offset}]] in canonical CBOR, hand-written",
+          "[block_identity][llmd]") {
+  const std::vector<std::uint32_t> t{1, 2};
+  const std::vector<pagedkv::identity::LlmdMmHash> mm{{"img", -3}};
+  // 83 (array 3) 05 (parent) 82 01 02 (tokens) 81 (one feature) a2 (map 2) "Hash" "img" "Offset" -3 (0x22)
+  CHECK(hex(pagedkv::identity::llmd_block_cbor_mm(5, t, mm)) ==
+        "8305820102" "81a2" "6448617368" "63696d67" "664f6666736574" "22");
+  CHECK(pagedkv::identity::llmd_block_cbor_mm(5, t, {}) == pagedkv::identity::llmd_block_cbor(5, t));
+  CHECK(pagedkv::identity::llmd_block_key_mm(5, t, mm) ==
+        pagedkv::identity::fnv1a64(pagedkv::identity::llmd_block_cbor_mm(5, t, mm)));
+  CHECK(pagedkv::identity::llmd_block_key_mm(5, t, mm) != pagedkv::identity::llmd_block_key(5, t));
+}

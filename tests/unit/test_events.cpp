@@ -66,7 +66,7 @@ std::set<std::pair<BlockHash, Medium>> cache_of(const M& m) {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("every stored event recomputes to its hash from the event alone; snapshots are consistent",
+TEMPLATE_TEST_CASE("every stored event recomputes to its hash from the event alone - snapshots are consistent",
                    "[events][rehash][snapshot]", pagedkv::Sha256Hasher, pagedkv::Xxh3Hasher) {
   using Mgr = pagedkv::KVCacheManager<TestType>;
   const std::uint32_t bs = GENERATE(1U, 4U, 16U);

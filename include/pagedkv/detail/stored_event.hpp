@@ -15,7 +15,9 @@ namespace pagedkv::detail {
 
 /// Fill `e` (a fresh kBlockStored event) for full block `i` of a sequence: its hash `h`, its parent (block i - 1's
 /// hash, none for block 0), its `block_size` token ids from `tokens`, position, adapter, the multimodal items
-/// overlapping it and, for block 0, the salt, so a consumer can recompute `h` (rehash_stored_event).
+/// overlapping it and the request's salt (on every block: only block 0 mixes it into its hash, but a router that
+/// seeds every block's key with it, as Dynamo does, needs it on every event; issue 21), so a consumer can
+/// recompute `h` (rehash_stored_event).
 /// Preconditions: tokens.size() >= (i + 1) * block_size, hashes.size() >= i.
 inline void fill_stored_event(KVEvent& e, const BlockHash& h, std::size_t i, std::uint32_t block_size,
                               std::span<const TokenId> tokens, std::span<const BlockHash> hashes,
@@ -32,7 +34,7 @@ inline void fill_stored_event(KVEvent& e, const BlockHash& h, std::size_t i, std
     for (const auto& m : keys->multimodal) {
       if (item_overlaps(m, i * bs, (i + 1) * bs)) e.multimodal_items.push_back(m);
     }
-    if (i == 0) e.salt = keys->salt;
+    e.salt = keys->salt;
   }
 }
 

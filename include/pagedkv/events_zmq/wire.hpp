@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -61,6 +62,54 @@ enum class HashFormat : std::uint8_t {
   return f == HashFormat::kBytes16 ? "bytes16" : "uint64";
 }
 
+/// How a block-0 cache salt is written into `extra_keys` (docs/events-wire.md section 6). Each router reads a
+/// different convention; the default is the one every consumer named there indexes correctly.
+enum class SaltForm : std::uint8_t {
+  /// `"dynamo-cache-salt:" + salt` (a str): the default. NVIDIA Dynamo's KV router takes a block-0 string with this
+  /// prefix as the request's cache namespace and mixes it into its block hashes (Dynamo's vLLM handler prefixes the
+  /// salt before handing it to vLLM, so this is what vLLM itself emits under Dynamo). llm-d skips every non-tuple
+  /// entry (no salt support), so it sees the same blocks whatever the form.
+  kDynamo = 0,
+  /// The bare salt (str, or bin when not UTF-8), as vLLM's `generate_block_hash_extra_keys` writes `cache_salt`.
+  /// Dynamo ignores it (it takes bare strings as LoRA names or legacy multimodal hashes; a 64-hex salt would be
+  /// misread as an image), so Dynamo then merges tenants.
+  kVllm = 1,
+  /// Both: the bare salt, then the prefixed one (for consumers of either convention on one stream).
+  kBoth = 2,
+};
+
+/// How a multimodal item's identifier is written in `extra_keys` (`[identifier, offset]`).
+enum class MmIdForm : std::uint8_t {
+  /// 64 lower-case hex digits: the 32 of the item's 16-byte hash followed by 32 '0'. The default: the length of
+  /// vLLM's own identifiers (a hex SHA-256), which Dynamo parses as a canonical digest, taking its first 16 hex
+  /// digits (the item hash's first 8 bytes, big-endian) as the item's u64; llm-d hashes the string as given.
+  kHex64 = 0,
+  /// 32 lower-case hex digits of the 16-byte item hash (pagedkv before issue 21). Dynamo hashes such ids with XXH3.
+  kHex32 = 1,
+};
+
+/// Name of a salt form ("dynamo", "vllm", "both") or multimodal id form ("hex64", "hex32"). Never null.
+[[nodiscard]] constexpr const char* to_string(SaltForm f) noexcept {
+  return f == SaltForm::kVllm ? "vllm" : f == SaltForm::kBoth ? "both" : "dynamo";
+}
+[[nodiscard]] constexpr const char* to_string(MmIdForm f) noexcept { return f == MmIdForm::kHex32 ? "hex32" : "hex64"; }
+
+/// Dynamo's tag of a cache salt inside `extra_keys` (Dynamo `lib/kv-router/src/zmq_wire/extra_keys.rs`,
+/// DYNAMO_CACHE_SALT_PREFIX).
+inline constexpr std::string_view kDynamoCacheSaltPrefix = "dynamo-cache-salt:";
+
+/// The attention kind and sliding window of one KV-cache group, for vLLM's `kv_cache_spec_kind` /
+/// `kv_cache_spec_sliding_window` (BlockStored positions 10 and 11). The engine knows its groups; pagedkv's
+/// managers do not carry these strings, so the encoder takes them from `EncodeOptions::group_specs`.
+struct GroupSpec {
+  /// vLLM's KVCacheSpecKind value: "full_attention", "sliding_window", "chunked_local_attention",
+  /// "mla_attention", "mamba", ... Written as given (non-empty).
+  std::string kind = "full_attention";
+  /// The window in tokens for sliding-window (or the chunk for chunked-local) groups; nullopt = None.
+  std::optional<std::uint32_t> sliding_window;
+  friend bool operator==(const GroupSpec&, const GroupSpec&) = default;
+};
+
 /// Options of `encode_batch` / `encode_snapshot`.
 struct EncodeOptions {
   EventLayout layout = EventLayout::kArray;
@@ -73,8 +122,38 @@ struct EncodeOptions {
   bool merge_runs = true;
   /// vLLM's `lora_name` of an adapter id (pagedkv knows only ids); empty function or nullopt = None. Dynamo uses
   /// lora_name to keep different adapters' blocks apart in its own index.
+  /// Written twice, where vLLM writes it: the `lora_name` field and the first element of every block's
+  /// `extra_keys` (replacing the adapter id, which stays in `lora_id`). llm-d roots an adapter's keys at its name
+  /// (the name replaces the model name); Dynamo seeds its block hash with it. Without a name the id is written in
+  /// `extra_keys` as an int (neither router can then tell adapters apart from the base model).
   std::function<std::optional<std::string>(std::uint64_t adapter_id)> lora_name;
+  /// How the cache salt is written (SaltForm; default Dynamo's prefixed form).
+  SaltForm salt_form = SaltForm::kDynamo;
+  /// How multimodal identifiers are written (MmIdForm; default 64 hex digits).
+  MmIdForm mm_id_form = MmIdForm::kHex64;
+  /// The identifier of an item (e.g. vLLM's `mm_hash` string the engine received with the request); empty
+  /// function or nullopt = the `mm_id_form` of its hash. Consumers cannot recompute pagedkv hashes from such
+  /// identifiers (`pagedkv_block_keys` throws on them).
+  std::function<std::optional<std::string>(const BlockHash& item_hash)> mm_identifier;
+  /// `kv_cache_spec_kind` / `kv_cache_spec_sliding_window` per KV-cache group, indexed by `KVEvent::group`.
+  /// Empty (default): a one-group full-attention engine, so group 0 is written as "full_attention" with no
+  /// window and other groups without a kind. Non-empty: every stored event's group must have an entry
+  /// (encode_batch throws kInvalidArgument naming the group otherwise). Written at array positions 10-11 (the
+  /// event then has 12 elements, as vLLM >= 0.23 sends) or as map keys.
+  std::vector<GroupSpec> group_specs;
+  /// With `group_specs`: write only the events of main-attention groups (kinds "full_attention",
+  /// "mla_attention", "sink_full_attention"; `is_main_attention`). Default true: NVIDIA Dynamo indexes only those
+  /// kinds (zmq_wire filter.rs, `is_main_attention`), and llm-d keys its index by pod and tier without the group,
+  /// so a sliding-window group's removal of a block the full-attention group still holds (same hash) would erase
+  /// it there. False: every group, as vLLM publishes them.
+  bool main_groups_only = true;
 };
+
+/// Whether vLLM's `kv_cache_spec_kind` names a main-attention kind, whose blocks a prefix match can reuse on their
+/// own ("full_attention", "mla_attention", "sink_full_attention"; Dynamo's `KvCacheSpecKind::is_main_attention`).
+[[nodiscard]] constexpr bool is_main_attention(std::string_view kind) noexcept {
+  return kind == "full_attention" || kind == "mla_attention" || kind == "sink_full_attention";
+}
 
 /// The wire form of a 128-bit block hash as an integer (HashFormat::kUint64): bytes 8..15 read big-endian, i.e.
 /// `int.from_bytes(hash, "big") & (2**64 - 1)`, vLLM's own bytes-to-int rule (`maybe_convert_block_hash`).
@@ -141,6 +220,8 @@ struct WireBlockStored {
   /// for a block without any.
   std::vector<std::optional<std::vector<WireExtraKey>>> extra_keys;
   std::optional<std::int64_t> group_idx;  ///< KV-cache group.
+  std::optional<std::string> kv_cache_spec_kind;              ///< "full_attention", "sliding_window", ...
+  std::optional<std::int64_t> kv_cache_spec_sliding_window;  ///< Window in tokens (sliding groups).
   /// The token ids of block `i` (`[block_size]`). Precondition: i < block_hashes.size().
   [[nodiscard]] std::span<const TokenId> block_tokens(std::size_t i) const {
     return std::span<const TokenId>(token_ids).subspan(i * block_size, block_size);
@@ -191,10 +272,12 @@ struct WireBlockKeys {
   std::string salt;  ///< The cache salt (a sequence's first block only).
 };
 
-/// The pagedkv extra keys of block `i` of `e`: adapter id from an unsigned element, items from (32 hex digits,
-/// offset) pairs, the salt from a string or bytes element; none = all defaults. Throws pagedkv::Error
-/// kInvalidArgument when `i` is out of range or an element does not fit pagedkv's layout (e.g. a stream from vLLM,
-/// whose hashes pagedkv cannot recompute anyway). O(keys).
+/// The pagedkv extra keys of block `i` of `e`: the adapter id from an unsigned element, else from `lora_id` (when
+/// the adapter's name was written instead; the first string equal to `lora_name` is that name and skipped, as
+/// Dynamo does), items from (32 hex digits, or 64 whose last 32 are '0', offset) pairs, the salt from a string
+/// or bytes element, with or without Dynamo's "dynamo-cache-salt:" prefix (both forms present must agree); none
+/// = all defaults. Throws pagedkv::Error kInvalidArgument when `i` is out of range or an element does not fit
+/// pagedkv's layout (e.g. a stream from vLLM, whose hashes pagedkv cannot recompute anyway). O(keys).
 [[nodiscard]] PAGEDKV_EVENTS_ZMQ_API WireBlockKeys pagedkv_block_keys(const WireBlockStored& e, std::size_t i);
 
 /// Recompute the full 128-bit hash of block `i` of a stored event published by a pagedkv engine using `Hasher` and

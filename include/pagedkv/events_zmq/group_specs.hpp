@@ -1,0 +1,30 @@
+// pagedkv/events_zmq/group_specs.hpp: vLLM's `kv_cache_spec_kind` / `kv_cache_spec_sliding_window` of a
+// HybridKVCacheManager's groups, for EncodeOptions::group_specs.
+#pragma once
+
+#include <vector>
+
+#include <pagedkv/events_zmq/wire.hpp>
+#include <pagedkv/kv_cache_groups.hpp>
+
+namespace pagedkv::events {
+
+/// One GroupSpec per group of `config`, in group order, with vLLM's KVCacheSpecKind values: kFull ->
+/// "full_attention" (no window), kSlidingWindow -> "sliding_window" with its window W in tokens, kChunkedLocal ->
+/// "chunked_local_attention" with its chunk C in tokens (vLLM's ChunkedLocalAttentionSpec; pagedkv writes the
+/// chunk where vLLM has no field of its own: a consumer that reads the window only for "sliding_window" ignores
+/// it). Allocates the result.
+[[nodiscard]] inline std::vector<GroupSpec> group_specs(const HybridCacheConfig& config) {
+  std::vector<GroupSpec> out;
+  out.reserve(config.groups.size());
+  for (const KVCacheGroupSpec& g : config.groups) {
+    switch (g.kind) {
+      case AttentionKind::kFull: out.push_back({"full_attention", std::nullopt}); break;
+      case AttentionKind::kSlidingWindow: out.push_back({"sliding_window", g.window_tokens}); break;
+      case AttentionKind::kChunkedLocal: out.push_back({"chunked_local_attention", g.window_tokens}); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace pagedkv::events
