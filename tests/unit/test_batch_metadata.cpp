@@ -184,7 +184,7 @@ TEST_CASE("build_batch_metadata: every output with its padding", "[batch_metadat
   }
 }
 
-TEST_CASE("build_batch_metadata: copies, then -1; building releases the copies' source references",
+TEST_CASE("build_batch_metadata: copies, then -1 - building releases the copies' source references",
           "[batch_metadata][cow]") {
   Mgr m(cfg(16, 4));
   REQUIRE(m.try_admit(10, toks(0, 10)).admitted());  // 1, 2, 3 (2 tokens)

@@ -739,7 +739,7 @@ TEST_CASE("SlruEviction: all blocks protected (fraction 1), and fraction 0 is ex
   }
 }
 
-TEST_CASE("SlruEviction: forget is not a hit; it clears the mark of a held block", "[eviction][slru]") {
+TEST_CASE("SlruEviction: forget is not a hit - it clears the mark of a held block", "[eviction][slru]") {
   Slru p(8);
   for (Id b : {1, 2, 3}) p.insert(b);
   p.forget(2);  // cached, hash dropped
@@ -784,7 +784,7 @@ TEST_CASE("SlruEviction: a protected fraction outside [0, 1] is kInvalidArgument
 // ---------------------------------------------------------------------------------------------------------------
 // Priority LRU edge cases, hand-checked.
 
-TEST_CASE("PriorityLruEviction: lowest level first, LRU within a level; priorities 0 and 100",
+TEST_CASE("PriorityLruEviction: lowest level first, LRU within a level - priorities 0 and 100",
           "[eviction][priority]") {
   Prio p(10);
   p.set_priority(1, 100, std::nullopt);
@@ -810,7 +810,7 @@ TEST_CASE("PriorityLruEviction: lowest level first, LRU within a level; prioriti
   for (Id b = 1; b < 7; ++b) CHECK(p.priority(b) == kDefaultRetentionPriority);
 }
 
-TEST_CASE("PriorityLruEviction: an expiry exactly at now has expired; expired blocks land at the default level's MRU "
+TEST_CASE("PriorityLruEviction: an expiry exactly at now has expired - expired blocks land at the default level's MRU "
           "end in release order",
           "[eviction][priority][expiry]") {
   Prio p(12);
@@ -872,7 +872,7 @@ TEST_CASE("PriorityLruEviction: a priority that lapses while the block is held a
   CHECK(p.order() == std::vector<Id>{2, 1, 3, 5});
 }
 
-TEST_CASE("PriorityLruEviction: forget resets the priority; clear resets everything", "[eviction][priority]") {
+TEST_CASE("PriorityLruEviction: forget resets the priority - clear resets everything", "[eviction][priority]") {
   Prio p(8);
   p.set_priority(1, 90, at_ms(50));
   p.set_priority(2, 5, std::nullopt);

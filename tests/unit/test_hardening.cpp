@@ -222,7 +222,7 @@ TEST_CASE("const lookups may run concurrently", "[hardening][lookup][concurrency
   CHECK(bad == std::vector<int>(4, 0));
 }
 
-TEST_CASE("KVCacheManager is movable; a move carries every sequence", "[hardening][move]") {
+TEST_CASE("KVCacheManager is movable - a move carries every sequence", "[hardening][move]") {
   Mgr a(cfg(32, 4));
   REQUIRE(a.try_admit(1, toks(0, 10)).admitted());
   build_step(a, {1});

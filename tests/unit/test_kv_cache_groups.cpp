@@ -320,7 +320,7 @@ TEST_CASE("HybridKVCacheManager: out-of-window blocks are released at each build
   }
 }
 
-TEST_CASE("HybridKVCacheManager: a chunked prefill releases as it goes; the build's page table still has the window",
+TEST_CASE("HybridKVCacheManager: a chunked prefill releases as it goes - the build's page table still has the window",
           "[kv_cache_groups][window]") {
   const std::uint32_t bs = 4;
   Mgr m(make_config(64, bs, {full(), swa(6)}));
@@ -463,7 +463,7 @@ TEST_CASE("HybridKVCacheManager: the hit fixed point equals the brute-force maxi
   }
 }
 
-TEST_CASE("HybridKVCacheManager: admission hits equal the oracle on random caches; window groups take only the window",
+TEST_CASE("HybridKVCacheManager: admission hits equal the oracle on random caches - window groups take only the window",
           "[kv_cache_groups][prefix]") {
   const std::uint32_t bs = 4;
   std::mt19937_64 rng(7);
@@ -559,7 +559,7 @@ TEST_CASE("HybridKVCacheManager: prefix hits past the window do not fall to zero
   CHECK(m.lookup(turn) == oracle_hit_blocks(m, turn) * bs);
 }
 
-TEST_CASE("HybridKVCacheManager: registration skips blocks that can never serve a hit; events name the group",
+TEST_CASE("HybridKVCacheManager: registration skips blocks that can never serve a hit - events name the group",
           "[kv_cache_groups][registration]") {
   const std::uint32_t bs = 4;
   Mgr m(make_config(200, bs, {full(), swa(1), chunked(8), swa(5)}, /*events=*/true));
@@ -603,7 +603,7 @@ TEST_CASE("HybridKVCacheManager: registration skips blocks that can never serve 
   for (std::size_t g = 0; g < 4; ++g) CHECK(m.prefix_index(g).size() == 0);
 }
 
-TEST_CASE("HybridKVCacheManager: fork shares every group's blocks; copy-on-write per group", "[kv_cache_groups][cow]") {
+TEST_CASE("HybridKVCacheManager: fork shares every group's blocks - copy-on-write per group", "[kv_cache_groups][cow]") {
   const std::uint32_t bs = 4;
   Mgr m(make_config(64, bs, {full(), swa(5)}));
   REQUIRE(m.try_admit(1, pagedkv_test::toks(1, 14)).admitted());

@@ -617,7 +617,7 @@ TEST_CASE("KVCacheManager: blocks are registered only by the build that issues t
   }
 }
 
-TEST_CASE("KVCacheManager: fork shares blocks; the first append to the shared partial block copies it",
+TEST_CASE("KVCacheManager: fork shares blocks - the first append to the shared partial block copies it",
           "[kv_cache_manager][fork][cow]") {
   Mgr m(cfg(16, 4));
   REQUIRE(m.try_admit(1, toks(0, 6)).admitted());  // 1, 2

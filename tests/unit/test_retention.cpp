@@ -187,7 +187,7 @@ TEST_CASE("try_admit with a bad retention config throws and changes nothing", "[
   CHECK(hit_tokens(m, toks(1, 12)) == 12);
 }
 
-TEMPLATE_TEST_CASE("a high-priority prompt outlives a later default one; LRU evicts it first", "[retention]", Prio,
+TEMPLATE_TEST_CASE("a high-priority prompt outlives a later default one - LRU evicts it first", "[retention]", Prio,
                    Lru) {
   // 9 usable blocks. A (system prompt, priority 80) is freed before B (default): LRU would evict A first.
   pagedkv::KVCacheManager<pagedkv::Xxh3Hasher, std::uint32_t, TestType> m(cfg(10));
@@ -253,7 +253,7 @@ TEST_CASE("before expiry the longer priority wins", "[retention]") {
   CHECK(hit_tokens(m, c) == 0);
 }
 
-TEST_CASE("a fork inherits its parent's retention; the last releaser decides", "[retention]") {
+TEST_CASE("a fork inherits its parent's retention - the last releaser decides", "[retention]") {
   pagedkv::KVCacheManager<pagedkv::Xxh3Hasher, std::uint32_t, Prio> m(cfg(10));
   const Toks a = toks(1000, 8), b = toks(2000, 8);
   AdmitOptions o;

@@ -88,7 +88,7 @@ Step build(M& m, const std::vector<SeqId>& batch, const std::vector<std::uint32_
 
 }  // namespace
 
-TEST_CASE("chunked admission reserves the first chunk; try_reserve grows it, all or nothing",
+TEST_CASE("chunked admission reserves the first chunk - try_reserve grows it, all or nothing",
           "[scheduler][chunked]") {
   Mgr m(cfg(9, 4));  // 8 usable blocks
   const Toks p = toks(0, 26);  // 7 blocks

@@ -184,7 +184,7 @@ TEST_CASE("StatusDetail: reference::decode names the failed check, the field and
   }
 }
 
-TEST_CASE("StatusDetail: reference::prefill names the failed check; qo_indptr[0] must be 0",
+TEST_CASE("StatusDetail: reference::prefill names the failed check - qo_indptr[0] must be 0",
           "[reference][validation][detail]") {
   using P = PrefillParams;
   const std::vector<BadCase<P>> table = {
