@@ -861,7 +861,8 @@ class ManagerModel {
                           "stored event parent hash");
           PKV_MODEL_CHECK(e.adapter_id == (s.keys ? s.keys->adapter_id : 0), "stored event adapter id");
           PKV_MODEL_CHECK(e.block_size == bs_ && e.block_start == i * bs_, "stored event block size / start");
-          PKV_MODEL_CHECK(e.salt == (i == 0 && s.keys ? s.keys->salt : std::string()), "stored event salt");
+          // The salt is on every block's event (routers read it from an event's first block); only block 0 hashes it.
+          PKV_MODEL_CHECK(e.salt == (s.keys ? s.keys->salt : std::string()), "stored event salt");
           PKV_MODEL_CHECK(e.medium == pagedkv::Medium::kGpu && e.group == 0, "stored event medium / group");
           // Every extra key of the block is in its event: the multimodal items overlapping it, as given.
           std::vector<MultimodalItem> items;
