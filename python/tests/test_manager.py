@@ -273,7 +273,7 @@ def test_events_batches_drain_and_reset():
     assert e0.token_ids == p[:4].tolist() and e1.token_ids == p[4:8].tolist()
     assert e0.parent_hash is None and e1.parent_hash == e0.hash and e0.hash != e1.hash
     assert (e0.block_start, e1.block_start, e0.block_size, e0.adapter_id) == (0, 4, 4, 5)
-    assert e0.salt == "s1" and e1.salt == "" and e0.seq_no + 1 == e1.seq_no
+    assert e0.salt == "s1" and e1.salt == "s1" and e0.seq_no + 1 == e1.seq_no  # the salt rides on every block
     assert m.reset_prefix_cache() is False  # sequence 1 holds blocks
     m.free(1)
     assert m.reset_prefix_cache() is True
