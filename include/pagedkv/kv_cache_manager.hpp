@@ -204,9 +204,8 @@ class KVCacheManager {
   using host_tier_type = HostTier<Hasher, Id, HostEvict>;
 
   /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or a block_size outside
-  /// [1, kMaxBlockSize],
-  /// kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch metadata), both
-  /// before allocating anything.
+  /// [1, kMaxBlockSize], kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch
+  /// metadata), both before allocating anything.
   explicit KVCacheManager(const CacheConfig& config)
       : config_(checked(config)),
         alloc_(config_.num_blocks),

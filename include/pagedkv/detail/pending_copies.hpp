@@ -41,9 +41,10 @@ std::optional<Id> drop_pending_copy_into(std::vector<Copy>& copies, std::vector<
 /// Marks in `take` (`[copies]`) the pending copies a build hands out, and returns how many: the copies the caller's
 /// `in_batch(*owner)` claims (the tables of the batch's own sequences, and of sequences with nothing pending that no
 /// build of their own would reach), plus any other copy whose source block receives a write from this build
-/// (`writes(copy)`): the copy must read it first, and copy_blocks runs before write_kv in the same step. Every other copy stays pending for the build of its owner's batch, so an engine that builds its
-/// prefill and decode batches separately (vLLM, SGLang) gets each batch's copies with that batch. `in_batch` is
-/// asked for every copy, `writes` only for copies of sequences outside the batch. O(copies) plus the `writes` tests.
+/// (`writes(copy)`): the copy must read it first, and copy_blocks runs before write_kv in the same step. Every
+/// other copy stays pending for the build of its owner's batch, so an engine that builds its prefill and decode
+/// batches separately (vLLM, SGLang) gets each batch's copies with that batch. `writes` is asked only for copies
+/// `in_batch` does not claim. O(copies) plus the `writes` tests.
 template <class Copy, class Owner, class InBatch, class Writes>
 std::size_t select_batch_copies(const std::vector<Copy>& copies, const std::vector<Owner*>& owners, InBatch&& in_batch,
                                 Writes&& writes, std::vector<std::uint8_t>& take) {
@@ -59,8 +60,9 @@ std::size_t select_batch_copies(const std::vector<Copy>& copies, const std::vect
 }
 
 /// Moves the copies marked in `take` (by select_batch_copies) from `copies` / `owners` to the end of `out`, in list
-/// order, keeping the order of those left, and clears `take`; each moved copy's owner has one pending copy less. The caller then
-/// releases the reference each moved copy held on its source. O(copies); no allocation beyond `out`'s growth.
+/// order, keeping the order of those left, and clears `take`; each moved copy's owner has one pending copy less.
+/// The caller then releases the reference each moved copy held on its source. O(copies); no allocation beyond
+/// `out`'s growth.
 template <class Copy, class Owner>
 void take_selected_copies(std::vector<Copy>& copies, std::vector<Owner*>& owners, std::vector<std::uint8_t>& take,
                           std::vector<Copy>& out) {
