@@ -16,11 +16,13 @@
 
 namespace pagedkv {
 
-/// A block copy (src block, dst block) for the `copy_blocks` kernel: copy-on-write of a shared partial block.
+/// A block copy (src block, dst block) for the `copy_blocks` kernel: copy-on-write of a shared partial block, in
+/// KV-cache group `group` (0 with one group; GroupBlockCopy is this type).
 template <BlockIdType Id = std::uint32_t>
 struct BlockCopy {
   Id src;
   Id dst;
+  std::uint32_t group = 0;
   friend constexpr bool operator==(const BlockCopy&, const BlockCopy&) = default;
 };
 

@@ -1,5 +1,7 @@
-// pagedkv/kv_cache_manager.hpp: the narrow facade an engine's scheduler calls (admit, append, fork, free, rewind,
-// lookup, batch metadata), over SequenceState (per sequence) + BlockAllocator + PrefixHashIndex + EventLog.
+// pagedkv/kv_cache_manager.hpp: the cache manager an engine's scheduler calls (admit, append, fork, free, rewind,
+// lookup, swap, batch metadata) for one block pool shared by one or more KV-cache groups, over SequenceState (per
+// sequence) + BlockAllocator + one PrefixHashIndex per group + HostTier + TransferQueue + EventLog. A plain
+// full-attention model is the one-group case (docs/design.md "Reading order", docs/groups.md).
 #pragma once
 
 #include <algorithm>
@@ -26,6 +28,7 @@
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/eviction.hpp>
+#include <pagedkv/group_policy.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/host_tier.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
@@ -51,7 +54,11 @@ enum class PreemptMode : std::uint8_t {
   kSwap = 1,       ///< Copy them to the host tier; `try_resume` copies them back. Needs a host tier.
 };
 
-/// Configuration of one KV pool.
+/// Configuration of one KV pool and the KV-cache groups that share it (HybridCacheConfig is this type).
+///
+/// Memory model with several groups (vLLM's hybrid allocator): one block id per (group, logical block) of a
+/// sequence; a block holds `block_size` tokens of K and V for one page per layer slot: `page_size_bytes` per layer
+/// and max_g(num_layers) layer slots, so every block has the same size (`KVCacheManager::bytes_per_block()`).
 struct CacheConfig {
   std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0: [2, 2^31].
   std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block: [1, kMaxBlockSize]. Kernels must see the
@@ -68,6 +75,10 @@ struct CacheConfig {
   /// offload minimum priority); 0 = every evicted block. Needs a RetentionEvictionPolicy to matter (every block
   /// has kDefaultRetentionPriority under the others).
   std::uint8_t min_offload_priority = 0;
+  /// KV-cache groups sharing the pool, [0, kMaxGroups]; group g is index g in every API. Empty = one
+  /// full-attention group (a plain pool).
+  std::vector<KVCacheGroupSpec> groups;
+  std::size_t page_size_bytes = 0;  ///< Bytes of one layer's K+V page of block_size tokens (0: no byte accounting).
 };
 
 /// Outcome of an admission. Only kAdmitted changes state.
@@ -155,10 +166,12 @@ struct AppendResult {
   std::span<const std::int64_t> slots;
   std::optional<BlockCopy<Id>> copy;   ///< The copy-on-write this append needs, if any.
   std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: as in AdmitResult.
+  std::size_t num_new_blocks = 0;      ///< kOk: blocks taken from the pool over all groups (new + copies).
   [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
 };
 
-/// The KV-cache manager an inference engine's scheduler calls: one per KV pool (all layers share the block ids).
+/// The KV-cache manager an inference engine's scheduler calls: one per KV pool, shared by the KV-cache groups of
+/// `CacheConfig::groups` (one full-attention group when empty: every layer shares the block ids).
 ///
 /// Behaviour (docs/contract.md sec. 2; PagedAttention, Kwon et al. SOSP'23; vLLM V1 prefix caching):
 ///  - `try_admit` looks up the prompt's longest cached prefix (capped so at least one token is computed), takes
@@ -176,8 +189,28 @@ struct AppendResult {
 /// A pending copy (src, dst) holds a reference on src until the metadata that carries it is built, so no block is
 /// reused (and overwritten) while a copy still has to read it.
 ///
+/// KV-cache groups (hybrid models: Gemma 2/3 and gpt-oss alternate sliding-window and full layers, Llama 4 adds
+/// chunked-local layers; vLLM's KVCacheCoordinator over one SingleTypeKVCacheManager per group, TensorRT-LLM's
+/// variable-window managers, SGLang's SWA radix cache). Per sequence: one token list, one chain of block hashes
+/// (content addressing does not depend on the layer type), one built cursor, and per group a block table whose
+/// leading entries may be the null block 0 (docs/groups.md):
+///  - **Release rule.** After each build, a windowed group releases every block wholly before
+///    `window.first_visible(num_built)` and puts the null block in its table (positions stay absolute; the kernels
+///    never read those pages). A sliding-window group growing by at most `chunk` tokens per build holds at most
+///    `window_block_bound(g, chunk)` blocks per sequence.
+///  - **Prefix hits.** One PrefixHashIndex per group. The hit is today's prefix walk with one full-attention group
+///    and the fixed point over groups (detail::fixed_point_hit_blocks) otherwise; a windowed group takes only the
+///    hit blocks its first computed query sees, the leading ones are null. A full block that can never serve a hit
+///    in its group (detail::block_can_serve_hit) is not registered there.
+///  - **Capacity** counts every group's blocks against the one pool, all or nothing; copy-on-write, fork, rewind
+///    (never behind a released block), swap and resume (a host block belongs to one group: the host index keys a
+///    group's block by its hash mixed with the group), events (KVEvent::group) and stats work per group.
+///  - With one group, `build_batch_metadata(batch, buf)` writes its metadata; with several, one buffer set per group
+///    (`build_batch_metadata(batch, per_group)`; the swap lists of the host tier go into group 0's buffers: block
+///    ids are pool-wide).
+///
 /// Template parameters: `Hasher` (BlockHasher: Sha256Hasher default, Xxh3Hasher), `Id` (BlockIdType),
-/// `Evict` (EvictionPolicy, LRU default).
+/// `Evict` (EvictionPolicy, LRU default) over every group's cached blocks, `HostEvict` (the host tier's).
 /// Limits: at most 2^31 blocks and 2^31 - 1 tokens per sequence, and one build's block and token totals below
 /// 2^31 (the batch metadata is int32: `kMaxMetadataValue`); each is checked with kLimitExceeded naming it.
 /// Thread safety: one writer (the scheduler thread); const calls may run concurrently with each other (`lookup`
@@ -188,8 +221,9 @@ struct AppendResult {
 /// Errors: misuse throws `pagedkv::Error` (codes in error.hpp) and leaves the manager unchanged; expected outcomes
 /// (no capacity, never fits, prefix miss) are values.
 /// Cost: admission O(prompt blocks) (hashing dominates); append O(new tokens) plus one hash per filled block; fork,
-/// free, rewind O(blocks of the sequence); build O(batch + blocks + new tokens). None depends on pool size or on
-/// the number of cached blocks.
+/// free, rewind O(blocks of the sequence); build O(batch + blocks + new tokens); each times the number of groups.
+/// None depends on pool size or on the number of cached blocks. No heap allocation per admission, growth or build
+/// once the scratch buffers have grown (except the calls documented to allocate).
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t,
           EvictionPolicy<Id> Evict = LruEviction<Id>, EvictionPolicy<Id> HostEvict = Evict>
 class KVCacheManager {
@@ -203,11 +237,19 @@ class KVCacheManager {
   using sequence_type = SequenceState<Id>;
   using host_tier_type = HostTier<Hasher, Id, HostEvict>;
 
-  /// A manager for a pool described by `config`. Throws kInvalidArgument for num_blocks < 2 or a block_size outside
-  /// [1, kMaxBlockSize], kLimitExceeded for num_blocks > 2^31 or max_tokens_per_seq > 2^31 - 1 (the int32 batch
-  /// metadata), both before allocating anything.
+  /// Most KV-cache groups per manager.
+  static constexpr std::size_t kMaxGroups = 64;
+
+  /// A manager for a pool described by `config`. Throws kInvalidArgument (num_blocks < 2, a block_size outside
+  /// [1, kMaxBlockSize], more than kMaxGroups groups, a full group with window_tokens != 0, a windowed group with
+  /// window_tokens 0 or > 2^31 - 1, num_layers 0, pool bytes overflowing size_t), kLimitExceeded (num_blocks >
+  /// 2^31, max_tokens_per_seq > 2^31 - 1: the int32 batch metadata), each naming the value, before allocating
+  /// anything.
   explicit KVCacheManager(const CacheConfig& config)
       : config_(checked(config)),
+        num_groups_(config_.groups.empty() ? 1 : config_.groups.size()),
+        simple_(config_.groups.size() <= 1 &&
+                (config_.groups.empty() || config_.groups[0].kind == AttentionKind::kFull)),
         alloc_(config_.num_blocks),
         index_(config_.num_blocks, config_.hash_seed),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
@@ -215,7 +257,18 @@ class KVCacheManager {
                                            : nullptr),
         filling_((config_.num_blocks + 63) / 64, 0),
         unkeyed_fill_((config_.num_blocks + 63) / 64, 0),
-        events_(config_.enable_events) {}
+        events_(config_.enable_events) {
+    if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
+    for (const KVCacheGroupSpec& g : config_.groups) windows_.push_back(g.window());
+    more_index_.reserve(num_groups_ - 1);
+    for (std::size_t g = 1; g < num_groups_; ++g) more_index_.emplace_back(config_.num_blocks, config_.hash_seed);
+    if (num_groups_ > 1) {
+      group_of_.assign(config_.num_blocks, 0);
+      if (host_) host_group_of_.assign(config_.num_host_blocks, 0);
+    }
+    held_.assign(num_groups_, 0);
+    peak_held_.assign(num_groups_, 0);
+  }
 
   KVCacheManager(const KVCacheManager&) = delete;
   KVCacheManager& operator=(const KVCacheManager&) = delete;
@@ -228,6 +281,26 @@ class KVCacheManager {
   /// Per-sequence token limit in force (kMaxMetadataValue when none was configured). A prompt longer than the pool
   /// but within this limit is answered kNeverFits, not an error.
   [[nodiscard]] std::size_t max_tokens_per_seq() const noexcept { return max_tokens_per_seq_; }
+  /// KV-cache groups (1 for a plain full-attention pool).
+  [[nodiscard]] std::size_t num_groups() const noexcept { return num_groups_; }
+  /// The AttentionWindow of group g (what its kernels and decode plan take; off for full attention).
+  /// Precondition: g < num_groups().
+  [[nodiscard]] const AttentionWindow& window(std::size_t g) const noexcept { return windows_[g]; }
+  /// Bytes of one pool block: page_size_bytes x max_g num_layers (every block the same size).
+  [[nodiscard]] std::size_t bytes_per_block() const noexcept {
+    std::size_t m = 0;
+    for (const auto& g : config_.groups) m = std::max<std::size_t>(m, g.num_layers);
+    return config_.page_size_bytes * m;
+  }
+  /// The footprint bound of a windowed group g growing by `chunk_tokens` per build: ceil((W - 1 + chunk) /
+  /// block_size) + 1 blocks per sequence (chunked-local: C - 1 in place of W - 1); nullopt for a full group.
+  /// Throws kInvalidArgument for g >= num_groups().
+  [[nodiscard]] std::optional<std::size_t> window_block_bound(std::size_t g, std::size_t chunk_tokens) const {
+    check_group(g, "window_block_bound");
+    if (!windows_[g].enabled()) return std::nullopt;
+    const std::size_t bs = config_.block_size;
+    return (config_.groups[g].window_tokens - 1 + chunk_tokens + bs - 1) / bs + 1;
+  }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Admission and growth
@@ -306,7 +379,7 @@ class KVCacheManager {
         throw;
       }
     }
-    return commit_growth(q, n);
+    return commit_growth(q, n, cq.num_blocks);
   }
 
   /// Chunked prefill: reserve slots for the next `n` prompt tokens of `seq` that have none yet (admitted with
@@ -325,7 +398,7 @@ class KVCacheManager {
     const CapacityQuery cq = query_growth(q, n);
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
     prepare_growth(q, n);
-    return commit_growth(q, n);
+    return commit_growth(q, n, cq.num_blocks);
   }
 
   /// Speculative decoding: reserve `k` lookahead slots after the last token of `seq` for tokens whose ids the host
@@ -341,7 +414,7 @@ class KVCacheManager {
     const CapacityQuery cq = query_growth(q, k);
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
     prepare_growth(q, k);
-    AppendResult<Id> r = commit_growth(q, k);
+    AppendResult<Id> r = commit_growth(q, k, cq.num_blocks);
     q.num_lookahead = k;
     return r;
   }
@@ -366,9 +439,11 @@ class KVCacheManager {
     std::size_t max_reg = 0;
     if (config_.enable_prefix_caching) {
       detail::reserve_more(q.hashes, (old_known + a) / bs - std::min(old_hashes, (old_known + a) / bs));
-      max_reg = (old_known + a) / bs - std::min((old_known + a) / bs, q.num_registered);
+      for (std::size_t g = 0; g < num_groups_; ++g) {
+        max_reg = std::max(max_reg, (old_known + a) / bs - std::min((old_known + a) / bs, q.registered_of(g)));
+      }
     }
-    events_.reserve_more(max_reg);
+    events_.reserve_more(max_reg * num_groups_);
     switched_scratch_.clear();
     switched_scratch_.reserve(max_reg);
     q.tokens.insert(q.tokens.end(), accepted.begin(), accepted.end());
@@ -384,10 +459,15 @@ class KVCacheManager {
     // Nothing below throws.
     const std::size_t rejected = q.num_lookahead - a;
     q.num_lookahead = 0;
-    Proxy pool{this};
-    q.table.rewind(rejected, pool);
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      q.table_of(g).rewind(rejected, pool);
+    }
     q.num_built = std::min(q.num_built, q.num_slotted());
-    register_full_blocks(q);  // the accepted blocks whose writes were issued
+    for (std::size_t g = 0; g < num_groups_; ++g) {  // the accepted blocks whose writes were issued
+      switched_scratch_.clear();
+      register_full_blocks(q, g);
+    }
   }
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
@@ -411,18 +491,15 @@ class KVCacheManager {
                         (has_filling_block(p) ? ", host copies into its blocks not completed" : "") +
                         "): build the step's metadata before forking");
     }
-    sequence_type c(config_.block_size);
-    c.tokens = p.tokens;
-    c.hashes = p.hashes;
-    c.num_registered = p.num_registered;
-    c.keys = p.keys;
-    c.retention = p.retention;
-    c.num_prompt_tokens = p.num_prompt_tokens;
-    c.num_built = p.num_built;
-    c.table = p.table;  // copy first (may throw), take references after
+    sequence_type c = p;  // every group's table, cursors, hashes, keys: copy first (may throw), references after
+    c.in_batch = false;
     auto [it, inserted] = seqs_.try_emplace(child, std::move(c));
     (void)inserted;
-    for (Id b : it->second.table.blocks()) alloc_.acquire(b);
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      for (Id b : it->second.table_of(g).blocks()) {
+        if (b != Id{0}) acquire_block(b);
+      }
+    }
   }
 
   /// Free sequence `seq` (finished or aborted), live or swapped: release its blocks, last block first, and forget
@@ -430,14 +507,14 @@ class KVCacheManager {
   /// still reads or fills is released when the copy completes. Throws kUnknownSequence (also on a double free).
   void free(SeqId seq) {
     if (const auto sw = swapped_.find(seq); sw != swapped_.end()) {
-      for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) host_->release(*it);
+      for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
+        if (*it != Id{0}) host_->release(*it);
+      }
       swapped_.erase(sw);
       return;
     }
     sequence_type& q = live(seq, "free");
-    apply_retention(q, 0);
-    Proxy pool{this};
-    q.table.release_all(pool);
+    release_all_groups(q);
     seqs_.erase(seq);
   }
 
@@ -462,46 +539,55 @@ class KVCacheManager {
                                                 " is not settled (unbuilt slots, lookahead or a copy outstanding): "
                                                 "swap it after its step's metadata was built and its copies completed");
     }
-    // Plan: host blocks to share (the hash is there) or to fill (a copy each).
-    const auto blocks = q.table.blocks();
+    // Plan: host blocks to share (the hash is there) or to fill (a copy each), every group's non-null blocks.
+    const std::size_t nb = q.table.num_blocks();  // every group's table has as many entries
     std::size_t to_fill = 0, shared_cached = 0;
-    for (Id b : blocks) {
-      const auto h = index_.hash_of(b);
-      const auto hb = h ? host_->find(*h) : std::nullopt;
-      if (!hb) {
-        ++to_fill;
-      } else if (host_->allocator().is_cached(*hb)) {
-        ++shared_cached;
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      for (Id b : q.table_of(g).blocks()) {
+        if (b == Id{0}) continue;
+        const auto hb = host_copy_of(b, g);
+        if (!hb) {
+          ++to_fill;
+        } else if (host_->allocator().is_cached(*hb)) {
+          ++shared_cached;
+        }
       }
     }
     if (to_fill > host_->allocator().num_available_blocks() - shared_cached) return false;
     // Commit. Reserve first: nothing below throws.
     SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted()};
-    sw.host_blocks.resize(blocks.size());
+    sw.host_blocks.assign(num_groups_ * nb, Id{0});
     transfers_.reserve_more(to_fill);
     events_.reserve_more(to_fill);
     auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
     SwappedSequence& dst = it->second;
-    for (std::size_t i = 0; i < blocks.size(); ++i) {  // shared host blocks first (allocations cannot evict them)
-      const auto h = index_.hash_of(blocks[i]);
-      if (const auto hb = h ? host_->find(*h) : std::nullopt) {
-        host_->acquire(*hb);
-        dst.host_blocks[i] = *hb;
+    for (std::size_t g = 0; g < num_groups_; ++g) {  // shared host blocks first (allocations cannot evict them)
+      const auto blocks = q.table_of(g).blocks();
+      for (std::size_t i = 0; i < nb; ++i) {
+        if (blocks[i] == Id{0}) continue;
+        if (const auto hb = host_copy_of(blocks[i], g)) {
+          host_->acquire(*hb);
+          dst.host_blocks[g * nb + i] = *hb;
+        }
       }
     }
-    for (std::size_t i = 0; i < blocks.size(); ++i) {
-      if (dst.host_blocks[i] != Id{0}) continue;  // shared above
-      const auto h = index_.hash_of(blocks[i]);
-      const Id hb = *host_->allocate(h ? &*h : nullptr, host_evictor());  // guaranteed by the plan
-      host_->acquire(hb);  // the copy's own hold, released when it completes
-      dst.host_blocks[i] = hb;
-      if (h) remember_content(*h, hb, Medium::kGpu);
-      transfers_.push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0});
-      ++stats_.swap_outs;
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      const auto blocks = q.table_of(g).blocks();
+      for (std::size_t i = 0; i < nb; ++i) {
+        if (blocks[i] == Id{0} || dst.host_blocks[g * nb + i] != Id{0}) continue;  // null, or shared above
+        const auto h = ix(g).hash_of(blocks[i]);
+        const BlockHash key = h ? host_key(*h, g) : BlockHash{};
+        const Id hb = *host_->allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
+        host_->acquire(hb);  // the copy's own hold, released when it completes
+        if (num_groups_ > 1) host_group_of_[hb] = static_cast<std::uint8_t>(g);
+        dst.host_blocks[g * nb + i] = hb;
+        if (h) remember_content(*h, hb, Medium::kGpu, g);
+        transfers_.push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0,
+                         static_cast<std::uint32_t>(g)});
+        ++stats_.swap_outs;
+      }
     }
-    apply_retention(q, 0);
-    Proxy pool{this};
-    q.table.release_all(pool);
+    release_all_groups(q);
     dst.state = std::move(q);
     seqs_.erase(seq);
     ++stats_.preemptions;
@@ -521,17 +607,24 @@ class KVCacheManager {
       detail::raise(Errc::kUnknownSequence, "try_resume: sequence " + std::to_string(seq) + " is not swapped out");
     }
     SwappedSequence& s = sw->second;
-    const std::size_t n = s.host_blocks.size();
+    const std::size_t n = s.host_blocks.size();  // [groups x blocks], 0 = a null entry of a windowed group
+    const std::size_t nb = n / num_groups_;
     const std::size_t bs = config_.block_size;
-    if (n > alloc_.num_usable_blocks()) return {AdmitStatus::kNeverFits, 0, 0, 0, n - alloc_.num_usable_blocks()};
+    std::size_t held = 0;
+    for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
+    if (held > alloc_.num_usable_blocks()) {
+      return {AdmitStatus::kNeverFits, 0, 0, 0, held - alloc_.num_usable_blocks()};
+    }
     hit_scratch_.assign(n, Id{0});
     std::size_t to_fill = 0, evictable_hits = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      const Id hb = s.host_blocks[i];
+    for (std::size_t j = 0; j < n; ++j) {
+      const Id hb = s.host_blocks[j];
+      if (hb == Id{0}) continue;
       if (!host_->is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
-      const auto h = host_->index().hash_of(hb);
-      if (const auto b = h ? index_.find(*h) : std::nullopt) {
-        hit_scratch_[i] = *b;
+      const std::size_t g = j / nb;
+      const auto key = host_->index().hash_of(hb);
+      if (const auto b = key ? ix(g).find(host_key(*key, g)) : std::nullopt) {  // the key unmixed: the hash
+        hit_scratch_[j] = *b;
         if (alloc_.is_cached(*b)) ++evictable_hits;
       } else {
         ++to_fill;
@@ -540,7 +633,7 @@ class KVCacheManager {
     const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
     if (to_fill > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill - available};
     // Commit. Reserve first.
-    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size));
+    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, num_groups_));
     if (!inserted) {  // cannot happen: a swapped id is not live (admission refuses a swapped id)
       detail::raise(Errc::kDuplicateSequence, "try_resume: sequence " + std::to_string(seq) + " is live");
     }
@@ -552,29 +645,44 @@ class KVCacheManager {
       seqs_.erase(it);
       throw;
     }
-    for (std::size_t i = 0; i < n; ++i) {
-      if (hit_scratch_[i] != Id{0}) alloc_.acquire(hit_scratch_[i]);
+    for (std::size_t j = 0; j < n; ++j) {
+      if (hit_scratch_[j] != Id{0}) acquire_block(hit_scratch_[j]);
     }
     std::size_t host_tokens = 0;  // of the sequence's tokens, those in blocks copied back from the host tier
-    for (std::size_t i = 0; i < n; ++i) {
-      if (hit_scratch_[i] != Id{0}) {
-        onboard_scratch_[i] = hit_scratch_[i];
+    for (std::size_t j = 0; j < n; ++j) {
+      if (s.host_blocks[j] == Id{0}) continue;
+      if (hit_scratch_[j] != Id{0}) {
+        onboard_scratch_[j] = hit_scratch_[j];
         continue;
       }
-      const Id dst = *alloc_.try_allocate_one(evictor());  // guaranteed by the capacity check
-      // Tokens, not blocks times block size: the last block may be partial.
-      host_tokens += std::min(bs, s.num_tokens - std::min(s.num_tokens, i * bs));
-      const auto h = host_->index().hash_of(s.host_blocks[i]);
-      queue_fill(dst, s.host_blocks[i], TransferKind::kSwapIn, h ? &*h : nullptr, /*src_pinned=*/false);
-      onboard_scratch_[i] = dst;
+      const std::size_t g = j / nb;
+      const Id dst = allocate_one(g);  // guaranteed by the capacity check
+      const auto key = host_->index().hash_of(s.host_blocks[j]);
+      const BlockHash h = key ? host_key(*key, g) : BlockHash{};
+      queue_fill(dst, s.host_blocks[j], TransferKind::kSwapIn, key ? &h : nullptr, /*src_pinned=*/false, g);
+      onboard_scratch_[j] = dst;
+    }
+    // Tokens of the logical blocks some group copies back, not blocks times block size: the last may be partial.
+    for (std::size_t i = 0; i < nb; ++i) {
+      for (std::size_t g = 0; g < num_groups_; ++g) {
+        const std::size_t j = g * nb + i;
+        if (s.host_blocks[j] == Id{0} || hit_scratch_[j] != Id{0}) continue;
+        host_tokens += std::min(bs, s.num_tokens - std::min(s.num_tokens, i * bs));
+        break;
+      }
     }
     const std::size_t num_tokens = s.num_tokens;
     q = std::move(s.state);
-    q.table.assign(onboard_scratch_, num_tokens);
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      q.table_of(g).assign(std::span<const Id>(onboard_scratch_).subspan(g * nb, nb), num_tokens);
+      q.registered_of(g) = q.hashes.size();  // device hits are registered, copied blocks when their copy completes
+    }
     q.num_built = num_tokens;
-    q.num_registered = q.hashes.size();  // device hits are registered, copied blocks when their copy completes
-    for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) host_->release(*hb);
+    for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) {
+      if (*hb != Id{0}) host_->release(*hb);
+    }
     swapped_.erase(sw);
+    note_peak();
     return {AdmitStatus::kAdmitted, num_tokens, host_tokens, to_fill, 0};
   }
 
@@ -589,9 +697,11 @@ class KVCacheManager {
   }
 
   /// Drop the last `n` tokens of live sequence `seq` (rejected speculative tokens appended with try_append, or
-  /// outstanding lookahead slots, which go first). Blocks left empty are released, last first; a partial block
-  /// that is shared or cached stays intact and is copied on the next append.
-  /// Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens, lookahead included).
+  /// outstanding lookahead slots, which go first). Blocks left empty are released in every group, last first; a
+  /// partial block that is shared or cached stays intact and is copied on the next append. Only as far back as
+  /// every windowed group still holds what the next query needs: a block released when the window moved past it
+  /// cannot come back. Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens, lookahead included, or
+  /// the rewind would need a released block: the message names the group and the block); nothing changes then.
   void rewind(SeqId seq, std::size_t n) {
     sequence_type& q = live(seq, "rewind");
     const std::size_t length = q.num_known() + q.num_lookahead;
@@ -602,13 +712,30 @@ class KVCacheManager {
     const std::size_t drop_lookahead = std::min(n, q.num_lookahead);
     const std::size_t len = q.num_known() - (n - drop_lookahead);  // known tokens kept
     const std::size_t keep_slotted = std::min(q.num_slotted(), len + q.num_lookahead - drop_lookahead);
+    if (!simple_) {  // the rewind floor of every windowed group
+      const std::size_t new_built = std::min(q.num_built, keep_slotted);
+      for (std::size_t g = 0; g < num_groups_; ++g) {
+        const std::size_t need = detail::first_kept_block(windows_[g], new_built, config_.block_size);
+        if (q.released_of(g) > need) {
+          detail::raise(Errc::kLimitExceeded,
+                        "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
+                            " tokens needs logical block " + std::to_string(need) + " of group " + std::to_string(g) +
+                            " (" + to_string(config_.groups[g].kind) + " " +
+                            std::to_string(config_.groups[g].window_tokens) +
+                            "), released when its window moved past it");
+        }
+      }
+    }
     apply_retention(q, (keep_slotted + config_.block_size - 1) / config_.block_size);
-    Proxy pool{this};
     q.num_lookahead -= drop_lookahead;
-    q.table.rewind(q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead), pool);
+    const std::size_t drop = q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead);
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      q.table_of(g).rewind(drop, pool);
+    }
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
-    q.num_registered = std::min(q.num_registered, q.hashes.size());
+    for (std::size_t g = 0; g < num_groups_; ++g) q.registered_of(g) = std::min(q.registered_of(g), q.hashes.size());
     q.num_built = std::min(q.num_built, q.num_slotted());
   }
 
@@ -623,9 +750,8 @@ class KVCacheManager {
     validate_prompt(prompt, keys, "query_admit", nullptr);
     if (opts.retention) validate_retention(*opts.retention, "query_admit");
     std::vector<BlockHash> hashes;
-    std::vector<Id> hits;
-    std::vector<bool> on_host;
-    return plan_admit_into(prompt, keys, opts, hashes, false, hits, on_host).query;
+    PlanScratch scratch;
+    return plan_admit_into(prompt, keys, opts, hashes, false, scratch).query;
   }
   /// `query_admit` of a prompt hashed by `prepare_prompt` (no hashing). Throws kInvalidArgument for a prompt
   /// prepared by a manager with another hasher or seed, or an invalid `opts.retention`.
@@ -633,9 +759,8 @@ class KVCacheManager {
     check_prepared(prompt, "query_admit");
     if (opts.retention) validate_retention(*opts.retention, "query_admit");
     std::vector<BlockHash> hashes = prompt.hashes;
-    std::vector<Id> hits;
-    std::vector<bool> on_host;
-    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, hits, on_host).query;
+    PlanScratch scratch;
+    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, scratch).query;
   }
 
   /// What growing live sequence `seq` by `n` slots would take now (`try_append` of n tokens, `try_reserve(n)` or
@@ -657,6 +782,13 @@ class KVCacheManager {
                                    std::optional<std::size_t> max_cached_tokens = std::nullopt) const {
     validate_request_keys(keys, prompt.size(), "lookup");
     if (!config_.enable_prefix_caching || prompt.empty()) return 0;
+    if (!simple_) {  // the fixed point over groups (allocates)
+      AdmitOptions o;
+      o.max_cached_tokens = max_cached_tokens;
+      std::vector<BlockHash> hashes;
+      PlanScratch scratch;
+      return plan_admit_into(prompt, keys, o, hashes, false, scratch).query.num_cached_tokens;
+    }
     const std::size_t bs = config_.block_size;
     const std::size_t cap = std::min(max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     BlockHash parent = index_.root();
@@ -674,19 +806,37 @@ class KVCacheManager {
   [[nodiscard]] std::size_t num_sequences() const noexcept { return seqs_.size(); }
   /// Tokens of live sequence `seq` (positions with slots). Throws kUnknownSequence.
   [[nodiscard]] std::size_t num_tokens(SeqId seq) const { return live(seq, "num_tokens").num_slotted(); }
-  /// Block ids of live sequence `seq` (`[num_blocks]`). Valid until the next non-const call on the manager.
-  /// Throws kUnknownSequence.
+  /// Block ids of live sequence `seq` (`[num_blocks]`; group 0's with several groups). Valid until the next
+  /// non-const call on the manager. Throws kUnknownSequence.
   [[nodiscard]] std::span<const Id> block_ids(SeqId seq) const { return live(seq, "block_ids").table.blocks(); }
+  /// Group g's block table of `seq` (`[ceil(num_tokens / block_size)]`, the null block 0 for released or
+  /// never-taken leading blocks of a windowed group). Valid until the next non-const call. Throws
+  /// kUnknownSequence, kInvalidArgument (g >= num_groups()).
+  [[nodiscard]] std::span<const Id> block_ids(SeqId seq, std::size_t g) const {
+    check_group(g, "block_ids");
+    return live(seq, "block_ids").table_of(g).blocks();
+  }
+  /// Leading null blocks of group g's table of `seq` (released, or before the window at a prefix hit). Throws
+  /// kUnknownSequence, kInvalidArgument (g).
+  [[nodiscard]] std::size_t num_null_blocks(SeqId seq, std::size_t g) const {
+    check_group(g, "num_null_blocks");
+    return live(seq, "num_null_blocks").released_of(g);
+  }
+  /// Positions of `seq` whose writes a build issued (or prefix hits). Throws kUnknownSequence.
+  [[nodiscard]] std::size_t num_built(SeqId seq) const { return live(seq, "num_built").num_built; }
   /// Token ids of live sequence `seq` (`[num_tokens]`). Valid until the next non-const call on the manager.
   /// Throws kUnknownSequence.
   [[nodiscard]] std::span<const TokenId> token_ids(SeqId seq) const { return live(seq, "token_ids").tokens; }
   /// Slots of the pending (unbuilt) positions of `seq`, in position order (`[num_pending]`), as the block table
   /// holds them now: what a build scheduling them all would emit, before deduplication. A new vector: valid
   /// forever. Throws kUnknownSequence.
-  [[nodiscard]] std::vector<std::int64_t> pending_slots(SeqId seq) const {
+  [[nodiscard]] std::vector<std::int64_t> pending_slots(SeqId seq) const { return pending_slots(seq, 0); }
+  /// `pending_slots` of group g. Throws kUnknownSequence, kInvalidArgument (g >= num_groups()).
+  [[nodiscard]] std::vector<std::int64_t> pending_slots(SeqId seq, std::size_t g) const {
+    check_group(g, "pending_slots");
     const sequence_type& q = live(seq, "pending_slots");
     std::vector<std::int64_t> out(q.num_pending());
-    for (std::size_t p = q.num_built; p < q.num_slotted(); ++p) out[p - q.num_built] = q.slot(p);
+    for (std::size_t p = q.num_built; p < q.num_slotted(); ++p) out[p - q.num_built] = q.table_of(g).slot(p);
     return out;
   }
   /// Copy-on-write copies not yet handed out by build_batch_metadata. Valid until the next non-const call.
@@ -694,12 +844,40 @@ class KVCacheManager {
   /// The state of live sequence `seq` (read-only: cursors, hashes, keys; see SequenceState). Valid until the next
   /// non-const call. Throws kUnknownSequence.
   [[nodiscard]] const sequence_type& sequence(SeqId seq) const { return live(seq, "sequence"); }
-  /// Visit every live sequence as f(SeqId, std::span<const Id> blocks, std::size_t num_tokens). `f` must not
+  /// Visit every live sequence as f(SeqId, std::span<const Id> blocks, std::size_t num_tokens) (group 0's
+  /// blocks; per group through sequence(seq).table_of(g)), or as f(SeqId, std::size_t num_tokens). `f` must not
   /// call a non-const member of the manager.
   template <class F>
   void for_each_sequence(F&& f) const {
-    for (const auto& [id, q] : seqs_) f(id, q.table.blocks(), q.num_slotted());
+    for (const auto& [id, q] : seqs_) {
+      if constexpr (std::is_invocable_v<F&, SeqId, std::size_t>) {
+        f(id, q.num_slotted());
+      } else {
+        f(id, q.table.blocks(), q.num_slotted());
+      }
+    }
   }
+
+  /// Blocks held (refcount > 0) by group g now, each shared block once. O(1). Throws kInvalidArgument (g).
+  [[nodiscard]] std::size_t held_blocks(std::size_t g) const {
+    check_group(g, "held_blocks");
+    return simple_ ? alloc_.num_used_blocks() : held_[g];
+  }
+  /// The most blocks group g held at once since construction or reset_peaks() (with one full-attention group:
+  /// sampled at the end of each call that takes blocks). Throws kInvalidArgument (g).
+  [[nodiscard]] std::size_t peak_held_blocks(std::size_t g) const {
+    check_group(g, "peak_held_blocks");
+    return simple_ ? peak_used_ : peak_held_[g];
+  }
+  /// The most blocks all groups held at once since construction or reset_peaks().
+  [[nodiscard]] std::size_t peak_used_blocks() const noexcept { return peak_used_; }
+  /// Restart the peaks at the current values.
+  void reset_peaks() noexcept {
+    peak_held_ = held_;
+    peak_used_ = alloc_.num_used_blocks();
+  }
+  /// Bytes of the blocks group g holds: held_blocks(g) x bytes_per_block(). Throws kInvalidArgument (g).
+  [[nodiscard]] std::size_t held_bytes(std::size_t g) const { return held_blocks(g) * bytes_per_block(); }
 
   /// Counters and block counts now.
   [[nodiscard]] CacheStats stats() const noexcept {
@@ -731,8 +909,15 @@ class KVCacheManager {
   }
   /// The allocator (read-only: refcounts, states, eviction order). Valid as long as the manager.
   [[nodiscard]] const allocator_type& allocator() const noexcept { return alloc_; }
-  /// The prefix index (read-only). Valid as long as the manager.
+  /// The prefix index (read-only; group 0's with several groups). Valid as long as the manager.
   [[nodiscard]] const index_type& prefix_index() const noexcept { return index_; }
+  /// Group g's prefix index (read-only). Throws kInvalidArgument for g >= num_groups().
+  [[nodiscard]] const index_type& prefix_index(std::size_t g) const {
+    check_group(g, "prefix_index");
+    return ix(g);
+  }
+  /// The group whose table holds (or last held) block b (0 with one group). Precondition: 0 < b < num_blocks.
+  [[nodiscard]] std::uint32_t group_of(Id b) const noexcept { return group_of_block(b); }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Prefix cache maintenance and events
@@ -746,12 +931,16 @@ class KVCacheManager {
     events_.reserve_more(2);
     alloc_.clear_hashes([](Id) {});
     index_.clear();
-    for (auto& [id, q] : seqs_) q.num_registered = 0;  // (all empty: nothing is referenced)
+    for (auto& more : more_index_) more.clear();
+    for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
+      for (std::size_t g = 0; g < num_groups_; ++g) q.registered_of(g) = 0;
+    }
     recent_registered_.clear();
     interval_.reset = true;
     if (events_.enabled()) events_.push(KVEventType::kAllCleared);
     if (host_) {
       host_->clear([](Id, const BlockHash&) {});
+      pending_content_.clear();
       if (events_.enabled()) events_.push(KVEventType::kAllCleared).medium = Medium::kCpu;
     }
     return true;
@@ -796,7 +985,7 @@ class KVCacheManager {
     for (const Transfer<Id>& t : completed_scratch_) {
       if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
         host_->mark_ready(t.host);
-        if (t.hashed) emit_stored_from(t.host, t.hash, Medium::kCpu);
+        if (t.hashed) emit_stored_from(t.host, t.hash, Medium::kCpu, t.group);
         host_->release(t.host);  // the copy's hold
         continue;
       }
@@ -804,12 +993,12 @@ class KVCacheManager {
       filling_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
       unkeyed_fill_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
       ++completed_fills_;
-      if (t.hashed && !index_.hash_of(t.device)) {
-        const Id reg = index_.insert(t.hash, t.device);
+      if (t.hashed && !ix(t.group).hash_of(t.device)) {
+        const Id reg = ix(t.group).insert(t.hash, t.device);
         if (reg == t.device) {
           alloc_.set_hashed(t.device, true);
           if (events_.enabled()) {
-            if (auto e = events_.find_stored(t.hash, Medium::kCpu, 0)) {
+            if (auto e = events_.find_stored(t.hash, Medium::kCpu, t.group)) {
               KVEvent& out = events_.push(KVEventType::kBlockStored);
               const std::uint64_t seq_no = out.seq_no;
               out = std::move(*e);
@@ -829,8 +1018,9 @@ class KVCacheManager {
   [[nodiscard]] bool is_swapped(SeqId seq) const { return swapped_.contains(seq); }
   /// Number of swapped-out sequences.
   [[nodiscard]] std::size_t num_swapped() const noexcept { return swapped_.size(); }
-  /// Host blocks of swapped sequence `seq`, logical order (`[blocks]`), and its tokens. Valid until the next
-  /// non-const call. Throws kUnknownSequence when `seq` is not swapped.
+  /// Host blocks of swapped sequence `seq`, logical order (`[blocks]`; with several groups `[groups x blocks]`,
+  /// group-major, 0 for a null entry of a windowed group). Valid until the next non-const call. Throws
+  /// kUnknownSequence when `seq` is not swapped.
   [[nodiscard]] std::span<const Id> swapped_host_blocks(SeqId seq) const {
     const auto it = swapped_.find(seq);
     if (it == swapped_.end()) {
@@ -887,12 +1077,55 @@ class KVCacheManager {
   /// is refused, since a row without queries would hand an attention kernel nothing to compute (a decode step
   /// whose token was never appended). A build of an empty batch issues the queued swaps and nothing else.
   /// Throws kUnknownSequence, kInvalidArgument (a sequence twice in `batch`; more tokens scheduled than pending, or
-  /// none),
-  /// kBadShape (a buffer too small or wrongly empty, a sequence longer than max_blocks_per_seq,
-  /// num_scheduled_tokens not of the batch's size), kLimitExceeded (a total beyond the int32 metadata): then
-  /// nothing is written and nothing changes.
+  /// none), kBadShape (a buffer too small or wrongly empty, a sequence longer than max_blocks_per_seq,
+  /// num_scheduled_tokens not of the batch's size, a manager with several groups: use the per-group overload),
+  /// kLimitExceeded (a total beyond the int32 metadata): then nothing is written and nothing changes.
   BatchMetadataSizes build_batch_metadata(std::span<const SeqId> batch, const BatchMetadataBuffers& buf,
                                           std::span<const std::uint32_t> num_scheduled_tokens = {}) {
+    if (num_groups_ != 1) {
+      detail::raise(Errc::kBadShape, "build_batch_metadata: the manager has " + std::to_string(num_groups_) +
+                                         " KV-cache groups: pass one BatchMetadataBuffers per group");
+    }
+    BatchMetadataSizes sz;
+    build_groups(batch, std::span<const BatchMetadataBuffers>(&buf, 1), num_scheduled_tokens,
+                 std::span<BatchMetadataSizes>(&sz, 1));
+    return sz;
+  }
+
+  /// The metadata of every KV-cache group: one BatchMetadataBuffers per group (`per_group`, `[G]`), each with the
+  /// conventions above, per group: page table (one entry per logical block, the null block 0 before a windowed
+  /// group's window: the kernels never read those pages), seq_lens and qo_indptr (equal in every group: positions
+  /// are absolute), slot_mapping (the group's own blocks) and copies (the group's copy-on-writes of this build).
+  /// The host tier's swap lists are written into group 0's buffers (block ids are pool-wide; a swap copies the
+  /// block in every layer slot), its transfer token into every group's sizes. After writing, every windowed group
+  /// releases the blocks wholly before first_visible(num_built) of each sequence of the batch (the release rule:
+  /// this step's kernels still read them; only later steps reuse them). Returns the sizes written, `[G]`
+  /// (allocates the vector; the overload with `sizes_out` does not). Throws as the one-group overload, and
+  /// kBadShape when per_group.size() != num_groups().
+  std::vector<BatchMetadataSizes> build_batch_metadata(std::span<const SeqId> batch,
+                                                       std::span<const BatchMetadataBuffers> per_group,
+                                                       std::span<const std::uint32_t> num_scheduled_tokens = {}) {
+    std::vector<BatchMetadataSizes> sizes(num_groups_);
+    build_groups(batch, per_group, num_scheduled_tokens, sizes);
+    return sizes;
+  }
+  /// The per-group build writing the sizes into `sizes_out` (`[G]`): no allocation once the scratch has grown.
+  /// Throws as above, and kBadShape when sizes_out.size() != num_groups().
+  void build_batch_metadata(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
+                            std::span<const std::uint32_t> num_scheduled_tokens,
+                            std::span<BatchMetadataSizes> sizes_out) {
+    build_groups(batch, per_group, num_scheduled_tokens, sizes_out);
+  }
+
+ private:
+  void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
+                    std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
+    const std::size_t G = num_groups_;
+    if (per_group.size() != G || sizes_out.size() != G) {
+      detail::raise(Errc::kBadShape, "build_batch_metadata: " + std::to_string(per_group.size()) +
+                                         " buffer sets and " + std::to_string(sizes_out.size()) + " sizes for " +
+                                         std::to_string(G) + " groups");
+    }
     if (!num_scheduled_tokens.empty() && num_scheduled_tokens.size() != batch.size()) {
       detail::raise(Errc::kBadShape, "build_batch_metadata: num_scheduled_tokens holds " +
                                          std::to_string(num_scheduled_tokens.size()) + " entries for a batch of " +
@@ -902,10 +1135,9 @@ class KVCacheManager {
     batch_scratch_.reserve(batch.size());
     qlen_scratch_.clear();
     qlen_scratch_.reserve(batch.size());
-    BatchMetadataSizes sz;
-    sz.batch_size = batch.size();
+    std::size_t num_indices = 0, num_new_tokens = 0;
     const std::size_t bs = config_.block_size;
-    std::size_t max_registrations = 0;
+    std::size_t max_registrations = 0, max_blocks = 0;
     const auto fail = [&](Errc c, std::string msg) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::raise(c, "build_batch_metadata: " + std::move(msg));
@@ -927,15 +1159,18 @@ class KVCacheManager {
       ++b_in;
       const std::size_t seq_len = q.num_built + q_len;
       const std::size_t blocks = (seq_len + bs - 1) / bs;
-      sz.num_indices += blocks;
-      sz.num_new_tokens += q_len;
+      num_indices += blocks;
+      num_new_tokens += q_len;
+      max_blocks = std::max(max_blocks, blocks);
       if (config_.enable_prefix_caching) {
         const std::size_t reg_end = std::min({seq_len, q.num_known()}) / bs;
-        max_registrations += reg_end - std::min(reg_end, q.num_registered);
+        for (std::size_t g = 0; g < G; ++g) max_registrations += reg_end - std::min(reg_end, q.registered_of(g));
       }
-      if (!buf.block_tables.empty() && blocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
-        fail(Errc::kBadShape, "sequence " + std::to_string(id) + " has " + std::to_string(blocks) +
-                                  " blocks > max_blocks_per_seq = " + std::to_string(buf.max_blocks_per_seq));
+      for (const BatchMetadataBuffers& buf : per_group) {
+        if (!buf.block_tables.empty() && blocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
+          fail(Errc::kBadShape, "sequence " + std::to_string(id) + " has " + std::to_string(blocks) +
+                                    " blocks > max_blocks_per_seq = " + std::to_string(buf.max_blocks_per_seq));
+        }
       }
     }
     // Every row computes something (after the checks of ids, so an unknown or repeated id is named first).
@@ -945,44 +1180,15 @@ class KVCacheManager {
                                                             batch_scratch_[r]->num_unslotted()));
     }
     // The copies this build hands out: its batch's own, and those reading a block it writes.
-    sz.num_copies = detail::select_batch_copies(
+    const std::size_t num_copies = detail::select_batch_copies(
         pending_copies_, copy_owners_,
         [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
-        [&](const copy_type& c) { return batch_writes(c.src); }, take_scratch_);
-    if (sz.num_indices > kMaxMetadataValue || sz.num_new_tokens > kMaxMetadataValue) {
+        [&](const copy_type& c) { return batch_writes(c.src, c.group); }, take_scratch_);
+    if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
-      detail::check_metadata_value(sz.num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
-      detail::check_metadata_value(sz.num_new_tokens,
+      detail::check_metadata_value(num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
+      detail::check_metadata_value(num_new_tokens,
                                    "build_batch_metadata: total new tokens of the batch (qo_indptr[batch])");
-    }
-    const auto need = [&](std::size_t have, std::size_t want, const char* name) {
-      if (have != 0 && have < want) {
-        fail(Errc::kBadShape, std::string(name) + " holds " + std::to_string(have) + " entries, needs " +
-                                  std::to_string(want));
-      }
-    };
-    const std::size_t B = batch.size();
-    need(buf.indptr.size(), B + 1, "indptr");
-    need(buf.indices.size(), sz.num_indices, "indices");
-    need(buf.last_page_len.size(), B, "last_page_len");
-    need(buf.seq_lens.size(), B, "seq_lens");
-    need(buf.qo_indptr.size(), B + 1, "qo_indptr");
-    need(buf.slot_mapping.size(), sz.num_new_tokens, "slot_mapping");
-    need(buf.copies.size(), 2 * sz.num_copies, "copies");
-    if (!buf.block_tables.empty()) {
-      if (buf.max_blocks_per_seq <= 0) fail(Errc::kBadShape, "block_tables set but max_blocks_per_seq <= 0");
-      need(buf.block_tables.size(), B * static_cast<std::size_t>(buf.max_blocks_per_seq), "block_tables");
-    }
-    if (sz.num_indices > 0 && buf.indices.empty() && !buf.indptr.empty()) {
-      fail(Errc::kBadShape, "indptr is set but indices is empty");
-    }
-    if (sz.num_new_tokens > 0 && buf.slot_mapping.empty()) {
-      fail(Errc::kBadShape, "slot_mapping is empty but the batch has " + std::to_string(sz.num_new_tokens) +
-                                " new tokens: their writes would never be issued");
-    }
-    if (sz.num_copies > 0 && buf.copies.empty()) {
-      fail(Errc::kBadShape, "copies is empty but " + std::to_string(sz.num_copies) +
-                                " copy-on-write copies belong to this build: they would be lost");
     }
     // Swaps: the queued ones, plus (write-through) an offload per block the previous build registered that the
     // host does not hold yet (an upper bound: the host may run out of blocks for some).
@@ -990,27 +1196,57 @@ class KVCacheManager {
     std::size_t write_through_blocks = 0;
     if (write_through) {
       for (const auto& [b, h] : recent_registered_) {
-        if (index_.hash_of(b) == std::optional<BlockHash>(h) && !host_->find(h)) ++write_through_blocks;
+        const std::uint32_t g = group_of_block(b);
+        if (ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_->find(host_key(h, g))) ++write_through_blocks;
       }
     }
-    const std::size_t max_out = transfers_.num_queued(true) + write_through_blocks;
-    const std::size_t num_in = transfers_.num_queued(false);
-    need(buf.swap_out.size(), 2 * max_out, "swap_out");
-    need(buf.swap_in.size(), 2 * num_in, "swap_in");
-    if (max_out > 0 && buf.swap_out.empty()) {
-      fail(Errc::kBadShape, "swap_out is empty but " + std::to_string(max_out) +
-                                " device -> host copies are queued: they would be lost");
+    const std::size_t max_out = host_ ? transfers_.num_queued(true) + write_through_blocks : 0;
+    const std::size_t num_in = host_ ? transfers_.num_queued(false) : 0;
+    const std::size_t B = batch.size();
+    for (std::size_t g = 0; g < G; ++g) {
+      const BatchMetadataBuffers& buf = per_group[g];
+      std::size_t group_copies = 0;
+      for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
+        group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
+      }
+      const auto grp = [&] { return G > 1 ? "group " + std::to_string(g) + ": " : std::string(); };
+      const auto need = [&](std::size_t have, std::size_t want, const char* name) {
+        if (have != 0 && have < want) {
+          fail(Errc::kBadShape, grp() + name + " holds " + std::to_string(have) + " entries, needs " +
+                                    std::to_string(want));
+        }
+      };
+      need(buf.indptr.size(), B + 1, "indptr");
+      need(buf.indices.size(), num_indices, "indices");
+      need(buf.last_page_len.size(), B, "last_page_len");
+      need(buf.seq_lens.size(), B, "seq_lens");
+      need(buf.qo_indptr.size(), B + 1, "qo_indptr");
+      need(buf.slot_mapping.size(), num_new_tokens, "slot_mapping");
+      need(buf.copies.size(), 2 * group_copies, "copies");
+      if (!buf.block_tables.empty()) {
+        if (buf.max_blocks_per_seq <= 0) fail(Errc::kBadShape, grp() + "block_tables set but max_blocks_per_seq <= 0");
+        need(buf.block_tables.size(), B * static_cast<std::size_t>(buf.max_blocks_per_seq), "block_tables");
+      }
+      if (num_indices > 0 && buf.indices.empty() && !buf.indptr.empty()) {
+        fail(Errc::kBadShape, grp() + "indptr is set but indices is empty");
+      }
+      if (num_new_tokens > 0 && buf.slot_mapping.empty()) {
+        fail(Errc::kBadShape, grp() + "slot_mapping is empty but the batch has " + std::to_string(num_new_tokens) +
+                                  " new tokens: their writes would never be issued");
+      }
+      if (group_copies > 0 && buf.copies.empty()) {
+        fail(Errc::kBadShape, grp() + "copies is empty but " + std::to_string(group_copies) +
+                                  " copy-on-write copies belong to this build: they would be lost");
+      }
     }
-    if (num_in > 0 && buf.swap_in.empty()) {
-      fail(Errc::kBadShape, "swap_in is empty but " + std::to_string(num_in) +
-                                " host -> device copies are queued: they would be lost");
-    }
+    const BatchMetadataBuffers& buf0 = per_group[0];
+    need_swaps(buf0, max_out, num_in, fail);
     try {
       events_.reserve_more(max_registrations + write_through_blocks);
       copy_scratch_.clear();
-      copy_scratch_.reserve(sz.num_copies);
+      copy_scratch_.reserve(num_copies);
       switched_scratch_.clear();
-      switched_scratch_.reserve(max_registrations);
+      switched_scratch_.reserve(simple_ ? max_registrations : max_blocks);
       if (host_) {
         transfers_.reserve_more(write_through_blocks);
         transfers_.reserve_issue(write_through_blocks);
@@ -1022,114 +1258,162 @@ class KVCacheManager {
     }
 
     // Validated. Write-through: offload what the previous build registered (its K/V is written by now). Then per
-    // sequence: mark the scheduled slots built, register the full blocks whose last write this build issues
-    // (switching duplicates to the registered block), then write. Nothing below throws.
+    // sequence: mark the scheduled slots built; per group register the full blocks whose last write this build
+    // issues (switching duplicates to the registered block), then write. Nothing below throws.
     if (write_through) {
       for (const auto& [b, h] : recent_registered_) {
-        if (index_.hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h);
+        const std::uint32_t g = group_of_block(b);
+        if (ix(g).hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h, g);
       }
       recent_registered_.clear();
     }
-    std::size_t blk = 0;
-    std::size_t tok = 0;
+    for (std::size_t g = 0; g < G; ++g) sizes_out[g] = BatchMetadataSizes{B, 0, 0, 0, 0, 0, 0};
     for (std::size_t b = 0; b < B; ++b) {
       sequence_type& q = *batch_scratch_[b];
       q.in_batch = false;
       const std::size_t first = q.num_built;
       const std::size_t q_len = qlen_scratch_[b];
       q.num_built += q_len;
-      switched_scratch_.clear();
-      register_full_blocks(q);
       const std::size_t seq_len = q.num_built;
       const std::size_t nblocks = (seq_len + bs - 1) / bs;
-      const auto blocks = q.table.blocks().first(nblocks);
-      if (!buf.indptr.empty()) {
-        buf.indptr[b] = static_cast<std::int32_t>(blk);
-        std::copy(blocks.begin(), blocks.end(), buf.indices.begin() + static_cast<std::ptrdiff_t>(blk));
+      for (std::size_t g = 0; g < G; ++g) {
+        const BatchMetadataBuffers& buf = per_group[g];
+        std::size_t& blk = sizes_out[g].num_indices;
+        std::size_t& tok = sizes_out[g].num_new_tokens;
+        switched_scratch_.clear();
+        register_full_blocks(q, g);
+        const auto blocks = q.table_of(g).blocks().first(nblocks);
+        if (!buf.indptr.empty()) {
+          buf.indptr[b] = static_cast<std::int32_t>(blk);
+          std::copy(blocks.begin(), blocks.end(), buf.indices.begin() + static_cast<std::ptrdiff_t>(blk));
+        }
+        blk += nblocks;
+        if (!buf.last_page_len.empty()) {
+          buf.last_page_len[b] = static_cast<std::int32_t>(seq_len == 0 ? 0 : seq_len - (nblocks - 1) * bs);
+        }
+        if (!buf.block_tables.empty()) {
+          auto row = buf.block_tables.subspan(b * static_cast<std::size_t>(buf.max_blocks_per_seq),
+                                              static_cast<std::size_t>(buf.max_blocks_per_seq));
+          std::copy(blocks.begin(), blocks.end(), row.begin());
+          std::fill(row.begin() + static_cast<std::ptrdiff_t>(nblocks), row.end(), std::int32_t{0});
+        }
+        if (!buf.seq_lens.empty()) buf.seq_lens[b] = static_cast<std::int32_t>(seq_len);
+        if (!buf.qo_indptr.empty()) buf.qo_indptr[b] = static_cast<std::int32_t>(tok);
+        if (!buf.slot_mapping.empty()) write_slots(q, g, first, q_len, buf.slot_mapping.subspan(tok, q_len));
+        tok += q_len;
       }
-      blk += nblocks;
-      if (!buf.last_page_len.empty()) {
-        buf.last_page_len[b] = static_cast<std::int32_t>(seq_len == 0 ? 0 : seq_len - (nblocks - 1) * bs);
-      }
-      if (!buf.block_tables.empty()) {
-        auto row = buf.block_tables.subspan(b * static_cast<std::size_t>(buf.max_blocks_per_seq),
-                                            static_cast<std::size_t>(buf.max_blocks_per_seq));
-        std::copy(blocks.begin(), blocks.end(), row.begin());
-        std::fill(row.begin() + static_cast<std::ptrdiff_t>(nblocks), row.end(), std::int32_t{0});
-      }
-      if (!buf.seq_lens.empty()) buf.seq_lens[b] = static_cast<std::int32_t>(seq_len);
-      if (!buf.qo_indptr.empty()) buf.qo_indptr[b] = static_cast<std::int32_t>(tok);
-      if (!buf.slot_mapping.empty()) write_slots(q, first, q_len, buf.slot_mapping.subspan(tok, q_len));
-      tok += q_len;
     }
     const auto pad_from = [](auto span, std::size_t from, auto value) {
       if (!span.empty()) std::fill(span.begin() + static_cast<std::ptrdiff_t>(from), span.end(), value);
     };
-    pad_from(buf.indptr, B, static_cast<std::int32_t>(blk));
-    pad_from(buf.qo_indptr, B, static_cast<std::int32_t>(tok));
-    pad_from(buf.last_page_len, B, std::int32_t{0});
-    pad_from(buf.seq_lens, B, std::int32_t{0});
-    pad_from(buf.slot_mapping, tok, std::int64_t{-1});
     // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
     // release the references they held on their sources. The rest stay pending for their own batch's build.
     detail::take_selected_copies(pending_copies_, copy_owners_, take_scratch_, copy_scratch_);
-    sz.num_copies = copy_scratch_.size();
-    if (!buf.copies.empty()) {
-      for (std::size_t i = 0; i < copy_scratch_.size(); ++i) {
-        buf.copies[2 * i] = static_cast<std::int32_t>(copy_scratch_[i].src);
-        buf.copies[2 * i + 1] = static_cast<std::int32_t>(copy_scratch_[i].dst);
+    for (std::size_t g = 0; g < G; ++g) {
+      const BatchMetadataBuffers& buf = per_group[g];
+      BatchMetadataSizes& sz = sizes_out[g];
+      pad_from(buf.indptr, B, static_cast<std::int32_t>(sz.num_indices));
+      pad_from(buf.qo_indptr, B, static_cast<std::int32_t>(sz.num_new_tokens));
+      pad_from(buf.last_page_len, B, std::int32_t{0});
+      pad_from(buf.seq_lens, B, std::int32_t{0});
+      pad_from(buf.slot_mapping, sz.num_new_tokens, std::int64_t{-1});
+      std::size_t c = 0;
+      for (const copy_type& cp : copy_scratch_) {
+        if (cp.group != g) continue;
+        buf.copies[2 * c] = static_cast<std::int32_t>(cp.src);
+        buf.copies[2 * c + 1] = static_cast<std::int32_t>(cp.dst);
+        ++c;
       }
-      pad_from(buf.copies, 2 * copy_scratch_.size(), std::int32_t{-1});
+      pad_from(buf.copies, 2 * c, std::int32_t{-1});
+      sz.num_copies = c;
     }
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
-    // The swaps: every queued copy under this build's token.
+    // The swaps: every queued copy under this build's token, into group 0's buffers.
     if (host_) {
-      sz.transfer_token = transfers_.issue();
+      const std::uint64_t token = transfers_.issue();
       std::size_t o = 0, i = 0;
       for (const Transfer<Id>& t : transfers_.in_flight()) {
-        if (sz.transfer_token == 0 || t.token != sz.transfer_token) continue;
+        if (token == 0 || t.token != token) continue;
         if (is_device_to_host(t.kind)) {
-          buf.swap_out[2 * o] = static_cast<std::int32_t>(t.device);
-          buf.swap_out[2 * o + 1] = static_cast<std::int32_t>(t.host);
+          buf0.swap_out[2 * o] = static_cast<std::int32_t>(t.device);
+          buf0.swap_out[2 * o + 1] = static_cast<std::int32_t>(t.host);
           ++o;
         } else {
-          buf.swap_in[2 * i] = static_cast<std::int32_t>(t.host);
-          buf.swap_in[2 * i + 1] = static_cast<std::int32_t>(t.device);
+          buf0.swap_in[2 * i] = static_cast<std::int32_t>(t.host);
+          buf0.swap_in[2 * i + 1] = static_cast<std::int32_t>(t.device);
           ++i;
         }
       }
-      sz.num_swap_out = o;
-      sz.num_swap_in = i;
+      for (std::size_t g = 0; g < G; ++g) sizes_out[g].transfer_token = token;
+      sizes_out[0].num_swap_out = o;
+      sizes_out[0].num_swap_in = i;
     }
-    pad_from(buf.swap_out, 2 * sz.num_swap_out, std::int32_t{-1});
-    pad_from(buf.swap_in, 2 * sz.num_swap_in, std::int32_t{-1});
-    return sz;
+    pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, std::int32_t{-1});
+    pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, std::int32_t{-1});
+    // The release rule: this step's kernels read these blocks; later steps may reuse them.
+    if (!simple_) {
+      for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
+    }
+    note_peak();
   }
 
- private:
-  // The allocator as BlockTable sees it: releases go through release_block so pending copies stay consistent.
+  // The swap buffers of a build's group 0: room for `max_out` device -> host and `num_in` host -> device pairs.
+  template <class Fail>
+  static void need_swaps(const BatchMetadataBuffers& buf, std::size_t max_out, std::size_t num_in, Fail&& fail) {
+    if (buf.swap_out.size() != 0 && buf.swap_out.size() < 2 * max_out) {
+      fail(Errc::kBadShape, "swap_out holds " + std::to_string(buf.swap_out.size()) + " entries, needs " +
+                                std::to_string(2 * max_out));
+    }
+    if (buf.swap_in.size() != 0 && buf.swap_in.size() < 2 * num_in) {
+      fail(Errc::kBadShape, "swap_in holds " + std::to_string(buf.swap_in.size()) + " entries, needs " +
+                                std::to_string(2 * num_in));
+    }
+    if (max_out > 0 && buf.swap_out.empty()) {
+      fail(Errc::kBadShape, "swap_out is empty but " + std::to_string(max_out) +
+                                " device -> host copies are queued: they would be lost");
+    }
+    if (num_in > 0 && buf.swap_in.empty()) {
+      fail(Errc::kBadShape, "swap_in is empty but " + std::to_string(num_in) +
+                                " host -> device copies are queued: they would be lost");
+    }
+  }
+
+  // The allocator as group g's BlockTable sees it: allocations are tagged with the group; the null block 0 (a
+  // windowed group's released entries) carries no reference; releases go through release_block so pending copies
+  // and held counts stay consistent.
   struct Proxy {
     KVCacheManager* m;
+    std::uint32_t g = 0;
     [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
     [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
     [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->alloc_.num_available_blocks(); }
     template <class F>
     [[nodiscard]] std::optional<Id> try_allocate_one(F&& f) {
-      return m->alloc_.try_allocate_one(f);
+      const auto b = m->alloc_.try_allocate_one(f);
+      if (b && !m->simple_) m->on_allocated(*b, g);
+      return b;
     }
     template <class F>
     [[nodiscard]] bool try_allocate(std::span<Id> out, F&& f) {
-      return m->alloc_.try_allocate(out, f);
+      if (!m->alloc_.try_allocate(out, f)) return false;
+      if (!m->simple_) {
+        for (Id b : out) m->on_allocated(b, g);
+      }
+      return true;
     }
-    void acquire(Id b) { m->alloc_.acquire(b); }
-    void release(Id b) { m->release_block(b); }
+    void acquire(Id b) {
+      if (b != Id{0}) m->acquire_block(b);
+    }
+    void release(Id b) {
+      if (b != Id{0}) m->release_block(b);
+    }
   };
 
   // A sequence preempted by swapping: its state without device blocks, and the host block of each logical block.
   struct SwappedSequence {
-    sequence_type state;          // tokens, hashes, keys, cursors (table empty)
-    std::vector<Id> host_blocks;  // [blocks] held once each by this sequence
+    sequence_type state;          // tokens, hashes, keys, cursors (tables empty)
+    std::vector<Id> host_blocks;  // [groups x blocks] held once each by this sequence (0: a null entry)
     std::size_t num_tokens = 0;   // positions (all built)
   };
 
@@ -1142,13 +1426,13 @@ class KVCacheManager {
 
   // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
   // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
-  [[nodiscard]] bool batch_writes(Id b) const noexcept {
+  [[nodiscard]] bool batch_writes(Id b, std::size_t g) const noexcept {
     const std::size_t bs = config_.block_size;
     for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
       const sequence_type& q = *batch_scratch_[r];
       const std::size_t n = qlen_scratch_[r];
       if (n == 0) continue;
-      const auto blocks = q.table.blocks();
+      const auto blocks = q.table_of(g).blocks();
       for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
         if (blocks[i] == b) return true;
       }
@@ -1169,6 +1453,17 @@ class KVCacheManager {
     CapacityQuery query;
     std::size_t num_reserved = 0;   // uncached prompt tokens that get slots now
     std::size_t num_host_hits = 0;  // hit blocks served by the host tier (each needs a device block + a swap_in)
+    std::size_t hit_blocks = 0;     // k: logical blocks served by the cache
+    std::size_t host_hit_blocks = 0;  // logical blocks of the hit some group serves from the host tier
+  };
+  // An admission plan's hits: [groups x hit_blocks] group-major (0 = a null entry: before a windowed group's window),
+  // with on_host[j]: entry j is a host-tier block, to be onboarded. Plus the fixed point's scratch.
+  struct PlanScratch {
+    std::vector<Id> hits;
+    std::vector<bool> on_host;
+    std::vector<Id> found;             // fixed point: [groups x walk] the cached block (0 = miss)
+    std::vector<std::uint8_t> looked;  // [groups x walk] 0 = not looked up, 1 = device, 2 = host, 3 = miss
+    std::vector<std::uint32_t> run;
   };
 
   void check_prepared(const PreparedPrompt& p, const char* what) const {
@@ -1196,24 +1491,26 @@ class KVCacheManager {
   }
 
   // Plan an admission of a validated prompt: the prompt's block hashes into `hashes` (unless `hashes_ready`: a
-  // PreparedPrompt), the hit blocks into `hits` (with `on_host[i]`: block i is a host-tier hit, to be onboarded),
-  // what it would take. Pure. The walk is pipelined: the home group of block i's hash is prefetched while block
-  // i + 1 is hashed (or, with ready hashes, while block i - 1 is looked up), so the probe's cache miss overlaps other
-  // work. A block missing from the device index is looked up in the host tier (ready blocks only).
+  // PreparedPrompt), the hit blocks into `sc.hits` / `sc.on_host`, what it would take. Pure. One full-attention
+  // group: the walk is pipelined (the home group of block i's hash is prefetched while block i + 1 is hashed, or,
+  // with ready hashes, while block i - 1 is looked up) and a block missing from the device index is looked up in
+  // the host tier (ready blocks only). Otherwise: the fixed point over groups (plan_groups).
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                            std::vector<BlockHash>& hashes, bool hashes_ready, std::vector<Id>& hits,
-                            std::vector<bool>& on_host) const {
+                            std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
+    if (!simple_) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
+    std::vector<Id>& hits = sc.hits;
+    std::vector<bool>& on_host = sc.on_host;
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
     const std::size_t usable = alloc_.num_usable_blocks();
+    hits.clear();
+    on_host.clear();
     if (total_blocks > usable) {
-      return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0, 0};
+      return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0, 0, 0, 0};
     }
     const std::size_t full = config_.enable_prefix_caching ? prompt.size() / bs : 0;
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = std::min(full, cap / bs);
-    hits.clear();
-    on_host.clear();
     std::size_t evictable_hits = 0;
     std::size_t host_hits = 0;
     bool walking = walk > 0;
@@ -1254,15 +1551,91 @@ class KVCacheManager {
         look(j);
       }
     }
-    const std::size_t cached = hits.size() * bs;
+    const std::size_t k = hits.size();
+    const std::size_t cached = k * bs;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
     // Device blocks: one per host hit (its onboarding destination) plus the new ones.
-    const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - hits.size() + host_hits;
+    const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - k + host_hits;
     const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
     if (new_blocks > available) {
-      return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved, host_hits};
+      return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved, host_hits, k,
+              host_hits};
     }
-    return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved, host_hits};
+    return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved, host_hits, k, host_hits};
+  }
+
+  // plan_admit_into with several groups or a windowed one (vLLM's hybrid KVCacheCoordinator): the hit length is the
+  // fixed point over groups, where group g has block i cached when its device index holds the hash, or (with a host
+  // tier) the host tier holds the hash mixed with g, ready; a windowed group takes only the blocks its first
+  // computed query sees. kNeverFits: the blocks the admission holds, or the blocks the prompt needs at least (each
+  // full group ceil(prompt_len / block_size), each windowed group 1), exceed the pool.
+  AdmitPlan plan_groups(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
+                        std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
+    const std::size_t G = num_groups_;
+    const std::size_t bs = config_.block_size;
+    const std::size_t full = prompt.size() / bs;
+    if (config_.enable_prefix_caching && !hashes_ready) index_.hash_full_blocks(prompt, bs, keys, hashes);
+    const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
+    const std::size_t walk = config_.enable_prefix_caching ? std::min(full, cap / bs) : 0;
+    sc.found.assign(G * walk, Id{0});
+    sc.looked.assign(G * walk, 0);
+    const auto look = [&](std::size_t g, std::size_t i) {  // 1 device, 2 host, 3 miss; looked up once each
+      std::uint8_t& l = sc.looked[g * walk + i];
+      if (l == 0) {
+        l = 3;
+        if (const auto b = ix(g).find(hashes[i])) {
+          sc.found[g * walk + i] = *b;
+          l = 1;
+        } else if (host_) {
+          if (const auto hb = host_->find_ready(host_key(hashes[i], g))) {
+            sc.found[g * walk + i] = *hb;
+            l = 2;
+          }
+        }
+      }
+      return l;
+    };
+    const std::size_t k = detail::fixed_point_hit_blocks(
+        windows_, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run);
+    sc.hits.assign(G * k, Id{0});
+    sc.on_host.assign(G * k, false);
+    std::size_t evictable = 0, held_hits = 0, host_hits = 0, host_hit_blocks = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      bool any_host = false;
+      for (std::size_t g = 0; g < G; ++g) {
+        if (i < detail::first_kept_block(windows_[g], k * bs, config_.block_size)) continue;
+        const std::uint8_t l = look(g, i);
+        sc.hits[g * k + i] = sc.found[g * walk + i];
+        ++held_hits;
+        if (l == 2) {
+          sc.on_host[g * k + i] = true;
+          ++host_hits;
+          any_host = true;
+        } else if (alloc_.is_cached(sc.found[g * walk + i])) {
+          ++evictable;
+        }
+      }
+      host_hit_blocks += any_host ? 1 : 0;
+    }
+    const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - k * bs);
+    const std::size_t new_per_group = (k * bs + reserved + bs - 1) / bs - k;
+    const std::size_t new_blocks = new_per_group * G + host_hits;
+    const std::size_t usable = alloc_.num_usable_blocks();
+    std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
+    for (std::size_t g = 0; g < G; ++g) lower_bound += windows_[g].enabled() ? 1 : (prompt.size() + bs - 1) / bs;
+    const std::size_t never = std::max(lower_bound, held_hits + new_per_group * G);
+    AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
+    if (never > usable) {
+      p.query.status = CapacityStatus::kNeverFits;
+      p.query.num_missing_blocks = never - usable;
+      return p;
+    }
+    const std::size_t available = alloc_.num_available_blocks() - evictable;
+    if (new_blocks > available) {
+      p.query.status = CapacityStatus::kNoCapacity;
+      p.query.num_missing_blocks = new_blocks - available;
+    }
+    return p;
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, else none yet).
@@ -1270,67 +1643,81 @@ class KVCacheManager {
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
                            std::vector<BlockHash> hashes, bool hashes_ready) {
     if (opts.retention) validate_retention(*opts.retention, "try_admit");
-    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, hit_scratch_, on_host_scratch_);
+    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, plan_scratch_);
     if (!plan.query.fits()) {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
     }
     const std::size_t bs = config_.block_size;
-    const std::size_t hits = hit_scratch_.size();
+    const std::size_t G = num_groups_;
+    const std::size_t k = plan.hit_blocks;
     const std::size_t host_hits = plan.num_host_hits;
+    const std::vector<Id>& hit = plan_scratch_.hits;        // [G x k]
+    const std::vector<bool>& on_host = plan_scratch_.on_host;
 
     // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
     if (!shared_keys && keys != nullptr && !keys->empty()) shared_keys = std::make_shared<const RequestKeys>(*keys);
-    sequence_type s(config_.block_size);
+    sequence_type s(config_.block_size, G);
     s.tokens.assign(prompt.begin(), prompt.end());
     s.keys = std::move(shared_keys);
     s.retention = opts.retention;
     s.num_prompt_tokens = prompt.size();
-    s.table.reserve_blocks(hits + plan.query.num_blocks);
+    const std::size_t total_blocks = (k * bs + plan.num_reserved + bs - 1) / bs;
+    for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);
-    onboard_scratch_.clear();
-    onboard_scratch_.reserve(host_hits);
+    onboard_scratch_.assign(G * k, Id{0});
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
     auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
     sequence_type& q = it->second;
-    Proxy pool{this};
     // Hits first, in both tiers (so the allocations below, and the write-back offloads their evictions queue,
-    // cannot evict them), then a device block per host hit, then the table in order.
-    for (std::size_t i = 0; i < hits; ++i) {
-      if (on_host_scratch_[i]) {
-        host_->acquire(hit_scratch_[i]);  // the onboarding copy's pin on its source
+    // cannot evict them), then a device block per host hit, then the tables in order.
+    for (std::size_t j = 0; j < G * k; ++j) {
+      if (hit[j] == Id{0}) continue;
+      if (on_host[j]) {
+        host_->acquire(hit[j]);  // the onboarding copy's pin on its source
       } else {
-        alloc_.acquire(hit_scratch_[i]);
+        acquire_block(hit[j]);
       }
     }
-    for (std::size_t i = 0; i < hits; ++i) {
-      if (!on_host_scratch_[i]) continue;
-      const Id dst = *alloc_.try_allocate_one(evictor());  // guaranteed by the capacity check
-      onboard_scratch_.push_back(dst);
-      queue_fill(dst, hit_scratch_[i], TransferKind::kOnboard, &hashes[i], /*src_pinned=*/true);
+    for (std::size_t j = 0; j < G * k; ++j) {
+      if (hit[j] == Id{0}) continue;
+      if (!on_host[j]) {
+        onboard_scratch_[j] = hit[j];
+        continue;
+      }
+      const std::size_t g = j / k;
+      const Id dst = allocate_one(g);  // guaranteed by the capacity check
+      onboard_scratch_[j] = dst;
+      queue_fill(dst, hit[j], TransferKind::kOnboard, &hashes[j % k], /*src_pinned=*/true, g);
     }
-    for (std::size_t i = 0, k = 0; i < hits; ++i) {
-      q.table.append_full_block(on_host_scratch_[i] ? onboard_scratch_[k++] : hit_scratch_[i]);
+    for (std::size_t g = 0; g < G; ++g) {
+      BlockTable<Id>& t = q.table_of(g);
+      for (std::size_t i = 0; i < k; ++i) t.append_full_block(onboard_scratch_[g * k + i]);
+      if (!simple_) q.released_of(g) = detail::first_kept_block(windows_[g], k * bs, config_.block_size);
+      q.registered_of(g) = k;  // device hits are registered; onboarded blocks are registered when filled
     }
     q.hashes = std::move(hashes);
-    q.num_registered = hits;  // device hits are registered; onboarded blocks are registered when filled
-    q.num_built = hits * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
-    std::optional<copy_type> no_copy;
-    const bool ok = q.table.try_append(plan.num_reserved, pool, evictor(), nullptr, no_copy);
-    (void)ok;  // guaranteed by the capacity check
+    q.num_built = k * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
+    for (std::size_t g = 0; g < G; ++g) {
+      std::optional<copy_type> no_copy;
+      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      const bool ok = q.table_of(g).try_append(plan.num_reserved, pool, evictor(), nullptr, no_copy);
+      (void)ok;  // guaranteed by the capacity check; no copy (the table ends on a block boundary)
+    }
     if (readmission) preempted_.erase(seq);
+    note_peak();
 
     ++stats_.prefix_query_requests;
     stats_.prefix_query_tokens += prompt.size();
-    if (hits > 0) ++stats_.prefix_hit_requests;
-    stats_.prefix_hit_tokens += hits * bs;
-    stats_.host_hit_tokens += host_hits * bs;
+    if (k > 0) ++stats_.prefix_hit_requests;
+    stats_.prefix_hit_tokens += k * bs;
+    stats_.host_hit_tokens += plan.host_hit_blocks * bs;
     if (readmission) {
       ++stats_.readmitted_requests;
       stats_.readmitted_query_tokens += prompt.size();
-      stats_.readmitted_hit_tokens += hits * bs;
+      stats_.readmitted_hit_tokens += k * bs;
     }
-    interval_.record(prompt.size(), hits * bs, readmission);
-    return {AdmitStatus::kAdmitted, hits * bs, host_hits * bs, plan.query.num_blocks, 0};
+    interval_.record(prompt.size(), k * bs, readmission);
+    return {AdmitStatus::kAdmitted, k * bs, plan.host_hit_blocks * bs, plan.query.num_blocks, 0};
   }
 
   // Misuse checks shared by the calls that add positions after the last token (append, lookahead).
@@ -1353,16 +1740,21 @@ class KVCacheManager {
     }
   }
 
-  // What growing `q` by n > 0 slots takes now. Never fits: even with every other sequence gone, `q` would hold
-  // more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced by a hash not).
+  // What growing `q` by n > 0 slots takes now, over every group. Never fits: even with every other sequence gone,
+  // `q` would hold more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced
+  // by a hash not).
   [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n) const {
     const std::size_t bs = config_.block_size;
-    const std::size_t nblocks = q.table.num_blocks();
-    const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - nblocks;
-    const bool cow = q.table.last_block_needs_copy(ConstProxy{this});
-    const bool hashed_partial = cow && alloc_.is_hashed(q.table.blocks().back());
-    const std::size_t needed = new_blocks + (cow ? 1 : 0);
-    const std::size_t held_after = nblocks + new_blocks + (hashed_partial ? 1 : 0);
+    std::size_t needed = 0, held_after = 0;
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      const BlockTable<Id>& t = q.table_of(g);
+      const std::size_t nblocks = t.num_blocks();
+      const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - nblocks;
+      const bool cow = t.last_block_needs_copy(ConstProxy{this});
+      const bool hashed_partial = cow && alloc_.is_hashed(t.blocks().back());
+      needed += new_blocks + (cow ? 1 : 0);
+      held_after += nblocks - q.released_of(g) + new_blocks + (hashed_partial ? 1 : 0);
+    }
     if (held_after > alloc_.num_usable_blocks()) {
       return {CapacityStatus::kNeverFits, needed, held_after - alloc_.num_usable_blocks(), 0};
     }
@@ -1376,27 +1768,34 @@ class KVCacheManager {
   void prepare_growth(sequence_type& q, std::size_t n) {
     const std::size_t bs = config_.block_size;
     const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
-    detail::reserve_more(pending_copies_, 1);
-    detail::reserve_more(copy_owners_, 1);
-    q.table.reserve_blocks(q.table.num_blocks() + new_blocks);
+    detail::reserve_more(pending_copies_, num_groups_);
+    detail::reserve_more(copy_owners_, num_groups_);
+    for (std::size_t g = 0; g < num_groups_; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
     slot_scratch_.clear();
     slot_scratch_.reserve(n);
-    reserve_for_allocations(new_blocks + 1, 0);
+    reserve_for_allocations(num_groups_ * (new_blocks + 1), 0);
   }
 
-  // Give `q` n more slots (capacity checked by query_growth, room reserved by prepare_growth). Never throws.
-  AppendResult<Id> commit_growth(sequence_type& q, std::size_t n) {
-    Proxy pool{this};
-    std::optional<copy_type> copy;
-    const bool ok = q.table.try_append(n, pool, evictor(), &slot_scratch_, copy);
-    (void)ok;
-    if (copy) {
-      pending_copies_.push_back(*copy);
-      copy_owners_.push_back(&q);
-      ++q.num_pending_copies;
-      ++stats_.cow_copies;
+  // Give `q` n more slots in every group (capacity checked by query_growth, room reserved by prepare_growth): the
+  // result's slots and copy are group 0's. Never throws.
+  AppendResult<Id> commit_growth(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
+    std::optional<copy_type> copy0;
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      std::optional<copy_type> copy;
+      const bool ok = q.table_of(g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
+      (void)ok;
+      if (copy) {
+        copy->group = static_cast<std::uint32_t>(g);
+        pending_copies_.push_back(*copy);
+        copy_owners_.push_back(&q);
+        ++q.num_pending_copies;
+        ++stats_.cow_copies;
+        if (g == 0) copy0 = copy;
+      }
     }
-    return {AppendStatus::kOk, slot_scratch_, copy, 0};
+    note_peak();
+    return {AppendStatus::kOk, slot_scratch_, copy0, 0, num_new_blocks};
   }
 
   // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
@@ -1404,7 +1803,7 @@ class KVCacheManager {
 
   // With events on: the stored event of host block `hb` (hash `h`, tier `to`) whose copy just completed, with the
   // content remembered when the copy was queued.
-  void emit_stored_from(Id hb, const BlockHash& h, Medium to) {
+  void emit_stored_from(Id hb, const BlockHash& h, Medium to, std::uint32_t g) {
     if (!events_.enabled()) return;
     const auto it = pending_content_.find(hb);
     if (it == pending_content_.end()) return;
@@ -1414,15 +1813,18 @@ class KVCacheManager {
     out.seq_no = seq_no;
     out.medium = to;
     out.hash = h;
+    out.group = g;
     pending_content_.erase(it);
   }
 
   // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
   // `hb` once the copy into it completes.
-  void remember_content(const BlockHash& h, Id hb, Medium from) noexcept {
+  void remember_content(const BlockHash& h, Id hb, Medium from, std::size_t g) noexcept {
     if (!events_.enabled()) return;
     try {
-      if (auto e = events_.find_stored(h, from, 0)) pending_content_.insert_or_assign(hb, std::move(*e));
+      if (auto e = events_.find_stored(h, from, static_cast<std::uint32_t>(g))) {
+        pending_content_.insert_or_assign(hb, std::move(*e));
+      }
     } catch (...) {  // out of memory: that copy's stored event is lost, nothing else
       ++stats_.events_lost;
     }
@@ -1448,7 +1850,121 @@ class KVCacheManager {
     if (c.num_host_blocks != 0) {
       detail::check_metadata_value(c.num_host_blocks - 1, "CacheConfig.num_host_blocks - 1 (the largest host block id)");
     }
+    if (c.groups.size() > kMaxGroups) {
+      detail::raise(Errc::kInvalidArgument, "CacheConfig.groups has " + std::to_string(c.groups.size()) +
+                                                " groups: need 0 (one full-attention group) to " +
+                                                std::to_string(kMaxGroups));
+    }
+    std::size_t layers = 1;
+    for (std::size_t g = 0; g < c.groups.size(); ++g) {
+      const KVCacheGroupSpec& s = c.groups[g];
+      const std::string who = "CacheConfig.groups[" + std::to_string(g) + "] (" + to_string(s.kind) + ")";
+      if (s.kind != AttentionKind::kFull && s.kind != AttentionKind::kSlidingWindow &&
+          s.kind != AttentionKind::kChunkedLocal) {
+        detail::raise(Errc::kInvalidArgument, who + ": unknown attention kind " +
+                                                  std::to_string(static_cast<int>(s.kind)));
+      }
+      if (s.kind == AttentionKind::kFull && s.window_tokens != 0) {
+        detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
+                                                  ": a full-attention group has no window (0)");
+      }
+      if (s.kind != AttentionKind::kFull &&
+          (s.window_tokens == 0 ||
+           s.window_tokens > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max()))) {
+        detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
+                                                  ": must be in [1, 2^31 - 1]");
+      }
+      if (s.num_layers == 0) detail::raise(Errc::kInvalidArgument, who + ".num_layers = 0: must be positive");
+      layers = std::max<std::size_t>(layers, s.num_layers);
+    }
+    if (c.page_size_bytes != 0 && (layers > std::numeric_limits<std::size_t>::max() / c.page_size_bytes ||
+                                   c.num_blocks > std::numeric_limits<std::size_t>::max() /
+                                                      (layers * c.page_size_bytes))) {
+      detail::raise(Errc::kInvalidArgument, "CacheConfig.page_size_bytes = " + std::to_string(c.page_size_bytes) +
+                                                " x " + std::to_string(layers) + " layers x " +
+                                                std::to_string(c.num_blocks) + " blocks overflows size_t");
+    }
     return c;
+  }
+
+  void check_group(std::size_t g, const char* what) const {
+    if (g >= num_groups_) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) + ": group " + std::to_string(g) + " >= " +
+                                                std::to_string(num_groups_) + " groups");
+    }
+  }
+  [[nodiscard]] index_type& ix(std::size_t g) noexcept { return g == 0 ? index_ : more_index_[g - 1]; }
+  [[nodiscard]] const index_type& ix(std::size_t g) const noexcept { return g == 0 ? index_ : more_index_[g - 1]; }
+  [[nodiscard]] std::uint32_t group_of_block(Id b) const noexcept { return num_groups_ > 1 ? group_of_[b] : 0U; }
+
+  // The host tier's key of group g's block with hash h: h for group 0, h with both halves XORed with a constant of
+  // g otherwise (one host index serves every group; a host block belongs to one group). Its own inverse.
+  [[nodiscard]] static BlockHash host_key(const BlockHash& h, std::size_t g) noexcept {
+    if (g == 0) return h;
+    std::uint64_t z = 0x9E3779B97F4A7C15ULL * (static_cast<std::uint64_t>(g) + 1);  // splitmix64 of g
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    BlockHash k = h;
+    for (std::size_t i = 0; i < 16; ++i) k.bytes[i] ^= static_cast<std::uint8_t>(z >> (8 * (i % 8)));
+    return k;
+  }
+  // The host block holding group g's device block b (by its hash), if any.
+  [[nodiscard]] std::optional<Id> host_copy_of(Id b, std::size_t g) const {
+    const auto h = ix(g).hash_of(b);
+    return h ? host_->find(host_key(*h, g)) : std::nullopt;
+  }
+
+  // Held-block accounting per group (several groups or a windowed one; with one full group held = used).
+  void on_allocated(Id b, std::size_t g) noexcept {
+    if (num_groups_ > 1) group_of_[b] = static_cast<std::uint8_t>(g);
+    bump_held(g);
+  }
+  void bump_held(std::size_t g) noexcept {
+    peak_held_[g] = std::max(peak_held_[g], ++held_[g]);
+    peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
+  }
+  void note_peak() noexcept {
+    if (simple_) peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
+  }
+  // One block of group g from the pool (capacity checked by the caller).
+  Id allocate_one(std::size_t g) {
+    const Id b = *alloc_.try_allocate_one(evictor());
+    if (!simple_) on_allocated(b, g);
+    return b;
+  }
+  // One more reference on b (a cached block becomes held again).
+  void acquire_block(Id b) {
+    if (!simple_ && alloc_.refcount(b) == 0) {
+      alloc_.acquire(b);
+      bump_held(group_of_block(b));
+      return;
+    }
+    alloc_.acquire(b);
+  }
+  // Release every group's blocks of q, retention priorities first.
+  void release_all_groups(sequence_type& q) {
+    apply_retention(q, 0);
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      q.table_of(g).release_all(pool);
+    }
+  }
+  // The release rule for every windowed group of `q`: blocks wholly before first_visible(num_built) become null.
+  void release_out_of_window(sequence_type& q) {
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      if (!windows_[g].enabled()) continue;
+      BlockTable<Id>& t = q.table_of(g);
+      const std::size_t target =
+          std::min(detail::first_kept_block(windows_[g], q.num_built, config_.block_size), t.num_blocks());
+      std::size_t& released = q.released_of(g);
+      if (target > released) apply_retention_group(q, g, released, target);
+      for (std::size_t i = released; i < target; ++i) {
+        const Id old = t.replace_block(i, Id{0});
+        if (old != Id{0}) release_block(old);
+      }
+      released = std::max(released, target);
+    }
   }
 
   sequence_type& live(SeqId seq, const char* what) {
@@ -1468,16 +1984,21 @@ class KVCacheManager {
   // lists run first). The caller reserved room for the events and the transfer (reserve_for_allocations).
   auto evictor() {
     return [this](Id b) {
-      const auto h = index_.erase_block(b);
+      const std::uint32_t g = group_of_block(b);
+      const auto h = ix(g).erase_block(b);
       if (!h) return;
-      if (events_.enabled()) events_.push(KVEventType::kBlockRemoved).hash = *h;
+      if (events_.enabled()) {
+        KVEvent& e = events_.push(KVEventType::kBlockRemoved);
+        e.hash = *h;
+        e.group = g;
+      }
       if (host_ && config_.offload != OffloadPolicy::kNone) {
         const std::uint8_t prio = alloc_.last_evicted_priority();
         if (prio < config_.min_offload_priority) {
           ++stats_.offloads_below_priority;
           return;
         }
-        queue_offload(b, *h, prio);
+        queue_offload(b, *h, g, prio);
       }
     };
   }
@@ -1486,10 +2007,13 @@ class KVCacheManager {
   // clock) its RetentionConfig assigns, before a release that may cache it. Last table holder's release decides.
   // Only for a RetentionEvictionPolicy (compiled out otherwise). Cannot throw: blocks are held, priorities valid.
   void apply_retention(const sequence_type& q, std::size_t first) {
+    for (std::size_t g = 0; g < num_groups_; ++g) apply_retention_group(q, g, first, q.table_of(g).num_blocks());
+  }
+  void apply_retention_group(const sequence_type& q, std::size_t g, std::size_t first, std::size_t end) {
     if constexpr (RetentionEvictionPolicy<Evict, Id>) {
-      const auto blocks = q.table.blocks();
+      const auto blocks = q.table_of(g).blocks();
       const std::size_t bs = config_.block_size;
-      for (std::size_t i = first; i < blocks.size(); ++i) {
+      for (std::size_t i = first; i < end; ++i) {
         if (blocks[i] == Id{0}) continue;
         BlockRetention r;
         if (q.retention) r = block_retention(*q.retention, i * bs, bs, q.num_prompt_tokens);
@@ -1499,33 +2023,39 @@ class KVCacheManager {
       }
     } else {
       (void)q;
+      (void)g;
       (void)first;
+      (void)end;
     }
   }
 
   // Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
   // (not ready) and held by the transfer until complete_transfers. Dropped when every host block is held.
-  void queue_offload(Id b, const BlockHash& h, std::uint8_t priority = kDefaultRetentionPriority) {
-    if (host_->find(h)) return;
-    const auto hb = host_->allocate(&h, host_evictor());
+  void queue_offload(Id b, const BlockHash& h, std::uint32_t g, std::uint8_t priority = kDefaultRetentionPriority) {
+    const BlockHash key = host_key(h, g);
+    if (host_->find(key)) return;
+    const auto hb = host_->allocate(&key, host_evictor());
     if (!hb) {
       ++stats_.offloads_dropped;
       return;
     }
+    if (num_groups_ > 1) host_group_of_[*hb] = static_cast<std::uint8_t>(g);
     host_->set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
-    remember_content(h, *hb, Medium::kGpu);
-    transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0});
+    remember_content(h, *hb, Medium::kGpu, g);
+    transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0, g});
     ++stats_.offloads;
   }
 
   // Called when the host tier evicts a cached host block.
   auto host_evictor() {
-    return [this](Id, const BlockHash& h) {
+    return [this](Id hb, const BlockHash& key) {
       ++stats_.host_evictions;
       if (!events_.enabled()) return;
+      const std::uint32_t g = num_groups_ > 1 ? host_group_of_[hb] : 0U;
       KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-      e.hash = h;
+      e.hash = host_key(key, g);  // the key unmixed: the block's hash
       e.medium = Medium::kCpu;
+      e.group = g;
     };
   }
 
@@ -1533,12 +2063,12 @@ class KVCacheManager {
   // pinned by the transfer (one more reference each; `src_pinned`: the caller took the source's already) until
   // complete_transfers; `dst` is marked filling (no fork, no swap of a sequence holding it, never hit by others: it
   // is registered only when filled).
-  void queue_fill(Id dst, Id src, TransferKind kind, const BlockHash* h, bool src_pinned) {
+  void queue_fill(Id dst, Id src, TransferKind kind, const BlockHash* h, bool src_pinned, std::size_t g) {
     alloc_.acquire(dst);
     if (!src_pinned) host_->acquire(src);
     filling_[dst / 64] |= std::uint64_t{1} << (dst % 64);
     if (h == nullptr) unkeyed_fill_[dst / 64] |= std::uint64_t{1} << (dst % 64);
-    transfers_.push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0});
+    transfers_.push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0, static_cast<std::uint32_t>(g)});
     ++(kind == TransferKind::kOnboard ? stats_.onboards : stats_.swap_ins);
   }
   [[nodiscard]] bool is_filling(Id b) const noexcept { return ((filling_[b / 64] >> (b % 64)) & 1U) != 0; }
@@ -1547,8 +2077,10 @@ class KVCacheManager {
   // Whether any block of `q` is being filled by a host -> device copy not yet completed.
   [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
     if (stats_.onboards + stats_.swap_ins == completed_fills_) return false;  // none in flight anywhere
-    for (Id b : q.table.blocks()) {
-      if (is_filling(b)) return true;
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      for (Id b : q.table_of(g).blocks()) {
+        if (b != Id{0} && is_filling(b)) return true;
+      }
     }
     return false;
   }
@@ -1564,6 +2096,7 @@ class KVCacheManager {
   // (nobody needs its contents), so that copy is dropped and its source reference released.
   void release_block(Id b) {
     alloc_.release(b);
+    if (!simple_ && alloc_.refcount(b) == 0) --held_[group_of_block(b)];
     if (pending_copies_.empty() || alloc_.refcount(b) != 0) return;
     if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, take_scratch_, b)) release_block(*src);
   }
@@ -1571,42 +2104,49 @@ class KVCacheManager {
   // Number of pending copies reading block b (each holds a reference on it).
   [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return detail::pending_reads(pending_copies_, b); }
 
-  // Register the registrable full blocks of `q` beyond q.num_registered (see SequenceState). A block whose hash is
-  // already registered to another block is switched to that block when `q` is its only table holder: its own
-  // copy is released and its logical index recorded in switched_scratch_ (this build writes -1 for its slots: the
-  // registered block holds the same K/V, written in an earlier step or earlier in this step's write_kv). A shared
-  // duplicate stays as it is, unregistered. Precondition: room reserved in switched_scratch_ and the event log.
-  void register_full_blocks(sequence_type& q) {
+  // Register group g's registrable full blocks of `q` beyond its registered cursor (see SequenceState). A block
+  // whose hash is already registered to another block is switched to that block when `q` is its only table holder:
+  // its own copy is released and its logical index recorded in switched_scratch_ (this build writes -1 for its
+  // slots: the registered block holds the same K/V, written in an earlier step or earlier in this step's
+  // write_kv). A shared duplicate stays as it is, unregistered. A null entry, or a block that can never serve a hit
+  // in its group (detail::block_can_serve_hit), is skipped. Precondition: room reserved in switched_scratch_ and
+  // the event log.
+  void register_full_blocks(sequence_type& q, std::size_t g) {
     if (!config_.enable_prefix_caching) return;
+    index_type& index = ix(g);
+    BlockTable<Id>& table = q.table_of(g);
+    std::size_t& registered = q.registered_of(g);
     const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
-    for (std::size_t i = q.num_registered; i < end; ++i) {
-      if (i + 1 < end) index_.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
+    for (std::size_t i = registered; i < end; ++i) {
+      if (i + 1 < end) index.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
       const BlockHash& h = q.hashes[i];
-      const Id own = q.table.blocks()[i];
-      if (index_.hash_of(own)) continue;  // already registered (by a sequence sharing it)
-      const Id reg = index_.insert(h, own);  // one map probe: inserts, or finds the registered block
+      const Id own = table.blocks()[i];
+      if (!simple_ && (own == Id{0} || !detail::block_can_serve_hit(windows_[g], i, config_.block_size))) continue;
+      if (index.hash_of(own)) continue;  // already registered (by a sequence sharing it)
+      const Id reg = index.insert(h, own);  // one map probe: inserts, or finds the registered block
       if (reg == own) {
         alloc_.set_hashed(own, true);
-        if (events_.enabled()) record_stored(q, i, h);
+        if (events_.enabled()) record_stored(q, i, h, g);
         if (host_ && config_.offload == OffloadPolicy::kWriteThrough) recent_registered_.emplace_back(own, h);
         continue;
       }
       if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
       // Duplicate content: switch to the registered block, free ours.
-      alloc_.acquire(reg);
-      q.table.replace_block(i, reg);
+      acquire_block(reg);
+      table.replace_block(i, reg);
       release_block(own);
       ++stats_.dedup_blocks;
       switched_scratch_.push_back(i);
     }
-    q.num_registered = std::max(q.num_registered, end);
+    registered = std::max(registered, end);
   }
 
   // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
   // per block: a vectorizable fill of consecutive slots.
-  void write_slots(const sequence_type& q, std::size_t first, std::size_t n, std::span<std::int64_t> out) const {
+  void write_slots(const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
+                   std::span<std::int64_t> out) const {
     const std::size_t bs = config_.block_size;
-    const auto blocks = q.table.blocks();
+    const auto blocks = q.table_of(g).blocks();
     std::int64_t* w = out.data();
     std::size_t k = 0;  // next switched block to consider (ascending)
     for (std::size_t p = first; p < first + n;) {
@@ -1626,28 +2166,38 @@ class KVCacheManager {
     }
   }
 
-  void record_stored(const sequence_type& q, std::size_t i, const BlockHash& h) {
-    detail::fill_stored_event(events_.push(KVEventType::kBlockStored), h, i, config_.block_size, q.tokens, q.hashes,
-                              q.keys.get());
+  void record_stored(const sequence_type& q, std::size_t i, const BlockHash& h, std::size_t g) {
+    KVEvent& e = events_.push(KVEventType::kBlockStored);
+    detail::fill_stored_event(e, h, i, config_.block_size, q.tokens, q.hashes, q.keys.get());
+    e.group = static_cast<std::uint32_t>(g);
   }
 
-  CacheConfig config_;
+  CacheConfig config_;                                 // groups filled in: one full group when none was given
+  std::size_t num_groups_;                             // G >= 1
+  bool simple_;                                        // one full-attention group: the plain pool's fast paths
   allocator_type alloc_;
-  index_type index_;
+  index_type index_;                                   // group 0's prefix index
+  std::vector<index_type> more_index_;                 // [G - 1] groups 1 .. G - 1
+  std::vector<AttentionWindow> windows_;               // [G]
+  std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
+  std::vector<std::uint8_t> host_group_of_;            // [num_host_blocks] when G > 1 with a host tier
+  std::vector<std::size_t> held_;                      // [G] blocks held per group (unless simple_)
+  std::vector<std::size_t> peak_held_;                 // [G]
+  std::size_t peak_used_ = 0;
+  PlanScratch plan_scratch_;                           // admission: hits and the fixed point's scratch
   std::size_t max_tokens_per_seq_;
   std::unordered_map<SeqId, sequence_type> seqs_;     // node-based: SequenceState addresses are stable
   std::vector<copy_type> pending_copies_;             // each holds one reference on its src
   std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
   std::vector<copy_type> copy_scratch_;
   std::vector<std::uint8_t> take_scratch_;            // build: [pending_copies_] 1 = handed out by this build
-  std::vector<Id> hit_scratch_;
+  std::vector<Id> hit_scratch_;                        // try_resume: [groups x blocks] device hits
   std::vector<sequence_type*> batch_scratch_;
   std::vector<std::size_t> switched_scratch_;
   std::vector<std::int64_t> slot_scratch_;             // AppendResult::slots
   std::vector<std::uint32_t> qlen_scratch_;            // build: tokens scheduled per batch row
   std::unordered_set<SeqId> preempted_;                // preempted ids not yet re-admitted
-  std::vector<bool> on_host_scratch_;                  // admission: hit i is on the host tier
-  std::vector<Id> onboard_scratch_;                    // admission: device blocks of the host hits
+  std::vector<Id> onboard_scratch_;                    // admission, resume: [groups x blocks] device blocks
   std::unique_ptr<host_tier_type> host_;               // null = no host tier
   TransferQueue<Id> transfers_;
   std::vector<std::uint64_t> filling_;                 // [ceil(num_blocks / 64)] device blocks a fill targets

@@ -18,6 +18,16 @@
 
 namespace pagedkv {
 
+/// The block table of KV-cache group g >= 1 of a sequence (group 0's is SequenceState::table), with its two
+/// per-group cursors. Every group's table covers the same positions; a windowed group's leading entries may be the
+/// null block 0 (released, or before the window at a prefix hit).
+template <BlockIdType Id = std::uint32_t>
+struct GroupTableState {
+  BlockTable<Id> table;            ///< Logical -> physical blocks of this group.
+  std::size_t num_registered = 0;  ///< Leading full blocks that need no registration attempt in this group.
+  std::size_t num_released = 0;    ///< Leading logical blocks that are the null block 0.
+};
+
 /// One live sequence as the KVCacheManager tracks it. A plain aggregate with derived queries; the manager keeps
 /// every invariant below (the model-based test checks them after every operation).
 ///
@@ -31,7 +41,10 @@ namespace pagedkv {
 ///                                not know yet (draft tokens proposed on the GPU); then num_slotted = num_known +
 ///                                num_lookahead and every known token has a slot
 /// ```
-/// `num_slotted` is `table.num_tokens()`; `num_known` is `tokens.size()`.
+/// `num_slotted` is `table.num_tokens()`; `num_known` is `tokens.size()`. With several KV-cache groups, `table`,
+/// `num_registered` and `num_released` are group 0's and `other_groups[g - 1]` holds group g's (`table_of(g)`,
+/// `registered_of(g)`, `released_of(g)`); the token, hash and build cursors are shared by every group (one step
+/// writes every group's layers).
 /// A full block i is *registrable* (may enter the prefix index) when `(i + 1) * block_size <= min(num_built,
 /// num_known)`: its last write has been issued and every one of its token ids is known.
 ///
@@ -39,7 +52,11 @@ namespace pagedkv {
 /// are invalidated by any change to the sequence.
 template <BlockIdType Id = std::uint32_t>
 struct SequenceState {
-  explicit SequenceState(std::uint32_t block_size) : table(block_size) {}
+  /// An empty sequence with `num_groups` >= 1 block tables of `block_size` tokens per block.
+  explicit SequenceState(std::uint32_t block_size, std::size_t num_groups = 1) : table(block_size) {
+    other_groups.reserve(num_groups - 1);
+    for (std::size_t g = 1; g < num_groups; ++g) other_groups.push_back({BlockTable<Id>(block_size), 0, 0});
+  }
 
   BlockTable<Id> table;                     ///< Logical -> physical blocks for the slotted positions.
   std::vector<TokenId> tokens;              ///< Known token ids, `[num_known]`.
@@ -52,6 +69,30 @@ struct SequenceState {
   std::size_t num_lookahead = 0;            ///< Trailing slotted positions whose token ids are unknown.
   std::uint32_t num_pending_copies = 0;     ///< Copy-on-write copies into this table not yet handed out.
   bool in_batch = false;                    ///< Scratch mark of build_batch_metadata.
+  std::size_t num_released = 0;             ///< Group 0: leading logical blocks that are the null block 0.
+  std::vector<GroupTableState<Id>> other_groups;  ///< Groups 1 .. G - 1 (empty with one group).
+
+  /// KV-cache groups of the sequence.
+  [[nodiscard]] std::size_t num_groups() const noexcept { return 1 + other_groups.size(); }
+  /// Group g's block table. Precondition: g < num_groups().
+  [[nodiscard]] BlockTable<Id>& table_of(std::size_t g) noexcept { return g == 0 ? table : other_groups[g - 1].table; }
+  [[nodiscard]] const BlockTable<Id>& table_of(std::size_t g) const noexcept {
+    return g == 0 ? table : other_groups[g - 1].table;
+  }
+  /// Group g's leading full blocks that need no registration attempt. Precondition: g < num_groups().
+  [[nodiscard]] std::size_t& registered_of(std::size_t g) noexcept {
+    return g == 0 ? num_registered : other_groups[g - 1].num_registered;
+  }
+  [[nodiscard]] std::size_t registered_of(std::size_t g) const noexcept {
+    return g == 0 ? num_registered : other_groups[g - 1].num_registered;
+  }
+  /// Group g's leading null blocks (released, or before its window at a prefix hit). Precondition: g < num_groups().
+  [[nodiscard]] std::size_t& released_of(std::size_t g) noexcept {
+    return g == 0 ? num_released : other_groups[g - 1].num_released;
+  }
+  [[nodiscard]] std::size_t released_of(std::size_t g) const noexcept {
+    return g == 0 ? num_released : other_groups[g - 1].num_released;
+  }
 
   /// Positions with slots (tokens whose K/V has, or will have, a place in the pool).
   [[nodiscard]] std::size_t num_slotted() const noexcept { return table.num_tokens(); }

@@ -37,8 +37,9 @@ struct Transfer {
   Id host = 0;
   TransferKind kind = TransferKind::kOffload;
   bool hashed = false;
-  BlockHash hash;
+  BlockHash hash;            ///< The block's hash (as its group's device index holds it), when `hashed`.
   std::uint64_t token = 0;
+  std::uint32_t group = 0;   ///< KV-cache group of the block (0 with one group).
 };
 
 /// The copies between the device pool and the host tier, from queued to completed.

@@ -232,7 +232,13 @@ TEST_CASE("HybridKVCacheManager: invalid configurations are typed errors naming 
   bad(make_config(1, 4, {full()}), Errc::kInvalidArgument, "num_blocks = 1");
   bad(make_config(16, 0, {full()}), Errc::kInvalidArgument, "block_size = 0");
   bad(make_config(16, std::uint32_t{1} << 31, {full()}), Errc::kInvalidArgument, "kMaxBlockSize = 65536");
-  bad(make_config(16, 4, {}), Errc::kInvalidArgument, "0 groups");
+  {  // No group at all is the plain pool: one full-attention group (CacheConfig and HybridCacheConfig are one type).
+    Mgr plain(make_config(16, 4, {}));
+    CHECK(plain.num_groups() == 1);
+    CHECK_FALSE(plain.window(0).enabled());
+    CHECK(plain.config().groups.size() == 1);
+    CHECK(plain.config().groups[0].kind == AttentionKind::kFull);
+  }
   bad(make_config(16, 4, std::vector<KVCacheGroupSpec>(65, full())), Errc::kInvalidArgument, "65 groups");
   bad(make_config(16, 4, {full(), {AttentionKind::kFull, 8, 1}}), Errc::kInvalidArgument,
       "groups[1] (full).window_tokens = 8");
@@ -652,13 +658,15 @@ TEST_CASE("HybridKVCacheManager: failed calls change nothing", "[kv_cache_groups
   // Misuse.
   expect_error([&] { (void)m.try_admit(1, pagedkv_test::toks(1, 3)); }, Errc::kDuplicateSequence);
   expect_error([&] { (void)m.try_admit(3, Toks{}); }, Errc::kInvalidArgument);
-  {  // Retention priorities are not applied by this manager: refused (they used to be dropped silently), nothing
-     // changes, and the capacity query answers the same.
+  {  // Retention priorities work with groups since the managers merged (they used to be refused): an invalid config
+     // is refused by admission and by the capacity query, naming the call, and nothing changes.
     pagedkv::AdmitOptions o;
-    o.retention = std::make_shared<const pagedkv::RetentionConfig>();
+    auto bad_retention = std::make_shared<pagedkv::RetentionConfig>();
+    bad_retention->decode_priority = 101;  // above kMaxRetentionPriority
+    o.retention = bad_retention;
     CHECK_THAT(expect_error([&] { (void)m.try_admit(3, pagedkv_test::toks(900, 8), nullptr, o); },
                             Errc::kInvalidArgument),
-               Catch::Contains("AdmitOptions::retention is not supported by HybridKVCacheManager"));
+               Catch::Contains("try_admit"));
     CHECK_THAT(expect_error([&] { (void)m.query_admit(pagedkv_test::toks(900, 8), nullptr, o); },
                             Errc::kInvalidArgument),
                Catch::Contains("query_admit"));

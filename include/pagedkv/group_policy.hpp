@@ -1,0 +1,133 @@
+// pagedkv/group_policy.hpp: KV-cache groups (sets of layers with one attention type) and what their attention
+// type decides for the cache manager: which blocks a position still needs (the release rule), which full blocks can
+// serve a prefix hit, how far a rewind may go, and the prefix-hit fixed point over groups. docs/groups.md.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include <pagedkv/kernel_params.hpp>  // AttentionWindow
+
+namespace pagedkv {
+
+/// The attention type of a KV-cache group (a set of layers with the same attention type; vLLM's KVCacheSpec
+/// kinds FullAttentionSpec / SlidingWindowSpec / ChunkedLocalAttentionSpec).
+enum class AttentionKind : std::uint8_t {
+  kFull = 0,           ///< Every earlier key is visible: the group keeps every block of the sequence.
+  kSlidingWindow = 1,  ///< A query at p sees keys (p - W, p] (W keys, itself included; FlashInfer window_left = W-1).
+  kChunkedLocal = 2,   ///< Llama 4 chunked-local: a query at p sees [floor(p / C) * C, p].
+};
+
+/// "full", "sliding_window" or "chunked_local". Never null.
+[[nodiscard]] constexpr const char* to_string(AttentionKind k) noexcept {
+  switch (k) {
+    case AttentionKind::kSlidingWindow: return "sliding_window";
+    case AttentionKind::kChunkedLocal: return "chunked_local";
+    case AttentionKind::kFull: break;
+  }
+  return "full";
+}
+
+/// One KV-cache group: its attention type and how many layers it has (for byte accounting only).
+/// `window_tokens`: W for kSlidingWindow (>= 1, visible keys including the query, as AttentionWindow and the
+/// `sliding_window` of Mistral / Gemma / gpt-oss configs count it), C for kChunkedLocal (>= 1), 0 for kFull.
+struct KVCacheGroupSpec {
+  AttentionKind kind = AttentionKind::kFull;
+  std::uint32_t window_tokens = 0;
+  std::uint32_t num_layers = 1;
+
+  /// The kernels' AttentionWindow of this group (off for kFull). Precondition: window_tokens <= 2^31 - 1 (checked
+  /// by KVCacheManager's constructor).
+  [[nodiscard]] constexpr AttentionWindow window() const noexcept {
+    AttentionWindow w;
+    if (kind == AttentionKind::kSlidingWindow) w.sliding_window_tokens = static_cast<std::int32_t>(window_tokens);
+    if (kind == AttentionKind::kChunkedLocal) w.attention_chunk_tokens = static_cast<std::int32_t>(window_tokens);
+    return w;
+  }
+};
+
+namespace detail {
+
+/// First logical block a group with window `w` must still hold for a sequence whose next query is at position
+/// `first_query_pos` (tokens): floor(w.first_visible(first_query_pos) / block_size); 0 for full attention. Every
+/// block before it is wholly before the window of every later query (first_visible is non-decreasing), which is
+/// AttentionWindow::first_needed_token's rule. Precondition: w.valid().
+[[nodiscard]] constexpr std::size_t first_kept_block(const AttentionWindow& w, std::size_t first_query_pos,
+                                                     std::uint32_t block_size) noexcept {
+  if (!w.enabled()) return 0;
+  return static_cast<std::size_t>(w.first_visible(static_cast<std::int64_t>(first_query_pos))) / block_size;
+}
+
+/// Whether full block `i` of a group with window `w` can ever serve a prefix hit: a hit of k blocks needs blocks
+/// [first_kept_block(k * block_size), k), and that range contains i for some k > i exactly when the query at
+/// (i + 1) * block_size sees a key before itself, i.e. first_visible((i + 1) * block_size) < (i + 1) * block_size.
+/// Always true for full attention and for W >= 2; never for W = 1; false for the last block of every chunk of a
+/// chunked-local group whose chunk ends on a block boundary.
+[[nodiscard]] constexpr bool block_can_serve_hit(const AttentionWindow& w, std::size_t i,
+                                                 std::uint32_t block_size) noexcept {
+  if (!w.enabled()) return true;
+  const std::size_t end = (i + 1) * block_size;
+  return static_cast<std::size_t>(w.first_visible(static_cast<std::int64_t>(end))) < end;
+}
+
+/// The prefix-hit fixed point over groups (vLLM's hybrid KVCacheCoordinator): the largest k <= max_blocks such that
+/// every group g has every block of [first_kept_block(windows[g], k * block_size), k) cached; `cached(g, i)` says
+/// whether full block i of the prompt is cached in group g (only called for i < max_blocks). Full groups bound k
+/// from above (their longest cached run from block 0); each windowed group then searches downward for the largest
+/// length whose window blocks are all cached; the minimum is fed back until no group lowers it. The result is the
+/// same as the brute-force maximum (any k valid for all groups stays below every bound). Cost: one `cached` call
+/// per (group, block < max_blocks) plus O(groups x iterations). `run` is scratch (resized to groups x max_blocks:
+/// no allocation once it has grown); the overload without it allocates.
+template <class Cached>
+[[nodiscard]] std::size_t fixed_point_hit_blocks(std::span<const AttentionWindow> windows, std::uint32_t block_size,
+                                                 std::size_t max_blocks, Cached&& cached,
+                                                 std::vector<std::uint32_t>& run_scratch) {
+  if (max_blocks == 0) return 0;
+  std::size_t m = max_blocks;
+  // run(g, i): cached blocks ending at i (inclusive) in group g; full groups only need the run from block 0.
+  run_scratch.resize(windows.size() * max_blocks);
+  const auto run = [&](std::size_t g) { return run_scratch.data() + g * max_blocks; };
+  for (std::size_t g = 0; g < windows.size(); ++g) {
+    if (!windows[g].enabled()) {
+      std::size_t k = 0;
+      while (k < m && cached(g, k)) ++k;
+      m = std::min(m, k);
+    }
+  }
+  for (std::size_t g = 0; g < windows.size(); ++g) {
+    if (!windows[g].enabled()) continue;
+    std::uint32_t* r = run(g);
+    for (std::size_t i = 0; i < m; ++i) r[i] = cached(g, i) ? (i == 0 ? 1U : r[i - 1] + 1U) : 0U;
+  }
+  for (bool changed = true; changed && m > 0;) {
+    changed = false;
+    for (std::size_t g = 0; g < windows.size(); ++g) {
+      if (!windows[g].enabled()) continue;
+      std::size_t k = m;
+      for (; k > 0; --k) {  // valid: every block of [lo, k) cached, i.e. the run ending at k - 1 is long enough
+        const std::size_t lo = first_kept_block(windows[g], k * block_size, block_size);
+        if (lo >= k || run(g)[k - 1] >= k - lo) break;
+      }
+      if (k < m) {
+        m = k;
+        changed = true;
+      }
+    }
+  }
+  return m;
+}
+
+/// fixed_point_hit_blocks with its own scratch (allocates O(groups x max_blocks)).
+template <class Cached>
+[[nodiscard]] std::size_t fixed_point_hit_blocks(std::span<const AttentionWindow> windows, std::uint32_t block_size,
+                                                 std::size_t max_blocks, Cached&& cached) {
+  std::vector<std::uint32_t> run;
+  return fixed_point_hit_blocks(windows, block_size, max_blocks, cached, run);
+}
+
+}  // namespace detail
+
+}  // namespace pagedkv
