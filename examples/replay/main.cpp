@@ -488,7 +488,7 @@ int main(int argc, char** argv) {
   std::string model_layers;
   app.add_option("--model-layers", model_layers,
                  "serve / prefix: a hybrid model's layers as KV-cache groups, e.g. \"full:12,swa4096:24\" (kinds "
-                 "full, swa<W>, chunk<C>): replays HybridKVCacheManager against the same layers all full attention "
+                 "full, swa<W>, chunk<C>): replays the manager with those groups against the same layers all full attention "
                  "on the same pool, one row each (docs/groups.md)");
   app.add_option("--publish-wait-ms", opt.publish_wait_ms,
                  "With --publish-events: wait this long after binding, so subscribers can connect first")
@@ -591,7 +591,7 @@ int main(int argc, char** argv) {
       if (opt.host_capacity_tokens > 0 || opt.eviction != replay::EvictionKind::kLru || opt.spec_tokens != 0 ||
           !opt.publish_events.empty()) {
         throw CLI::ValidationError("--model-layers", "replays an LRU pool without a host tier, speculation or "
-                                                     "published events (HybridKVCacheManager has none of them)");
+                                                     "published events (the hybrid replay's scheduler drives none of them; the manager has them)");
       }
       try {
         num_groups = replay::parse_model_layers(model_layers).groups.size();

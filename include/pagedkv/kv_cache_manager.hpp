@@ -20,7 +20,9 @@
 #include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/block_allocator.hpp>
 #include <pagedkv/block_table.hpp>
+#include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
+#include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/detail/pending_copies.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
@@ -31,6 +33,7 @@
 #include <pagedkv/group_policy.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/host_tier.hpp>
+#include <pagedkv/manager_results.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/request_keys.hpp>
 #include <pagedkv/retention.hpp>
@@ -39,136 +42,6 @@
 #include <pagedkv/transfer_queue.hpp>
 
 namespace pagedkv {
-
-/// When the manager copies cached device blocks to the host tier (TensorRT-LLM's and SGLang HiCache's two modes).
-enum class OffloadPolicy : std::uint8_t {
-  kNone = 0,          ///< Never: the host tier only receives swapped-out sequences.
-  kWriteBack = 1,     ///< When a cached block is evicted from the device pool (one copy per eviction).
-  kWriteThrough = 2,  ///< As soon as a block is registered (its copy is issued by the next build), and at eviction
-                      ///< if it is not on the host yet.
-};
-
-/// How `preempt` frees a running sequence's device blocks (vLLM SOSP'23 sec. 4.5).
-enum class PreemptMode : std::uint8_t {
-  kRecompute = 0,  ///< Drop them (full blocks stay cached); the engine re-admits the request and recomputes.
-  kSwap = 1,       ///< Copy them to the host tier; `try_resume` copies them back. Needs a host tier.
-};
-
-/// Configuration of one KV pool and the KV-cache groups that share it (HybridCacheConfig is this type).
-///
-/// Memory model with several groups (vLLM's hybrid allocator): one block id per (group, logical block) of a
-/// sequence; a block holds `block_size` tokens of K and V for one page per layer slot: `page_size_bytes` per layer
-/// and max_g(num_layers) layer slots, so every block has the same size (`KVCacheManager::bytes_per_block()`).
-struct CacheConfig {
-  std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0: [2, 2^31].
-  std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block: [1, kMaxBlockSize]. Kernels must see the
-                                                  ///< same value: make their pool view with make_kv_pool_view.
-  bool enable_prefix_caching = true;              ///< Hash full blocks and reuse them across requests.
-  std::uint64_t hash_seed = 0;                    ///< Per-pool chain seed (the root of every block-hash chain).
-  std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length), <= 2^31 - 1; 0 = the
-                                                  ///< int32 limit of `seq_lens` (kMaxMetadataValue).
-  bool enable_events = false;                     ///< Record KVEvents for drain_events().
-  std::size_t num_host_blocks = 0;                ///< Host tier size in blocks, including its null block 0:
-                                                  ///< 0 = no host tier, else [2, 2^31].
-  OffloadPolicy offload = OffloadPolicy::kWriteBack;  ///< With a host tier: when cached blocks are copied there.
-  /// Write-back offloads only evicted blocks whose retention priority is at least this (TensorRT-LLM's secondary
-  /// offload minimum priority); 0 = every evicted block. Needs a RetentionEvictionPolicy to matter (every block
-  /// has kDefaultRetentionPriority under the others).
-  std::uint8_t min_offload_priority = 0;
-  /// KV-cache groups sharing the pool, [0, kMaxGroups]; group g is index g in every API. Empty = one
-  /// full-attention group (a plain pool).
-  std::vector<KVCacheGroupSpec> groups;
-  std::size_t page_size_bytes = 0;  ///< Bytes of one layer's K+V page of block_size tokens (0: no byte accounting).
-};
-
-/// Outcome of an admission. Only kAdmitted changes state.
-enum class AdmitStatus : std::uint8_t {
-  kAdmitted = 0,    ///< The sequence is live; its uncached prompt tokens have slots.
-  kNoCapacity = 1,  ///< Not enough free + evictable blocks now; retry after others finish (or preempt).
-  kNeverFits = 2,   ///< The prompt needs more blocks than the whole pool has: it can never be admitted.
-  kTransferPending = 3,  ///< try_resume: a host copy the sequence needs has not completed yet; retry after
-                         ///< complete_transfers.
-};
-
-/// Result of `try_admit` and `try_resume`.
-struct AdmitResult {
-  AdmitStatus status = AdmitStatus::kNoCapacity;
-  std::size_t num_cached_tokens = 0;   ///< Prompt tokens found in the prefix cache (a multiple of block_size),
-                                       ///< in either tier. try_resume: the resumed sequence's tokens.
-  std::size_t num_host_cached_tokens = 0;  ///< Of which served by the host tier (onboarded by this build's swap_in);
-                                           ///< always <= num_cached_tokens (a partial block counts its tokens).
-  std::size_t num_new_blocks = 0;      ///< Blocks taken from the pool (allocated, possibly by eviction).
-  std::size_t num_missing_blocks = 0;  ///< kNoCapacity: blocks that would have to become available now;
-                                       ///< kNeverFits: blocks beyond the whole pool. 0 when admitted.
-  [[nodiscard]] bool admitted() const noexcept { return status == AdmitStatus::kAdmitted; }
-};
-
-/// Options of one admission.
-struct AdmitOptions {
-  /// Most prompt tokens taken from the prefix cache; default prompt_len - 1, so at least one token is computed
-  /// (its logits sample the first output token). Any value is clamped to the prompt length.
-  std::optional<std::size_t> max_cached_tokens = std::nullopt;
-  /// Chunked admission: reserve slots (and blocks) only for the first `num_reserved_tokens` uncached prompt tokens
-  /// now; the rest get them chunk by chunk through `try_reserve`, each all or nothing (then kNoCapacity is a
-  /// preemption signal, as in vLLM's allocate_slots). Default: the whole prompt (vLLM's full-prompt-must-fit
-  /// gate, so a running prefill is never preempted for lack of blocks). Clamped to the uncached tokens. 0 admits the
-  /// sequence with its cached prefix only: it has no slots, and a build refuses it (kInvalidArgument) until
-  /// `try_reserve` gives it some.
-  std::optional<std::size_t> num_reserved_tokens = std::nullopt;
-  /// Retention priorities of the request's blocks (TensorRT-LLM's KvCacheRetentionConfig; see RetentionConfig):
-  /// applied when the sequence releases its blocks (free, preempt, rewind) under a RetentionEvictionPolicy such as
-  /// PriorityLruEviction, ignored under others. Shared, not copied: forks inherit it. Null = default priority.
-  std::shared_ptr<const RetentionConfig> retention = nullptr;
-};
-
-/// A prompt validated and hashed once by `KVCacheManager::prepare_prompt` (its token ids, extra keys and the hashes
-/// of its full blocks, `[prompt_len / block_size]`), for admissions an engine retries step after step while the
-/// pool is full: `try_admit(seq, prepared)` walks the cache without hashing again. Tied to the hasher, seed and
-/// block size of the manager that prepared it (checked through the chain root).
-struct PreparedPrompt {
-  std::vector<TokenId> tokens;
-  std::shared_ptr<const RequestKeys> keys;  ///< null = no extra keys
-  std::vector<BlockHash> hashes;
-  BlockHash root;                           ///< The chain root it was hashed under.
-};
-
-/// Outcome of a capacity query (`query_admit`, `query_append`): what the call would answer now.
-enum class CapacityStatus : std::uint8_t {
-  kFits = 0,        ///< It would succeed now.
-  kNoCapacity = 1,  ///< Not now: `num_missing_blocks` more blocks must become free or evictable.
-  kNeverFits = 2,   ///< Never, whatever is preempted: `num_missing_blocks` beyond the whole pool.
-};
-
-/// What an admission or a growth (append, reserve, lookahead) would take from the pool now. Pure: computing it
-/// changes nothing.
-struct CapacityQuery {
-  CapacityStatus status = CapacityStatus::kFits;
-  std::size_t num_blocks = 0;          ///< Blocks it would take from the pool (new blocks + a copy-on-write).
-  std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: how many are missing; 0 when it fits.
-  std::size_t num_cached_tokens = 0;   ///< Admission: prompt tokens the prefix cache would serve.
-  [[nodiscard]] bool fits() const noexcept { return status == CapacityStatus::kFits; }
-};
-
-/// Outcome of an append.
-enum class AppendStatus : std::uint8_t {
-  kOk = 0,
-  kNoCapacity = 1,  ///< Not enough blocks now; nothing changed. The engine preempts a sequence and retries.
-  kNeverFits = 2,   ///< The sequence would hold more blocks than the whole pool: preempting others cannot help.
-};
-
-/// Result of `try_append`. `slots` views the slots reserved by this call (`[n]`, position order); the view is
-/// invalidated by the next non-const call on the manager. The slot mapping a build writes may differ for some of
-/// them: a later copy-on-write moves them into the copy, and deduplication turns them into -1 (see
-/// build_batch_metadata); the build's slot mapping is the authority.
-template <BlockIdType Id>
-struct AppendResult {
-  AppendStatus status = AppendStatus::kNoCapacity;
-  std::span<const std::int64_t> slots;
-  std::optional<BlockCopy<Id>> copy;   ///< The copy-on-write this append needs, if any.
-  std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: as in AdmitResult.
-  std::size_t num_new_blocks = 0;      ///< kOk: blocks taken from the pool over all groups (new + copies).
-  [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
-};
 
 /// The KV-cache manager an inference engine's scheduler calls: one per KV pool, shared by the KV-cache groups of
 /// `CacheConfig::groups` (one full-attention group when empty: every layer shares the block ids).
@@ -367,18 +240,7 @@ class KVCacheManager {
     // Hash the blocks the new tokens fill (may throw for very large blocks, which encode on the heap): undone on
     // failure, before the table changes.
     detail::reserve_more(q.tokens, n);
-    const std::size_t old_known = q.num_known();
-    const std::size_t old_hashes = q.hashes.size();
-    q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
-    if (config_.enable_prefix_caching) {
-      try {
-        index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
-      } catch (...) {
-        q.tokens.resize(old_known);
-        q.hashes.resize(old_hashes);
-        throw;
-      }
-    }
+    append_known_tokens(q, tokens);
     return commit_growth(q, n, cq.num_blocks);
   }
 
@@ -446,16 +308,7 @@ class KVCacheManager {
     events_.reserve_more(max_reg * num_groups_);
     switched_scratch_.clear();
     switched_scratch_.reserve(max_reg);
-    q.tokens.insert(q.tokens.end(), accepted.begin(), accepted.end());
-    if (config_.enable_prefix_caching) {
-      try {
-        index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
-      } catch (...) {
-        q.tokens.resize(old_known);
-        q.hashes.resize(old_hashes);
-        throw;
-      }
-    }
+    append_known_tokens(q, accepted);
     // Nothing below throws.
     const std::size_t rejected = q.num_lookahead - a;
     q.num_lookahead = 0;
@@ -1209,38 +1062,12 @@ class KVCacheManager {
       for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
         group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
       }
-      const auto grp = [&] { return G > 1 ? "group " + std::to_string(g) + ": " : std::string(); };
-      const auto need = [&](std::size_t have, std::size_t want, const char* name) {
-        if (have != 0 && have < want) {
-          fail(Errc::kBadShape, grp() + name + " holds " + std::to_string(have) + " entries, needs " +
-                                    std::to_string(want));
-        }
-      };
-      need(buf.indptr.size(), B + 1, "indptr");
-      need(buf.indices.size(), num_indices, "indices");
-      need(buf.last_page_len.size(), B, "last_page_len");
-      need(buf.seq_lens.size(), B, "seq_lens");
-      need(buf.qo_indptr.size(), B + 1, "qo_indptr");
-      need(buf.slot_mapping.size(), num_new_tokens, "slot_mapping");
-      need(buf.copies.size(), 2 * group_copies, "copies");
-      if (!buf.block_tables.empty()) {
-        if (buf.max_blocks_per_seq <= 0) fail(Errc::kBadShape, grp() + "block_tables set but max_blocks_per_seq <= 0");
-        need(buf.block_tables.size(), B * static_cast<std::size_t>(buf.max_blocks_per_seq), "block_tables");
-      }
-      if (num_indices > 0 && buf.indices.empty() && !buf.indptr.empty()) {
-        fail(Errc::kBadShape, grp() + "indptr is set but indices is empty");
-      }
-      if (num_new_tokens > 0 && buf.slot_mapping.empty()) {
-        fail(Errc::kBadShape, grp() + "slot_mapping is empty but the batch has " + std::to_string(num_new_tokens) +
-                                  " new tokens: their writes would never be issued");
-      }
-      if (group_copies > 0 && buf.copies.empty()) {
-        fail(Errc::kBadShape, grp() + "copies is empty but " + std::to_string(group_copies) +
-                                  " copy-on-write copies belong to this build: they would be lost");
+      if (const auto bad = detail::buffer_shape_error(buf, B, num_indices, num_new_tokens, group_copies,
+                                                      g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
+        fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + *bad);
       }
     }
     const BatchMetadataBuffers& buf0 = per_group[0];
-    need_swaps(buf0, max_out, num_in, fail);
     try {
       events_.reserve_more(max_registrations + write_through_blocks);
       copy_scratch_.clear();
@@ -1282,50 +1109,19 @@ class KVCacheManager {
         std::size_t& tok = sizes_out[g].num_new_tokens;
         switched_scratch_.clear();
         register_full_blocks(q, g);
-        const auto blocks = q.table_of(g).blocks().first(nblocks);
-        if (!buf.indptr.empty()) {
-          buf.indptr[b] = static_cast<std::int32_t>(blk);
-          std::copy(blocks.begin(), blocks.end(), buf.indices.begin() + static_cast<std::ptrdiff_t>(blk));
-        }
-        blk += nblocks;
-        if (!buf.last_page_len.empty()) {
-          buf.last_page_len[b] = static_cast<std::int32_t>(seq_len == 0 ? 0 : seq_len - (nblocks - 1) * bs);
-        }
-        if (!buf.block_tables.empty()) {
-          auto row = buf.block_tables.subspan(b * static_cast<std::size_t>(buf.max_blocks_per_seq),
-                                              static_cast<std::size_t>(buf.max_blocks_per_seq));
-          std::copy(blocks.begin(), blocks.end(), row.begin());
-          std::fill(row.begin() + static_cast<std::ptrdiff_t>(nblocks), row.end(), std::int32_t{0});
-        }
-        if (!buf.seq_lens.empty()) buf.seq_lens[b] = static_cast<std::int32_t>(seq_len);
-        if (!buf.qo_indptr.empty()) buf.qo_indptr[b] = static_cast<std::int32_t>(tok);
+        detail::write_page_table_row(buf, b, q.table_of(g).blocks().first(nblocks), seq_len, bs, blk, tok);
         if (!buf.slot_mapping.empty()) write_slots(q, g, first, q_len, buf.slot_mapping.subspan(tok, q_len));
         tok += q_len;
       }
     }
-    const auto pad_from = [](auto span, std::size_t from, auto value) {
-      if (!span.empty()) std::fill(span.begin() + static_cast<std::ptrdiff_t>(from), span.end(), value);
-    };
     // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
     // release the references they held on their sources. The rest stay pending for their own batch's build.
     detail::take_selected_copies(pending_copies_, copy_owners_, take_scratch_, copy_scratch_);
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       BatchMetadataSizes& sz = sizes_out[g];
-      pad_from(buf.indptr, B, static_cast<std::int32_t>(sz.num_indices));
-      pad_from(buf.qo_indptr, B, static_cast<std::int32_t>(sz.num_new_tokens));
-      pad_from(buf.last_page_len, B, std::int32_t{0});
-      pad_from(buf.seq_lens, B, std::int32_t{0});
-      pad_from(buf.slot_mapping, sz.num_new_tokens, std::int64_t{-1});
-      std::size_t c = 0;
-      for (const copy_type& cp : copy_scratch_) {
-        if (cp.group != g) continue;
-        buf.copies[2 * c] = static_cast<std::int32_t>(cp.src);
-        buf.copies[2 * c + 1] = static_cast<std::int32_t>(cp.dst);
-        ++c;
-      }
-      pad_from(buf.copies, 2 * c, std::int32_t{-1});
-      sz.num_copies = c;
+      detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
+      sz.num_copies = detail::write_copies(buf, std::span<const copy_type>(copy_scratch_), static_cast<std::uint32_t>(g));
     }
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
@@ -1349,34 +1145,13 @@ class KVCacheManager {
       sizes_out[0].num_swap_out = o;
       sizes_out[0].num_swap_in = i;
     }
-    pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, std::int32_t{-1});
-    pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, std::int32_t{-1});
+    detail::pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, -1);
+    detail::pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, -1);
     // The release rule: this step's kernels read these blocks; later steps may reuse them.
     if (!simple_) {
       for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
     }
     note_peak();
-  }
-
-  // The swap buffers of a build's group 0: room for `max_out` device -> host and `num_in` host -> device pairs.
-  template <class Fail>
-  static void need_swaps(const BatchMetadataBuffers& buf, std::size_t max_out, std::size_t num_in, Fail&& fail) {
-    if (buf.swap_out.size() != 0 && buf.swap_out.size() < 2 * max_out) {
-      fail(Errc::kBadShape, "swap_out holds " + std::to_string(buf.swap_out.size()) + " entries, needs " +
-                                std::to_string(2 * max_out));
-    }
-    if (buf.swap_in.size() != 0 && buf.swap_in.size() < 2 * num_in) {
-      fail(Errc::kBadShape, "swap_in holds " + std::to_string(buf.swap_in.size()) + " entries, needs " +
-                                std::to_string(2 * num_in));
-    }
-    if (max_out > 0 && buf.swap_out.empty()) {
-      fail(Errc::kBadShape, "swap_out is empty but " + std::to_string(max_out) +
-                                " device -> host copies are queued: they would be lost");
-    }
-    if (num_in > 0 && buf.swap_in.empty()) {
-      fail(Errc::kBadShape, "swap_in is empty but " + std::to_string(num_in) +
-                                " host -> device copies are queued: they would be lost");
-    }
   }
 
   // The allocator as group g's BlockTable sees it: allocations are tagged with the group; the null block 0 (a
@@ -1720,6 +1495,22 @@ class KVCacheManager {
     return {AdmitStatus::kAdmitted, k * bs, plan.host_hit_blocks * bs, plan.query.num_blocks, 0};
   }
 
+  // Add `tokens` to q's known token ids and hash the full blocks they complete (room reserved by the caller). Hashing
+  // may throw for very large blocks (they encode on the heap): then q is as before.
+  void append_known_tokens(sequence_type& q, std::span<const TokenId> tokens) {
+    const std::size_t old_known = q.num_known();
+    const std::size_t old_hashes = q.hashes.size();
+    q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
+    if (!config_.enable_prefix_caching) return;
+    try {
+      index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
+    } catch (...) {
+      q.tokens.resize(old_known);
+      q.hashes.resize(old_hashes);
+      throw;
+    }
+  }
+
   // Misuse checks shared by the calls that add positions after the last token (append, lookahead).
   void check_growable(const sequence_type& q, SeqId seq, std::size_t n, const char* what) const {
     if (q.num_unslotted() != 0) {
@@ -1830,62 +1621,7 @@ class KVCacheManager {
     }
   }
 
-  static CacheConfig checked(const CacheConfig& c) {
-    if (c.num_blocks < 2) {
-      detail::raise(Errc::kInvalidArgument, "CacheConfig.num_blocks = " + std::to_string(c.num_blocks) +
-                                                ": need at least 2 (the null block + one usable)");
-    }
-    if (c.block_size == 0 || c.block_size > kMaxBlockSize) {
-      detail::raise(Errc::kInvalidArgument, "CacheConfig.block_size = " + std::to_string(c.block_size) +
-                                                ": must be in [1, kMaxBlockSize = " + std::to_string(kMaxBlockSize) +
-                                                "] tokens");
-    }
-    // Block ids 1 .. num_blocks - 1 are written as int32 (indices, block_tables, copies with -1 padding).
-    detail::check_metadata_value(c.num_blocks - 1, "CacheConfig.num_blocks - 1 (the largest block id)");
-    detail::check_metadata_value(c.max_tokens_per_seq, "CacheConfig.max_tokens_per_seq (seq_lens)");
-    if (c.num_host_blocks == 1) {
-      detail::raise(Errc::kInvalidArgument, "CacheConfig.num_host_blocks = 1: need 0 (no host tier) or at least 2 "
-                                            "(the null block + one usable)");
-    }
-    if (c.num_host_blocks != 0) {
-      detail::check_metadata_value(c.num_host_blocks - 1, "CacheConfig.num_host_blocks - 1 (the largest host block id)");
-    }
-    if (c.groups.size() > kMaxGroups) {
-      detail::raise(Errc::kInvalidArgument, "CacheConfig.groups has " + std::to_string(c.groups.size()) +
-                                                " groups: need 0 (one full-attention group) to " +
-                                                std::to_string(kMaxGroups));
-    }
-    std::size_t layers = 1;
-    for (std::size_t g = 0; g < c.groups.size(); ++g) {
-      const KVCacheGroupSpec& s = c.groups[g];
-      const std::string who = "CacheConfig.groups[" + std::to_string(g) + "] (" + to_string(s.kind) + ")";
-      if (s.kind != AttentionKind::kFull && s.kind != AttentionKind::kSlidingWindow &&
-          s.kind != AttentionKind::kChunkedLocal) {
-        detail::raise(Errc::kInvalidArgument, who + ": unknown attention kind " +
-                                                  std::to_string(static_cast<int>(s.kind)));
-      }
-      if (s.kind == AttentionKind::kFull && s.window_tokens != 0) {
-        detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
-                                                  ": a full-attention group has no window (0)");
-      }
-      if (s.kind != AttentionKind::kFull &&
-          (s.window_tokens == 0 ||
-           s.window_tokens > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max()))) {
-        detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
-                                                  ": must be in [1, 2^31 - 1]");
-      }
-      if (s.num_layers == 0) detail::raise(Errc::kInvalidArgument, who + ".num_layers = 0: must be positive");
-      layers = std::max<std::size_t>(layers, s.num_layers);
-    }
-    if (c.page_size_bytes != 0 && (layers > std::numeric_limits<std::size_t>::max() / c.page_size_bytes ||
-                                   c.num_blocks > std::numeric_limits<std::size_t>::max() /
-                                                      (layers * c.page_size_bytes))) {
-      detail::raise(Errc::kInvalidArgument, "CacheConfig.page_size_bytes = " + std::to_string(c.page_size_bytes) +
-                                                " x " + std::to_string(layers) + " layers x " +
-                                                std::to_string(c.num_blocks) + " blocks overflows size_t");
-    }
-    return c;
-  }
+  static CacheConfig checked(const CacheConfig& c) { return detail::checked_cache_config(c, kMaxGroups); }
 
   void check_group(std::size_t g, const char* what) const {
     if (g >= num_groups_) {

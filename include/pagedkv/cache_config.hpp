@@ -1,0 +1,125 @@
+// pagedkv/cache_config.hpp: the configuration of a KV-cache manager's pool, its KV-cache groups and its host tier,
+// and its validation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <pagedkv/batch_metadata.hpp>  // detail::check_metadata_value
+#include <pagedkv/config.hpp>
+#include <pagedkv/error.hpp>
+#include <pagedkv/group_policy.hpp>
+
+namespace pagedkv {
+
+/// When the manager copies cached device blocks to the host tier (TensorRT-LLM's and SGLang HiCache's two modes).
+enum class OffloadPolicy : std::uint8_t {
+  kNone = 0,          ///< Never: the host tier only receives swapped-out sequences.
+  kWriteBack = 1,     ///< When a cached block is evicted from the device pool (one copy per eviction).
+  kWriteThrough = 2,  ///< As soon as a block is registered (its copy is issued by the next build), and at eviction
+                      ///< if it is not on the host yet.
+};
+
+/// How `preempt` frees a running sequence's device blocks (vLLM SOSP'23 sec. 4.5).
+enum class PreemptMode : std::uint8_t {
+  kRecompute = 0,  ///< Drop them (full blocks stay cached); the engine re-admits the request and recomputes.
+  kSwap = 1,       ///< Copy them to the host tier; `try_resume` copies them back. Needs a host tier.
+};
+
+/// Configuration of one KV pool and the KV-cache groups that share it (HybridCacheConfig is this type).
+///
+/// Memory model with several groups (vLLM's hybrid allocator): one block id per (group, logical block) of a
+/// sequence; a block holds `block_size` tokens of K and V for one page per layer slot: `page_size_bytes` per layer
+/// and max_g(num_layers) layer slots, so every block has the same size (`KVCacheManager::bytes_per_block()`).
+struct CacheConfig {
+  std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0: [2, 2^31].
+  std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block: [1, kMaxBlockSize]. Kernels must see the
+                                                  ///< same value: make their pool view with make_kv_pool_view.
+  bool enable_prefix_caching = true;              ///< Hash full blocks and reuse them across requests.
+  std::uint64_t hash_seed = 0;                    ///< Per-pool chain seed (the root of every block-hash chain).
+  std::size_t max_tokens_per_seq = 0;             ///< Per-sequence limit (max model length), <= 2^31 - 1; 0 = the
+                                                  ///< int32 limit of `seq_lens` (kMaxMetadataValue).
+  bool enable_events = false;                     ///< Record KVEvents for drain_events().
+  std::size_t num_host_blocks = 0;                ///< Host tier size in blocks, including its null block 0:
+                                                  ///< 0 = no host tier, else [2, 2^31].
+  OffloadPolicy offload = OffloadPolicy::kWriteBack;  ///< With a host tier: when cached blocks are copied there.
+  /// Write-back offloads only evicted blocks whose retention priority is at least this (TensorRT-LLM's secondary
+  /// offload minimum priority); 0 = every evicted block. Needs a RetentionEvictionPolicy to matter (every block
+  /// has kDefaultRetentionPriority under the others).
+  std::uint8_t min_offload_priority = 0;
+  /// KV-cache groups sharing the pool, [0, kMaxGroups]; group g is index g in every API. Empty = one
+  /// full-attention group (a plain pool).
+  std::vector<KVCacheGroupSpec> groups;
+  std::size_t page_size_bytes = 0;  ///< Bytes of one layer's K+V page of block_size tokens (0: no byte accounting).
+};
+
+namespace detail {
+
+/// `c` if it is a valid configuration with at most `max_groups` groups, else throws kInvalidArgument (num_blocks < 2,
+/// a block_size outside [1, kMaxBlockSize], num_host_blocks = 1, too many groups, a full group with window_tokens
+/// != 0, a windowed group with window_tokens 0 or > 2^31 - 1, num_layers 0, pool bytes overflowing size_t) or
+/// kLimitExceeded (num_blocks > 2^31, max_tokens_per_seq > 2^31 - 1, num_host_blocks > 2^31: the int32 batch
+/// metadata), each naming the field and value.
+[[nodiscard]] inline CacheConfig checked_cache_config(const CacheConfig& c, std::size_t max_groups) {
+  if (c.num_blocks < 2) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.num_blocks = " + std::to_string(c.num_blocks) +
+                                              ": need at least 2 (the null block + one usable)");
+  }
+  if (c.block_size == 0 || c.block_size > kMaxBlockSize) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.block_size = " + std::to_string(c.block_size) +
+                                              ": must be in [1, kMaxBlockSize = " + std::to_string(kMaxBlockSize) +
+                                              "] tokens");
+  }
+  // Block ids 1 .. num_blocks - 1 are written as int32 (indices, block_tables, copies with -1 padding).
+  detail::check_metadata_value(c.num_blocks - 1, "CacheConfig.num_blocks - 1 (the largest block id)");
+  detail::check_metadata_value(c.max_tokens_per_seq, "CacheConfig.max_tokens_per_seq (seq_lens)");
+  if (c.num_host_blocks == 1) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.num_host_blocks = 1: need 0 (no host tier) or at least 2 "
+                                          "(the null block + one usable)");
+  }
+  if (c.num_host_blocks != 0) {
+    detail::check_metadata_value(c.num_host_blocks - 1, "CacheConfig.num_host_blocks - 1 (the largest host block id)");
+  }
+  if (c.groups.size() > max_groups) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.groups has " + std::to_string(c.groups.size()) +
+                                              " groups: need 0 (one full-attention group) to " +
+                                              std::to_string(max_groups));
+  }
+  std::size_t layers = 1;
+  for (std::size_t g = 0; g < c.groups.size(); ++g) {
+    const KVCacheGroupSpec& s = c.groups[g];
+    const std::string who = "CacheConfig.groups[" + std::to_string(g) + "] (" + to_string(s.kind) + ")";
+    if (s.kind != AttentionKind::kFull && s.kind != AttentionKind::kSlidingWindow &&
+        s.kind != AttentionKind::kChunkedLocal) {
+      detail::raise(Errc::kInvalidArgument, who + ": unknown attention kind " +
+                                                std::to_string(static_cast<int>(s.kind)));
+    }
+    if (s.kind == AttentionKind::kFull && s.window_tokens != 0) {
+      detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
+                                                ": a full-attention group has no window (0)");
+    }
+    if (s.kind != AttentionKind::kFull &&
+        (s.window_tokens == 0 ||
+         s.window_tokens > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max()))) {
+      detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
+                                                ": must be in [1, 2^31 - 1]");
+    }
+    if (s.num_layers == 0) detail::raise(Errc::kInvalidArgument, who + ".num_layers = 0: must be positive");
+    layers = std::max<std::size_t>(layers, s.num_layers);
+  }
+  if (c.page_size_bytes != 0 && (layers > std::numeric_limits<std::size_t>::max() / c.page_size_bytes ||
+                                 c.num_blocks > std::numeric_limits<std::size_t>::max() /
+                                                    (layers * c.page_size_bytes))) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.page_size_bytes = " + std::to_string(c.page_size_bytes) +
+                                              " x " + std::to_string(layers) + " layers x " +
+                                              std::to_string(c.num_blocks) + " blocks overflows size_t");
+  }
+  return c;
+}
+
+}  // namespace detail
+
+}  // namespace pagedkv

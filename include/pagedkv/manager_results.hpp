@@ -1,0 +1,109 @@
+// pagedkv/manager_results.hpp: what the cache manager's admission, growth and capacity calls take as options and
+// return (results for expected outcomes: no capacity, never fits, transfer pending).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include <pagedkv/block_table.hpp>  // BlockCopy
+#include <pagedkv/config.hpp>
+#include <pagedkv/hash.hpp>
+#include <pagedkv/request_keys.hpp>
+#include <pagedkv/retention.hpp>
+
+namespace pagedkv {
+
+/// Outcome of an admission. Only kAdmitted changes state.
+enum class AdmitStatus : std::uint8_t {
+  kAdmitted = 0,    ///< The sequence is live; its uncached prompt tokens have slots.
+  kNoCapacity = 1,  ///< Not enough free + evictable blocks now; retry after others finish (or preempt).
+  kNeverFits = 2,   ///< The prompt needs more blocks than the whole pool has: it can never be admitted.
+  kTransferPending = 3,  ///< try_resume: a host copy the sequence needs has not completed yet; retry after
+                         ///< complete_transfers.
+};
+
+/// Result of `try_admit` and `try_resume`.
+struct AdmitResult {
+  AdmitStatus status = AdmitStatus::kNoCapacity;
+  std::size_t num_cached_tokens = 0;   ///< Prompt tokens found in the prefix cache (a multiple of block_size),
+                                       ///< in either tier. try_resume: the resumed sequence's tokens.
+  std::size_t num_host_cached_tokens = 0;  ///< Of which served by the host tier (onboarded by this build's swap_in);
+                                           ///< always <= num_cached_tokens (a partial block counts its tokens).
+  std::size_t num_new_blocks = 0;      ///< Blocks taken from the pool (allocated, possibly by eviction).
+  std::size_t num_missing_blocks = 0;  ///< kNoCapacity: blocks that would have to become available now;
+                                       ///< kNeverFits: blocks beyond the whole pool. 0 when admitted.
+  [[nodiscard]] bool admitted() const noexcept { return status == AdmitStatus::kAdmitted; }
+};
+
+/// Options of one admission.
+struct AdmitOptions {
+  /// Most prompt tokens taken from the prefix cache; default prompt_len - 1, so at least one token is computed
+  /// (its logits sample the first output token). Any value is clamped to the prompt length.
+  std::optional<std::size_t> max_cached_tokens = std::nullopt;
+  /// Chunked admission: reserve slots (and blocks) only for the first `num_reserved_tokens` uncached prompt tokens
+  /// now; the rest get them chunk by chunk through `try_reserve`, each all or nothing (then kNoCapacity is a
+  /// preemption signal, as in vLLM's allocate_slots). Default: the whole prompt (vLLM's full-prompt-must-fit
+  /// gate, so a running prefill is never preempted for lack of blocks). Clamped to the uncached tokens. 0 admits the
+  /// sequence with its cached prefix only: it has no slots, and a build refuses it (kInvalidArgument) until
+  /// `try_reserve` gives it some.
+  std::optional<std::size_t> num_reserved_tokens = std::nullopt;
+  /// Retention priorities of the request's blocks (TensorRT-LLM's KvCacheRetentionConfig; see RetentionConfig):
+  /// applied when the sequence releases its blocks (free, preempt, rewind) under a RetentionEvictionPolicy such as
+  /// PriorityLruEviction, ignored under others. Shared, not copied: forks inherit it. Null = default priority.
+  std::shared_ptr<const RetentionConfig> retention = nullptr;
+};
+
+/// A prompt validated and hashed once by `KVCacheManager::prepare_prompt` (its token ids, extra keys and the hashes
+/// of its full blocks, `[prompt_len / block_size]`), for admissions an engine retries step after step while the
+/// pool is full: `try_admit(seq, prepared)` walks the cache without hashing again. Tied to the hasher, seed and
+/// block size of the manager that prepared it (checked through the chain root).
+struct PreparedPrompt {
+  std::vector<TokenId> tokens;
+  std::shared_ptr<const RequestKeys> keys;  ///< null = no extra keys
+  std::vector<BlockHash> hashes;
+  BlockHash root;                           ///< The chain root it was hashed under.
+};
+
+/// Outcome of a capacity query (`query_admit`, `query_append`): what the call would answer now.
+enum class CapacityStatus : std::uint8_t {
+  kFits = 0,        ///< It would succeed now.
+  kNoCapacity = 1,  ///< Not now: `num_missing_blocks` more blocks must become free or evictable.
+  kNeverFits = 2,   ///< Never, whatever is preempted: `num_missing_blocks` beyond the whole pool.
+};
+
+/// What an admission or a growth (append, reserve, lookahead) would take from the pool now. Pure: computing it
+/// changes nothing.
+struct CapacityQuery {
+  CapacityStatus status = CapacityStatus::kFits;
+  std::size_t num_blocks = 0;          ///< Blocks it would take from the pool (new blocks + a copy-on-write).
+  std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: how many are missing; 0 when it fits.
+  std::size_t num_cached_tokens = 0;   ///< Admission: prompt tokens the prefix cache would serve.
+  [[nodiscard]] bool fits() const noexcept { return status == CapacityStatus::kFits; }
+};
+
+/// Outcome of an append.
+enum class AppendStatus : std::uint8_t {
+  kOk = 0,
+  kNoCapacity = 1,  ///< Not enough blocks now; nothing changed. The engine preempts a sequence and retries.
+  kNeverFits = 2,   ///< The sequence would hold more blocks than the whole pool: preempting others cannot help.
+};
+
+/// Result of `try_append`. `slots` views the slots reserved by this call (`[n]`, position order); the view is
+/// invalidated by the next non-const call on the manager. The slot mapping a build writes may differ for some of
+/// them: a later copy-on-write moves them into the copy, and deduplication turns them into -1 (see
+/// build_batch_metadata); the build's slot mapping is the authority.
+template <BlockIdType Id>
+struct AppendResult {
+  AppendStatus status = AppendStatus::kNoCapacity;
+  std::span<const std::int64_t> slots;
+  std::optional<BlockCopy<Id>> copy;   ///< The copy-on-write this append needs, if any.
+  std::size_t num_missing_blocks = 0;  ///< kNoCapacity / kNeverFits: as in AdmitResult.
+  std::size_t num_new_blocks = 0;      ///< kOk: blocks taken from the pool over all groups (new + copies).
+  [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
+};
+
+}  // namespace pagedkv
