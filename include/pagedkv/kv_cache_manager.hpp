@@ -192,7 +192,8 @@ class KVCacheManager {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
     validate_prompt(prompt, keys, "try_admit", &seq);
-    return admit_prompt(seq, prompt, keys, nullptr, opts, {}, false);
+    hash_scratch_.clear();
+    return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false);
   }
 
   /// `try_admit` of a prompt hashed beforehand by `prepare_prompt`: no hashing, only the walk of the cache and the
@@ -204,7 +205,9 @@ class KVCacheManager {
       detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
     }
     check_prepared(prompt, "try_admit");
-    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts, prompt.hashes, true);
+    // Read only (hashes_ready): a retried admission copies nothing until it commits.
+    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts,
+                        const_cast<std::vector<BlockHash>&>(prompt.hashes), true);
   }
 
   /// Validate `prompt` (with `keys`) and hash its full blocks once, for `try_admit` / `query_admit` retries. Pure;
@@ -1265,8 +1268,8 @@ class KVCacheManager {
     if (keys != nullptr && !keys->multimodal.empty()) validate_request_keys(keys, prompt.size(), who().c_str());
   }
 
-  // Plan an admission of a validated prompt: the prompt's block hashes into `hashes` (unless `hashes_ready`: a
-  // PreparedPrompt), the hit blocks into `sc.hits` / `sc.on_host`, what it would take. Pure. One full-attention
+  // Plan an admission of a validated prompt: the prompt's block hashes appended to `hashes` (unless `hashes_ready`:
+  // a PreparedPrompt's, then `hashes` is only read), the hit blocks into `sc.hits` / `sc.on_host`, what it would take. Pure. One full-attention
   // group: the walk is pipelined (the home group of block i's hash is prefetched while block i + 1 is hashed, or,
   // with ready hashes, while block i - 1 is looked up) and a block missing from the device index is looked up in
   // the host tier (ready blocks only). Otherwise: the fixed point over groups (plan_groups).
@@ -1413,10 +1416,11 @@ class KVCacheManager {
     return p;
   }
 
-  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, else none yet).
+  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
+  // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
-                           std::vector<BlockHash> hashes, bool hashes_ready) {
+                           std::vector<BlockHash>& hashes, bool hashes_ready) {
     if (opts.retention) validate_retention(*opts.retention, "try_admit");
     const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, plan_scratch_);
     if (!plan.query.fits()) {
@@ -1433,6 +1437,7 @@ class KVCacheManager {
     if (!shared_keys && keys != nullptr && !keys->empty()) shared_keys = std::make_shared<const RequestKeys>(*keys);
     sequence_type s(config_.block_size, G);
     s.tokens.assign(prompt.begin(), prompt.end());
+    s.hashes.assign(hashes.begin(), hashes.end());
     s.keys = std::move(shared_keys);
     s.retention = opts.retention;
     s.num_prompt_tokens = prompt.size();
@@ -1470,7 +1475,6 @@ class KVCacheManager {
       if (!simple_) q.released_of(g) = detail::first_kept_block(windows_[g], k * bs, config_.block_size);
       q.registered_of(g) = k;  // device hits are registered; onboarded blocks are registered when filled
     }
-    q.hashes = std::move(hashes);
     q.num_built = k * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
     for (std::size_t g = 0; g < G; ++g) {
       std::optional<copy_type> no_copy;
@@ -1927,6 +1931,7 @@ class KVCacheManager {
   std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
   std::vector<copy_type> copy_scratch_;
   std::vector<std::uint8_t> take_scratch_;            // build: [pending_copies_] 1 = handed out by this build
+  std::vector<BlockHash> hash_scratch_;                // admission: the prompt's block hashes
   std::vector<Id> hit_scratch_;                        // try_resume: [groups x blocks] device hits
   std::vector<sequence_type*> batch_scratch_;
   std::vector<std::size_t> switched_scratch_;
