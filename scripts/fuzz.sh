@@ -3,8 +3,8 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]
 #
-# SECONDS per target (default 60); TARGET: manager, trace, index (default all three). The targets run side by side, one per
-# core. Each starts from its committed seed corpus (tests/fuzz/corpus/<target>) plus what earlier runs of this
+# SECONDS per target (default 60); TARGET: manager, manager_groups, trace, index (default all four). The targets run
+# side by side, one per core. Each starts from its committed seed corpus (tests/fuzz/corpus/<target>) plus what earlier runs of this
 # script found (build-fuzz/corpus/<target>, kept between runs, never committed). Before fuzzing, ctest replays the
 # seed corpora and runs the replay input tests. A finding (a crash, an invariant violation, a leak, a timeout of
 # 10 s on one input) is saved as build-fuzz/findings/<target>-crash-*; replay it with
@@ -23,9 +23,11 @@ if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then
   shift
 fi
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(manager trace index)
+[ ${#targets[@]} -gt 0 ] || targets=(manager manager_groups trace index)
 for t in "${targets[@]}"; do
-  case $t in manager | trace | index) ;; *) echo "fuzz.sh: unknown target '$t' (manager, trace, index)" >&2; exit 2 ;; esac
+  case $t in manager | manager_groups | trace | index) ;;
+    *) echo "fuzz.sh: unknown target '$t' (manager, manager_groups, trace, index)" >&2; exit 2 ;;
+  esac
 done
 
 cxx=${CXX:-}
@@ -56,7 +58,7 @@ run_target() {  # run_target <target>: fuzz it for $seconds, log to $build/fuzz-
   mkdir -p "$work"
   # shellcheck disable=SC2086  # PAGEDKV_FUZZ_FLAGS is a list of flags
   "$build/fuzz_$t" "$work" "tests/fuzz/corpus/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
-    -max_len=$([ "$t" = manager ] && echo 512 || echo 4096) -print_final_stats=1 \
+    -max_len=$(case $t in manager*) echo 512 ;; *) echo 4096 ;; esac) -print_final_stats=1 \
     -artifact_prefix="$build/findings/$t-" ${PAGEDKV_FUZZ_FLAGS:-} >"$build/fuzz-$t.log" 2>&1
 }
 echo "fuzz.sh: fuzzing ${targets[*]} for ${seconds}s each ($jobs at a time)"

@@ -68,8 +68,8 @@ namespace pagedkv {
 /// (content addressing does not depend on the layer type), one built cursor, and per group a block table whose
 /// leading entries may be the null block 0 (docs/groups.md):
 ///  - **Release rule.** After each build, a windowed group releases every block wholly before
-///    `window.first_visible(num_built)` and puts the null block in its table (positions stay absolute; the kernels
-///    never read those pages). A sliding-window group growing by at most `chunk` tokens per build holds at most
+///    `window.first_visible(min(num_built, num_known))` (built lookahead positions may still be rejected) and puts
+///    the null block in its table (positions stay absolute; the kernels never read those pages). A sliding-window group growing by at most `chunk` tokens per build holds at most
 ///    `window_block_bound(g, chunk)` blocks per sequence.
 ///  - **Prefix hits.** One PrefixHashIndex per group. The hit is today's prefix walk with one full-attention group
 ///    and the fixed point over groups (detail::fixed_point_hit_blocks) otherwise; a windowed group takes only the
@@ -954,9 +954,9 @@ class KVCacheManager {
   /// are absolute), slot_mapping (the group's own blocks) and copies (the group's copy-on-writes of this build).
   /// The host tier's swap lists are written into group 0's buffers (block ids are pool-wide; a swap copies the
   /// block in every layer slot), its transfer token into every group's sizes. After writing, every windowed group
-  /// releases the blocks wholly before first_visible(num_built) of each sequence of the batch (the release rule:
-  /// this step's kernels still read them; only later steps reuse them). Returns the sizes written, `[G]`
-  /// (allocates the vector; the overload with `sizes_out` does not). Throws as the one-group overload, and
+  /// releases the blocks wholly before first_visible(min(num_built, num_known)) of each sequence of the batch (the
+  /// release rule: this step's kernels still read them; only later steps reuse them). Returns the sizes written,
+  /// `[G]` (allocates the vector; the overload with `sizes_out` does not). Throws as the one-group overload, and
   /// kBadShape when per_group.size() != num_groups().
   std::vector<BatchMetadataSizes> build_batch_metadata(std::span<const SeqId> batch,
                                                        std::span<const BatchMetadataBuffers> per_group,
@@ -1690,13 +1690,16 @@ class KVCacheManager {
       q.table_of(g).release_all(pool);
     }
   }
-  // The release rule for every windowed group of `q`: blocks wholly before first_visible(num_built) become null.
+  // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
+  // min(num_built, num_known): built lookahead positions do not count, since commit_lookahead may reject them and
+  // the next query then sits at the first rejected position, whose window reaches further back.
   void release_out_of_window(sequence_type& q) {
+    const std::size_t committed = std::min(q.num_built, q.num_known());
     for (std::size_t g = 0; g < num_groups_; ++g) {
       if (!windows_[g].enabled()) continue;
       BlockTable<Id>& t = q.table_of(g);
       const std::size_t target =
-          std::min(detail::first_kept_block(windows_[g], q.num_built, config_.block_size), t.num_blocks());
+          std::min(detail::first_kept_block(windows_[g], committed, config_.block_size), t.num_blocks());
       std::size_t& released = q.released_of(g);
       if (target > released) apply_retention_group(q, g, released, target);
       for (std::size_t i = released; i < target; ++i) {
