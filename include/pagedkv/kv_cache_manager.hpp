@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -141,6 +142,9 @@ class KVCacheManager {
     }
     held_.assign(num_groups_, 0);
     peak_held_.assign(num_groups_, 0);
+    if (host_ && config_.enable_events) {
+      held_back_.assign((config_.num_host_blocks + 63) / 64, 0);
+    }
   }
 
   KVCacheManager(const KVCacheManager&) = delete;
@@ -797,6 +801,8 @@ class KVCacheManager {
     if (host_) {
       host_->clear([](Id, const BlockHash&) {});
       pending_content_.clear();
+      std::fill(held_back_.begin(), held_back_.end(), std::uint64_t{0});
+      held_back_list_.clear();
       if (events_.enabled()) events_.push(KVEventType::kAllCleared).medium = Medium::kCpu;
     }
     return true;
@@ -836,7 +842,8 @@ class KVCacheManager {
     }
     completed_scratch_.clear();
     completed_scratch_.reserve(transfers_.in_flight().size());
-    events_.reserve_more(transfers_.in_flight().size());
+    events_.reserve_more(transfers_.in_flight().size() + held_back_list_.size());
+    if (!held_back_.empty()) detail::reserve_more(held_back_list_, transfers_.in_flight().size());
     transfers_.take_completed(token, completed_scratch_);
     for (const Transfer<Id>& t : completed_scratch_) {
       if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
@@ -854,7 +861,12 @@ class KVCacheManager {
         if (reg == t.device) {
           alloc_.set_hashed(t.device, true);
           if (events_.enabled()) {
-            if (auto e = events_.find_stored(t.hash, Medium::kCpu, t.group)) {
+            auto e = events_.find_stored(t.hash, Medium::kCpu, t.group);
+            if (!e && is_held_back(t.host)) {  // its host copy was never reported: the content waited there
+              const auto held = pending_content_.find(t.host);
+              if (held != pending_content_.end()) e = held->second;
+            }
+            if (e) {
               KVEvent& out = events_.push(KVEventType::kBlockStored);
               const std::uint64_t seq_no = out.seq_no;
               out = std::move(*e);
@@ -867,6 +879,7 @@ class KVCacheManager {
       host_->release(t.host);   // the copy's pin on its source
       release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
     }
+    retry_held_back();  // a copy whose parent completed after it in this call
     completed_scratch_.clear();
   }
 
@@ -885,6 +898,10 @@ class KVCacheManager {
     }
     return it->second.host_blocks;
   }
+  /// Whether host block `hb`'s BlockStored event is held back: its copy completed after its parent had left every
+  /// tier, so the event stream does not report it (no router could place it; CacheStats::events_held_back counts
+  /// them). False without events or a host tier. Precondition: hb < num_host_blocks.
+  [[nodiscard]] bool host_event_held_back(Id hb) const noexcept { return is_held_back(hb); }
   /// The host tier (read-only: its allocator and index), or null without one. Valid as long as the manager.
   [[nodiscard]] const host_tier_type* host_tier() const noexcept { return host_.get(); }
   /// The copies queued for the next build and in flight (read-only). Valid until the next non-const call.
@@ -1072,7 +1089,7 @@ class KVCacheManager {
     }
     const BatchMetadataBuffers& buf0 = per_group[0];
     try {
-      events_.reserve_more(max_registrations + write_through_blocks);
+      events_.reserve_more(max_registrations + write_through_blocks + held_back_list_.size());
       copy_scratch_.clear();
       copy_scratch_.reserve(num_copies);
       switched_scratch_.clear();
@@ -1154,6 +1171,7 @@ class KVCacheManager {
     if (!simple_) {
       for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
     }
+    retry_held_back();  // a held-back host copy whose parent this build registered again
     note_peak();
   }
 
@@ -1598,18 +1616,65 @@ class KVCacheManager {
 
   // With events on: the stored event of host block `hb` (hash `h`, tier `to`) whose copy just completed, with the
   // content remembered when the copy was queued.
+  // A host block whose parent is cached in no tier (a write-back copy that completed after its parent left both
+  // tiers) is held back: its event stays in pending_content_, marked in held_back_, so the stream never reports a
+  // block no router could place (llm-d and Dynamo drop a BlockStored with an unknown parent) and event_snapshot
+  // stays what a consumer of the stream holds. It is reported only by an onboarding that makes it a device block;
+  // its eviction reports nothing.
   void emit_stored_from(Id hb, const BlockHash& h, Medium to, std::uint32_t g) {
     if (!events_.enabled()) return;
     const auto it = pending_content_.find(hb);
     if (it == pending_content_.end()) return;
+    it->second.medium = to;
+    it->second.hash = h;
+    it->second.group = g;
+    if (it->second.parent_hash && !reported_cached(*it->second.parent_hash, g)) {
+      held_back_[hb / 64] |= std::uint64_t{1} << (hb % 64);
+      held_back_list_.push_back(hb);  // room reserved by complete_transfers
+      ++stats_.events_held_back;
+      return;
+    }
     KVEvent& out = events_.push(KVEventType::kBlockStored);
     const std::uint64_t seq_no = out.seq_no;
     out = std::move(it->second);
     out.seq_no = seq_no;
-    out.medium = to;
-    out.hash = h;
-    out.group = g;
     pending_content_.erase(it);
+  }
+  // Publish every held-back host block whose parent is reported by now (its own copy completed later in the same
+  // call, or it was stored again), parents before children. Precondition: room for held_back_list_.size() events
+  // reserved.
+  void retry_held_back() noexcept {
+    for (bool progress = true; progress && !held_back_list_.empty();) {
+      progress = false;
+      for (std::size_t i = 0; i < held_back_list_.size();) {
+        const Id hb = held_back_list_[i];
+        const auto it = pending_content_.find(hb);
+        if (it != pending_content_.end() && !reported_cached(*it->second.parent_hash, it->second.group)) {
+          ++i;
+          continue;
+        }
+        held_back_[hb / 64] &= ~(std::uint64_t{1} << (hb % 64));
+        held_back_list_[i] = held_back_list_.back();
+        held_back_list_.pop_back();
+        progress = true;
+        if (it == pending_content_.end()) continue;
+        KVEvent& out = events_.push(KVEventType::kBlockStored);
+        const std::uint64_t seq_no = out.seq_no;
+        out = std::move(it->second);
+        out.seq_no = seq_no;
+        pending_content_.erase(it);
+      }
+    }
+  }
+  [[nodiscard]] bool is_held_back(Id hb) const noexcept {
+    return !held_back_.empty() && ((held_back_[hb / 64] >> (hb % 64)) & 1U) != 0;
+  }
+  // Whether group g's block with hash h is cached in a tier and its BlockStored was published: a device-registered
+  // block, or a ready host block not held back.
+  [[nodiscard]] bool reported_cached(const BlockHash& h, std::uint32_t g) const {
+    if (ix(g).find(h)) return true;
+    const auto hb = host_ ? host_->find_ready(host_key(h, g)) : std::nullopt;
+    return hb && !is_held_back(*hb);
   }
 
   // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
@@ -1794,6 +1859,12 @@ class KVCacheManager {
     return [this](Id hb, const BlockHash& key) {
       ++stats_.host_evictions;
       if (!events_.enabled()) return;
+      if (is_held_back(hb)) {  // never reported: nothing to remove
+        held_back_[hb / 64] &= ~(std::uint64_t{1} << (hb % 64));
+        std::erase(held_back_list_, hb);
+        pending_content_.erase(hb);
+        return;
+      }
       const std::uint32_t g = num_groups_ > 1 ? host_group_of_[hb] : 0U;
       KVEvent& e = events_.push(KVEventType::kBlockRemoved);
       e.hash = host_key(key, g);  // the key unmixed: the block's hash
@@ -1951,6 +2022,8 @@ class KVCacheManager {
   std::vector<Transfer<Id>> completed_scratch_;
   std::unordered_map<SeqId, SwappedSequence> swapped_;  // preempted by swapping, resumable
   std::unordered_map<Id, KVEvent> pending_content_;     // events on: host block -> content of its stored event
+  std::vector<std::uint64_t> held_back_;               // events on, host tier: host blocks whose event is held back
+  std::vector<Id> held_back_list_;                     // the host blocks marked in held_back_
   EventLog events_;
   RetentionTimePoint retention_now_{};                 // the retention clock (expire_retention)
   CacheStats stats_;

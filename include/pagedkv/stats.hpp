@@ -45,6 +45,9 @@ struct CacheStats {
   std::size_t transfers_in_flight = 0; ///< copies issued by a build and not yet completed
   std::size_t transfers_queued = 0;    ///< copies waiting for the next build
   std::uint64_t events_lost = 0;       ///< stored events of host copies dropped for lack of memory (never else)
+  /// Host-tier BlockStored events held back: the copy completed after its parent left every tier, so no router
+  /// could place the block (it is reported if onboarded; its eviction reports nothing).
+  std::uint64_t events_held_back = 0;
 };
 
 /// Prefix-cache statistics of one interval (since the previous `take_prefix_cache_stats()`), with vLLM's field
