@@ -195,8 +195,8 @@ struct AppendResult {
 /// (content addressing does not depend on the layer type), one built cursor, and per group a block table whose
 /// leading entries may be the null block 0 (docs/groups.md):
 ///  - **Release rule.** After each build, a windowed group releases every block wholly before
-///    `window.first_visible(num_built)` and puts the null block in its table (positions stay absolute; the kernels
-///    never read those pages). A sliding-window group growing by at most `chunk` tokens per build holds at most
+///    `window.first_visible(min(num_built, num_known))` (built lookahead drafts may still be rejected) and puts the
+///    null block in its table (positions stay absolute; the kernels never read those pages). A sliding-window group growing by at most `chunk` tokens per build holds at most
 ///    `window_block_bound(g, chunk)` blocks per sequence.
 ///  - **Prefix hits.** One PrefixHashIndex per group. The hit is today's prefix walk with one full-attention group
 ///    and the fixed point over groups (detail::fixed_point_hit_blocks) otherwise; a windowed group takes only the
@@ -1950,13 +1950,17 @@ class KVCacheManager {
       q.table_of(g).release_all(pool);
     }
   }
-  // The release rule for every windowed group of `q`: blocks wholly before first_visible(num_built) become null.
+  // The release rule for every windowed group of `q`: blocks wholly before first_visible(next query) become null,
+  // the next query being at the first built position past the known tokens: built lookahead positions do not count
+  // (commit_lookahead may reject every draft, and the next query is then at num_known, whose window the drafts'
+  // position must not have released; a rewind may refuse, a verification cannot).
   void release_out_of_window(sequence_type& q) {
+    const std::size_t next_query = std::min(q.num_built, q.num_known());
     for (std::size_t g = 0; g < num_groups_; ++g) {
       if (!windows_[g].enabled()) continue;
       BlockTable<Id>& t = q.table_of(g);
       const std::size_t target =
-          std::min(detail::first_kept_block(windows_[g], q.num_built, config_.block_size), t.num_blocks());
+          std::min(detail::first_kept_block(windows_[g], next_query, config_.block_size), t.num_blocks());
       std::size_t& released = q.released_of(g);
       if (target > released) apply_retention_group(q, g, released, target);
       for (std::size_t i = released; i < target; ++i) {

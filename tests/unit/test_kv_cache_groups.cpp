@@ -724,6 +724,35 @@ TEST_CASE("HybridKVCacheManager: failed calls change nothing", "[kv_cache_groups
   same(s1);
 }
 
+TEST_CASE("HybridKVCacheManager: rejected lookahead never leaves the next query's window released",
+          "[kv_cache_groups][lookahead]") {
+  // bs 4, a sliding window of 3: the query at p sees (p - 3, p]. 8 tokens built, 4 lookahead slots built (the
+  // verification step). If the release rule counted the drafts, blocks 0 and 1 would be released (first_visible(12)
+  // = 10); every draft rejected, the next query at 8 sees positions 6 and 7, in block 1.
+  const std::uint32_t bs = 4;
+  Mgr m(make_config(40, bs, {full(), swa(3)}));
+  REQUIRE(m.try_admit(1, pagedkv_test::toks(1, 8)).admitted());
+  (void)build(m, {1});
+  CHECK(m.num_null_blocks(1, 1) == 1);  // first_visible(8) = 6: block 0 released
+  REQUIRE(m.try_reserve_lookahead(1, 4).ok());
+  (void)build(m, {1});
+  CHECK(m.num_null_blocks(1, 1) == 1);  // the drafts are not known tokens: nothing more released
+  m.commit_lookahead(1, {});            // every draft rejected
+  REQUIRE(m.try_append(1, pagedkv_test::toks(50, 1)).ok());
+  auto [sizes, buf] = build(m, {1});
+  REQUIRE(sizes[1].num_indices == 3);
+  CHECK(buf.indices[1][0] == 0);
+  CHECK(buf.indices[1][1] != 0);  // positions 6, 7: read by the query at 8
+  CHECK(buf.indices[1][2] != 0);
+  // Accepted drafts are known tokens: the next build releases by them.
+  REQUIRE(m.try_reserve_lookahead(1, 4).ok());
+  (void)build(m, {1});
+  m.commit_lookahead(1, pagedkv_test::toks(60, 4));  // 13 known tokens, all built
+  REQUIRE(m.try_append(1, pagedkv_test::toks(70, 1)).ok());
+  (void)build(m, {1});
+  CHECK(m.num_null_blocks(1, 1) == 3);  // first_visible(14) = 12
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Model-based randomized test.
 
