@@ -11,8 +11,16 @@
 //  - [registration]  which blocks are registered (never for W = 1, never the last block of a chunk) and events name
 //                    their group;
 //  - [strong]        failed calls (no capacity, never fits, misuse) leave a full state snapshot unchanged;
+//  - [lookahead]     rejected lookahead drafts never leave the next query's window released (a fixed bug);
 //  - [model]         randomized operations against a shadow model, with a shadow pool that executes each build's
 //                    copies and slot mappings: every built position of every group reads back its own content;
+//                    [model_full] adds lookahead (drafts reserved, built, a random prefix accepted), prepared
+//                    prompts and a host tier (write-back offload, host hits onboarded at admission, swap preemption
+//                    and try_resume, complete_transfers in random order) with a shadow host pool executing each
+//                    build's swap_out / swap_in lists: every registered block (device index of each group, host
+//                    index) holds the content of the token prefix its hash names, every swapped sequence's host
+//                    blocks hold its positions; [retention] runs the same under PriorityLruEviction with retention
+//                    configs: every block a free leaves cached has the priority its config gives its position;
 //  - [e2e]           CPU reference decode with an AttentionWindow over the sliding-window group's page table (null
 //                    entries before the window) equals the float64 result over the full-attention group's table.
 #include <catch2/catch.hpp>
@@ -29,8 +37,11 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include <pagedkv/eviction_priority.hpp>
 #include <pagedkv/kernel_params.hpp>
 #include <pagedkv/kv_cache_groups.hpp>
 #include <pagedkv/reference/decode.hpp>
@@ -97,8 +108,10 @@ std::size_t brute_first_kept_block(const KVCacheGroupSpec& g, std::size_t next_q
 struct GroupBuffers {
   std::vector<std::vector<std::int32_t>> indptr, indices, last_page_len, seq_lens, qo_indptr, copies, block_tables;
   std::vector<std::vector<std::int64_t>> slots;
+  std::vector<std::int32_t> swap_out, swap_in;  // group 0's (the host tier's swap lists)
   std::vector<BatchMetadataBuffers> views;
-  GroupBuffers(std::size_t groups, std::size_t batch, std::size_t max_blocks, std::size_t tokens, std::size_t copies_n) {
+  GroupBuffers(std::size_t groups, std::size_t batch, std::size_t max_blocks, std::size_t tokens, std::size_t copies_n,
+               std::size_t swaps = 0) {
     indptr.resize(groups);
     indices.resize(groups);
     last_page_len.resize(groups);
@@ -128,12 +141,18 @@ struct GroupBuffers {
       v.max_blocks_per_seq = static_cast<std::int32_t>(std::max<std::size_t>(1, max_blocks));
       v.slot_mapping = slots[g];
     }
+    swap_out.assign(2 * std::max<std::size_t>(1, swaps), -7);
+    swap_in.assign(2 * std::max<std::size_t>(1, swaps), -7);
+    views[0].swap_out = swap_out;
+    views[0].swap_in = swap_in;
   }
+  GroupBuffers(GroupBuffers&&) = default;  // the views point into the vectors' heap storage: a move keeps them
 };
 
 /// Build `requested` (each sequence all its pending tokens, or `sched`) with buffers large enough. Without `sched`,
 /// like an engine's scheduler, the sequences with nothing to compute are left out (a build refuses them).
-std::pair<std::vector<BatchMetadataSizes>, GroupBuffers> build(Mgr& m, const std::vector<SeqId>& requested,
+template <class M>
+std::pair<std::vector<BatchMetadataSizes>, GroupBuffers> build(M& m, const std::vector<SeqId>& requested,
                                                                std::vector<std::uint32_t> sched = {}) {
   std::vector<SeqId> batch;
   for (SeqId id : requested) {
@@ -145,7 +164,8 @@ std::pair<std::vector<BatchMetadataSizes>, GroupBuffers> build(Mgr& m, const std
     tokens += sched.empty() ? m.num_tokens(id) - m.num_built(id) : sched[b];
     max_blocks = std::max(max_blocks, (m.num_tokens(id) + m.block_size() - 1) / m.block_size());
   }
-  GroupBuffers buf(m.num_groups(), batch.size(), max_blocks, tokens, m.pending_copies().size());
+  GroupBuffers buf(m.num_groups(), batch.size(), max_blocks, tokens, m.pending_copies().size(),
+                   m.transfers().queued().size());
   auto sizes = m.build_batch_metadata(batch, buf.views, sched);
   return {std::move(sizes), std::move(buf)};
 }
@@ -157,12 +177,14 @@ struct Snapshot {
   std::vector<std::uint32_t> lru;
   std::vector<std::size_t> held, index_sizes;
   std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>> copies;
-  std::tuple<std::size_t, std::size_t, std::size_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t,
-             std::uint64_t, std::uint64_t>
-      stats;
+  std::vector<std::uint64_t> stats;
+  std::vector<std::tuple<std::uint32_t, bool, bool>> host_blocks;  // refcount, cached, ready
+  std::vector<std::tuple<std::uint32_t, std::uint32_t, int>> transfers;  // queued: device, host, kind
+  std::size_t num_swapped = 0, in_flight = 0;
   friend bool operator==(const Snapshot&, const Snapshot&) = default;
 };
-Snapshot snapshot(const Mgr& m) {
+template <class M>
+Snapshot snapshot(const M& m) {
   Snapshot s;
   m.for_each_sequence([&](SeqId id, std::size_t) {
     std::vector<std::vector<std::uint32_t>> tables;
@@ -183,12 +205,22 @@ Snapshot snapshot(const Mgr& m) {
   for (const auto& c : m.pending_copies()) s.copies.emplace_back(c.src, c.dst, c.group);
   const auto st = m.stats();
   s.stats = {st.blocks_used, st.blocks_cached, st.blocks_free, st.prefix_query_requests, st.prefix_hit_tokens,
-             st.evictions, st.cow_copies, st.preemptions, st.block_ops};
+             st.evictions, st.cow_copies, st.preemptions, st.block_ops, st.host_blocks_used, st.host_blocks_cached,
+             st.offloads, st.onboards, st.swap_outs, st.swap_ins, st.host_evictions, st.host_hit_tokens};
+  if (const auto* host = m.host_tier()) {
+    for (std::uint32_t b = 1; b < host->allocator().num_blocks(); ++b) {
+      s.host_blocks.emplace_back(host->allocator().refcount(b), host->allocator().is_cached(b), host->is_ready(b));
+    }
+  }
+  for (const auto& t : m.transfers().queued()) s.transfers.emplace_back(t.device, t.host, static_cast<int>(t.kind));
+  s.num_swapped = m.num_swapped();
+  s.in_flight = m.transfers().in_flight().size();
   return s;
 }
 
 /// Chain hashes of the full blocks of `tokens` under `m`'s root.
-std::vector<BlockHash> chain(const Mgr& m, const Toks& tokens) {
+template <class M>
+std::vector<BlockHash> chain(const M& m, const Toks& tokens) {
   std::vector<BlockHash> h;
   m.prefix_index(0).hash_full_blocks(tokens, m.block_size(), nullptr, h);
   return h;
@@ -624,7 +656,7 @@ TEST_CASE("HybridKVCacheManager: fork shares every group's blocks - copy-on-writ
       if (id != 0) CHECK(m.allocator().refcount(id) == 2);
     }
   }
-  CHECK(m.stats().blocks_used == std::get<0>(before.stats));
+  CHECK(m.stats().blocks_used == before.stats[0]);
   REQUIRE(m.try_append(2, pagedkv_test::toks(500, 1)).ok());  // partial tail shared in both groups: 2 copies
   REQUIRE(m.pending_copies().size() == 2);
   CHECK(m.pending_copies()[0].group == 0);
@@ -724,16 +756,54 @@ TEST_CASE("HybridKVCacheManager: failed calls change nothing", "[kv_cache_groups
   same(s1);
 }
 
+TEST_CASE("HybridKVCacheManager: rejected lookahead never leaves the next query's window released",
+          "[kv_cache_groups][lookahead]") {
+  // bs 4, a sliding window of 3: the query at p sees (p - 3, p]. 8 tokens built, 4 lookahead slots built (the
+  // verification step). If the release rule counted the drafts, blocks 0 and 1 would be released (first_visible(12)
+  // = 10); every draft rejected, the next query at 8 sees positions 6 and 7, in block 1.
+  const std::uint32_t bs = 4;
+  Mgr m(make_config(40, bs, {full(), swa(3)}));
+  REQUIRE(m.try_admit(1, pagedkv_test::toks(1, 8)).admitted());
+  (void)build(m, {1});
+  CHECK(m.num_null_blocks(1, 1) == 1);  // first_visible(8) = 6: block 0 released
+  REQUIRE(m.try_reserve_lookahead(1, 4).ok());
+  (void)build(m, {1});
+  CHECK(m.num_null_blocks(1, 1) == 1);  // the drafts are not known tokens: nothing more released
+  m.commit_lookahead(1, {});            // every draft rejected
+  REQUIRE(m.try_append(1, pagedkv_test::toks(50, 1)).ok());
+  auto [sizes, buf] = build(m, {1});
+  REQUIRE(sizes[1].num_indices == 3);
+  CHECK(buf.indices[1][0] == 0);
+  CHECK(buf.indices[1][1] != 0);  // positions 6, 7: read by the query at 8
+  CHECK(buf.indices[1][2] != 0);
+  // Accepted drafts are known tokens: the next build releases by them.
+  REQUIRE(m.try_reserve_lookahead(1, 4).ok());
+  (void)build(m, {1});
+  m.commit_lookahead(1, pagedkv_test::toks(60, 4));  // 13 known tokens, all built
+  REQUIRE(m.try_append(1, pagedkv_test::toks(70, 1)).ok());
+  (void)build(m, {1});
+  CHECK(m.num_null_blocks(1, 1) == 3);  // first_visible(14) = 12
+}
+
 // ---------------------------------------------------------------------------------------------------------------------
 // Model-based randomized test.
 
 namespace {
 
 struct ModelSeq {
-  Toks tokens;
+  Toks tokens;                        // known token ids
+  Toks drafts;                        // outstanding lookahead: the draft ids the verification step writes
   std::size_t slotted = 0;
   std::size_t built = 0;
   std::vector<std::size_t> released;  // [G]
+  std::shared_ptr<const pagedkv::RetentionConfig> retention;
+  std::size_t prompt_len = 0;
+  /// Ids of every slotted position's content: known tokens, then the drafts.
+  [[nodiscard]] Toks ids() const {
+    Toks t = tokens;
+    t.insert(t.end(), drafts.begin(), drafts.end());
+    return t;
+  }
 };
 
 std::uint64_t mix(std::uint64_t x) {
@@ -743,10 +813,40 @@ std::uint64_t mix(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
+/// The host tier's key of group g's block with hash h, as docs/groups.md and KVCacheManager describe it (h for
+/// group 0; else both halves XORed with splitmix64 of g + 1): written out here so the hit oracle can look up
+/// host-tier blocks by their key.
+BlockHash host_key(const BlockHash& h, std::size_t g) {
+  if (g == 0) return h;
+  std::uint64_t z = 0x9E3779B97F4A7C15ULL * (static_cast<std::uint64_t>(g) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  BlockHash k = h;
+  for (std::size_t i = 0; i < 16; ++i) k.bytes[i] ^= static_cast<std::uint8_t>(z >> (8 * (i % 8)));
+  return k;
+}
+
+/// What the harness exercises besides the base operations (admit, reserve, append, fork, free, preempt, rewind,
+/// builds with random chunks).
+struct HarnessOptions {
+  std::size_t host_blocks = 0;  ///< Host tier (write-back offload, host hits onboarded, swap + resume); 0 = none.
+  bool lookahead = false;       ///< try_reserve_lookahead, builds of the drafts, commit_lookahead of a prefix.
+  bool prepared = false;        ///< Half the admissions through prepare_prompt.
+  bool retention = false;       ///< Admissions with a RetentionConfig (M must evict by PriorityLruEviction).
+};
+
+template <class M>
 class GroupsHarness {
  public:
-  GroupsHarness(std::uint32_t bs, std::size_t num_blocks, std::vector<KVCacheGroupSpec> groups, std::uint64_t seed)
-      : m_(make_config(num_blocks, bs, groups, true)), bs_(bs), rng_(seed), shadow_(num_blocks * bs, kUnwritten) {
+  GroupsHarness(std::uint32_t bs, std::size_t num_blocks, std::vector<KVCacheGroupSpec> groups, std::uint64_t seed,
+                HarnessOptions opt = {})
+      : m_(config(num_blocks, bs, groups, opt)),
+        bs_(bs),
+        opt_(opt),
+        rng_(seed),
+        shadow_(num_blocks * bs, kUnwritten),
+        host_shadow_(opt.host_blocks * bs, kUnwritten) {
     for (int i = 0; i < 4; ++i) {
       prefixes_.push_back(pagedkv_test::toks(static_cast<TokenId>(i * 100000 + 1), 4 + rng_() % (40 + 4 * bs)));
     }
@@ -755,73 +855,167 @@ class GroupsHarness {
   void run(std::size_t ops) {
     for (std::size_t op = 0; op < ops; ++op) {
       const int kind = static_cast<int>(rng_() % 100);
-      if (kind < 18) {
+      if (kind < 15) {
         admit();
-      } else if (kind < 26) {
+      } else if (kind < 21) {
         reserve();
-      } else if (kind < 48) {
+      } else if (kind < 36) {
         append();
-      } else if (kind < 55) {
+      } else if (kind < 41) {
         fork();
-      } else if (kind < 62) {
+      } else if (kind < 46) {
         free_one(false);
-      } else if (kind < 66) {
+      } else if (kind < 49) {
         free_one(true);
-      } else if (kind < 72) {
+      } else if (kind < 54) {
         rewind();
-      } else if (kind < 76) {
+      } else if (kind < 56) {
         misuse();
+      } else if (kind < 62 && opt_.lookahead) {
+        reserve_lookahead();
+      } else if (kind < 68 && opt_.lookahead) {
+        commit_lookahead();
+      } else if (kind < 73 && opt_.host_blocks > 0) {
+        swap_out();
+      } else if (kind < 79 && opt_.host_blocks > 0) {
+        resume();
+      } else if (kind < 86 && opt_.host_blocks > 0) {
+        complete();
       } else {
         build_all();
       }
       check();
     }
-    // Drain: build, free everything: nothing leaks.
+    // Drain: build, complete every copy, free everything: nothing leaks, in either tier.
     build_all();
+    while (!in_flight_.empty()) complete();
     check();
-    for (auto it = seqs_.begin(); it != seqs_.end();) {
-      m_.free(it->first);
-      it = seqs_.erase(it);
+    while (!swapped_.empty()) {
+      m_.free(swapped_.begin()->first);
+      swapped_.erase(swapped_.begin());
     }
+    while (!seqs_.empty()) free_seq(seqs_.begin()->first, false);
     check();
     REQUIRE(m_.stats().blocks_used == 0);
     for (std::size_t g = 0; g < m_.num_groups(); ++g) REQUIRE(m_.held_blocks(g) == 0);
+    if (opt_.host_blocks > 0) REQUIRE(m_.stats().host_blocks_used == 0);
   }
 
   std::size_t builds = 0, admitted = 0, hits = 0, no_capacity = 0, content_checks = 0, copies = 0, rewinds_refused = 0,
-              releases = 0, dedups = 0, kept_copies = 0;
+              releases = 0, dedups = 0, kept_copies = 0, lookaheads = 0, drafts_accepted = 0, drafts_rejected = 0,
+              prepared = 0, swaps = 0, swaps_refused = 0, resumes = 0, transfer_pending = 0, swap_ins = 0,
+              swap_outs = 0, onboarded_tokens = 0, completions = 0, host_content_checks = 0,
+              registered_content_checks = 0, retention_checks = 0, retention_admits = 0;
 
  private:
   static constexpr std::uint64_t kUnwritten = 0xdeadbeefULL;
 
+  static HybridCacheConfig config(std::size_t num_blocks, std::uint32_t bs, std::vector<KVCacheGroupSpec> groups,
+                                  const HarnessOptions& opt) {
+    HybridCacheConfig c = make_config(num_blocks, bs, std::move(groups), true);
+    c.num_host_blocks = opt.host_blocks;
+    c.offload = pagedkv::OffloadPolicy::kWriteBack;
+    return c;
+  }
   std::size_t G() const { return m_.num_groups(); }
   std::size_t first_kept(std::size_t g, std::size_t pos) const {
     return pagedkv::detail::first_kept_block(m_.window(g), pos, bs_);
   }
-  // Content of position p of a sequence with tokens `t` in group g: a hash of (g, t[0..p]).
-  static std::uint64_t fp(std::size_t g, const Toks& t, std::size_t p) {
+  // Content of position p of a sequence with ids `t` in group g: a hash of (g, t[0..p]); fps(g, t)[p], computed
+  // for every position at once.
+  static std::vector<std::uint64_t> fps(std::size_t g, const Toks& t) {
+    std::vector<std::uint64_t> out(t.size());
     std::uint64_t h = mix(0x1234 + g);
-    for (std::size_t i = 0; i <= p; ++i) h = mix(h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(t[i])));
-    return h;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      h = mix(h ^ static_cast<std::uint64_t>(static_cast<std::uint32_t>(t[i])));
+      out[i] = h;
+    }
+    return out;
   }
   SeqId pick() {
     auto it = seqs_.begin();
     std::advance(it, static_cast<std::ptrdiff_t>(rng_() % seqs_.size()));
     return it->first;
   }
+  Toks random_tokens(std::size_t n) {
+    Toks t;
+    for (std::size_t i = 0; i < n; ++i) t.push_back(static_cast<TokenId>(rng_() % 4 == 0 ? 3 : rng_() % 50000));
+    return t;
+  }
+  // Remember the token prefix of every full block of `t` under each group's host key, so that the content of any
+  // registered block (device index of group g, or host tier) can be recomputed from the model.
+  void learn(const Toks& t) {
+    const auto h = chain(m_, t);
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      for (std::size_t g = 0; g < G(); ++g) {
+        prefix_of_.try_emplace(host_key(h[i], g), t.begin(), t.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs_));
+      }
+    }
+  }
+
+  // Whether the host tier holds group g's block with hash h, ready (its copy completed): a hit there is onboarded.
+  bool on_host(const BlockHash& h, std::size_t g) const {
+    return m_.host_tier() != nullptr && m_.host_tier()->find_ready(host_key(h, g)).has_value();
+  }
+  // The brute-force hit oracle over both tiers: the largest k <= (len - 1) / bs such that every group g holds every
+  // block of [lo_g(k), k), on the device or ready on the host; also the logical blocks of the hit that some group
+  // takes from the host tier (onboarded).
+  std::pair<std::size_t, std::size_t> oracle_hit(const Toks& prompt) const {
+    const auto h = chain(m_, prompt);
+    const std::size_t cap = std::min(h.size(), (prompt.size() - 1) / bs_);
+    const auto lo = [&](std::size_t g, std::size_t k) {
+      const KVCacheGroupSpec& spec = m_.config().groups[g];
+      for (std::size_t t = 0; t < k * bs_; ++t) {
+        if (visible(spec, k * bs_, t)) return t / bs_;
+      }
+      return k;
+    };
+    for (std::size_t k = cap; k > 0; --k) {
+      bool ok = true;
+      for (std::size_t g = 0; g < G() && ok; ++g) {
+        for (std::size_t i = lo(g, k); i < k && ok; ++i) {
+          ok = m_.prefix_index(g).find(h[i]).has_value() || on_host(h[i], g);
+        }
+      }
+      if (!ok) continue;
+      std::size_t host_blocks = 0;
+      for (std::size_t i = 0; i < k; ++i) {
+        bool any = false;
+        for (std::size_t g = 0; g < G(); ++g) any = any || (i >= lo(g, k) && !m_.prefix_index(g).find(h[i]));
+        host_blocks += any ? 1 : 0;
+      }
+      return {k, host_blocks};
+    }
+    return {0, 0};
+  }
+
+  std::shared_ptr<const pagedkv::RetentionConfig> random_retention(std::size_t len) {
+    auto r = std::make_shared<pagedkv::RetentionConfig>();
+    const std::size_t mid = rng_() % (len + 1);
+    if (mid > 0) r->ranges.push_back({0, mid, static_cast<std::uint8_t>(rng_() % 101), std::nullopt});
+    const auto prio = static_cast<std::uint8_t>(rng_() % 101);
+    if (rng_() % 2 == 0) r->ranges.push_back({mid, std::nullopt, prio, std::nullopt});
+    r->decode_priority = static_cast<std::uint8_t>(rng_() % 101);
+    return r;
+  }
 
   void admit() {
     Toks p = prefixes_[rng_() % prefixes_.size()];
     p.resize(std::min(p.size(), static_cast<std::size_t>(rng_() % (p.size() + 3))));
-    const std::size_t n = 1 + rng_() % 24;
-    for (std::size_t i = 0; i < n; ++i) p.push_back(static_cast<TokenId>(rng_() % 4 == 0 ? 3 : rng_() % 50000));
-    const std::size_t want = oracle_hit_blocks(m_, p) * bs_;
+    const Toks tail = random_tokens(1 + rng_() % 24);
+    p.insert(p.end(), tail.begin(), tail.end());
+    const auto [want_blocks, want_host_blocks] = oracle_hit(p);
+    const std::size_t want = want_blocks * bs_;
     pagedkv::AdmitOptions o;
     if (rng_() % 3 == 0) o.num_reserved_tokens = rng_() % (p.size() + 1);
-    const auto q = m_.query_admit(p, nullptr, o);
+    if (opt_.retention && rng_() % 2 == 0) o.retention = random_retention(p.size());
+    const bool use_prepared = opt_.prepared && rng_() % 2 == 0;
+    std::optional<pagedkv::PreparedPrompt> pp;
+    if (use_prepared) pp = m_.prepare_prompt(p);
+    const auto q = use_prepared ? m_.query_admit(*pp, o) : m_.query_admit(p, nullptr, o);
     const Snapshot before = snapshot(m_);
     const SeqId id = next_id_++;
-    const auto r = m_.try_admit(id, p, nullptr, o);
+    const auto r = use_prepared ? m_.try_admit(id, *pp, o) : m_.try_admit(id, p, nullptr, o);
     REQUIRE(static_cast<int>(r.status) == static_cast<int>(q.status));
     REQUIRE(q.num_cached_tokens == want);
     if (!r.admitted()) {
@@ -830,31 +1024,42 @@ class GroupsHarness {
       return;
     }
     ++admitted;
+    prepared += use_prepared ? 1 : 0;
+    retention_admits += o.retention ? 1 : 0;
     hits += want > 0;
     REQUIRE(r.num_cached_tokens == want);
+    REQUIRE(r.num_host_cached_tokens == want_host_blocks * bs_);
+    onboarded_tokens += r.num_host_cached_tokens;
     REQUIRE(r.num_new_blocks == q.num_blocks);
     ModelSeq s;
     s.tokens = p;
     s.built = want;
     s.slotted = want + std::min(o.num_reserved_tokens.value_or(p.size()), p.size() - want);
     for (std::size_t g = 0; g < G(); ++g) s.released.push_back(first_kept(g, want));
+    s.retention = o.retention;
+    s.prompt_len = p.size();
     seqs_[id] = s;
+    learn(p);
   }
 
   void reserve() {
     if (seqs_.empty()) return;
     const SeqId id = pick();
     ModelSeq& s = seqs_[id];
-    const std::size_t un = s.tokens.size() - s.slotted;
-    if (un == 0) return;
-    const std::size_t n = 1 + rng_() % un;
-    grow(id, s, n, false);
+    if (!s.drafts.empty() || s.tokens.size() == s.slotted) return;
+    grow(id, s, 1 + rng_() % (s.tokens.size() - s.slotted), false);
   }
 
   void append() {
     if (seqs_.empty()) return;
     const SeqId id = pick();
     ModelSeq& s = seqs_[id];
+    if (!s.drafts.empty()) {  // outstanding lookahead: refused, nothing changes
+      const Snapshot before = snapshot(m_);
+      expect_error([&] { (void)m_.try_append(id, pagedkv_test::toks(1, 1)); }, Errc::kInvalidArgument);
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
     if (s.slotted < s.tokens.size()) return;
     grow(id, s, 1 + rng_() % 6, true);
   }
@@ -862,8 +1067,7 @@ class GroupsHarness {
   void grow(SeqId id, ModelSeq& s, std::size_t n, bool append) {
     const auto q = m_.query_append(id, n);
     const Snapshot before = snapshot(m_);
-    Toks t;
-    for (std::size_t i = 0; i < n; ++i) t.push_back(static_cast<TokenId>(rng_() % 4 == 0 ? 3 : rng_() % 50000));
+    const Toks t = random_tokens(n);
     const auto r = append ? m_.try_append(id, t) : m_.try_reserve(id, n);
     REQUIRE(static_cast<int>(r.status) == static_cast<int>(q.status));
     if (!r.ok()) {
@@ -875,15 +1079,65 @@ class GroupsHarness {
     REQUIRE(r.num_new_blocks == q.num_blocks);
     if (append) s.tokens.insert(s.tokens.end(), t.begin(), t.end());
     s.slotted += n;
+    if (append) learn(s.tokens);
+  }
+
+  // Speculative decoding: k lookahead slots for draft tokens (the model picks their ids now: the verification step
+  // writes their K/V), all or nothing.
+  void reserve_lookahead() {
+    if (seqs_.empty()) return;
+    const SeqId id = pick();
+    ModelSeq& s = seqs_[id];
+    const Snapshot before = snapshot(m_);
+    if (!s.drafts.empty() || s.slotted < s.tokens.size()) {
+      expect_error([&] { (void)m_.try_reserve_lookahead(id, 1); }, Errc::kInvalidArgument);
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    const std::size_t k = 1 + rng_() % 4;
+    const auto q = m_.query_append(id, k);
+    const auto r = m_.try_reserve_lookahead(id, k);
+    REQUIRE(static_cast<int>(r.status) == static_cast<int>(q.status));
+    if (!r.ok()) {
+      ++no_capacity;
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    REQUIRE(r.num_new_blocks == q.num_blocks);
+    ++lookaheads;
+    s.drafts = random_tokens(k);
+    s.slotted += k;
+  }
+  // Verification: a random prefix of the drafts is accepted (their ids are the drafts'), the rest rewound.
+  void commit_lookahead() {
+    if (seqs_.empty()) return;
+    const SeqId id = pick();
+    ModelSeq& s = seqs_[id];
+    if (s.drafts.empty()) {
+      if (rng_() % 4 == 0) {
+        const Snapshot before = snapshot(m_);
+        expect_error([&] { m_.commit_lookahead(id, pagedkv_test::toks(1, 1)); }, Errc::kInvalidArgument);
+        REQUIRE(snapshot(m_) == before);
+      }
+      return;
+    }
+    const std::size_t a = rng_() % (s.drafts.size() + 1);
+    m_.commit_lookahead(id, std::span<const TokenId>(s.drafts).first(a));
+    drafts_accepted += a;
+    drafts_rejected += s.drafts.size() - a;
+    s.tokens.insert(s.tokens.end(), s.drafts.begin(), s.drafts.begin() + static_cast<std::ptrdiff_t>(a));
+    s.slotted -= s.drafts.size() - a;
+    s.built = std::min(s.built, s.slotted);
+    s.drafts.clear();
+    learn(s.tokens);
   }
 
   void fork() {
     if (seqs_.empty()) return;
     const SeqId id = pick();
     const ModelSeq& s = seqs_[id];
-    const bool settled = s.built == s.slotted && s.slotted == s.tokens.size() && !has_pending_copy_into(id);
     const SeqId child = next_id_++;
-    if (!settled) {
+    if (!settled(id)) {
       const Snapshot before = snapshot(m_);
       expect_error([&] { m_.fork(id, child); }, Errc::kInvalidArgument);
       REQUIRE(snapshot(m_) == before);
@@ -892,6 +1146,13 @@ class GroupsHarness {
     m_.fork(id, child);
     seqs_[child] = s;
   }
+  // Fork and swap need a settled sequence: no unbuilt slot, no unslotted prompt token, no lookahead, no copy into
+  // its tables pending (copy-on-write, or a host -> device fill not completed).
+  bool settled(SeqId id) const {
+    const ModelSeq& s = seqs_.at(id);
+    return s.built == s.slotted && s.slotted == s.tokens.size() && s.drafts.empty() && !has_pending_copy_into(id) &&
+           !has_filling_block(id);
+  }
   bool has_pending_copy_into(SeqId id) const {
     for (const auto& c : m_.pending_copies()) {
       const auto t = m_.block_ids(id, c.group);
@@ -899,25 +1160,73 @@ class GroupsHarness {
     }
     return false;
   }
+  bool has_filling_block(SeqId id) const {
+    std::set<std::uint32_t> fills;  // issued (from the builds' swap_in lists) or queued for the next build
+    for (const auto& [dst, token] : filling_) fills.insert(dst);
+    for (const auto& t : m_.transfers().queued()) {
+      if (!pagedkv::is_device_to_host(t.kind)) fills.insert(t.device);
+    }
+    for (std::size_t g = 0; g < G(); ++g) {
+      for (auto b : m_.block_ids(id, g)) {
+        if (b != 0 && fills.contains(b)) return true;
+      }
+    }
+    return false;
+  }
 
   void free_one(bool preempt) {
+    if (!swapped_.empty() && rng_() % 4 == 0) {  // a swapped sequence: its host blocks are released
+      const SeqId id = swapped_.begin()->first;
+      m_.free(id);
+      swapped_.erase(id);
+      REQUIRE_FALSE(m_.is_swapped(id));
+      return;
+    }
     if (seqs_.empty()) return;
-    const SeqId id = pick();
+    free_seq(pick(), preempt);
+  }
+  // Free (or preempt by recompute) `id`; under retention, every block this release leaves cached carries the
+  // priority its RetentionConfig (or the default) gives its logical block.
+  void free_seq(SeqId id, bool preempt) {
+    std::vector<std::pair<std::uint32_t, std::size_t>> blocks;  // (block, logical index)
+    for (std::size_t g = 0; g < G(); ++g) {
+      const auto t = m_.block_ids(id, g);
+      for (std::size_t i = 0; i < t.size(); ++i) {
+        if (t[i] != 0) blocks.emplace_back(t[i], i);
+      }
+    }
     if (preempt) {
       m_.preempt(id);
     } else {
       m_.free(id);
     }
+    const ModelSeq s = seqs_[id];
     seqs_.erase(id);
+    if constexpr (requires { m_.allocator().eviction_policy().priority(std::uint32_t{1}); }) {
+      const auto& a = m_.allocator();
+      for (const auto& [b, i] : blocks) {
+        if (a.refcount(b) != 0 || !a.is_cached(b)) continue;
+        const std::uint8_t want = s.retention
+                                      ? pagedkv::block_retention(*s.retention, i * bs_, bs_, s.prompt_len).priority
+                                      : pagedkv::kDefaultRetentionPriority;
+        CAPTURE(b, i, s.prompt_len);
+        REQUIRE(a.eviction_policy().priority(b) == want);
+        ++retention_checks;
+      }
+    }
   }
 
   void rewind() {
     if (seqs_.empty()) return;
     const SeqId id = pick();
     ModelSeq& s = seqs_[id];
-    const std::size_t n = rng_() % (std::min<std::size_t>(s.tokens.size(), 8) + 1);
-    const std::size_t new_len = s.tokens.size() - n;
-    const std::size_t new_slotted = std::min(s.slotted, new_len);
+    const std::size_t len = s.tokens.size() + s.drafts.size();
+    const std::size_t n = rng_() % (std::min<std::size_t>(len, 8) + 1);
+    // Lookahead goes first, then known tokens.
+    const std::size_t drop_la = std::min(n, s.drafts.size());
+    const std::size_t new_known = s.tokens.size() - (n - drop_la);
+    const std::size_t new_la = s.drafts.size() - drop_la;
+    const std::size_t new_slotted = std::min(s.slotted, new_known + new_la);
     const std::size_t new_built = std::min(s.built, new_slotted);
     bool ok = true;
     for (std::size_t g = 0; g < G(); ++g) ok = ok && s.released[g] <= first_kept(g, new_built);
@@ -929,9 +1238,91 @@ class GroupsHarness {
       return;
     }
     m_.rewind(id, n);
-    s.tokens.resize(new_len);
+    s.tokens.resize(new_known);
+    s.drafts.resize(new_la);
     s.slotted = new_slotted;
     s.built = new_built;
+  }
+
+  // Preemption by swapping: every group's non-null blocks go to the host tier (copied by the next build's
+  // swap_out, or shared with a host block of the same hash); refused (false, nothing changes) when the host tier is
+  // full.
+  void swap_out() {
+    if (seqs_.empty()) return;
+    SeqId id = pick();
+    if (rng_() % 5 != 0) {  // mostly a settled one (swapping an unsettled one is refused)
+      std::vector<SeqId> ok;
+      for (const auto& [sid, s] : seqs_) {
+        if (settled(sid)) ok.push_back(sid);
+      }
+      if (!ok.empty()) id = ok[rng_() % ok.size()];
+    }
+    const Snapshot before = snapshot(m_);
+    if (!settled(id)) {
+      expect_error([&] { (void)m_.preempt(id, pagedkv::PreemptMode::kSwap); }, Errc::kInvalidArgument);
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    if (!m_.preempt(id, pagedkv::PreemptMode::kSwap)) {
+      ++swaps_refused;
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    ++swaps;
+    const ModelSeq& s = seqs_[id];
+    REQUIRE(m_.is_swapped(id));
+    REQUIRE_FALSE(m_.contains(id));
+    const auto hb = m_.swapped_host_blocks(id);
+    const std::size_t nb = (s.slotted + bs_ - 1) / bs_;
+    REQUIRE(hb.size() == G() * nb);
+    for (std::size_t g = 0; g < G(); ++g) {
+      for (std::size_t i = 0; i < nb; ++i) REQUIRE((hb[g * nb + i] == 0) == (i < s.released[g]));
+    }
+    swapped_[id] = s;
+    seqs_.erase(id);
+  }
+  void resume() {
+    if (swapped_.empty()) return;
+    auto it = swapped_.begin();
+    std::advance(it, static_cast<std::ptrdiff_t>(rng_() % swapped_.size()));
+    const SeqId id = it->first;
+    const Snapshot before = snapshot(m_);
+    const auto r = m_.try_resume(id);
+    if (r.status == AdmitStatus::kTransferPending) {  // a host block's swap-out or offload not completed yet
+      ++transfer_pending;
+      REQUIRE((!in_flight_.empty() || !m_.transfers().queued().empty()));
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    if (!r.admitted()) {
+      ++no_capacity;
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    ++resumes;
+    const ModelSeq& s = it->second;
+    REQUIRE(r.num_cached_tokens == s.slotted);
+    REQUIRE(r.num_host_cached_tokens <= r.num_cached_tokens);
+    REQUIRE(m_.num_tokens(id) == s.slotted);
+    REQUIRE(m_.num_built(id) == s.slotted);
+    seqs_[id] = s;
+    swapped_.erase(it);
+  }
+  // The copies of one issued build have completed (any order); a token never issued or completed twice is refused.
+  void complete() {
+    if (in_flight_.empty()) {
+      const Snapshot before = snapshot(m_);
+      expect_error([&] { m_.complete_transfers(987654321); }, Errc::kInvalidArgument);
+      REQUIRE(snapshot(m_) == before);
+      return;
+    }
+    const std::size_t i = rng_() % in_flight_.size();
+    const std::uint64_t token = in_flight_[i];
+    m_.complete_transfers(token);
+    ++completions;
+    in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+    std::erase_if(filling_, [&](const auto& e) { return e.second == token; });
+    if (rng_() % 8 == 0) expect_error([&] { m_.complete_transfers(token); }, Errc::kInvalidArgument);
   }
 
   void misuse() {
@@ -947,7 +1338,8 @@ class GroupsHarness {
       case 2:
         if (!seqs_.empty()) {
           const SeqId id = pick();
-          expect_error([&] { m_.rewind(id, seqs_[id].tokens.size() + 1); }, Errc::kLimitExceeded);
+          const std::size_t len = seqs_[id].tokens.size() + seqs_[id].drafts.size();
+          expect_error([&] { m_.rewind(id, len + 1); }, Errc::kLimitExceeded);
         }
         break;
       default:
@@ -1002,7 +1394,30 @@ class GroupsHarness {
     }
     dedups += m_.stats().dedup_blocks - dedup_before;
     ++builds;
-    // Execute the step on the shadow pool: per group its copies, then its slot mapping.
+    // Execute the step on the shadow pools in the contract's order: swap_out, swap_in, then per group its copies,
+    // then its slot mapping. The swap lists are group 0's; every other group's are empty.
+    for (std::size_t g = 1; g < G(); ++g) REQUIRE((sizes[g].num_swap_out == 0 && sizes[g].num_swap_in == 0));
+    if (sizes[0].transfer_token != 0) {
+      for (std::size_t g = 0; g < G(); ++g) REQUIRE(sizes[g].transfer_token == sizes[0].transfer_token);
+      in_flight_.push_back(sizes[0].transfer_token);
+    } else {
+      REQUIRE((sizes[0].num_swap_out == 0 && sizes[0].num_swap_in == 0));
+    }
+    for (std::size_t c = 0; c < sizes[0].num_swap_out; ++c) {
+      const auto dev = static_cast<std::size_t>(buf.swap_out[2 * c]);
+      const auto host = static_cast<std::size_t>(buf.swap_out[2 * c + 1]);
+      std::copy_n(shadow_.begin() + static_cast<std::ptrdiff_t>(dev * bs_), bs_,
+                  host_shadow_.begin() + static_cast<std::ptrdiff_t>(host * bs_));
+      ++swap_outs;
+    }
+    for (std::size_t c = 0; c < sizes[0].num_swap_in; ++c) {
+      const auto host = static_cast<std::size_t>(buf.swap_in[2 * c]);
+      const auto dev = static_cast<std::uint32_t>(buf.swap_in[2 * c + 1]);
+      std::copy_n(host_shadow_.begin() + static_cast<std::ptrdiff_t>(host * bs_), bs_,
+                  shadow_.begin() + static_cast<std::ptrdiff_t>(std::size_t{dev} * bs_));
+      filling_.emplace_back(dev, sizes[0].transfer_token);
+      ++swap_ins;
+    }
     for (std::size_t g = 0; g < G(); ++g) {
       std::set<std::int32_t> srcs, dsts;
       for (std::size_t c = 0; c < sizes[g].num_copies; ++c) {
@@ -1021,18 +1436,20 @@ class GroupsHarness {
       std::size_t tok = 0;
       for (std::size_t b = 0; b < batch.size(); ++b) {
         const ModelSeq& s = seqs_[batch[b]];
+        const auto fp = fps(g, s.ids());
         REQUIRE(buf.qo_indptr[g][b] == static_cast<std::int32_t>(tok));
         REQUIRE(buf.seq_lens[g][b] == static_cast<std::int32_t>(s.built + sched[b]));
         for (std::size_t j = 0; j < sched[b]; ++j) {
           const std::int64_t slot = buf.slots[g][tok + j];
           if (slot < 0) continue;  // deduplicated: the registered block holds the same content
-          shadow_[static_cast<std::size_t>(slot)] = fp(g, s.tokens, s.built + j);
+          shadow_[static_cast<std::size_t>(slot)] = fp[s.built + j];
         }
         // The step's page table: every page from first_needed_token on is a real block (no query: none read).
         const std::size_t len = sched[b] == 0 ? 0 : s.built + sched[b];
         const auto first = static_cast<std::size_t>(
             m_.window(g).first_needed_token(static_cast<std::int64_t>(len), static_cast<std::int64_t>(sched[b])));
         for (std::size_t i = first / bs_; i * bs_ < len; ++i) {
+          CAPTURE(batch[b], g, i, first, len);
           REQUIRE(buf.indices[g][static_cast<std::size_t>(buf.indptr[g][b]) + i] != 0);
         }
         tok += sched[b];
@@ -1042,26 +1459,91 @@ class GroupsHarness {
       ModelSeq& s = seqs_[batch[b]];
       s.built += sched[b];
       for (std::size_t g = 0; g < G(); ++g) {
-        const std::size_t kept = first_kept(g, s.built);
-        if (kept > s.released[g]) ++releases;
-        s.released[g] = std::max(s.released[g], kept);
+        const std::size_t kept_from = first_kept(g, std::min(s.built, s.tokens.size()));  // drafts may be rejected
+        if (kept_from > s.released[g]) ++releases;
+        s.released[g] = std::max(s.released[g], kept_from);
       }
     }
-    // Content: every built position in a real block of every group reads back its own fingerprint. A block whose
-    // copy-on-write is still pending (its sequence was not in this batch) is filled by the copy that its own
-    // batch's build issues, before any kernel of that step reads it: until then its content is the source's.
+    check_content();
+  }
+
+  // Every built position of every live sequence, in a real block of every group, reads back its own fingerprint;
+  // every block registered in a group's device index, and every keyed host block, holds the content of the token
+  // prefix its hash names; every swapped sequence's host blocks hold its positions.
+  void check_content() {
+    // A block whose copy-on-write is still pending (its sequence was not in this batch) is filled by the copy that
+    // its own batch's build issues, before any kernel of that step reads it: until then its content is the source's.
     std::map<std::pair<std::size_t, std::uint32_t>, std::uint32_t> copy_src;  // (group, dst) -> src
     for (const auto& c : m_.pending_copies()) copy_src[{c.group, c.dst}] = c.src;
     for (const auto& [id, s] : seqs_) {
       for (std::size_t g = 0; g < G(); ++g) {
+        const auto fp = fps(g, s.ids());
         const auto t = m_.block_ids(id, g);
         for (std::size_t p = s.released[g] * bs_; p < s.built; ++p) {
           std::uint32_t blk = t[p / bs_];
           for (auto it = copy_src.find({g, blk}); it != copy_src.end(); it = copy_src.find({g, blk})) blk = it->second;
           const std::size_t slot = static_cast<std::size_t>(blk) * bs_ + p % bs_;
-          CAPTURE(id, g, p, t[p / bs_], blk);
-          REQUIRE(shadow_[slot] == fp(g, s.tokens, p));
+          if (shadow_[slot] != fp[p]) {  // (no REQUIRE per position: Catch's bookkeeping would dominate the run)
+            FAIL("content of sequence " << id << " group " << g << " position " << p << " in block " << t[p / bs_]
+                                        << " (read from " << blk << ")");
+          }
           ++content_checks;
+        }
+      }
+    }
+    const auto check_block = [&](const std::vector<std::uint64_t>& pool, std::size_t blk, std::size_t g,
+                                 const BlockHash& key) {
+      const auto it = prefix_of_.find(key);
+      REQUIRE(it != prefix_of_.end());  // every registered hash is one the model has seen
+      const Toks& prefix = it->second;
+      const std::size_t base = prefix.size() - bs_;
+      const auto fp = fps(g, prefix);
+      for (std::size_t j = 0; j < bs_; ++j) {
+        if (pool[blk * bs_ + j] != fp[base + j]) {
+          FAIL("content of registered block " << blk << " (" << (&pool == &shadow_ ? "device" : "host") << ", group "
+                                              << g << ") at position " << base + j);
+        }
+      }
+    };
+    for (std::size_t g = 0; g < G(); ++g) {
+      for (std::uint32_t b = 1; b < m_.allocator().num_blocks(); ++b) {
+        if (const auto h = m_.prefix_index(g).hash_of(b)) {
+          check_block(shadow_, b, g, host_key(*h, g));
+          ++registered_content_checks;
+        }
+      }
+    }
+    if (const auto* host = m_.host_tier()) {
+      // Every keyed host block's copy was issued by now (builds issue every queued copy): its content is there.
+      for (std::uint32_t hb = 1; hb < host->allocator().num_blocks(); ++hb) {
+        const auto key = host->index().hash_of(hb);
+        if (!key) continue;
+        REQUIRE(prefix_of_.contains(*key));  // every host key is one the model has seen
+        // The content fingerprints the group: recover it from the stored prefix's hash (key = host_key(h, g)).
+        const Toks& prefix = prefix_of_.at(*key);
+        const auto h = chain(m_, prefix);
+        std::size_t grp = G();
+        for (std::size_t gg = 0; gg < G(); ++gg) {
+          if (host_key(h.back(), gg) == *key) grp = gg;
+        }
+        REQUIRE(grp < G());
+        check_block(host_shadow_, hb, grp, *key);
+        ++host_content_checks;
+      }
+      for (const auto& [id, s] : swapped_) {
+        const auto hb = m_.swapped_host_blocks(id);
+        const std::size_t nb = hb.size() / G();
+        for (std::size_t g = 0; g < G(); ++g) {
+          const auto fp = fps(g, s.ids());
+          for (std::size_t i = 0; i < nb; ++i) {
+            if (hb[g * nb + i] == 0) continue;
+            for (std::size_t p = i * bs_; p < std::min(s.slotted, (i + 1) * bs_); ++p) {
+              if (host_shadow_[std::size_t{hb[g * nb + i]} * bs_ + p % bs_] != fp[p]) {
+                FAIL("host content of swapped sequence " << id << " group " << g << " position " << p);
+              }
+              ++host_content_checks;
+            }
+          }
         }
       }
     }
@@ -1070,11 +1552,12 @@ class GroupsHarness {
   void check() {
     const auto& a = m_.allocator();
     std::map<std::uint32_t, std::uint32_t> holders;
-    std::map<std::uint32_t, std::size_t> group_of_holder;
     REQUIRE(m_.num_sequences() == seqs_.size());
+    REQUIRE(m_.num_swapped() == swapped_.size());
     for (const auto& [id, s] : seqs_) {
       REQUIRE(m_.num_tokens(id) == s.slotted);
       REQUIRE(m_.num_built(id) == s.built);
+      REQUIRE(m_.sequence(id).num_lookahead == s.drafts.size());
       const auto t = m_.token_ids(id);
       REQUIRE(Toks(t.begin(), t.end()) == s.tokens);
       const auto h = chain(m_, s.tokens);
@@ -1083,14 +1566,14 @@ class GroupsHarness {
         REQUIRE(tbl.size() == (s.slotted + bs_ - 1) / bs_);
         REQUIRE(m_.num_null_blocks(id, g) == s.released[g]);
         for (std::size_t i = 0; i < tbl.size(); ++i) {
-          REQUIRE((tbl[i] == 0) == (i < s.released[g]));
+          if ((tbl[i] == 0) != (i < s.released[g])) FAIL("seq " << id << " group " << g << " null entry " << i);
           if (tbl[i] == 0) continue;
           ++holders[tbl[i]];
-          REQUIRE(m_.group_of(tbl[i]) == g);
+          if (m_.group_of(tbl[i]) != g) FAIL("block " << tbl[i] << " of group " << g << " tagged otherwise");
           if (const auto reg = m_.prefix_index(g).hash_of(tbl[i])) {
             // Registered under the chain hash of this sequence's own tokens (a block left partial by a rewind
             // keeps its registration: its content is still that of the longer sequence).
-            if (i < h.size()) REQUIRE(*reg == h[i]);
+            if (i < h.size() && !(*reg == h[i])) FAIL("seq " << id << " group " << g << " block " << i << " hash");
           }
         }
       }
@@ -1100,12 +1583,16 @@ class GroupsHarness {
       REQUIRE(m_.group_of(c.src) == c.group);
       REQUIRE(m_.group_of(c.dst) == c.group);
     }
+    for (const auto& [dst, token] : filling_) ++holders[dst];  // a fill in flight pins its destination
+    for (const auto& t : m_.transfers().queued()) {
+      if (!pagedkv::is_device_to_host(t.kind)) ++holders[t.device];  // a queued fill too
+    }
     std::vector<std::size_t> held(G(), 0);
     std::size_t used = 0, cached = 0, free = 0;
     for (std::uint32_t b = 1; b < a.num_blocks(); ++b) {
       const auto it = holders.find(b);
       const std::uint32_t want = it == holders.end() ? 0 : it->second;
-      REQUIRE(a.refcount(b) == want);
+      if (a.refcount(b) != want) FAIL("block " << b << " refcount " << a.refcount(b) << ", holders " << want);
       if (want > 0) {
         ++used;
         ++held[m_.group_of(b)];
@@ -1117,24 +1604,55 @@ class GroupsHarness {
       // Hashed <=> registered, in exactly the group the block belongs to.
       std::size_t regs = 0;
       for (std::size_t g = 0; g < G(); ++g) regs += m_.prefix_index(g).hash_of(b).has_value() ? 1 : 0;
-      REQUIRE(regs == (a.is_hashed(b) ? 1U : 0U));
-      if (a.is_hashed(b)) REQUIRE(m_.prefix_index(m_.group_of(b)).hash_of(b).has_value());
+      if (regs != (a.is_hashed(b) ? 1U : 0U)) {
+        FAIL("block " << b << " in " << regs << " indexes, hashed " << a.is_hashed(b));
+      }
+      if (a.is_hashed(b) && !m_.prefix_index(m_.group_of(b)).hash_of(b)) {
+        FAIL("block " << b << " not in its group's index");
+      }
     }
     const auto st = m_.stats();
     REQUIRE(st.blocks_used == used);
     REQUIRE(st.blocks_cached == cached);
     REQUIRE(st.blocks_free == free);
     for (std::size_t g = 0; g < G(); ++g) REQUIRE(m_.held_blocks(g) == held[g]);
+    if (const auto* host = m_.host_tier()) {
+      // Host blocks are held by swapped sequences (each entry once) and by copies queued or in flight.
+      std::map<std::uint32_t, std::uint32_t> host_holders;
+      for (const auto& [id, s] : swapped_) {
+        for (auto hb : m_.swapped_host_blocks(id)) {
+          if (hb != 0) ++host_holders[hb];
+        }
+      }
+      for (const auto& t : m_.transfers().queued()) ++host_holders[t.host];
+      for (const auto& t : m_.transfers().in_flight()) ++host_holders[t.host];
+      for (std::uint32_t hb = 1; hb < host->allocator().num_blocks(); ++hb) {
+        const auto it = host_holders.find(hb);
+        const std::uint32_t want = it == host_holders.end() ? 0U : it->second;
+        if (host->allocator().refcount(hb) != want) FAIL("host block " << hb << " refcount, holders " << want);
+      }
+      REQUIRE(st.transfers_in_flight == m_.transfers().in_flight().size());
+    }
   }
 
-  Mgr m_;
+  M m_;
   std::uint32_t bs_;
+  HarnessOptions opt_;
   std::mt19937_64 rng_;
-  std::vector<std::uint64_t> shadow_;
+  std::vector<std::uint64_t> shadow_;       // [num_blocks x bs] device pool content
+  std::vector<std::uint64_t> host_shadow_;  // [num_host_blocks x bs] host tier content
   std::vector<Toks> prefixes_;
   std::map<SeqId, ModelSeq> seqs_;
+  std::map<SeqId, ModelSeq> swapped_;
+  std::vector<std::uint64_t> in_flight_;                       // transfer tokens issued, not completed
+  std::vector<std::pair<std::uint32_t, std::uint64_t>> filling_;  // (device block, token) of issued fills
+  std::unordered_map<BlockHash, Toks, pagedkv::BlockHashHasher> prefix_of_;  // host key -> token prefix
   SeqId next_id_ = 1;
 };
+
+using LruHarness = GroupsHarness<Mgr>;
+using PrioMgr =
+    pagedkv::KVCacheManager<pagedkv::Xxh3Hasher, std::uint32_t, pagedkv::PriorityLruEviction<std::uint32_t>>;
 
 }  // namespace
 
@@ -1157,7 +1675,7 @@ TEST_CASE("HybridKVCacheManager: randomized operations against a shadow model an
   for (const Cfg& c : cfgs) {
     for (std::uint64_t seed : {1ULL, 2ULL, 3ULL}) {
       CAPTURE(c.name, seed);
-      GroupsHarness h(c.bs, c.blocks, c.groups, seed * 1000 + c.bs);
+      LruHarness h(c.bs, c.blocks, c.groups, seed * 1000 + c.bs);
       h.run(1500);
       INFO("builds " << h.builds << " admitted " << h.admitted << " hits " << h.hits << " no_capacity "
                      << h.no_capacity << " content " << h.content_checks << " copies " << h.copies << " releases "
@@ -1174,6 +1692,94 @@ TEST_CASE("HybridKVCacheManager: randomized operations against a shadow model an
     }
   }
   CHECK(total_kept > 10);
+}
+
+TEST_CASE("HybridKVCacheManager: randomized groups with lookahead, prepared prompts, host tier and retention",
+          "[kv_cache_groups][model][model_full]") {
+  struct Cfg {
+    const char* name;
+    std::uint32_t bs;
+    std::size_t blocks, host_blocks;
+    std::vector<KVCacheGroupSpec> groups;
+  };
+  const std::vector<Cfg> cfgs = {
+      {"bs1 full+swa3", 1, 160, 120, {full(), swa(3)}},
+      {"bs4 full+swa6+chunk8", 4, 90, 60, {full(), swa(6), chunked(8)}},
+      {"bs4 swa1+swa5+chunk6", 4, 70, 40, {swa(1), swa(5), chunked(6)}},
+      {"bs16 full+swa20+swa40", 16, 60, 30, {full(), swa(20), swa(40)}},
+      {"bs4 full+full", 4, 50, 20, {full(), full()}},
+      {"bs4 full", 4, 40, 30, {full()}},
+  };
+  std::size_t lookaheads = 0, accepted = 0, rejected = 0, prepared = 0, swaps = 0, swaps_refused = 0, resumes = 0,
+              pending = 0, swap_ins = 0, onboarded = 0, completions = 0;
+  for (const Cfg& c : cfgs) {
+    for (std::uint64_t seed : {11ULL, 12ULL}) {
+      CAPTURE(c.name, seed);
+      HarnessOptions o;
+      o.host_blocks = c.host_blocks;
+      o.lookahead = true;
+      o.prepared = true;
+      GroupsHarness<Mgr> h(c.bs, c.blocks, c.groups, seed * 1000 + c.bs, o);
+      h.run(1500);
+      INFO("builds " << h.builds << " admitted " << h.admitted << " hits " << h.hits << " content "
+                     << h.content_checks << " lookaheads " << h.lookaheads << " accepted " << h.drafts_accepted
+                     << " rejected " << h.drafts_rejected << " prepared " << h.prepared << " swaps " << h.swaps
+                     << " refused " << h.swaps_refused << " resumes " << h.resumes << " pending "
+                     << h.transfer_pending << " swap_outs " << h.swap_outs << " swap_ins " << h.swap_ins
+                     << " onboarded tokens " << h.onboarded_tokens << " completions " << h.completions
+                     << " host content " << h.host_content_checks << " registered content "
+                     << h.registered_content_checks << " releases " << h.releases);
+      CHECK(h.builds > 100);
+      CHECK(h.content_checks > 1000);
+      CHECK(h.swap_outs > 10);
+      CHECK(h.host_content_checks > 100);
+      CHECK(h.registered_content_checks > 100);
+      lookaheads += h.lookaheads;
+      accepted += h.drafts_accepted;
+      rejected += h.drafts_rejected;
+      prepared += h.prepared;
+      swaps += h.swaps;
+      swaps_refused += h.swaps_refused;
+      resumes += h.resumes;
+      pending += h.transfer_pending;
+      swap_ins += h.swap_ins;
+      onboarded += h.onboarded_tokens;
+      completions += h.completions;
+    }
+  }
+  INFO("lookaheads " << lookaheads << " accepted " << accepted << " rejected " << rejected << " prepared " << prepared
+                     << " swaps " << swaps << " refused " << swaps_refused << " resumes " << resumes << " pending "
+                     << pending << " swap_ins " << swap_ins << " onboarded tokens " << onboarded << " completions "
+                     << completions);
+  CHECK(lookaheads > 300);
+  CHECK(accepted > 200);
+  CHECK(rejected > 200);
+  CHECK(prepared > 300);
+  CHECK(swaps > 100);
+  CHECK(swaps_refused > 0);
+  CHECK(resumes > 50);
+  CHECK(pending > 0);
+  CHECK(swap_ins > 100);
+  CHECK(onboarded > 0);
+  CHECK(completions > 500);
+}
+
+TEST_CASE("HybridKVCacheManager: randomized groups under PriorityLruEviction - retention priorities of cached blocks",
+          "[kv_cache_groups][model][retention]") {
+  for (std::uint64_t seed : {21ULL, 22ULL, 23ULL}) {
+    CAPTURE(seed);
+    HarnessOptions o;
+    o.host_blocks = 40;
+    o.lookahead = true;
+    o.retention = true;
+    GroupsHarness<PrioMgr> h(4, 80, {full(), swa(6), chunked(8)}, seed, o);
+    h.run(1500);
+    INFO("admitted " << h.admitted << " with retention " << h.retention_admits << " priority checks "
+                     << h.retention_checks << " content " << h.content_checks);
+    CHECK(h.retention_admits > 30);
+    CHECK(h.retention_checks > 100);
+    CHECK(h.content_checks > 1000);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
