@@ -223,6 +223,7 @@ class KVCacheManager {
     p.tokens.assign(prompt.begin(), prompt.end());
     if (keys != nullptr && !keys->empty()) p.keys = std::make_shared<const RequestKeys>(*keys);
     p.root = index_.root();
+    p.block_size = config_.block_size;
     if (config_.enable_prefix_caching) index_.hash_full_blocks(prompt, config_.block_size, keys, p.hashes);
     return p;
   }
@@ -1264,11 +1265,15 @@ class KVCacheManager {
 
   void check_prepared(const PreparedPrompt& p, const char* what) const {
     validate_prompt(p.tokens, p.keys.get(), what, nullptr);
-    if (!(p.root == index_.root()) ||
+    // The block size is compared, not inferred from the hash count: 6 tokens hash 1 block at block size 4 and at 5,
+    // and a block hashed over 4 tokens must never be registered for 5.
+    if (!(p.root == index_.root()) || p.block_size != config_.block_size ||
         (config_.enable_prefix_caching && p.hashes.size() != p.tokens.size() / config_.block_size)) {
       detail::raise(Errc::kInvalidArgument, std::string(what) +
                                                 ": the prepared prompt was not prepared by a manager with this "
-                                                "hasher, seed and block size");
+                                                "hasher, seed and block size (prepared with block size " +
+                                                std::to_string(p.block_size) + ", this manager's is " +
+                                                std::to_string(config_.block_size) + ")");
     }
   }
 

@@ -66,6 +66,7 @@ struct PreparedPrompt {
   std::shared_ptr<const RequestKeys> keys;  ///< null = no extra keys
   std::vector<BlockHash> hashes;
   BlockHash root;                           ///< The chain root it was hashed under.
+  std::uint32_t block_size = 0;             ///< Tokens per block it was hashed with (0: not prepared).
 };
 
 /// Outcome of a capacity query (`query_admit`, `query_append`): what the call would answer now.

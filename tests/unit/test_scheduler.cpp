@@ -288,6 +288,19 @@ TEST_CASE("a prepared prompt is hashed once and admits like the prompt itself", 
   CHECK_FALSE(m.contains(4));
   CHECK_THAT(expect_error([&] { (void)m.prepare_prompt(Toks{}); }, Errc::kInvalidArgument),
              Catch::Contains("empty prompt"));
+  {  // Another block size with the same number of full blocks (6 tokens: one block of 4, one of 5) is refused too:
+     // it was accepted, and the block hashed over tokens [0, 4) was registered for [0, 5), a wrong hit later.
+    Mgr m4(cfg(16, 4));
+    Mgr m5(cfg(16, 5));
+    const auto by4 = m4.prepare_prompt(toks(0, 6));
+    REQUIRE(by4.hashes.size() == 6 / 5);
+    CHECK_THAT(expect_error([&] { m5.try_admit(1, by4); }, Errc::kInvalidArgument),
+               Catch::Contains("prepared with block size 4, this manager's is 5"));
+    CHECK_THAT(expect_error([&] { (void)m5.query_admit(by4); }, Errc::kInvalidArgument),
+               Catch::Contains("block size"));
+    CHECK_FALSE(m5.contains(1));
+    CHECK(m5.stats().blocks_used == 0);
+  }
 }
 
 TEST_CASE("interval prefix-cache statistics use vLLM's names and count re-admissions apart",
