@@ -2,7 +2,8 @@
 
 The manager (KVCacheManager) admits prompts with prefix caching, grows sequences a token or a chunk at a time, forks,
 frees, preempts and rewinds them, and writes each step's batch metadata (page table, slot mapping, copy lists)
-straight into caller-owned numpy arrays. See docs/python.md.
+straight into caller-owned numpy arrays, one set per KV-cache group for hybrid models (CacheConfig.groups). See
+docs/python.md.
 
 Errors: misuse raises pagedkv.Error (``.code`` a pagedkv.Errc, ``.message``) through its subclass for the code, and
 changes nothing; expected outcomes (no capacity, never fits, prefix miss) are returned as values.
@@ -16,6 +17,8 @@ from ._pagedkv import (  # noqa: F401  (re-exported)
     AdmitStatus,
     AppendResult,
     AppendStatus,
+    AttentionKind,
+    AttentionWindow,
     BadShapeError,
     BatchMetadataCapacity,
     BatchMetadataLimits,
@@ -25,22 +28,28 @@ from ._pagedkv import (  # noqa: F401  (re-exported)
     CacheStats,
     CapacityQuery,
     CapacityStatus,
+    DEFAULT_RETENTION_PRIORITY,
     DoubleFreeError,
     DuplicateSequenceError,
     Errc,
     Error,
     InvalidArgumentError,
+    KVCacheGroupSpec,
     KVCacheManager,
     KVEvent,
     KVEventBatch,
     KVEventType,
     LimitExceededError,
+    MAX_RETENTION_PRIORITY,
     Medium,
     MultimodalItem,
     OffloadPolicy,
     PreemptMode,
     PrefixCacheStats,
+    PreparedPrompt,
     RequestKeys,
+    RetentionConfig,
+    TokenRangeRetention,
     UnknownSequenceError,
     __version__,
     batch_metadata_capacity,

@@ -3,8 +3,9 @@ pagedkv: paged KV-cache management (block tables, prefix caching, eviction, even
 """
 
 from collections.abc import Sequence
+import datetime
 import enum
-from typing import Annotated
+from typing import Annotated, overload
 
 import numpy
 import numpy.typing
@@ -120,12 +121,99 @@ class Medium(enum.Enum):
 
     CPU = 1
 
+class AttentionKind(enum.Enum):
+    """
+    The attention type of a KV-cache group (vLLM's FullAttentionSpec / SlidingWindowSpec / ChunkedLocalAttentionSpec; group_policy.hpp).
+    """
+
+    FULL = 0
+    """Every earlier key is visible: the group keeps every block."""
+
+    SLIDING_WINDOW = 1
+    """
+    A query at p sees keys (p - W, p]: W keys, itself included (FlashInfer window_left = W - 1).
+    """
+
+    CHUNKED_LOCAL = 2
+    """
+    Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].
+    """
+
+class AttentionWindow:
+    """
+    Which keys a query sees (kernel_params.hpp): sliding_window_tokens W (0 = none) and attention_chunk_tokens C (0 = none); what a group's kernels and decode plan take.
+    """
+
+    def __init__(self, sliding_window_tokens: int = 0, attention_chunk_tokens: int = 0) -> None: ...
+
+    @property
+    def sliding_window_tokens(self) -> int: ...
+
+    @sliding_window_tokens.setter
+    def sliding_window_tokens(self, arg: int, /) -> None: ...
+
+    @property
+    def attention_chunk_tokens(self) -> int: ...
+
+    @attention_chunk_tokens.setter
+    def attention_chunk_tokens(self, arg: int, /) -> None: ...
+
+    @property
+    def enabled(self) -> bool:
+        """Whether some key can be masked (W > 0 or C > 0)."""
+
+    def first_visible(self, pos: int) -> int:
+        """
+        The first key position a query at `pos` sees (0 when nothing is masked).
+        """
+
+    def first_needed_token(self, kv_len_tokens: int, num_queries: int) -> int:
+        """
+        The first key read for a sequence of kv_len_tokens keys whose last num_queries are queries: pages wholly before it are never read (their page-table entries may be the null block 0).
+        """
+
+    def __eq__(self, arg: AttentionWindow, /) -> bool: ...
+
+    def __repr__(self) -> str: ...
+
+class KVCacheGroupSpec:
+    """
+    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, 0 for FULL) and `num_layers` (for byte accounting only). Checked by KVCacheManager.
+    """
+
+    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1) -> None: ...
+
+    @property
+    def kind(self) -> AttentionKind: ...
+
+    @kind.setter
+    def kind(self, arg: AttentionKind, /) -> None: ...
+
+    @property
+    def window_tokens(self) -> int: ...
+
+    @window_tokens.setter
+    def window_tokens(self, arg: int, /) -> None: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @num_layers.setter
+    def num_layers(self, arg: int, /) -> None: ...
+
+    def window(self) -> AttentionWindow:
+        """The kernels' AttentionWindow of this group (off for FULL)."""
+
+    def __eq__(self, arg: KVCacheGroupSpec, /) -> bool: ...
+
+    def __repr__(self) -> str: ...
+
 class CacheConfig:
     """Configuration of one KV pool (kv_cache_manager.hpp CacheConfig)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0) -> None:
         """
-        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier. Checked by KVCacheManager.
+        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting). Checked by KVCacheManager.
         """
 
     @property
@@ -182,6 +270,19 @@ class CacheConfig:
     @min_offload_priority.setter
     def min_offload_priority(self, arg: int, /) -> None: ...
 
+    @property
+    def groups(self) -> list[KVCacheGroupSpec]:
+        """The KV-cache groups (a copy: assign a new list to change them)."""
+
+    @groups.setter
+    def groups(self, arg: Sequence[KVCacheGroupSpec], /) -> None: ...
+
+    @property
+    def page_size_bytes(self) -> int: ...
+
+    @page_size_bytes.setter
+    def page_size_bytes(self, arg: int, /) -> None: ...
+
     def __repr__(self) -> str: ...
 
 class MultimodalItem:
@@ -215,6 +316,100 @@ class RequestKeys:
 
     @property
     def multimodal(self) -> list[MultimodalItem]: ...
+
+DEFAULT_RETENTION_PRIORITY: int = 35
+
+MAX_RETENTION_PRIORITY: int = 100
+
+class TokenRangeRetention:
+    """
+    Retention priority of prompt tokens [begin, end) (TensorRT-LLM's TokenRangeRetentionConfig; retention.hpp): `priority` 0..100 (higher = evicted later; default 35), held for `duration` after the block is cached (None = as long as it stays cached; a timedelta or seconds, on the manager's retention clock).
+    """
+
+    def __init__(self, begin: int = 0, end: int | None = None, priority: int = 35, duration: datetime.timedelta | None = None) -> None: ...
+
+    @property
+    def begin(self) -> int:
+        """First token position of the range."""
+
+    @begin.setter
+    def begin(self, arg: int, /) -> None: ...
+
+    @property
+    def end(self) -> int | None:
+        """One past the last; None = to the end of the prompt."""
+
+    @end.setter
+    def end(self, arg: int | None, /) -> None: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    @priority.setter
+    def priority(self, arg: int, /) -> None: ...
+
+    @property
+    def duration(self) -> datetime.timedelta | None: ...
+
+    @duration.setter
+    def duration(self, arg: datetime.timedelta | None, /) -> None: ...
+
+    def __repr__(self) -> str: ...
+
+class RetentionConfig:
+    """
+    A request's retention priorities (TensorRT-LLM's KvCacheRetentionConfig; retention.hpp): prompt token `ranges` (sorted by begin, disjoint; uncovered positions get the default priority) and `decode_priority` / `decode_duration` for blocks holding only generated tokens. A block takes the highest priority among the ranges it overlaps when its last holder releases it. Applies under eviction="priority" only; validated at admission (InvalidArgumentError naming the range).
+    """
+
+    def __init__(self, ranges: Sequence[TokenRangeRetention] = [], decode_priority: int = 35, decode_duration: datetime.timedelta | None = None) -> None: ...
+
+    @property
+    def ranges(self) -> list[TokenRangeRetention]:
+        """The token ranges (a copy: assign a new list to change them)."""
+
+    @ranges.setter
+    def ranges(self, arg: Sequence[TokenRangeRetention], /) -> None: ...
+
+    @property
+    def decode_priority(self) -> int: ...
+
+    @decode_priority.setter
+    def decode_priority(self, arg: int, /) -> None: ...
+
+    @property
+    def decode_duration(self) -> datetime.timedelta | None: ...
+
+    @decode_duration.setter
+    def decode_duration(self, arg: datetime.timedelta | None, /) -> None: ...
+
+    def validate(self) -> None:
+        """
+        Raise InvalidArgumentError as an admission with this config would (priority above 100, a duration <= 0, an empty, unsorted or overlapping range).
+        """
+
+class PreparedPrompt:
+    """
+    A prompt validated and hashed once by KVCacheManager.prepare_prompt, for admissions retried step after step while the pool is full (try_admit / query_admit take it without hashing again). Tied to the hasher, seed and block size of the manager that prepared it. Immutable.
+    """
+
+    def __len__(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def tokens(self) -> list[int]:
+        """The token ids (a new list)."""
+
+    @property
+    def keys(self) -> RequestKeys | None:
+        """The extra keys (a copy), or None."""
+
+    @property
+    def hashes(self) -> list[bytes]:
+        """
+        The block hashes of its full blocks, [len // block_size] 16-byte bytes (empty without prefix caching).
+        """
 
 class AdmitResult:
     """Result of try_admit / try_resume. Only ADMITTED changed state."""
@@ -264,6 +459,12 @@ class AppendResult:
 
     @property
     def num_missing_blocks(self) -> int: ...
+
+    @property
+    def num_new_blocks(self) -> int:
+        """
+        OK: blocks taken from the pool over all groups (new blocks and copies).
+        """
 
     @property
     def ok(self) -> bool: ...
@@ -606,9 +807,21 @@ class KVCacheManager:
     @property
     def max_tokens_per_seq(self) -> int: ...
 
-    def try_admit(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None) -> AdmitResult:
+    @overload
+    def try_admit(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None) -> AdmitResult:
         """
-        Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. Raises DuplicateSequenceError, InvalidArgumentError (empty prompt, bad multimodal item), LimitExceededError (prompt > max_tokens_per_seq).
+        Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its blocks take when released (copied; eviction="priority" only). Raises DuplicateSequenceError, InvalidArgumentError (empty prompt, bad multimodal item, invalid retention), LimitExceededError (prompt > max_tokens_per_seq).
+        """
+
+    @overload
+    def try_admit(self, seq: int, prompt: PreparedPrompt, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None) -> AdmitResult:
+        """
+        try_admit of a prompt hashed beforehand by prepare_prompt (its keys included): no hashing. Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.
+        """
+
+    def prepare_prompt(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None) -> PreparedPrompt:
+        """
+        Validate `prompt` (with `keys`) and hash its full blocks once (GIL released), for try_admit / query_admit retries. Pure. Raises as try_admit for invalid input.
         """
 
     def try_append(self, seq: int, tokens: numpy.typing.NDArray[numpy.int32] | Sequence[int]) -> AppendResult:
@@ -667,8 +880,23 @@ class KVCacheManager:
         Cached prefix length in tokens of `prompt` if it were admitted now (pure).
         """
 
-    def query_admit(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None) -> CapacityQuery:
+    @overload
+    def query_admit(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None) -> CapacityQuery:
         """What try_admit would take now (pure)."""
+
+    @overload
+    def query_admit(self, prompt: PreparedPrompt, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None) -> CapacityQuery:
+        """What try_admit of a prepared prompt would take now (pure, no hashing)."""
+
+    def expire_retention(self, now: datetime.timedelta) -> int:
+        """
+        Retention clock tick: record `now` (seconds or a timedelta on the steady clock, i.e. time.monotonic(); the clock never goes back) and let every cached block whose retention duration expired by then fall back to the default priority, in both tiers. Durations count from the last `now` recorded: call it once per step. Returns how many cached blocks changed priority (0 unless eviction="priority").
+        """
+
+    def retention_now(self) -> datetime.timedelta:
+        """
+        The retention clock: the latest `now` given to expire_retention (a timedelta since the steady clock's epoch; 0 before the first call).
+        """
 
     def query_append(self, seq: int, n: int) -> CapacityQuery:
         """What growing `seq` by `n` slots would take now (pure)."""
@@ -686,16 +914,91 @@ class KVCacheManager:
     def num_tokens(self, seq: int) -> int:
         """Tokens of live sequence `seq` (positions with slots)."""
 
-    def block_ids(self, seq: int) -> Annotated[NDArray[numpy.uint32], dict(shape=(None,))]:
-        """Block ids of live sequence `seq` (a new uint32 array)."""
+    def block_ids(self, seq: int, group: int = 0) -> Annotated[NDArray[numpy.uint32], dict(shape=(None,))]:
+        """
+        Group `group`'s block table of live sequence `seq` (a new uint32 array; a windowed group's leading entries may be the null block 0). Raises UnknownSequenceError, InvalidArgumentError (group).
+        """
 
     def token_ids(self, seq: int) -> list[int]:
         """Token ids of live sequence `seq` (a new list)."""
 
-    def pending_slots(self, seq: int) -> list[int]:
-        """Slots of the pending (unbuilt) positions of `seq`."""
+    def pending_slots(self, seq: int, group: int = 0) -> list[int]:
+        """
+        Slots of the pending (unbuilt) positions of `seq` in group `group`'s blocks.
+        """
 
     def is_swapped(self, seq: int) -> bool: ...
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups (1 for a plain full-attention pool)."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        """
+        Bytes of one pool block: page_size_bytes x the most layers of any group (0 without page_size_bytes).
+        """
+
+    def window(self, group: int) -> AttentionWindow:
+        """
+        The AttentionWindow of group `group` (off for full attention). Raises InvalidArgumentError.
+        """
+
+    def window_block_bound(self, group: int, chunk_tokens: int) -> int | None:
+        """
+        Most blocks a sequence holds in windowed group `group` growing by at most `chunk_tokens` per build: ceil((W - 1 + chunk) / block_size) + 1 (chunked-local: C - 1 for W - 1); None for a full group. Raises InvalidArgumentError.
+        """
+
+    def num_null_blocks(self, seq: int, group: int = 0) -> int:
+        """
+        Leading null blocks (0) of group `group`'s table of `seq`: blocks released behind a windowed group's window, or before the window at a prefix hit. Raises UnknownSequenceError, InvalidArgumentError.
+        """
+
+    def num_built(self, seq: int) -> int:
+        """
+        Positions of `seq` whose writes a build issued (or served by prefix hits).
+        """
+
+    def held_blocks(self, group: int) -> int:
+        """
+        Blocks group `group` holds now (refcount > 0, each shared block once). Raises InvalidArgumentError.
+        """
+
+    def peak_held_blocks(self, group: int) -> int:
+        """
+        The most blocks group `group` held at once since construction or reset_peaks().
+        """
+
+    def held_bytes(self, group: int) -> int:
+        """held_blocks(group) x bytes_per_block."""
+
+    def peak_used_blocks(self) -> int:
+        """
+        The most blocks all groups held at once since construction or reset_peaks().
+        """
+
+    def reset_peaks(self) -> None:
+        """Restart the peaks at the current values."""
+
+    def group_of(self, block: int) -> int:
+        """
+        The group whose table holds (or last held) pool block `block` (0 with one group). Raises BlockOutOfRangeError.
+        """
+
+    def num_cached_blocks(self, group: int = 0) -> int:
+        """
+        Blocks registered in group `group`'s prefix index (cached: held or evictable). Raises InvalidArgumentError.
+        """
+
+    def cached_block(self, hash: bytes, group: int = 0) -> int | None:
+        """
+        The block group `group`'s prefix index holds under `hash` (16 bytes, as in events and PreparedPrompt.hashes), or None: a prefix miss in that group. Raises InvalidArgumentError.
+        """
+
+    def block_hash(self, block: int) -> bytes | None:
+        """
+        The hash block `block` is registered under in its group's prefix index, or None.
+        """
 
     def stats(self) -> CacheStats:
         """Counters now."""
@@ -723,7 +1026,14 @@ class KVCacheManager:
     def drain_events(self) -> list[KVEvent]:
         """The recorded events (oldest first), unbatched."""
 
+    @overload
     def build_batch_metadata(self, batch: numpy.typing.NDArray[numpy.int64] | Sequence[int], *, indptr: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')] | None = None, indices: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')] | None = None, last_page_len: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')] | None = None, block_tables: Annotated[NDArray[numpy.int32], dict(shape=(None, None), order='C', device='cpu')] | None = None, seq_lens: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')] | None = None, qo_indptr: Annotated[NDArray[numpy.int32], dict(shape=(None,), order='C', device='cpu')] | None = None, slot_mapping: Annotated[NDArray[numpy.int64], dict(shape=(None,), order='C', device='cpu')] | None = None, copies: Annotated[NDArray[numpy.int32], dict(shape=(None, 2), order='C', device='cpu')] | None = None, swap_out: Annotated[NDArray[numpy.int32], dict(shape=(None, 2), order='C', device='cpu')] | None = None, swap_in: Annotated[NDArray[numpy.int32], dict(shape=(None, 2), order='C', device='cpu')] | None = None, num_scheduled_tokens: numpy.typing.NDArray[numpy.uint32] | Sequence[int] | None = None) -> BatchMetadataSizes:
         """
-        Write this step's metadata for the sequences `batch` (int64 ids, in order) straight into the given numpy arrays (int32; slot_mapping int64; block_tables [max_batch, max_blocks_per_seq]; copies / swap_out / swap_in [n, 2]); None skips an output. Returns the sizes written. Nothing is copied: the arrays are written in place, so pinned host buffers can be reused step after step. Raises as the C++ call (UnknownSequenceError, InvalidArgumentError, BadShapeError, LimitExceededError); then nothing is written and nothing changes.
+        Write this step's metadata for the sequences `batch` (int64 ids, in order) straight into the given numpy arrays (int32; slot_mapping int64; block_tables [max_batch, max_blocks_per_seq]; copies / swap_out / swap_in [n, 2]); None skips an output. Returns the sizes written. Nothing is copied: the arrays are written in place, so pinned host buffers can be reused step after step. Raises as the C++ call (UnknownSequenceError, InvalidArgumentError, BadShapeError, LimitExceededError; BadShapeError on a manager with several KV-cache groups: pass groups=); then nothing is written and nothing changes.
+        """
+
+    @overload
+    def build_batch_metadata(self, batch: numpy.typing.NDArray[numpy.int64] | Sequence[int], *, groups: Sequence[object], num_scheduled_tokens: numpy.typing.NDArray[numpy.uint32] | Sequence[int] | None = None) -> list[BatchMetadataSizes]:
+        """
+        The build of a manager with KV-cache groups: `groups[g]` holds group g's output arrays, as a dict of the one-group call's buffer keywords (BatchMetadataBuffers.kwargs()) or a BatchMetadataBuffers; one entry per group (num_groups). Each group gets its own page table (the null block 0 before a windowed group's window), slot mapping and copy list; seq_lens and qo_indptr are equal in every group; the host tier's swap lists go into group 0's buffers. Returns the sizes written, one per group. Written in place with the GIL released, as the one-group call. Raises TypeError (an unknown key, an array of the wrong dtype, layout or writability), BadShapeError (len(groups) != num_groups, a buffer too small) and as the one-group call; then nothing is written and nothing changes.
         """

@@ -1,6 +1,7 @@
 // python/src/bindings.cpp: the nanobind module pagedkv._pagedkv: KVCacheManager (over both hashers and three
-// eviction policies, selected by name), its result and statistics types, the KV events, and the batch-metadata
-// builder writing into caller-owned numpy arrays. docs/python.md describes the Python API.
+// eviction policies, selected by name) with its KV-cache groups, prepared prompts and retention priorities, its
+// result and statistics types, the KV events, and the batch-metadata builder writing into caller-owned numpy arrays
+// (one set per group). docs/python.md describes the Python API.
 //
 // Conventions of this file:
 //  - Every call that does work releases the GIL (nb::gil_scoped_release) and then takes the manager's mutex: the
@@ -14,15 +15,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
+#include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <variant>
 #include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/chrono.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -159,6 +164,7 @@ struct PyAppendResult {
   std::vector<std::int64_t> slots;
   std::optional<std::pair<Id, Id>> copy;
   std::size_t num_missing_blocks = 0;
+  std::size_t num_new_blocks = 0;
 };
 
 template <class R>
@@ -168,14 +174,135 @@ PyAppendResult to_py(const R& r) {
   p.slots.assign(r.slots.begin(), r.slots.end());
   if (r.copy) p.copy = std::pair<Id, Id>{r.copy->src, r.copy->dst};
   p.num_missing_blocks = r.num_missing_blocks;
+  p.num_new_blocks = r.num_new_blocks;
   return p;
 }
 
-AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved) {
+// The options of one admission. A RetentionConfig is copied into a C++-owned shared_ptr: the manager keeps it for
+// the sequence's life (and its forks'), and releasing a Python-owned one would need the GIL while the manager's
+// mutex is held (a deadlock with a thread holding the GIL in a getter); later changes to the Python object do not
+// reach admitted sequences.
+AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved,
+                           const RetentionConfig* retention = nullptr) {
   AdmitOptions o;
   o.max_cached_tokens = max_cached_tokens;
   o.num_reserved_tokens = num_reserved;
+  if (retention != nullptr) o.retention = std::make_shared<const RetentionConfig>(*retention);
   return o;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// build_batch_metadata's output arrays: one set per KV-cache group, converted without copying (exact dtype,
+// writable, C-contiguous) and kept alive here while the GIL is released.
+
+constexpr const char* kBufferNames[] = {"indptr",   "indices",      "last_page_len", "block_tables", "seq_lens",
+                                        "qo_indptr", "slot_mapping", "copies",        "swap_out",     "swap_in"};
+
+struct PyBuffers {
+  std::optional<OutI32> indptr, indices, last_page_len;
+  std::optional<OutI32Table> block_tables;
+  std::optional<OutI32> seq_lens, qo_indptr;
+  std::optional<OutI64> slot_mapping;
+  std::optional<OutPairs> copies, swap_out, swap_in;
+
+  // Sets the buffer called `name` from `value` (None = skipped). False when `name` is unknown; raises TypeError
+  // naming `where` and the buffer when the array is not of the exact dtype, shape, writability and layout.
+  bool set(std::string_view name, nb::handle value, const std::string& where) {
+    const auto take = [&](auto& slot) {
+      if (value.is_none()) return;
+      typename std::remove_reference_t<decltype(slot)>::value_type a;
+      if (!nb::try_cast(value, a, /*convert=*/false)) {
+        const bool pairs = name == "copies" || name == "swap_out" || name == "swap_in";
+        const bool table = name == "block_tables";
+        std::string got = nb::str(value.type().attr("__name__")).c_str();
+        if (nb::hasattr(value, "dtype")) {
+          nb::object dtype = value.attr("dtype");
+          got += " of dtype " + std::string(nb::steal<nb::str>(PyObject_Str(dtype.ptr())).c_str());
+        }
+        throw nb::type_error((where + "[\"" + std::string(name) + "\"]: expected a writable C-contiguous numpy array of " +
+                              (name == "slot_mapping" ? "int64" : "int32") +
+                              (pairs ? ", shape [n, 2]" : table ? ", 2-D" : ", 1-D") + "; got " + got)
+                                 .c_str());
+      }
+      slot = std::move(a);
+    };
+    if (name == "indptr") take(indptr);
+    else if (name == "indices") take(indices);
+    else if (name == "last_page_len") take(last_page_len);
+    else if (name == "block_tables") take(block_tables);
+    else if (name == "seq_lens") take(seq_lens);
+    else if (name == "qo_indptr") take(qo_indptr);
+    else if (name == "slot_mapping") take(slot_mapping);
+    else if (name == "copies") take(copies);
+    else if (name == "swap_out") take(swap_out);
+    else if (name == "swap_in") take(swap_in);
+    else return false;
+    return true;
+  }
+
+  // The C++ view of these arrays. Raises BadShapeError for a block table wider than the int32 metadata.
+  [[nodiscard]] BatchMetadataBuffers view() {
+    BatchMetadataBuffers buf;
+    const auto span32 = [](std::optional<OutI32>& a) {
+      return a ? std::span<std::int32_t>(a->data(), a->shape(0)) : std::span<std::int32_t>{};
+    };
+    const auto pairs = [](std::optional<OutPairs>& a) {
+      return a ? std::span<std::int32_t>(a->data(), 2 * a->shape(0)) : std::span<std::int32_t>{};
+    };
+    buf.indptr = span32(indptr);
+    buf.indices = span32(indices);
+    buf.last_page_len = span32(last_page_len);
+    if (block_tables) {
+      if (block_tables->shape(1) > kMaxMetadataValue) {
+        bad_shape("build_batch_metadata: block_tables has " + std::to_string(block_tables->shape(1)) +
+                  " columns, above the int32 limit");
+      }
+      buf.block_tables = {block_tables->data(), block_tables->shape(0) * block_tables->shape(1)};
+      buf.max_blocks_per_seq = static_cast<std::int32_t>(block_tables->shape(1));
+    }
+    buf.seq_lens = span32(seq_lens);
+    buf.qo_indptr = span32(qo_indptr);
+    if (slot_mapping) buf.slot_mapping = {slot_mapping->data(), slot_mapping->shape(0)};
+    buf.copies = pairs(copies);
+    buf.swap_out = pairs(swap_out);
+    buf.swap_in = pairs(swap_in);
+    return buf;
+  }
+};
+
+// One group's buffers from a mapping of build_batch_metadata keywords (BatchMetadataBuffers.kwargs()) or from an
+// object with those attributes (a BatchMetadataBuffers). A mapping with another key is refused (a misspelt
+// buffer would otherwise be skipped silently).
+PyBuffers buffers_from(nb::handle h, std::size_t g) {
+  PyBuffers b;
+  const std::string where = "build_batch_metadata: groups[" + std::to_string(g) + "]";
+  if (PyDict_Check(h.ptr())) {
+    for (auto [k, v] : nb::borrow<nb::dict>(h)) {
+      if (!nb::isinstance<nb::str>(k) || !b.set(nb::borrow<nb::str>(k).c_str(), v, where)) {
+        throw nb::type_error((where + ": unknown buffer " + nb::repr(k).c_str() +
+                              " (expected build_batch_metadata's buffer keywords)")
+                                 .c_str());
+      }
+    }
+    return b;
+  }
+  for (const char* name : kBufferNames) {
+    nb::object v = nb::getattr(h, name, nb::none());
+    b.set(name, v, where);
+  }
+  return b;
+}
+
+void check_group_index(std::size_t g, std::size_t num_groups, const char* what) {
+  if (g >= num_groups) {
+    invalid(std::string(what) + ": group " + std::to_string(g) + " >= num_groups = " + std::to_string(num_groups));
+  }
+}
+
+static_assert(sizeof(SeqId) == sizeof(std::int64_t));
+std::span<const SeqId> seq_span(const SeqIds& batch) {
+  const std::span<const std::int64_t> ids = batch.span();
+  return {reinterpret_cast<const SeqId*>(ids.data()), ids.size()};
 }
 
 class Manager {
@@ -389,20 +516,106 @@ NB_MODULE(_pagedkv, m) {
       .value("GPU", Medium::kGpu)
       .value("CPU", Medium::kCpu);
 
+  nb::enum_<AttentionKind>(m, "AttentionKind",
+                           "The attention type of a KV-cache group (vLLM's FullAttentionSpec / SlidingWindowSpec / "
+                           "ChunkedLocalAttentionSpec; group_policy.hpp).")
+      .value("FULL", AttentionKind::kFull, "Every earlier key is visible: the group keeps every block.")
+      .value("SLIDING_WINDOW", AttentionKind::kSlidingWindow,
+             "A query at p sees keys (p - W, p]: W keys, itself included (FlashInfer window_left = W - 1).")
+      .value("CHUNKED_LOCAL", AttentionKind::kChunkedLocal,
+             "Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].");
+
+  nb::class_<AttentionWindow>(m, "AttentionWindow",
+                              "Which keys a query sees (kernel_params.hpp): sliding_window_tokens W (0 = none) and "
+                              "attention_chunk_tokens C (0 = none); what a group's kernels and decode plan take.")
+      .def(
+          "__init__",
+          [](AttentionWindow* w, std::int32_t sliding_window_tokens, std::int32_t attention_chunk_tokens) {
+            new (w) AttentionWindow{sliding_window_tokens, attention_chunk_tokens};
+          },
+          "sliding_window_tokens"_a = 0, "attention_chunk_tokens"_a = 0)
+      .def_rw("sliding_window_tokens", &AttentionWindow::sliding_window_tokens)
+      .def_rw("attention_chunk_tokens", &AttentionWindow::attention_chunk_tokens)
+      .def_prop_ro("enabled", &AttentionWindow::enabled, "Whether some key can be masked (W > 0 or C > 0).")
+      .def(
+          "first_visible",
+          [](const AttentionWindow& w, std::int64_t pos) {
+            if (pos < 0 || !w.valid()) invalid("AttentionWindow.first_visible: needs pos >= 0 and W, C >= 0");
+            return w.first_visible(pos);
+          },
+          "pos"_a, "The first key position a query at `pos` sees (0 when nothing is masked).")
+      .def(
+          "first_needed_token",
+          [](const AttentionWindow& w, std::int64_t kv_len_tokens, std::int64_t num_queries) {
+            if (!w.valid()) invalid("AttentionWindow.first_needed_token: needs W, C >= 0");
+            return w.first_needed_token(kv_len_tokens, num_queries);
+          },
+          "kv_len_tokens"_a, "num_queries"_a,
+          "The first key read for a sequence of kv_len_tokens keys whose last num_queries are queries: pages "
+          "wholly before it are never read (their page-table entries may be the null block 0).")
+      .def("__eq__", [](const AttentionWindow& a, const AttentionWindow& b) {
+        return a.sliding_window_tokens == b.sliding_window_tokens && a.attention_chunk_tokens == b.attention_chunk_tokens;
+      })
+      .def("__repr__", [](const AttentionWindow& w) {
+        return "AttentionWindow(sliding_window_tokens=" + std::to_string(w.sliding_window_tokens) +
+               ", attention_chunk_tokens=" + std::to_string(w.attention_chunk_tokens) + ")";
+      });
+
+  nb::class_<KVCacheGroupSpec>(m, "KVCacheGroupSpec",
+                               "One KV-cache group (a set of layers with one attention type): `kind`, "
+                               "`window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, 0 for FULL) and "
+                               "`num_layers` (for byte accounting only). Checked by KVCacheManager.")
+      .def(
+          "__init__",
+          [](KVCacheGroupSpec* g, AttentionKind kind, std::uint32_t window_tokens, std::uint32_t num_layers) {
+            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers};
+          },
+          "kind"_a = AttentionKind::kFull, "window_tokens"_a = 0, "num_layers"_a = 1)
+      .def_rw("kind", &KVCacheGroupSpec::kind)
+      .def_rw("window_tokens", &KVCacheGroupSpec::window_tokens)
+      .def_rw("num_layers", &KVCacheGroupSpec::num_layers)
+      .def(
+          "window",
+          [](const KVCacheGroupSpec& g) {
+            if (g.window_tokens > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max())) {
+              invalid("KVCacheGroupSpec.window: window_tokens = " + std::to_string(g.window_tokens) +
+                      " above 2^31 - 1");
+            }
+            return g.window();
+          },
+          "The kernels' AttentionWindow of this group (off for FULL).")
+      .def("__eq__", [](const KVCacheGroupSpec& a, const KVCacheGroupSpec& b) {
+        return a.kind == b.kind && a.window_tokens == b.window_tokens && a.num_layers == b.num_layers;
+      })
+      .def("__repr__", [](const KVCacheGroupSpec& g) {
+        return std::string("KVCacheGroupSpec(kind=AttentionKind.") +
+               (g.kind == AttentionKind::kSlidingWindow ? "SLIDING_WINDOW"
+                : g.kind == AttentionKind::kChunkedLocal ? "CHUNKED_LOCAL"
+                                                          : "FULL") +
+               ", window_tokens=" + std::to_string(g.window_tokens) + ", num_layers=" + std::to_string(g.num_layers) +
+               ")";
+      });
+
   nb::class_<CacheConfig>(m, "CacheConfig", "Configuration of one KV pool (kv_cache_manager.hpp CacheConfig).")
       .def(
           "__init__",
           [](CacheConfig* c, std::size_t num_blocks, std::uint32_t block_size, bool enable_prefix_caching,
              std::uint64_t hash_seed, std::size_t max_tokens_per_seq, bool enable_events, std::size_t num_host_blocks,
-             OffloadPolicy offload, std::uint8_t min_offload_priority) {
+             OffloadPolicy offload, std::uint8_t min_offload_priority, std::vector<KVCacheGroupSpec> groups,
+             std::size_t page_size_bytes) {
             new (c) CacheConfig{num_blocks,     block_size,      enable_prefix_caching, hash_seed, max_tokens_per_seq,
-                                enable_events, num_host_blocks, offload,               min_offload_priority};
+                                enable_events, num_host_blocks, offload,               min_offload_priority,
+                                std::move(groups), page_size_bytes};
           },
           "num_blocks"_a, "block_size"_a = kDefaultBlockSize, "enable_prefix_caching"_a = true, "hash_seed"_a = 0,
           "max_tokens_per_seq"_a = 0, "enable_events"_a = false, "num_host_blocks"_a = 0,
           "offload"_a = OffloadPolicy::kWriteBack, "min_offload_priority"_a = 0,
+          "groups"_a = std::vector<KVCacheGroupSpec>{}, "page_size_bytes"_a = 0,
           "num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; "
-          "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier. Checked by KVCacheManager.")
+          "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups "
+          "sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); "
+          "page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting). Checked "
+          "by KVCacheManager.")
       .def_rw("num_blocks", &CacheConfig::num_blocks)
       .def_rw("block_size", &CacheConfig::block_size)
       .def_rw("enable_prefix_caching", &CacheConfig::enable_prefix_caching)
@@ -412,12 +625,19 @@ NB_MODULE(_pagedkv, m) {
       .def_rw("num_host_blocks", &CacheConfig::num_host_blocks)
       .def_rw("offload", &CacheConfig::offload)
       .def_rw("min_offload_priority", &CacheConfig::min_offload_priority)
+      .def_prop_rw(
+          "groups", [](const CacheConfig& c) { return c.groups; },
+          [](CacheConfig& c, std::vector<KVCacheGroupSpec> g) { c.groups = std::move(g); },
+          "The KV-cache groups (a copy: assign a new list to change them).")
+      .def_rw("page_size_bytes", &CacheConfig::page_size_bytes)
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
                std::to_string(c.block_size) + ", enable_prefix_caching=" + (c.enable_prefix_caching ? "True" : "False") +
                ", hash_seed=" + std::to_string(c.hash_seed) + ", max_tokens_per_seq=" +
                std::to_string(c.max_tokens_per_seq) + ", enable_events=" + (c.enable_events ? "True" : "False") +
-               ", num_host_blocks=" + std::to_string(c.num_host_blocks) + ")";
+               ", num_host_blocks=" + std::to_string(c.num_host_blocks) + ", groups=" +
+               std::to_string(c.groups.size()) + " groups, page_size_bytes=" + std::to_string(c.page_size_bytes) +
+               ")";
       });
 
   nb::class_<MultimodalItem>(m, "MultimodalItem",
@@ -445,6 +665,80 @@ NB_MODULE(_pagedkv, m) {
       .def_ro("salt", &RequestKeys::salt)
       .def_ro("multimodal", &RequestKeys::multimodal);
 
+  m.attr("DEFAULT_RETENTION_PRIORITY") = kDefaultRetentionPriority;
+  m.attr("MAX_RETENTION_PRIORITY") = kMaxRetentionPriority;
+  nb::class_<TokenRangeRetention>(m, "TokenRangeRetention",
+                                  "Retention priority of prompt tokens [begin, end) (TensorRT-LLM's "
+                                  "TokenRangeRetentionConfig; retention.hpp): `priority` 0..100 (higher = evicted "
+                                  "later; default 35), held for `duration` after the block is cached (None = as long "
+                                  "as it stays cached; a timedelta or seconds, on the manager's retention clock).")
+      .def(
+          "__init__",
+          [](TokenRangeRetention* r, std::size_t begin, std::optional<std::size_t> end, std::uint8_t priority,
+             std::optional<std::chrono::nanoseconds> duration) {
+            new (r) TokenRangeRetention{begin, end, priority, duration};
+          },
+          "begin"_a = 0, "end"_a = nb::none(), "priority"_a = kDefaultRetentionPriority, "duration"_a = nb::none())
+      .def_rw("begin", &TokenRangeRetention::begin, "First token position of the range.")
+      .def_rw("end", &TokenRangeRetention::end, "One past the last; None = to the end of the prompt.")
+      .def_rw("priority", &TokenRangeRetention::priority)
+      .def_rw("duration", &TokenRangeRetention::duration)
+      .def("__repr__", [](const TokenRangeRetention& r) {
+        return "TokenRangeRetention(begin=" + std::to_string(r.begin) +
+               ", end=" + (r.end ? std::to_string(*r.end) : std::string("None")) +
+               ", priority=" + std::to_string(r.priority) +
+               ", duration=" + (r.duration ? std::to_string(r.duration->count()) + " ns" : std::string("None")) + ")";
+      });
+  nb::class_<RetentionConfig>(m, "RetentionConfig",
+                              "A request's retention priorities (TensorRT-LLM's KvCacheRetentionConfig; "
+                              "retention.hpp): prompt token `ranges` (sorted by begin, disjoint; uncovered positions "
+                              "get the default priority) and `decode_priority` / `decode_duration` for blocks "
+                              "holding only generated tokens. A block takes the highest priority among the ranges "
+                              "it overlaps when its last holder releases it. Applies under eviction=\"priority\" "
+                              "only; validated at admission (InvalidArgumentError naming the range).")
+      .def(
+          "__init__",
+          [](RetentionConfig* c, std::vector<TokenRangeRetention> ranges, std::uint8_t decode_priority,
+             std::optional<std::chrono::nanoseconds> decode_duration) {
+            new (c) RetentionConfig{std::move(ranges), decode_priority, decode_duration};
+          },
+          "ranges"_a = std::vector<TokenRangeRetention>{}, "decode_priority"_a = kDefaultRetentionPriority,
+          "decode_duration"_a = nb::none())
+      .def_prop_rw(
+          "ranges", [](const RetentionConfig& c) { return c.ranges; },
+          [](RetentionConfig& c, std::vector<TokenRangeRetention> r) { c.ranges = std::move(r); },
+          "The token ranges (a copy: assign a new list to change them).")
+      .def_rw("decode_priority", &RetentionConfig::decode_priority)
+      .def_rw("decode_duration", &RetentionConfig::decode_duration)
+      .def(
+          "validate", [](const RetentionConfig& c) { validate_retention(c, "RetentionConfig"); },
+          "Raise InvalidArgumentError as an admission with this config would (priority above 100, a duration <= 0, "
+          "an empty, unsorted or overlapping range).");
+
+  nb::class_<PreparedPrompt>(m, "PreparedPrompt",
+                             "A prompt validated and hashed once by KVCacheManager.prepare_prompt, for admissions "
+                             "retried step after step while the pool is full (try_admit / query_admit take it "
+                             "without hashing again). Tied to the hasher, seed and block size of the manager that "
+                             "prepared it. Immutable.")
+      .def("__len__", [](const PreparedPrompt& p) { return p.tokens.size(); })
+      .def_prop_ro("num_tokens", [](const PreparedPrompt& p) { return p.tokens.size(); })
+      .def_prop_ro("tokens", [](const PreparedPrompt& p) { return p.tokens; }, "The token ids (a new list).")
+      .def_prop_ro(
+          "keys", [](const PreparedPrompt& p) -> std::optional<RequestKeys> {
+            if (!p.keys) return std::nullopt;
+            return *p.keys;
+          },
+          "The extra keys (a copy), or None.")
+      .def_prop_ro(
+          "hashes",
+          [](const PreparedPrompt& p) {
+            std::vector<nb::bytes> out;
+            out.reserve(p.hashes.size());
+            for (const BlockHash& h : p.hashes) out.push_back(hash_to_bytes(h));
+            return out;
+          },
+          "The block hashes of its full blocks, [len // block_size] 16-byte bytes (empty without prefix caching).");
+
   nb::class_<AdmitResult>(m, "AdmitResult", "Result of try_admit / try_resume. Only ADMITTED changed state.")
       .def_ro("status", &AdmitResult::status)
       .def_ro("num_cached_tokens", &AdmitResult::num_cached_tokens, "Prompt tokens found in the prefix cache.")
@@ -468,6 +762,8 @@ NB_MODULE(_pagedkv, m) {
       .def_ro("slots", &PyAppendResult::slots)
       .def_ro("copy", &PyAppendResult::copy, "The copy-on-write (src, dst) this call needs, or None.")
       .def_ro("num_missing_blocks", &PyAppendResult::num_missing_blocks)
+      .def_ro("num_new_blocks", &PyAppendResult::num_new_blocks,
+              "OK: blocks taken from the pool over all groups (new blocks and copies).")
       .def_prop_ro("ok", [](const PyAppendResult& r) { return r.status == AppendStatus::kOk; })
       .def("__bool__", [](const PyAppendResult& r) { return r.status == AppendStatus::kOk; })
       .def("__repr__", [](const PyAppendResult& r) {
@@ -639,15 +935,36 @@ NB_MODULE(_pagedkv, m) {
       .def(
           "try_admit",
           [](Manager& s, SeqId seq, const Tokens& prompt, const RequestKeys* keys,
-             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens) {
-            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
+             const RetentionConfig* retention) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention);
             return s.work([&](auto& mm) { return mm.try_admit(seq, prompt.span(), keys, o); });
           },
           "seq"_a, "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
-          "num_reserved_tokens"_a = nb::none(),
-          "Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. Raises DuplicateSequenceError, "
-          "InvalidArgumentError (empty prompt, bad multimodal item), LimitExceededError (prompt > "
-          "max_tokens_per_seq).")
+          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(),
+          "Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its "
+          "blocks take when released (copied; eviction=\"priority\" only). Raises DuplicateSequenceError, "
+          "InvalidArgumentError (empty prompt, bad multimodal item, invalid retention), LimitExceededError (prompt "
+          "> max_tokens_per_seq).")
+      .def(
+          "try_admit",
+          [](Manager& s, SeqId seq, const PreparedPrompt& prompt, std::optional<std::size_t> max_cached_tokens,
+             std::optional<std::size_t> num_reserved_tokens, const RetentionConfig* retention) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention);
+            return s.work([&](auto& mm) { return mm.try_admit(seq, prompt, o); });
+          },
+          "seq"_a, "prompt"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(),
+          "try_admit of a prompt hashed beforehand by prepare_prompt (its keys included): no hashing. Also raises "
+          "InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.")
+      .def(
+          "prepare_prompt",
+          [](Manager& s, const Tokens& prompt, const RequestKeys* keys) {
+            return s.work([&](auto& mm) { return mm.prepare_prompt(prompt.span(), keys); });
+          },
+          "prompt"_a, "keys"_a = nb::none(),
+          "Validate `prompt` (with `keys`) and hash its full blocks once (GIL released), for try_admit / "
+          "query_admit retries. Pure. Raises as try_admit for invalid input.")
       .def(
           "try_append",
           [](Manager& s, SeqId seq, const Tokens& tokens) {
@@ -755,12 +1072,33 @@ NB_MODULE(_pagedkv, m) {
       .def(
           "query_admit",
           [](Manager& s, const Tokens& prompt, const RequestKeys* keys, std::optional<std::size_t> max_cached_tokens,
-             std::optional<std::size_t> num_reserved_tokens) {
-            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+             std::optional<std::size_t> num_reserved_tokens, const RetentionConfig* retention) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention);
             return s.work([&](auto& mm) { return mm.query_admit(prompt.span(), keys, o); });
           },
           "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
-          "num_reserved_tokens"_a = nb::none(), "What try_admit would take now (pure).")
+          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(), "What try_admit would take now (pure).")
+      .def(
+          "query_admit",
+          [](Manager& s, const PreparedPrompt& prompt, std::optional<std::size_t> max_cached_tokens,
+             std::optional<std::size_t> num_reserved_tokens, const RetentionConfig* retention) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention);
+            return s.work([&](auto& mm) { return mm.query_admit(prompt, o); });
+          },
+          "prompt"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(), "num_reserved_tokens"_a = nb::none(),
+          "retention"_a = nb::none(), "What try_admit of a prepared prompt would take now (pure, no hashing).")
+      .def(
+          "expire_retention",
+          [](Manager& s, RetentionTimePoint now) { return s.work([&](auto& mm) { return mm.expire_retention(now); }); },
+          "now"_a,
+          "Retention clock tick: record `now` (seconds or a timedelta on the steady clock, i.e. time.monotonic(); "
+          "the clock never goes back) and let every cached block whose retention duration expired by then fall back "
+          "to the default priority, in both tiers. Durations count from the last `now` recorded: call it once per "
+          "step. Returns how many cached blocks changed priority (0 unless eviction=\"priority\").")
+      .def(
+          "retention_now", [](Manager& s) { return s.peek([](auto& mm) { return mm.retention_now(); }); },
+          "The retention clock: the latest `now` given to expire_retention (a timedelta since the steady clock's "
+          "epoch; 0 before the first call).")
       .def(
           "query_append",
           [](Manager& s, SeqId seq, std::size_t n) {
@@ -781,14 +1119,18 @@ NB_MODULE(_pagedkv, m) {
           "seq"_a, "Tokens of live sequence `seq` (positions with slots).")
       .def(
           "block_ids",
-          [](Manager& s, SeqId seq) {
-            std::vector<std::uint32_t> v =
-                s.peek([&](auto& mm) { auto b = mm.block_ids(seq); return std::vector<std::uint32_t>(b.begin(), b.end()); });
+          [](Manager& s, SeqId seq, std::size_t g) {
+            std::vector<std::uint32_t> v = s.peek([&](auto& mm) {
+              auto b = mm.block_ids(seq, g);
+              return std::vector<std::uint32_t>(b.begin(), b.end());
+            });
             auto* heap = new std::vector<std::uint32_t>(std::move(v));
             nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<std::uint32_t>*>(p); });
             return nb::ndarray<nb::numpy, std::uint32_t, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
           },
-          "seq"_a, "Block ids of live sequence `seq` (a new uint32 array).")
+          "seq"_a, "group"_a = 0,
+          "Group `group`'s block table of live sequence `seq` (a new uint32 array; a windowed group's leading "
+          "entries may be the null block 0). Raises UnknownSequenceError, InvalidArgumentError (group).")
       .def(
           "token_ids",
           [](Manager& s, SeqId seq) {
@@ -796,11 +1138,102 @@ NB_MODULE(_pagedkv, m) {
           },
           "seq"_a, "Token ids of live sequence `seq` (a new list).")
       .def(
-          "pending_slots", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.pending_slots(seq); }); },
-          "seq"_a, "Slots of the pending (unbuilt) positions of `seq`.")
+          "pending_slots",
+          [](Manager& s, SeqId seq, std::size_t g) { return s.peek([&](auto& mm) { return mm.pending_slots(seq, g); }); },
+          "seq"_a, "group"_a = 0, "Slots of the pending (unbuilt) positions of `seq` in group `group`'s blocks.")
       .def(
           "is_swapped", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.is_swapped(seq); }); },
           "seq"_a)
+      .def_prop_ro("num_groups", [](Manager& s) { return s.peek([](auto& mm) { return mm.num_groups(); }); },
+                   "KV-cache groups (1 for a plain full-attention pool).")
+      .def_prop_ro("bytes_per_block",
+                   [](Manager& s) { return s.peek([](auto& mm) { return mm.bytes_per_block(); }); },
+                   "Bytes of one pool block: page_size_bytes x the most layers of any group (0 without "
+                   "page_size_bytes).")
+      .def(
+          "window",
+          [](Manager& s, std::size_t g) {
+            return s.peek([&](auto& mm) {
+              check_group_index(g, mm.num_groups(), "window");
+              return mm.window(g);
+            });
+          },
+          "group"_a, "The AttentionWindow of group `group` (off for full attention). Raises InvalidArgumentError.")
+      .def(
+          "window_block_bound",
+          [](Manager& s, std::size_t g, std::size_t chunk_tokens) {
+            return s.peek([&](auto& mm) { return mm.window_block_bound(g, chunk_tokens); });
+          },
+          "group"_a, "chunk_tokens"_a,
+          "Most blocks a sequence holds in windowed group `group` growing by at most `chunk_tokens` per build: "
+          "ceil((W - 1 + chunk) / block_size) + 1 (chunked-local: C - 1 for W - 1); None for a full group. Raises "
+          "InvalidArgumentError.")
+      .def(
+          "num_null_blocks",
+          [](Manager& s, SeqId seq, std::size_t g) {
+            return s.peek([&](auto& mm) { return mm.num_null_blocks(seq, g); });
+          },
+          "seq"_a, "group"_a = 0,
+          "Leading null blocks (0) of group `group`'s table of `seq`: blocks released behind a windowed group's "
+          "window, or before the window at a prefix hit. Raises UnknownSequenceError, InvalidArgumentError.")
+      .def(
+          "num_built", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.num_built(seq); }); },
+          "seq"_a, "Positions of `seq` whose writes a build issued (or served by prefix hits).")
+      .def(
+          "held_blocks",
+          [](Manager& s, std::size_t g) { return s.peek([&](auto& mm) { return mm.held_blocks(g); }); }, "group"_a,
+          "Blocks group `group` holds now (refcount > 0, each shared block once). Raises InvalidArgumentError.")
+      .def(
+          "peak_held_blocks",
+          [](Manager& s, std::size_t g) { return s.peek([&](auto& mm) { return mm.peak_held_blocks(g); }); },
+          "group"_a, "The most blocks group `group` held at once since construction or reset_peaks().")
+      .def(
+          "held_bytes",
+          [](Manager& s, std::size_t g) { return s.peek([&](auto& mm) { return mm.held_bytes(g); }); }, "group"_a,
+          "held_blocks(group) x bytes_per_block.")
+      .def("peak_used_blocks", [](Manager& s) { return s.peek([](auto& mm) { return mm.peak_used_blocks(); }); },
+           "The most blocks all groups held at once since construction or reset_peaks().")
+      .def("reset_peaks", [](Manager& s) { s.peek([](auto& mm) { mm.reset_peaks(); }); },
+           "Restart the peaks at the current values.")
+      .def(
+          "group_of",
+          [](Manager& s, std::uint32_t b) {
+            return s.peek([&](auto& mm) {
+              if (b == 0 || b >= mm.config().num_blocks) {
+                detail::raise(Errc::kBlockOutOfRange, "group_of: block " + std::to_string(b) + " outside [1, " +
+                                                          std::to_string(mm.config().num_blocks) + ")");
+              }
+              return mm.group_of(b);
+            });
+          },
+          "block"_a,
+          "The group whose table holds (or last held) pool block `block` (0 with one group). Raises "
+          "BlockOutOfRangeError.")
+      .def(
+          "num_cached_blocks",
+          [](Manager& s, std::size_t g) { return s.peek([&](auto& mm) { return mm.prefix_index(g).size(); }); },
+          "group"_a = 0,
+          "Blocks registered in group `group`'s prefix index (cached: held or evictable). Raises "
+          "InvalidArgumentError.")
+      .def(
+          "cached_block",
+          [](Manager& s, const nb::bytes& hash, std::size_t g) {
+            const BlockHash h = hash_from_bytes(hash, "cached_block");
+            return s.peek([&](auto& mm) -> std::optional<Id> { return mm.prefix_index(g).find(h); });
+          },
+          "hash"_a, "group"_a = 0,
+          "The block group `group`'s prefix index holds under `hash` (16 bytes, as in events and "
+          "PreparedPrompt.hashes), or None: a prefix miss in that group. Raises InvalidArgumentError.")
+      .def(
+          "block_hash",
+          [](Manager& s, std::uint32_t b) {
+            const std::optional<BlockHash> h = s.peek([&](auto& mm) -> std::optional<BlockHash> {
+              if (b == 0 || b >= mm.config().num_blocks) return std::nullopt;
+              return mm.prefix_index(mm.group_of(b)).hash_of(b);
+            });
+            return h ? std::optional<nb::bytes>(hash_to_bytes(*h)) : std::nullopt;
+          },
+          "block"_a, "The hash block `block` is registered under in its group's prefix index, or None.")
       .def("stats", [](Manager& s) { return s.peek([](auto& mm) { return mm.stats(); }); }, "Counters now.")
       .def("take_prefix_cache_stats",
            [](Manager& s) { return s.peek([](auto& mm) { return mm.take_prefix_cache_stats(); }); },
@@ -832,35 +1265,12 @@ NB_MODULE(_pagedkv, m) {
              std::optional<OutI32> seq_lens, std::optional<OutI32> qo_indptr, std::optional<OutI64> slot_mapping,
              std::optional<OutPairs> copies, std::optional<OutPairs> swap_out, std::optional<OutPairs> swap_in,
              std::optional<U32s> num_scheduled_tokens) {
-            BatchMetadataBuffers buf;
-            auto span32 = [](std::optional<OutI32>& a) {
-              return a ? std::span<std::int32_t>(a->data(), a->shape(0)) : std::span<std::int32_t>{};
-            };
-            auto pairs = [](std::optional<OutPairs>& a) {
-              return a ? std::span<std::int32_t>(a->data(), 2 * a->shape(0)) : std::span<std::int32_t>{};
-            };
-            buf.indptr = span32(indptr);
-            buf.indices = span32(indices);
-            buf.last_page_len = span32(last_page_len);
-            if (block_tables) {
-              if (block_tables->shape(1) > kMaxMetadataValue) {
-                bad_shape("build_batch_metadata: block_tables has " + std::to_string(block_tables->shape(1)) +
-                          " columns, above the int32 limit");
-              }
-              buf.block_tables = {block_tables->data(), block_tables->shape(0) * block_tables->shape(1)};
-              buf.max_blocks_per_seq = static_cast<std::int32_t>(block_tables->shape(1));
-            }
-            buf.seq_lens = span32(seq_lens);
-            buf.qo_indptr = span32(qo_indptr);
-            if (slot_mapping) buf.slot_mapping = {slot_mapping->data(), slot_mapping->shape(0)};
-            buf.copies = pairs(copies);
-            buf.swap_out = pairs(swap_out);
-            buf.swap_in = pairs(swap_in);
+            PyBuffers arrays{indptr, indices,   last_page_len, block_tables, seq_lens,
+                             qo_indptr, slot_mapping, copies,      swap_out,     swap_in};
+            const BatchMetadataBuffers buf = arrays.view();
             const std::span<const std::uint32_t> sched =
                 num_scheduled_tokens ? num_scheduled_tokens->span() : std::span<const std::uint32_t>{};
-            const std::span<const std::int64_t> ids = batch.span();
-            static_assert(sizeof(SeqId) == sizeof(std::int64_t));
-            const std::span<const SeqId> seqs(reinterpret_cast<const SeqId*>(ids.data()), ids.size());
+            const std::span<const SeqId> seqs = seq_span(batch);
             return s.work([&](auto& mm) { return mm.build_batch_metadata(seqs, buf, sched); });
           },
           "batch"_a, nb::kw_only(), "indptr"_a.noconvert() = nb::none(), "indices"_a.noconvert() = nb::none(),
@@ -873,6 +1283,32 @@ NB_MODULE(_pagedkv, m) {
           "arrays (int32; slot_mapping int64; block_tables [max_batch, max_blocks_per_seq]; copies / swap_out / "
           "swap_in [n, 2]); None skips an output. Returns the sizes written. Nothing is copied: the arrays are "
           "written in place, so pinned host buffers can be reused step after step. Raises as the C++ call "
-          "(UnknownSequenceError, InvalidArgumentError, BadShapeError, LimitExceededError); then nothing is "
-          "written and nothing changes.");
+          "(UnknownSequenceError, InvalidArgumentError, BadShapeError, LimitExceededError; BadShapeError on a "
+          "manager with several KV-cache groups: pass groups=); then nothing is written and nothing changes.")
+      .def(
+          "build_batch_metadata",
+          [](Manager& s, const SeqIds& batch, const std::vector<nb::object>& groups,
+             std::optional<U32s> num_scheduled_tokens) {
+            std::vector<PyBuffers> arrays;
+            arrays.reserve(groups.size());
+            for (std::size_t g = 0; g < groups.size(); ++g) arrays.push_back(buffers_from(groups[g], g));
+            std::vector<BatchMetadataBuffers> bufs;
+            bufs.reserve(arrays.size());
+            for (PyBuffers& a : arrays) bufs.push_back(a.view());
+            const std::span<const std::uint32_t> sched =
+                num_scheduled_tokens ? num_scheduled_tokens->span() : std::span<const std::uint32_t>{};
+            const std::span<const SeqId> seqs = seq_span(batch);
+            std::vector<BatchMetadataSizes> sizes(groups.size());
+            s.work([&](auto& mm) { mm.build_batch_metadata(seqs, bufs, sched, sizes); });
+            return sizes;
+          },
+          "batch"_a, nb::kw_only(), "groups"_a, "num_scheduled_tokens"_a = nb::none(),
+          "The build of a manager with KV-cache groups: `groups[g]` holds group g's output arrays, as a dict of the "
+          "one-group call's buffer keywords (BatchMetadataBuffers.kwargs()) or a BatchMetadataBuffers; one entry "
+          "per group (num_groups). Each group gets its own page table (the null block 0 before a windowed group's "
+          "window), slot mapping and copy list; seq_lens and qo_indptr are equal in every group; the host tier's "
+          "swap lists go into group 0's buffers. Returns the sizes written, one per group. Written in place with "
+          "the GIL released, as the one-group call. Raises TypeError (an unknown key, an array of the wrong dtype, "
+          "layout or writability), BadShapeError (len(groups) != num_groups, a buffer too small) and as the "
+          "one-group call; then nothing is written and nothing changes.");
 }
