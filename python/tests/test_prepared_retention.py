@@ -179,16 +179,15 @@ def test_retention_types():
         TokenRangeRetention(priority=256)  # not a uint8
 
 
-@pytest.mark.xfail(strict=True, reason="C++ check_prepared does not compare block sizes when the hash counts agree "
-                                       "(reported to the lead; PreparedPrompt carries no block size)")
 def test_prepared_prompt_of_another_block_size_is_refused():
+    # The same number of full blocks at block sizes 4 and 5 (6 tokens): once accepted, and the block hashed over
+    # tokens 1..4 was registered for 1..5, so a prompt differing at token 5 was served wrong K/V. Now refused.
     a = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4))
     b = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 5))  # same hasher and seed, block size 5
     x = a.prepare_prompt(np.array([1, 2, 3, 4, 5, 6], np.int32))  # one hash, over tokens 1..4
-    with pytest.raises(pagedkv.InvalidArgumentError):  # today: admitted, its block registered under x's hash
+    with pytest.raises(pagedkv.InvalidArgumentError, match="prepared with block size 4"):
         b.try_admit(1, x)
-        build(b, [1])
-        b.free(1)
-        # ... so a prompt that differs at token 5 is served the block holding token 5 (wrong K/V).
-        y = a.prepare_prompt(np.array([1, 2, 3, 4, 9, 9, 9], np.int32))
-        assert b.try_admit(2, y).num_cached_tokens == 0
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        b.query_admit(x)
+    assert not b.contains(1)
+    assert b.stats().blocks_used == 0
