@@ -661,6 +661,100 @@ class KVCacheManager {
     return i * bs;
   }
 
+  /// Why admitting `prompt` (with `keys`, `opts`) now would hit what it hits (issue 20, "hits that explain
+  /// themselves"): the hit in tokens (= lookup), how much of it the host tier serves, each group's cached run from
+  /// block 0, and the first cause that stops the hit (MissCause, with the block and the group). Pure and on demand:
+  /// admissions pay nothing for it. Cost: one probe per (group, full block) in each tier, plus hashing the prompt
+  /// again without its extra keys when a miss could be a key mismatch. Allocates. Evicted and never-stored blocks
+  /// are both kNotCached (the manager keeps no history of evicted hashes). Throws as query_admit for invalid input.
+  [[nodiscard]] AdmitExplanation explain_admit(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
+                                               const AdmitOptions& opts = {}) const {
+    validate_prompt(prompt, keys, "explain_admit", nullptr);
+    AdmitExplanation x;
+    const std::size_t bs = config_.block_size;
+    const std::size_t G = num_groups_;
+    x.prompt_tokens = prompt.size();
+    x.cap_tokens = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
+    x.group_cached_run_tokens.assign(G, 0);
+    if (!config_.enable_prefix_caching) {
+      x.cause = MissCause::kPrefixCachingOff;
+      return x;
+    }
+    const std::size_t full = prompt.size() / bs;
+    if (full == 0) {
+      x.cause = MissCause::kShortPrompt;
+      return x;
+    }
+    std::vector<BlockHash> hashes;
+    index_.hash_full_blocks(prompt, config_.block_size, keys, hashes);
+    // tier(g, i): 1 = device, 2 = host (ready), 0 = neither.
+    const auto tier_of = [&](const std::vector<BlockHash>& hs, std::size_t g, std::size_t i) -> int {
+      if (ix(g).find(hs[i])) return 1;
+      if (host_ && host_->find_ready(host_key(hs[i], g))) return 2;
+      return 0;
+    };
+    std::vector<std::uint8_t> tier(G * full);
+    for (std::size_t g = 0; g < G; ++g) {
+      std::size_t run = 0;
+      for (std::size_t i = 0; i < full; ++i) {
+        tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
+        if (run == i && tier[g * full + i] != 0) ++run;
+      }
+      x.group_cached_run_tokens[g] = run * bs;
+    }
+    const auto cached = [&](std::size_t g, std::size_t i) { return tier[g * full + i] != 0; };
+    const auto hit_blocks = [&](std::size_t max_blocks) {
+      if (simple_) return std::min(max_blocks, x.group_cached_run_tokens[0] / bs);
+      return detail::fixed_point_hit_blocks(windows_, config_.block_size, max_blocks, cached);
+    };
+    const std::size_t walk = std::min(full, x.cap_tokens / bs);
+    const std::size_t k = hit_blocks(walk);
+    x.hit_tokens = k * bs;
+    for (std::size_t i = 0; i < k; ++i) {
+      for (std::size_t g = 0; g < G; ++g) {
+        if (i >= detail::first_kept_block(windows_[g], k * bs, config_.block_size) && tier[g * full + i] == 2) {
+          x.host_hit_tokens += bs;
+          break;
+        }
+      }
+    }
+    if (k == full) return x;  // kNone
+    if (k == walk && hit_blocks(k + 1) == k + 1) {
+      x.cause = MissCause::kCapped;
+      return x;
+    }
+    // The hit stops at block k: which group lacks which block at length k + 1.
+    std::size_t full_bound = full + 1;  // the full-attention groups' run (none: no bound)
+    for (std::size_t g = 0; g < G; ++g) {
+      if (!windows_[g].enabled()) full_bound = std::min(full_bound, x.group_cached_run_tokens[g] / bs);
+    }
+    std::size_t miss_group = 0, miss_block = k;
+    bool found = false;
+    for (std::size_t g = 0; g < G && !found; ++g) {
+      for (std::size_t i = detail::first_kept_block(windows_[g], (k + 1) * bs, config_.block_size); i <= k; ++i) {
+        if (!cached(g, i)) {
+          miss_group = g;
+          miss_block = i;
+          found = true;
+          break;
+        }
+      }
+    }
+    x.first_miss_block = miss_block;
+    x.limiting_group = static_cast<std::uint32_t>(miss_group);
+    if (full_bound <= full && full_bound > k && windows_[miss_group].enabled()) {
+      x.cause = MissCause::kLimitedByGroup;
+      return x;
+    }
+    x.cause = MissCause::kNotCached;
+    if (keys != nullptr && !keys->empty()) {  // the same tokens cached without this request's extra keys?
+      std::vector<BlockHash> plain;
+      index_.hash_full_blocks(prompt.first((miss_block + 1) * bs), config_.block_size, nullptr, plain);
+      if (tier_of(plain, miss_group, miss_block) != 0) x.cause = MissCause::kKeyMismatch;
+    }
+    return x;
+  }
+
   /// Whether `seq` is live.
   [[nodiscard]] bool contains(SeqId seq) const { return seqs_.contains(seq); }
   /// Number of live sequences.
@@ -994,7 +1088,16 @@ class KVCacheManager {
  private:
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
-    const std::size_t G = num_groups_;
+    if (simple_) {
+      build_groups_in<true>(batch, per_group, num_scheduled_tokens, sizes_out);
+    } else {
+      build_groups_in<false>(batch, per_group, num_scheduled_tokens, sizes_out);
+    }
+  }
+  template <bool kOne>
+  void build_groups_in(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
+                       std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
+    const std::size_t G = groups<kOne>();
     if (per_group.size() != G || sizes_out.size() != G) {
       detail::raise(Errc::kBadShape, "build_batch_metadata: " + std::to_string(per_group.size()) +
                                          " buffer sets and " + std::to_string(sizes_out.size()) + " sizes for " +
@@ -1038,7 +1141,10 @@ class KVCacheManager {
       max_blocks = std::max(max_blocks, blocks);
       if (config_.enable_prefix_caching) {
         const std::size_t reg_end = std::min({seq_len, q.num_known()}) / bs;
-        for (std::size_t g = 0; g < G; ++g) max_registrations += reg_end - std::min(reg_end, q.registered_of(g));
+        for (std::size_t g = 0; g < G; ++g) {
+          const std::size_t registered = kOne ? q.num_registered : q.registered_of(g);
+          max_registrations += reg_end - std::min(reg_end, registered);
+        }
       }
       for (const BatchMetadataBuffers& buf : per_group) {
         if (!buf.block_tables.empty() && blocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
@@ -1057,7 +1163,7 @@ class KVCacheManager {
     const std::size_t num_copies = detail::select_batch_copies(
         pending_copies_, copy_owners_,
         [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
-        [&](const copy_type& c) { return batch_writes(c.src, c.group); }, take_scratch_);
+        [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); }, take_scratch_);
     if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::check_metadata_value(num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
@@ -1079,9 +1185,12 @@ class KVCacheManager {
     const std::size_t B = batch.size();
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
-      std::size_t group_copies = 0;
-      for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
-        group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
+      std::size_t group_copies = num_copies;
+      if constexpr (!kOne) {
+        group_copies = 0;
+        for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
+          group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
+        }
       }
       if (const auto bad = detail::buffer_shape_error(buf, B, num_indices, num_new_tokens, group_copies,
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
@@ -1129,9 +1238,9 @@ class KVCacheManager {
         std::size_t& blk = sizes_out[g].num_indices;
         std::size_t& tok = sizes_out[g].num_new_tokens;
         switched_scratch_.clear();
-        register_full_blocks(q, g);
-        detail::write_page_table_row(buf, b, q.table_of(g).blocks().first(nblocks), seq_len, bs, blk, tok);
-        if (!buf.slot_mapping.empty()) write_slots(q, g, first, q_len, buf.slot_mapping.subspan(tok, q_len));
+        register_full_blocks_in<kOne>(q, g);
+        detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(nblocks), seq_len, bs, blk, tok);
+        if (!buf.slot_mapping.empty()) write_slots<kOne>(q, g, first, q_len, buf.slot_mapping.subspan(tok, q_len));
         tok += q_len;
       }
     }
@@ -1169,7 +1278,7 @@ class KVCacheManager {
     detail::pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, -1);
     detail::pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, -1);
     // The release rule: this step's kernels read these blocks; later steps may reuse them.
-    if (!simple_) {
+    if constexpr (!kOne) {
       for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
     }
     retry_held_back();  // a held-back host copy whose parent this build registered again
@@ -1223,13 +1332,14 @@ class KVCacheManager {
 
   // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
   // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
+  template <bool kOne>
   [[nodiscard]] bool batch_writes(Id b, std::size_t g) const noexcept {
     const std::size_t bs = config_.block_size;
     for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
       const sequence_type& q = *batch_scratch_[r];
       const std::size_t n = qlen_scratch_[r];
       if (n == 0) continue;
-      const auto blocks = q.table_of(g).blocks();
+      const auto blocks = table_in<kOne>(q, g).blocks();
       for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
         if (blocks[i] == b) return true;
       }
@@ -1558,20 +1668,53 @@ class KVCacheManager {
     }
   }
 
+  // The coordinator's loops are compiled twice: kOne = one full-attention group (simple_: group 0 only, no null
+  // entries, the loops unrolled to the plain pool's code) and the general form; each call picks one from simple_.
+  template <bool kOne>
+  [[nodiscard]] std::size_t groups() const noexcept {
+    if constexpr (kOne) {
+      return 1;
+    } else {
+      return num_groups_;
+    }
+  }
+  template <bool kOne>
+  [[nodiscard]] static BlockTable<Id>& table_in(sequence_type& q, std::size_t g) noexcept {
+    if constexpr (kOne) {
+      (void)g;
+      return q.table;
+    } else {
+      return q.table_of(g);
+    }
+  }
+  template <bool kOne>
+  [[nodiscard]] static const BlockTable<Id>& table_in(const sequence_type& q, std::size_t g) noexcept {
+    if constexpr (kOne) {
+      (void)g;
+      return q.table;
+    } else {
+      return q.table_of(g);
+    }
+  }
+
   // What growing `q` by n > 0 slots takes now, over every group. Never fits: even with every other sequence gone,
   // `q` would hold more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced
   // by a hash not).
   [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n) const {
+    return simple_ ? query_growth_in<true>(q, n) : query_growth_in<false>(q, n);
+  }
+  template <bool kOne>
+  [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n) const {
     const std::size_t bs = config_.block_size;
     std::size_t needed = 0, held_after = 0;
-    for (std::size_t g = 0; g < num_groups_; ++g) {
-      const BlockTable<Id>& t = q.table_of(g);
+    for (std::size_t g = 0; g < groups<kOne>(); ++g) {
+      const BlockTable<Id>& t = table_in<kOne>(q, g);
       const std::size_t nblocks = t.num_blocks();
       const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - nblocks;
       const bool cow = t.last_block_needs_copy(ConstProxy{this});
       const bool hashed_partial = cow && alloc_.is_hashed(t.blocks().back());
       needed += new_blocks + (cow ? 1 : 0);
-      held_after += nblocks - q.released_of(g) + new_blocks + (hashed_partial ? 1 : 0);
+      held_after += nblocks - (kOne ? 0 : q.released_of(g)) + new_blocks + (hashed_partial ? 1 : 0);
     }
     if (held_after > alloc_.num_usable_blocks()) {
       return {CapacityStatus::kNeverFits, needed, held_after - alloc_.num_usable_blocks(), 0};
@@ -1586,22 +1729,27 @@ class KVCacheManager {
   void prepare_growth(sequence_type& q, std::size_t n) {
     const std::size_t bs = config_.block_size;
     const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
-    detail::reserve_more(pending_copies_, num_groups_);
-    detail::reserve_more(copy_owners_, num_groups_);
-    for (std::size_t g = 0; g < num_groups_; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
+    const std::size_t G = num_groups_;
+    if (pending_copies_.capacity() - pending_copies_.size() < G) detail::reserve_more(pending_copies_, G);
+    if (copy_owners_.capacity() - copy_owners_.size() < G) detail::reserve_more(copy_owners_, G);
+    for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
+    if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
     slot_scratch_.clear();
-    slot_scratch_.reserve(n);
-    reserve_for_allocations(num_groups_ * (new_blocks + 1), 0);
+    reserve_for_allocations(G * (new_blocks + 1), 0);
   }
 
   // Give `q` n more slots in every group (capacity checked by query_growth, room reserved by prepare_growth): the
   // result's slots and copy are group 0's. Never throws.
   AppendResult<Id> commit_growth(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
+    return simple_ ? commit_growth_in<true>(q, n, num_new_blocks) : commit_growth_in<false>(q, n, num_new_blocks);
+  }
+  template <bool kOne>
+  AppendResult<Id> commit_growth_in(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
     std::optional<copy_type> copy0;
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < groups<kOne>(); ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       std::optional<copy_type> copy;
-      const bool ok = q.table_of(g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
+      const bool ok = table_in<kOne>(q, g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
       (void)ok;
       if (copy) {
         copy->group = static_cast<std::uint32_t>(g);
@@ -1931,16 +2079,26 @@ class KVCacheManager {
   // in its group (detail::block_can_serve_hit), is skipped. Precondition: room reserved in switched_scratch_ and
   // the event log.
   void register_full_blocks(sequence_type& q, std::size_t g) {
+    if (simple_) {
+      register_full_blocks_in<true>(q, g);
+    } else {
+      register_full_blocks_in<false>(q, g);
+    }
+  }
+  template <bool kOne>
+  void register_full_blocks_in(sequence_type& q, std::size_t g) {
     if (!config_.enable_prefix_caching) return;
-    index_type& index = ix(g);
-    BlockTable<Id>& table = q.table_of(g);
-    std::size_t& registered = q.registered_of(g);
+    index_type& index = kOne ? index_ : ix(g);
+    BlockTable<Id>& table = table_in<kOne>(q, g);
+    std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
     const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
     for (std::size_t i = registered; i < end; ++i) {
       if (i + 1 < end) index.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
       const BlockHash& h = q.hashes[i];
       const Id own = table.blocks()[i];
-      if (!simple_ && (own == Id{0} || !detail::block_can_serve_hit(windows_[g], i, config_.block_size))) continue;
+      if constexpr (!kOne) {
+        if (own == Id{0} || !detail::block_can_serve_hit(windows_[g], i, config_.block_size)) continue;
+      }
       if (index.hash_of(own)) continue;  // already registered (by a sequence sharing it)
       const Id reg = index.insert(h, own);  // one map probe: inserts, or finds the registered block
       if (reg == own) {
@@ -1962,10 +2120,11 @@ class KVCacheManager {
 
   // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
   // per block: a vectorizable fill of consecutive slots.
+  template <bool kOne>
   void write_slots(const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
                    std::span<std::int64_t> out) const {
     const std::size_t bs = config_.block_size;
-    const auto blocks = q.table_of(g).blocks();
+    const auto blocks = table_in<kOne>(q, g).blocks();
     std::int64_t* w = out.data();
     std::size_t k = 0;  // next switched block to consider (ascending)
     for (std::size_t p = first; p < first + n;) {

@@ -107,4 +107,48 @@ struct AppendResult {
   [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
 };
 
+/// Why an admission's prefix hit ends where it does (`KVCacheManager::explain_admit`): the first cause that stops
+/// the hit, in the order the walk meets them. The field's common question, "is caching working?" (vLLM, llm-d and
+/// Dynamo users ask it in their trackers), answered per request.
+enum class MissCause : std::uint8_t {
+  kNone = 0,              ///< No miss: every full block of the prompt is served (the rest is a partial block).
+  kPrefixCachingOff = 1,  ///< CacheConfig::enable_prefix_caching is false.
+  kShortPrompt = 2,       ///< The prompt holds no full block (only full blocks are cached).
+  kCapped = 3,            ///< The next block is cached but the cap stops the hit: prompt_len - 1 (one token is always
+                          ///< computed, its logits sample the first output token) or AdmitOptions::max_cached_tokens.
+  kNotCached = 4,         ///< Block `first_miss_block` is cached in no tier: never stored, or evicted since.
+  kKeyMismatch = 5,       ///< Not cached under this request's extra keys, but the same tokens are cached without
+                          ///< them: the salt, adapter or multimodal items differ from the requests that stored them.
+  kLimitedByGroup = 6,    ///< The full-attention groups could serve more; group `limiting_group` (a window) lacks a
+                          ///< block its window needs at the next length.
+};
+
+/// "none", "prefix_caching_off", "short_prompt", "capped", "not_cached", "key_mismatch", "limited_by_group".
+[[nodiscard]] constexpr const char* to_string(MissCause c) noexcept {
+  switch (c) {
+    case MissCause::kPrefixCachingOff: return "prefix_caching_off";
+    case MissCause::kShortPrompt: return "short_prompt";
+    case MissCause::kCapped: return "capped";
+    case MissCause::kNotCached: return "not_cached";
+    case MissCause::kKeyMismatch: return "key_mismatch";
+    case MissCause::kLimitedByGroup: return "limited_by_group";
+    case MissCause::kNone: break;
+  }
+  return "none";
+}
+
+/// The breakdown of an admission's prefix hit, what `try_admit` would find now (tokens; multiples of block_size).
+struct AdmitExplanation {
+  std::size_t prompt_tokens = 0;       ///< The prompt's length.
+  std::size_t cap_tokens = 0;          ///< The cap in force (prompt_len - 1 by default).
+  std::size_t hit_tokens = 0;          ///< What admission would take from the cache (= lookup()).
+  std::size_t host_hit_tokens = 0;     ///< Of which served by the host tier (some group's block onboarded).
+  MissCause cause = MissCause::kNone;  ///< Why the hit ends there.
+  std::size_t first_miss_block = 0;    ///< kNotCached / kKeyMismatch / kLimitedByGroup: the logical block that stops it.
+  std::uint32_t limiting_group = 0;    ///< kLimitedByGroup: the group; else the group whose miss stops it (0).
+  /// Per group `[num_groups]`: its longest run of cached blocks from block 0 in either tier, in tokens (a windowed
+  /// group needs only its window's blocks, so its run may be shorter than the hit).
+  std::vector<std::size_t> group_cached_run_tokens;
+};
+
 }  // namespace pagedkv
