@@ -173,6 +173,8 @@ constexpr FlagRule kFlagRules[] = {
      [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
     {"--publish-connect", "runs with --publish-events",
      [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--publish-linger-ms", "runs with --publish-events",
+     [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
     {"--check", "runs without --model-layers",
      [](const RunShape& r) {
        return r.hybrid ? std::string("the hybrid replay (--model-layers) has no block-count cross-check") : "";
@@ -492,6 +494,11 @@ int main(int argc, char** argv) {
                  "on the same pool, one row each (docs/groups.md)");
   app.add_option("--publish-wait-ms", opt.publish_wait_ms,
                  "With --publish-events: wait this long after binding, so subscribers can connect first")
+      ->check(CLI::Range(0, 600000))
+      ->capture_default_str();
+  app.add_option("--publish-linger-ms", replay::publish_flags().linger_ms,
+                 "With --publish-events: after the last batch, answer replay and snapshot requests for up to this "
+                 "long (until the first snapshot request), so a subscriber can compare its index with the final cache")
       ->check(CLI::Range(0, 600000))
       ->capture_default_str();
   const auto no_at = CLI::Validator(

@@ -3,6 +3,7 @@
 #include "publish.hpp"
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <stdexcept>
 #include <utility>
@@ -65,6 +66,16 @@ void EventPublishing::finish() {
   if (!enabled()) return;
   impl_->pub.service_requests(std::chrono::milliseconds(0));
   const auto& s = impl_->pub.stats();
+  const auto last = impl_->pub.last_seq();
+  // The end of the stream, announced before the linger so a subscriber knows which batch is the last one.
+  std::fprintf(stderr, "pagedkv-replay: last event batch %llu\n",
+               static_cast<unsigned long long>(last.value_or(0)));
+  std::fflush(stderr);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(publish_flags().linger_ms);
+  const std::uint64_t snapshots_before = s.snapshot_requests;
+  while (s.snapshot_requests == snapshots_before && std::chrono::steady_clock::now() < until) {
+    impl_->pub.service_requests(std::chrono::milliseconds(10));
+  }
   std::fprintf(stderr, "pagedkv-replay: published %llu event batches (%.1f MB), answered %llu replay and %llu "
                "snapshot requests\n", static_cast<unsigned long long>(s.batches), static_cast<double>(s.bytes) / 1e6,
                static_cast<unsigned long long>(s.replay_requests), static_cast<unsigned long long>(s.snapshot_requests));

@@ -26,6 +26,10 @@ struct PublishFlags {
   /// Connect the PUB socket to the --publish-events endpoint (a router's bound SUB: llm-d's centralized mode)
   /// instead of binding it. The replay socket still binds a free loopback port.
   bool connect = false;
+  /// --publish-linger-ms: after the last batch, keep answering replay and snapshot requests for up to this long,
+  /// ending early once a snapshot request has been answered, so a subscriber can compare its index with the
+  /// engine's final cached set (tests/events_zmq/replay_events_check.cpp). 0 = close at once.
+  int linger_ms = 0;
 };
 
 /// The process's publish flags (one replay per process; main.cpp fills them while parsing, EventPublishing reads
@@ -68,7 +72,8 @@ class EventPublishing {
     if (auto batch = manager.take_event_batch(ts_s)) publish(*batch);
   }
 
-  /// Serve pending requests, print what was published on stderr, close (bounded: the publisher's linger).
+  /// Serve pending requests (for up to publish_flags().linger_ms, see there), print what was published and the
+  /// last batch's number on stderr, close (bounded: the linger plus the publisher's socket linger).
   void finish();
 
  private:

@@ -1,16 +1,8 @@
 // Issue 21 sec. 3: a fleet of 4 pagedkv engines (each its own KVCacheManager with a host tier, and its own
 // ZmqPublisher on 127.0.0.1) serves a bundled, seeded trace with salted tenants, LoRA adapters and images. One
 // subscriber per engine follows its stream (gaps repaired through replay) and feeds two router models written from
-// the routers' published rules (not their code):
-//  - llm-d (llm-d-kv-cache pkg/kvevents/pool.go, kvblock/token_processor.go, extra_keys.go): pod and model from the
-//    topic kv@<pod>@<model>; an event's keys recomputed with FNV-64a over canonical CBOR from its token_ids and
-//    its [identifier, offset] extra keys (bare strings skipped), rooted at the model, or at lora_name when set;
-//    the parent's key found through the engine-key -> request-key map (an unknown parent drops the event);
-//    removals by engine key.
-//  - Dynamo (lib/kv-router zmq_wire/{deserialize,extra_keys,convert}.rs): per worker, tokens hash XXH3 seeded with
-//    lora_name and the "dynamo-cache-salt:" namespace of the event's first block, 64-hex multimodal ids as the
-//    u64 of their first 16 digits, sequence hashes chained from the parent's (an unknown parent drops the
-//    event); removals by the event's block hash.
+// the routers' published rules (not their code): llm-d's and Dynamo's, in router_models.hpp (shared with the
+// replay check, replay_events_check.cpp).
 // Checks: every batch applied in order, no event dropped by either model, each model's per-engine block set equal
 // to the engine's own cached (block, tier) set, and for a sample of prompts each model's cached-block count
 // equal to the engine's truth (KVCacheManager::lookup). Bounded: a fixed number of steps, every wait bounded.
@@ -36,8 +28,11 @@
 #include <pagedkv/events_zmq/wire.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
 
+#include "router_models.hpp"
+
 namespace {
 
+using namespace router_models;  // NOLINT: the rule models, shared with replay_events_check.cpp
 namespace ev = pagedkv::events;
 namespace id = pagedkv::identity;
 using pagedkv::BlockHash;
@@ -59,205 +54,6 @@ BlockHash item(std::uint8_t t) {
   for (std::size_t i = 0; i < h.bytes.size(); ++i) h.bytes[i] = static_cast<std::uint8_t>(t * 31 + 7 * i + 1);
   return h;
 }
-
-std::vector<std::uint32_t> u32(std::span<const TokenId> t) { return {t.begin(), t.end()}; }
-
-std::uint64_t medium_bit(const std::optional<std::string>& m) { return m && *m == "CPU" ? 2 : 1; }
-
-/// Dynamo's u64 of a multimodal identifier as its extra_keys.rs maps it: 64 hex digits -> the first 16 as a u64
-/// (the only form this fleet sends; anything else counts as unsupported).
-std::optional<std::uint64_t> dynamo_mm(const std::string& s) {
-  if (s.size() != 64 || s.find_first_not_of("0123456789abcdefABCDEF") != std::string::npos) return std::nullopt;
-  return std::stoull(s.substr(0, 16), nullptr, 16);
-}
-
-/// The Dynamo namespace of an event: the first "dynamo-cache-salt:" string of its first block, after skipping the
-/// first string equal to lora_name.
-std::string dynamo_namespace(const ev::WireBlockStored& s) {
-  if (s.extra_keys.empty() || !s.extra_keys[0]) return {};
-  bool lora_pending = s.lora_name.has_value() && !s.lora_name->empty();
-  for (const ev::WireExtraKey& k : *s.extra_keys[0]) {
-    if (k.kind != ev::WireExtraKey::Kind::kString) continue;
-    if (lora_pending && k.text == *s.lora_name) {
-      lora_pending = false;
-      continue;
-    }
-    if (k.text.starts_with(ev::kDynamoCacheSaltPrefix) && k.text.size() > ev::kDynamoCacheSaltPrefix.size()) {
-      return k.text.substr(ev::kDynamoCacheSaltPrefix.size());
-    }
-  }
-  return {};
-}
-
-/// One router model: per engine, engine key -> (router key, tiers holding it) and router key -> tiers.
-struct RouterModel {
-  struct Block {
-    std::uint64_t key = 0;
-    std::uint64_t tiers = 0;  // bit 1 GPU, bit 2 CPU
-  };
-  std::map<std::uint64_t, Block> by_engine_key;      // what the engine named, currently held
-  std::map<std::uint64_t, std::uint64_t> key_tiers;  // router key -> tiers (union over engine keys)
-  std::uint64_t stored_events = 0, stored_blocks = 0, removed_blocks = 0, dropped_events = 0, unsupported = 0;
-  std::uint64_t bad_removals = 0, orphan_cpu = 0;
-
-  void hold(std::uint64_t engine_key, std::uint64_t key, std::uint64_t tier) {
-    Block& b = by_engine_key[engine_key];
-    b.key = key;
-    b.tiers |= tier;
-    key_tiers[key] |= tier;
-    ++stored_blocks;
-  }
-  void release(std::uint64_t engine_key, std::uint64_t tier) {
-    const auto it = by_engine_key.find(engine_key);
-    if (it == by_engine_key.end() || (it->second.tiers & tier) == 0) {
-      ++bad_removals;  // a removal of a block never indexed (its store was dropped): a no-op in both routers
-      return;
-    }
-    ++removed_blocks;
-    it->second.tiers &= ~tier;
-    // Another engine block may share the router key (never in this trace); recompute its tiers.
-    std::uint64_t t = 0;
-    for (const auto& [k, b] : by_engine_key) {
-      if (b.key == it->second.key) t |= b.tiers;
-    }
-    if (t == 0) {
-      key_tiers.erase(it->second.key);
-    } else {
-      key_tiers[it->second.key] = t;
-    }
-    if (it->second.tiers == 0) by_engine_key.erase(it);
-  }
-  void clear() {
-    by_engine_key.clear();
-    key_tiers.clear();
-  }
-  /// The parent's router key, if the parent is indexed.
-  [[nodiscard]] std::optional<std::uint64_t> key_of(std::uint64_t engine_key) const {
-    const auto it = by_engine_key.find(engine_key);
-    if (it == by_engine_key.end()) return std::nullopt;
-    return it->second.key;
-  }
-  [[nodiscard]] std::size_t count_prefix(const std::vector<std::uint64_t>& keys) const {
-    std::size_t n = 0;
-    while (n < keys.size() && key_tiers.count(keys[n]) != 0) ++n;
-    return n;
-  }
-};
-
-/// llm-d's rules for one pod.
-struct Llmd : RouterModel {
-  std::string model;  // from the topic
-  void apply(const ev::WireBatch& b) {
-    for (const ev::WireEvent& w : b.events) {
-      if (std::holds_alternative<ev::WireAllBlocksCleared>(w)) {
-        clear();
-      } else if (const auto* r = std::get_if<ev::WireBlockRemoved>(&w)) {
-        for (const ev::WireHash& h : r->block_hashes) release(h.key, medium_bit(r->medium));
-      } else {
-        const auto& s = std::get<ev::WireBlockStored>(w);
-        ++stored_events;
-        std::uint64_t parent = id::llmd_root_hash("", s.lora_name && !s.lora_name->empty() ? *s.lora_name : model);
-        if (s.parent_block_hash) {
-          const auto p = key_of(s.parent_block_hash->key);
-          if (!p) {
-            ++dropped_events;  // GetRequestKey fails: llm-d skips the event
-            orphan_cpu += medium_bit(s.medium) == 2 ? 1 : 0;
-            continue;
-          }
-          parent = *p;
-        }
-        for (std::size_t i = 0; i < s.block_hashes.size(); ++i) {
-          std::vector<id::LlmdMmHash> mm;
-          if (!s.extra_keys.empty() && s.extra_keys[i]) {
-            for (const ev::WireExtraKey& k : *s.extra_keys[i]) {
-              if (k.kind == ev::WireExtraKey::Kind::kIdentifierWithOffset) mm.push_back({k.text, k.signed_value});
-            }
-          }
-          parent = id::llmd_block_key_mm(parent, u32(s.block_tokens(i)), mm);
-          hold(s.block_hashes[i].key, parent, medium_bit(s.medium));
-        }
-      }
-    }
-  }
-  /// The keys the router computes for a request: model (or LoRA) root, per block the overlapping items as
-  /// (64-hex identifier, offset - block start). Salts are not part of llm-d's keys.
-  [[nodiscard]] std::vector<std::uint64_t> request_keys(const std::vector<TokenId>& p, const RequestKeys& k) const {
-    std::vector<std::uint64_t> out;
-    std::uint64_t parent = id::llmd_root_hash("", k.adapter_id != 0 ? lora_name(k.adapter_id) : model);
-    for (std::size_t b = 0; b + kBlockSize <= p.size(); b += kBlockSize) {
-      std::vector<id::LlmdMmHash> mm;
-      for (const MultimodalItem& m : k.multimodal) {
-        if (pagedkv::detail::item_overlaps(m, b, b + kBlockSize)) {
-          mm.push_back({m.item_hash.hex() + std::string(32, '0'),
-                        static_cast<std::int64_t>(m.offset_tokens) - static_cast<std::int64_t>(b)});
-        }
-      }
-      parent = id::llmd_block_key_mm(parent, u32(std::span<const TokenId>(p).subspan(b, kBlockSize)), mm);
-      out.push_back(parent);
-    }
-    return out;
-  }
-};
-
-/// Dynamo's rules for one worker.
-struct Dynamo : RouterModel {
-  void apply(const ev::WireBatch& b) {
-    for (const ev::WireEvent& w : b.events) {
-      if (std::holds_alternative<ev::WireAllBlocksCleared>(w)) {
-        clear();
-      } else if (const auto* r = std::get_if<ev::WireBlockRemoved>(&w)) {
-        for (const ev::WireHash& h : r->block_hashes) release(h.key, medium_bit(r->medium));
-      } else {
-        const auto& s = std::get<ev::WireBlockStored>(w);
-        ++stored_events;
-        const std::uint64_t seed = id::dynamo_salt_hash(s.lora_name.value_or(""), dynamo_namespace(s));
-        std::optional<std::uint64_t> parent;
-        if (s.parent_block_hash) {
-          parent = key_of(s.parent_block_hash->key);
-          if (!parent) {
-            ++dropped_events;  // the radix tree has no parent node: Dynamo drops the event
-            continue;
-          }
-        }
-        for (std::size_t i = 0; i < s.block_hashes.size(); ++i) {
-          std::vector<std::uint64_t> mm;
-          if (!s.extra_keys.empty() && s.extra_keys[i]) {
-            for (const ev::WireExtraKey& k : *s.extra_keys[i]) {
-              if (k.kind != ev::WireExtraKey::Kind::kIdentifierWithOffset) continue;
-              if (const auto v = dynamo_mm(k.text)) {
-                mm.push_back(*v);
-              } else {
-                ++unsupported;
-              }
-            }
-          }
-          std::sort(mm.begin(), mm.end());
-          const std::uint64_t th = id::dynamo_tokens_hash(u32(s.block_tokens(i)), seed, mm);
-          const std::uint64_t sh = parent ? id::dynamo_sequence_hash(*parent, th) : th;
-          hold(s.block_hashes[i].key, sh, medium_bit(s.medium));
-          parent = sh;
-        }
-      }
-    }
-  }
-  /// The sequence hashes the router computes for a request (seeded with its LoRA name and salt).
-  [[nodiscard]] static std::vector<std::uint64_t> request_keys(const std::vector<TokenId>& p, const RequestKeys& k) {
-    const std::uint64_t seed = id::dynamo_salt_hash(k.adapter_id != 0 ? lora_name(k.adapter_id) : "", k.salt);
-    std::vector<std::uint64_t> out;
-    std::optional<std::uint64_t> parent;
-    for (std::size_t b = 0; b + kBlockSize <= p.size(); b += kBlockSize) {
-      std::vector<std::uint64_t> mm;
-      for (const MultimodalItem& m : k.multimodal) {
-        if (pagedkv::detail::item_overlaps(m, b, b + kBlockSize)) mm.push_back(*dynamo_mm(m.item_hash.hex() + std::string(32, '0')));
-      }
-      std::sort(mm.begin(), mm.end());
-      const std::uint64_t th = id::dynamo_tokens_hash(u32(std::span<const TokenId>(p).subspan(b, kBlockSize)), seed, mm);
-      parent = parent ? id::dynamo_sequence_hash(*parent, th) : th;
-      out.push_back(*parent);
-    }
-    return out;
-  }
-};
 
 /// A request of the bundled trace: prompt tokens and keys.
 struct Request {
@@ -355,11 +151,6 @@ std::map<std::uint64_t, std::uint64_t> engine_blocks(const Manager& m, std::uint
   return out;
 }
 
-std::map<std::uint64_t, std::uint64_t> model_blocks(const RouterModel& r) {
-  std::map<std::uint64_t, std::uint64_t> out;
-  for (const auto& [k, b] : r.by_engine_key) out[k] = b.tiers;
-  return out;
-}
 
 }  // namespace
 
@@ -442,8 +233,8 @@ TEST_CASE("fleet: 4 engines publish on loopback - llm-d and Dynamo rule sets ind
     // A sample of prompts asked of every engine: each model's count equals the engine's truth.
     for (int q = 0; q < 6; ++q) {
       const Request r = make_request(rng);
-      const auto lk = fleet[0].llmd.request_keys(r.prompt, r.keys);
-      const auto dk = Dynamo::request_keys(r.prompt, r.keys);
+      const auto lk = fleet[0].llmd.request_keys(r.prompt, r.keys, kBlockSize, lora_name);
+      const auto dk = Dynamo::request_keys(r.prompt, r.keys, kBlockSize, lora_name);
       for (Engine& e : fleet) {
         const std::size_t truth = e.m->lookup(r.prompt, &r.keys, r.prompt.size()) / kBlockSize;
         const std::size_t l = e.llmd.count_prefix(lk);
@@ -460,7 +251,7 @@ TEST_CASE("fleet: 4 engines publish on loopback - llm-d and Dynamo rule sets ind
           RequestKeys other = r.keys;
           other.salt = "tenant-z";
           const std::size_t t2 = e.m->lookup(r.prompt, &other, r.prompt.size()) / kBlockSize;
-          const std::size_t d2 = e.dynamo.count_prefix(Dynamo::request_keys(r.prompt, other));
+          const std::size_t d2 = e.dynamo.count_prefix(Dynamo::request_keys(r.prompt, other, kBlockSize, lora_name));
           ++cross_salt;
           cross_salt_agree += d2 == t2 ? 1 : 0;
           CHECK(t2 == 0);
@@ -659,8 +450,8 @@ TEST_CASE("fleet: a hybrid engine (full + sliding-window groups) publishes its f
         const Request p = make_request(rng);
         const std::size_t full = group0_prefix(p, held);
         const std::size_t truth = m.lookup(p.prompt, &p.keys, p.prompt.size()) / kBlockSize;
-        const std::size_t l = llmd.count_prefix(llmd.request_keys(p.prompt, p.keys));
-        const std::size_t d = dynamo.count_prefix(Dynamo::request_keys(p.prompt, p.keys));
+        const std::size_t l = llmd.count_prefix(llmd.request_keys(p.prompt, p.keys, kBlockSize, lora_name));
+        const std::size_t d = dynamo.count_prefix(Dynamo::request_keys(p.prompt, p.keys, kBlockSize, lora_name));
         ++prompts;
         agree += l == full && d == full ? 1 : 0;
         above_engine += full > truth ? 1 : 0;
