@@ -370,7 +370,8 @@ void BM_AdmitRetry(benchmark::State& state) {
 // BM_DecodeBuild<Hasher>/<config>: decode steps of 64 sequences (prompts 1000-4000 tokens): try_append of one token
 // each, then the step's build (one group: the BatchMetadataBuffers overload; several: the sizes_out overload).
 // Every 256 steps (paused) the batch is freed and re-admitted. Counters: allocs_per_build (the build call),
-// allocs_per_append (try_append calls, per sequence), ns per sequence per step.
+// allocs_per_append (try_append calls, per sequence), ns per sequence per step (CPU), and the wall-clock split of
+// a step into its appends and its build (append_wall_ns_per_seq, build_wall_ns_per_seq).
 template <class Hasher>
 void BM_DecodeBuild(benchmark::State& state) {
   const int config = static_cast<int>(state.range(0));
@@ -407,17 +408,23 @@ void BM_DecodeBuild(benchmark::State& state) {
   };
   admit_all();
   std::uint64_t allocs_build = 0, allocs_append = 0, steps = 0, counted = 0;
+  std::chrono::steady_clock::duration append_time{}, build_time{};
   const auto one_step = [&](bool count) -> bool {
     const std::uint64_t a0 = g_allocs;
+    const auto t0 = std::chrono::steady_clock::now();
     for (SeqId id : ids) {
       const TokenId t = next_token();
       if (!m.try_append(id, std::span<const TokenId>(&t, 1)).ok()) return false;
     }
     const std::uint64_t a1 = g_allocs;
+    const auto t1 = std::chrono::steady_clock::now();
     build(m, ids, step);
+    const auto t2 = std::chrono::steady_clock::now();
     if (count) {
       allocs_append += a1 - a0;
       allocs_build += g_allocs - a1;
+      append_time += t1 - t0;
+      build_time += t2 - t1;
       ++counted;
     }
     return true;
@@ -448,6 +455,11 @@ void BM_DecodeBuild(benchmark::State& state) {
   const double n = static_cast<double>(std::max<std::uint64_t>(counted, 1));
   state.counters["allocs_per_build"] = static_cast<double>(allocs_build) / n;
   state.counters["allocs_per_append"] = static_cast<double>(allocs_append) / (n * kBatch);
+  // The step's two halves, wall-clock (steady_clock) ns per sequence: which half a difference between builds is in.
+  state.counters["append_wall_ns_per_seq"] =
+      static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(append_time).count()) / (n * kBatch);
+  state.counters["build_wall_ns_per_seq"] =
+      static_cast<double>(std::chrono::duration_cast<std::chrono::nanoseconds>(build_time).count()) / (n * kBatch);
   state.counters["ns_per_item"] = benchmark::Counter(
       static_cast<double>(kBatch) * 1e-9, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
   state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(kBatch));

@@ -68,7 +68,10 @@ def runs(suite, side):
             pos += 1
         if pos >= len(text):
             break
-        doc, pos = dec.raw_decode(text, pos)
+        try:
+            doc, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:  # a run still writing, or killed: its partial output is not counted
+            break
         docs.append(doc)
     return docs
 
