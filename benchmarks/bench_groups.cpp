@@ -11,6 +11,7 @@
 //   ns_per_prompt_block  CPU ns of admission + build per token block of the prompt (ceil(prompt_len / 16))
 //   ns_per_pool_block    CPU ns of admission + build per pool block the admission took (over all groups)
 //   allocs_per_admit, allocs_per_build, allocs_per_free, allocs_per_retry, allocs_per_append: operator new calls
+//   index_bytes_per_pool_block (BM_AzureAdmitBuild, groups builds only): every group's prefix index, bytes per block
 //
 // This file also compiles against the manager before issue 17 (no CacheConfig::groups): then only the one-group
 // benchmarks exist, so old and new builds can be compared on them.
@@ -302,6 +303,12 @@ void BM_AzureAdmitBuild(benchmark::State& state) {
   state.counters["allocs_per_build"] = static_cast<double>(allocs_build) / n;
   state.counters["allocs_per_free"] = static_cast<double>(allocs_free) / n;
   state.counters["evictions_per_request"] = static_cast<double>(m.stats().evictions - evictions_before) / n;
+#if PAGEDKV_BENCH_GROUPS
+  // Host bytes of the prefix indexes (every group's) per pool block.
+  double index_bytes = 0;
+  for (std::size_t g = 0; g < G; ++g) index_bytes += static_cast<double>(m.prefix_index(g).memory_bytes());
+  state.counters["index_bytes_per_pool_block"] = index_bytes / static_cast<double>(m.allocator().num_blocks());
+#endif
   state.SetItemsProcessed(static_cast<std::int64_t>(admits));
   state.SetLabel(std::string(config_name(config)) + (trace == kCode ? ", Azure code" : ", Azure conv") +
                  "; item=request (admit + prefill build)");
