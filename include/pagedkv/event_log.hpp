@@ -83,13 +83,20 @@ class EventLog {
   /// The number of the last batch taken (0 before the first).
   [[nodiscard]] std::uint64_t last_batch_seq_no() const noexcept { return last_batch_seq_no_; }
 
-  /// What the events handed out so far say is cached (see KVEventSnapshot). O(cached blocks); allocates.
+  /// What the events handed out so far say is cached (see KVEventSnapshot), parents before children: ordered by
+  /// block_start (a block's parent starts block_size tokens earlier), then by the order they were published. (In
+  /// publication order a host-tier copy could come before its parent's host-tier entry, when the parent's device
+  /// entry it was published against has been removed since: a consumer that checks parents, as llm-d's and
+  /// Dynamo's indexers do, dropped it.) An entry whose parent is cached in no tier any more can still be listed:
+  /// the stream published it while its parent was cached. O(cached blocks log cached blocks); allocates.
   [[nodiscard]] KVEventSnapshot snapshot() const {
     KVEventSnapshot s;
     s.seq_no = last_batch_seq_no_;
     s.stored.reserve(registry_.size());
     for (const auto& [key, e] : registry_) s.stored.push_back(e);
-    std::sort(s.stored.begin(), s.stored.end(), [](const KVEvent& a, const KVEvent& b) { return a.seq_no < b.seq_no; });
+    std::sort(s.stored.begin(), s.stored.end(), [](const KVEvent& a, const KVEvent& b) {
+      return a.block_start != b.block_start ? a.block_start < b.block_start : a.seq_no < b.seq_no;
+    });
     return s;
   }
 

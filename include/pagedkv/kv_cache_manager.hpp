@@ -110,9 +110,15 @@ class KVCacheManager {
   using copy_type = BlockCopy<Id>;
   using sequence_type = SequenceState<Id>;
   using host_tier_type = HostTier<Hasher, Id, HostEvict>;
+  using seq_map_type = std::unordered_map<SeqId, sequence_type>;
+  using seq_node_type = typename seq_map_type::node_type;
 
   /// Most KV-cache groups per manager.
   static constexpr std::size_t kMaxGroups = 64;
+  /// Freed sequences whose storage the manager keeps for later admissions (so an admission allocates nothing once
+  /// warm), and the largest token capacity a kept one may have (tokens; larger ones are freed).
+  static constexpr std::size_t kMaxSpareSequences = 64;
+  static constexpr std::size_t kMaxSpareTokens = std::size_t{1} << 16;
 
   /// A manager for a pool described by `config`. Throws kInvalidArgument (num_blocks < 2, a block_size outside
   /// [1, kMaxBlockSize], more than kMaxGroups groups, a full group with window_tokens != 0, a windowed group with
@@ -142,6 +148,7 @@ class KVCacheManager {
     }
     held_.assign(num_groups_, 0);
     peak_held_.assign(num_groups_, 0);
+    spare_.reserve(kMaxSpareSequences);
     if (host_ && config_.enable_events) {
       held_back_.assign((config_.num_host_blocks + 63) / 64, 0);
     }
@@ -376,7 +383,7 @@ class KVCacheManager {
     }
     sequence_type& q = live(seq, "free");
     release_all_groups(q);
-    seqs_.erase(seq);
+    recycle(seqs_.extract(seq));
   }
 
   /// Preempt running sequence `seq` (vLLM SOSP'23 sec. 4.5). kRecompute: as `preempt(seq)`. kSwap: copy its blocks
@@ -1568,7 +1575,8 @@ class KVCacheManager {
 
     // Commit. Everything that can throw bad_alloc is done before the first refcount changes.
     if (!shared_keys && keys != nullptr && !keys->empty()) shared_keys = std::make_shared<const RequestKeys>(*keys);
-    sequence_type s(config_.block_size, G);
+    auto node = take_spare(seq);  // a freed sequence's node, its vectors' capacity kept: no allocation once warm
+    sequence_type& s = node.mapped();
     s.tokens.assign(prompt.begin(), prompt.end());
     s.hashes.assign(hashes.begin(), hashes.end());
     s.keys = std::move(shared_keys);
@@ -1579,8 +1587,7 @@ class KVCacheManager {
     reserve_for_allocations(plan.query.num_blocks, host_hits);
     onboard_scratch_.assign(G * k, Id{0});
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
-    auto [it, inserted] = seqs_.try_emplace(seq, std::move(s));
-    sequence_type& q = it->second;
+    sequence_type& q = seqs_.insert(std::move(node)).position->second;
     // Hits first, in both tiers (so the allocations below, and the write-back offloads their evictions queue,
     // cannot evict them), then a device block per host hit, then the tables in order.
     for (std::size_t j = 0; j < G * k; ++j) {
@@ -1630,6 +1637,42 @@ class KVCacheManager {
     }
     interval_.record(prompt.size(), k * bs, readmission);
     return {AdmitStatus::kAdmitted, k * bs, plan.host_hit_blocks * bs, plan.query.num_blocks, 0};
+  }
+
+  // A node for a new sequence `seq`: a recycled one (free() keeps up to kMaxSpareSequences, their vectors' capacity
+  // kept, so an admission allocates nothing once warm) or a new one. May throw std::bad_alloc; changes nothing.
+  seq_node_type take_spare(SeqId seq) {
+    if (spare_.empty()) {
+      seq_map_type one;
+      one.try_emplace(seq, config_.block_size, num_groups_);
+      return one.extract(one.begin());
+    }
+    seq_node_type node = std::move(spare_.back());
+    spare_.pop_back();
+    node.key() = seq;
+    return node;
+  }
+  // Keep the node of a freed sequence (its tables already released) for the next admission, emptied; a node whose
+  // token capacity is very large is dropped instead (its memory is not kept for a typical request).
+  void recycle(seq_node_type node) noexcept {
+    if (node.empty() || spare_.size() == spare_.capacity() || node.mapped().tokens.capacity() > kMaxSpareTokens) return;
+    sequence_type& q = node.mapped();
+    q.tokens.clear();
+    q.hashes.clear();
+    q.keys.reset();
+    q.retention.reset();
+    q.num_registered = 0;
+    q.num_released = 0;
+    q.num_prompt_tokens = 0;
+    q.num_built = 0;
+    q.num_lookahead = 0;
+    q.num_pending_copies = 0;
+    q.in_batch = false;
+    for (auto& og : q.other_groups) {
+      og.num_registered = 0;
+      og.num_released = 0;
+    }
+    spare_.push_back(std::move(node));  // room reserved at construction
   }
 
   // Add `tokens` to q's known token ids and hash the full blocks they complete (room reserved by the caller). Hashing
@@ -2164,7 +2207,8 @@ class KVCacheManager {
   std::size_t peak_used_ = 0;
   PlanScratch plan_scratch_;                           // admission: hits and the fixed point's scratch
   std::size_t max_tokens_per_seq_;
-  std::unordered_map<SeqId, sequence_type> seqs_;     // node-based: SequenceState addresses are stable
+  seq_map_type seqs_;                                  // node-based: SequenceState addresses are stable
+  std::vector<seq_node_type> spare_;                   // freed sequences' nodes, reused by admissions
   std::vector<copy_type> pending_copies_;             // each holds one reference on its src
   std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
   std::vector<copy_type> copy_scratch_;
