@@ -106,6 +106,8 @@ class KVCacheManager {
   using hasher_type = Hasher;
   using allocator_type = BlockAllocator<Id, Evict>;
   using index_type = PrefixHashIndex<Hasher, Id>;
+  /// One group's part of the shared prefix index (prefix_index(g)); the mutable form is internal.
+  using const_index_view = GroupPrefixIndexView<const index_type>;
   using table_type = BlockTable<Id>;
   using copy_type = BlockCopy<Id>;
   using sequence_type = SequenceState<Id>;
@@ -140,9 +142,8 @@ class KVCacheManager {
         events_(config_.enable_events) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
     for (const KVCacheGroupSpec& g : config_.groups) windows_.push_back(g.window());
-    more_index_.reserve(num_groups_ - 1);
-    for (std::size_t g = 1; g < num_groups_; ++g) more_index_.emplace_back(config_.num_blocks, config_.hash_seed);
     if (num_groups_ > 1) {
+      group_cached_.assign(num_groups_, 0);
       group_of_.assign(config_.num_blocks, 0);
       if (host_) host_group_of_.assign(config_.num_host_blocks, 0);
     }
@@ -444,7 +445,7 @@ class KVCacheManager {
       for (std::size_t i = 0; i < nb; ++i) {
         if (blocks[i] == Id{0} || dst.host_blocks[g * nb + i] != Id{0}) continue;  // null, or shared above
         const auto h = ix(g).hash_of(blocks[i]);
-        const BlockHash key = h ? host_key(*h, g) : BlockHash{};
+        const BlockHash key = h ? group_block_key(*h, g) : BlockHash{};
         const Id hb = *host_->allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
         host_->acquire(hb);  // the copy's own hold, released when it completes
         if (num_groups_ > 1) host_group_of_[hb] = static_cast<std::uint8_t>(g);
@@ -491,7 +492,7 @@ class KVCacheManager {
       if (!host_->is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
       const std::size_t g = j / nb;
       const auto key = host_->index().hash_of(hb);
-      if (const auto b = key ? ix(g).find(host_key(*key, g)) : std::nullopt) {  // the key unmixed: the hash
+      if (const auto b = key ? ix(g).find(group_block_key(*key, g)) : std::nullopt) {  // the key unmixed: the hash
         hit_scratch_[j] = *b;
         if (alloc_.is_cached(*b)) ++evictable_hits;
       } else {
@@ -526,7 +527,7 @@ class KVCacheManager {
       const std::size_t g = j / nb;
       const Id dst = allocate_one(g);  // guaranteed by the capacity check
       const auto key = host_->index().hash_of(s.host_blocks[j]);
-      const BlockHash h = key ? host_key(*key, g) : BlockHash{};
+      const BlockHash h = key ? group_block_key(*key, g) : BlockHash{};
       queue_fill(dst, s.host_blocks[j], TransferKind::kSwapIn, key ? &h : nullptr, /*src_pinned=*/false, g);
       onboard_scratch_[j] = dst;
     }
@@ -697,7 +698,7 @@ class KVCacheManager {
     // tier(g, i): 1 = device, 2 = host (ready), 0 = neither.
     const auto tier_of = [&](const std::vector<BlockHash>& hs, std::size_t g, std::size_t i) -> int {
       if (ix(g).find(hs[i])) return 1;
-      if (host_ && host_->find_ready(host_key(hs[i], g))) return 2;
+      if (host_ && host_->find_ready(group_block_key(hs[i], g))) return 2;
       return 0;
     };
     std::vector<std::uint8_t> tier(G * full);
@@ -871,10 +872,14 @@ class KVCacheManager {
   }
   /// The allocator (read-only: refcounts, states, eviction order). Valid as long as the manager.
   [[nodiscard]] const allocator_type& allocator() const noexcept { return alloc_; }
-  /// The prefix index (read-only; group 0's with several groups). Valid as long as the manager.
+  /// The prefix index (read-only). With several groups it is shared by them: group g's blocks are keyed by
+  /// `group_block_key(hash, g)` (group 0's by their hashes), one table sized for the pool; `prefix_index(g)` reads
+  /// one group's part in its own hashes. Valid as long as the manager.
   [[nodiscard]] const index_type& prefix_index() const noexcept { return index_; }
-  /// Group g's prefix index (read-only). Throws kInvalidArgument for g >= num_groups().
-  [[nodiscard]] const index_type& prefix_index(std::size_t g) const {
+  /// Group g's part of the prefix index, read-only, in the group's own block hashes (`find(h)`, `hash_of(b)`,
+  /// `size()`: the group's registered blocks). A small value (GroupPrefixIndexView), valid as long as the manager.
+  /// Throws kInvalidArgument for g >= num_groups().
+  [[nodiscard]] const_index_view prefix_index(std::size_t g) const {
     check_group(g, "prefix_index");
     return ix(g);
   }
@@ -893,7 +898,7 @@ class KVCacheManager {
     events_.reserve_more(2);
     alloc_.clear_hashes([](Id) {});
     index_.clear();
-    for (auto& more : more_index_) more.clear();
+    std::fill(group_cached_.begin(), group_cached_.end(), std::size_t{0});
     for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
       for (std::size_t g = 0; g < num_groups_; ++g) q.registered_of(g) = 0;
     }
@@ -968,13 +973,7 @@ class KVCacheManager {
               const auto held = pending_content_.find(t.host);
               if (held != pending_content_.end()) e = held->second;
             }
-            if (e) {
-              KVEvent& out = events_.push(KVEventType::kBlockStored);
-              const std::uint64_t seq_no = out.seq_no;
-              out = std::move(*e);
-              out.seq_no = seq_no;
-              out.medium = Medium::kGpu;
-            }
+            if (e) publish_kept(std::move(*e)).medium = Medium::kGpu;
           }
         }
       }
@@ -1093,6 +1092,7 @@ class KVCacheManager {
   }
 
  private:
+  using index_view = GroupPrefixIndexView<index_type>;
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (simple_) {
@@ -1184,7 +1184,9 @@ class KVCacheManager {
     if (write_through) {
       for (const auto& [b, h] : recent_registered_) {
         const std::uint32_t g = group_of_block(b);
-        if (ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_->find(host_key(h, g))) ++write_through_blocks;
+        if (ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_->find(group_block_key(h, g))) {
+          ++write_through_blocks;
+        }
       }
     }
     const std::size_t max_out = host_ ? transfers_.num_queued(true) + write_through_blocks : 0;
@@ -1505,7 +1507,7 @@ class KVCacheManager {
           sc.found[g * walk + i] = *b;
           l = 1;
         } else if (host_) {
-          if (const auto hb = host_->find_ready(host_key(hashes[i], g))) {
+          if (const auto hb = host_->find_ready(group_block_key(hashes[i], g))) {
             sc.found[g * walk + i] = *hb;
             l = 2;
           }
@@ -1830,11 +1832,17 @@ class KVCacheManager {
       ++stats_.events_held_back;
       return;
     }
+    publish_kept(std::move(it->second));
+    pending_content_.erase(it);
+  }
+  // Publish `content` (a stored event kept aside: a host copy's content, or a device event re-published on
+  // onboarding) as the log's next event: its fields, the log's seq_no. Precondition: room reserved.
+  KVEvent& publish_kept(KVEvent&& content) {
     KVEvent& out = events_.push(KVEventType::kBlockStored);
     const std::uint64_t seq_no = out.seq_no;
-    out = std::move(it->second);
+    out = std::move(content);
     out.seq_no = seq_no;
-    pending_content_.erase(it);
+    return out;
   }
   // Publish every held-back host block whose parent is reported by now (its own copy completed later in the same
   // call, or it was stored again), parents before children. Precondition: room for held_back_list_.size() events
@@ -1854,10 +1862,7 @@ class KVCacheManager {
         held_back_list_.pop_back();
         progress = true;
         if (it == pending_content_.end()) continue;
-        KVEvent& out = events_.push(KVEventType::kBlockStored);
-        const std::uint64_t seq_no = out.seq_no;
-        out = std::move(it->second);
-        out.seq_no = seq_no;
+        publish_kept(std::move(it->second));
         pending_content_.erase(it);
       }
     }
@@ -1869,7 +1874,7 @@ class KVCacheManager {
   // block, or a ready host block not held back.
   [[nodiscard]] bool reported_cached(const BlockHash& h, std::uint32_t g) const {
     if (ix(g).find(h)) return true;
-    const auto hb = host_ ? host_->find_ready(host_key(h, g)) : std::nullopt;
+    const auto hb = host_ ? host_->find_ready(group_block_key(h, g)) : std::nullopt;
     return hb && !is_held_back(*hb);
   }
 
@@ -1894,26 +1899,21 @@ class KVCacheManager {
                                                 std::to_string(num_groups_) + " groups");
     }
   }
-  [[nodiscard]] index_type& ix(std::size_t g) noexcept { return g == 0 ? index_ : more_index_[g - 1]; }
-  [[nodiscard]] const index_type& ix(std::size_t g) const noexcept { return g == 0 ? index_ : more_index_[g - 1]; }
+  // Group g's part of the shared prefix index (keys mixed with g, registrations counted per group).
+  [[nodiscard]] index_view ix(std::size_t g) noexcept {
+    if (num_groups_ == 1) return index_view(index_, 0, nullptr, nullptr);
+    return index_view(index_, g, group_of_.data(), &group_cached_[g]);
+  }
+  [[nodiscard]] const_index_view ix(std::size_t g) const noexcept {
+    if (num_groups_ == 1) return const_index_view(index_, 0, nullptr, nullptr);
+    return const_index_view(index_, g, group_of_.data(), &group_cached_[g]);
+  }
   [[nodiscard]] std::uint32_t group_of_block(Id b) const noexcept { return num_groups_ > 1 ? group_of_[b] : 0U; }
 
-  // The host tier's key of group g's block with hash h: h for group 0, h with both halves XORed with a constant of
-  // g otherwise (one host index serves every group; a host block belongs to one group). Its own inverse.
-  [[nodiscard]] static BlockHash host_key(const BlockHash& h, std::size_t g) noexcept {
-    if (g == 0) return h;
-    std::uint64_t z = 0x9E3779B97F4A7C15ULL * (static_cast<std::uint64_t>(g) + 1);  // splitmix64 of g
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    BlockHash k = h;
-    for (std::size_t i = 0; i < 16; ++i) k.bytes[i] ^= static_cast<std::uint8_t>(z >> (8 * (i % 8)));
-    return k;
-  }
   // The host block holding group g's device block b (by its hash), if any.
   [[nodiscard]] std::optional<Id> host_copy_of(Id b, std::size_t g) const {
     const auto h = ix(g).hash_of(b);
-    return h ? host_->find(host_key(*h, g)) : std::nullopt;
+    return h ? host_->find(group_block_key(*h, g)) : std::nullopt;
   }
 
   // Held-block accounting per group (several groups or a windowed one; with one full group held = used).
@@ -1989,7 +1989,7 @@ class KVCacheManager {
   auto evictor() {
     return [this](Id b) {
       const std::uint32_t g = group_of_block(b);
-      const auto h = ix(g).erase_block(b);
+      const auto h = num_groups_ == 1 ? index_.erase_block(b) : ix(g).erase_block(b);  // one group: the raw index
       if (!h) return;
       if (events_.enabled()) {
         KVEvent& e = events_.push(KVEventType::kBlockRemoved);
@@ -2036,7 +2036,7 @@ class KVCacheManager {
   // Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
   // (not ready) and held by the transfer until complete_transfers. Dropped when every host block is held.
   void queue_offload(Id b, const BlockHash& h, std::uint32_t g, std::uint8_t priority = kDefaultRetentionPriority) {
-    const BlockHash key = host_key(h, g);
+    const BlockHash key = group_block_key(h, g);
     if (host_->find(key)) return;
     const auto hb = host_->allocate(&key, host_evictor());
     if (!hb) {
@@ -2063,7 +2063,7 @@ class KVCacheManager {
       }
       const std::uint32_t g = num_groups_ > 1 ? host_group_of_[hb] : 0U;
       KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-      e.hash = host_key(key, g);  // the key unmixed: the block's hash
+      e.hash = group_block_key(key, g);  // the key unmixed: the block's hash
       e.medium = Medium::kCpu;
       e.group = g;
     };
@@ -2131,7 +2131,7 @@ class KVCacheManager {
   template <bool kOne>
   void register_full_blocks_in(sequence_type& q, std::size_t g) {
     if (!config_.enable_prefix_caching) return;
-    index_type& index = kOne ? index_ : ix(g);
+    index_view index = kOne ? index_view(index_, 0, nullptr, nullptr) : ix(g);
     BlockTable<Id>& table = table_in<kOne>(q, g);
     std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
     const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
@@ -2197,8 +2197,8 @@ class KVCacheManager {
   std::size_t num_groups_;                             // G >= 1
   bool simple_;                                        // one full-attention group: the plain pool's fast paths
   allocator_type alloc_;
-  index_type index_;                                   // group 0's prefix index
-  std::vector<index_type> more_index_;                 // [G - 1] groups 1 .. G - 1
+  index_type index_;                                   // the prefix index, shared by the groups (keys: group_block_key)
+  std::vector<std::size_t> group_cached_;              // [G] when G > 1: blocks registered per group
   std::vector<AttentionWindow> windows_;               // [G]
   std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
   std::vector<std::uint8_t> host_group_of_;            // [num_host_blocks] when G > 1 with a host tier

@@ -11,6 +11,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <pagedkv/block_allocator.hpp>
@@ -213,6 +215,9 @@ class PrefixHashIndex {
   /// Number of registered blocks.
   [[nodiscard]] std::size_t size() const noexcept { return table_.size(); }
 
+  /// The pool size this index was made for (block ids are below it).
+  [[nodiscard]] std::size_t num_blocks() const noexcept { return block_hash_.size(); }
+
   /// Bytes this index holds (per-block hashes, registration bits, table), all allocated at construction.
   [[nodiscard]] std::size_t memory_bytes() const noexcept {
     return block_hash_.size() * sizeof(BlockHash) + registered_.size() * sizeof(std::uint64_t) +
@@ -244,6 +249,90 @@ class PrefixHashIndex {
   detail::BlockHashTable<Id> table_;
   BlockHash root_;
   static constexpr std::size_t kStackEncodingBytes = 512;
+};
+
+/// The key under which KV-cache group `g` registers a block whose hash is `h`, in the prefix index the groups share
+/// and in the host tier: `h` itself for group 0 (so a one-group pool's keys are its block hashes), otherwise `h`
+/// XOR a 16-byte mask derived from g (splitmix64 of g + 1, little-endian, repeated twice). An involution:
+/// `group_block_key(group_block_key(h, g), g) == h`, so the index recovers a block's hash from its key and group.
+/// Two groups' keys of one hash differ, so equal content cached by two groups occupies two entries, as it must
+/// (each group's block holds different layers). O(1), no branch on the data.
+[[nodiscard]] inline BlockHash group_block_key(const BlockHash& h, std::size_t g) noexcept {
+  if (g == 0) return h;
+  std::uint64_t z = 0x9E3779B97F4A7C15ULL * (static_cast<std::uint64_t>(g) + 1);  // splitmix64 of g
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  z ^= z >> 31;
+  BlockHash k = h;
+  for (std::size_t i = 0; i < 16; ++i) k.bytes[i] ^= static_cast<std::uint8_t>(z >> (8 * (i % 8)));
+  return k;
+}
+
+/// One KV-cache group's part of a prefix index shared by several groups (KVCacheManager::prefix_index(g)): the
+/// interface of PrefixHashIndex in the group's own hashes. The shared index keys group g's blocks by
+/// `group_block_key(hash, g)` (one table sized for the pool, 22.8 bytes per pool block however many groups, rather
+/// than one table per group); this view mixes the key on the way in and unmixes it on the way out, and counts the
+/// group's registrations. A view is a few pointers: copy it freely; it is valid as long as its manager.
+/// `Index` is `const PrefixHashIndex<H, Id>` for the read-only view the manager hands out (the mutating members
+/// then do not compile), non-const inside the manager.
+/// Source: vLLM's one BlockPool whose cached-block map is keyed by (block hash, group id); SGLang's one radix cache
+/// with a component per attention type.
+template <class Index>
+class GroupPrefixIndexView {
+ public:
+  using index_type = std::remove_const_t<Index>;
+  using id_type = decltype(std::declval<index_type&>().insert(BlockHash{}, 0));
+  using count_type = std::conditional_t<std::is_const_v<Index>, const std::size_t, std::size_t>;
+
+  /// The view of group `g` of `index`. `group_of` (null with one group) maps a block id to the group that holds
+  /// it; `count` (null with one group) is the group's number of registered blocks.
+  GroupPrefixIndexView(Index& index, std::size_t g, const std::uint8_t* group_of, count_type* count) noexcept
+      : index_(&index), g_(g), group_of_(group_of), count_(count) {}
+
+  /// The group this view belongs to.
+  [[nodiscard]] std::size_t group() const noexcept { return g_; }
+  /// The chain root (shared by every group: the groups hash the same tokens).
+  [[nodiscard]] const BlockHash& root() const noexcept { return index_->root(); }
+  /// PrefixHashIndex::hash_full_blocks (block hashes do not depend on the group).
+  void hash_full_blocks(std::span<const TokenId> tokens, std::uint32_t block_size, const RequestKeys* keys,
+                        std::vector<BlockHash>& out) const {
+    index_->hash_full_blocks(tokens, block_size, keys, out);
+  }
+  /// The group's block registered under hash `h`, or nullopt. One probe of the shared table.
+  [[nodiscard]] std::optional<id_type> find(const BlockHash& h) const { return index_->find(key(h)); }
+  /// Prefetch what `find(h)` will touch.
+  void prefetch(const BlockHash& h) const noexcept { index_->prefetch(key(h)); }
+  /// Whether block `b` is registered by this group; its hash if so (nullopt for another group's block).
+  [[nodiscard]] std::optional<BlockHash> hash_of(id_type b) const {
+    if (group_of_ != nullptr && b < index_->num_blocks() && group_of_[b] != g_) return std::nullopt;
+    const auto k = index_->hash_of(b);
+    if (!k) return std::nullopt;
+    return key(*k);
+  }
+  /// Blocks registered by this group.
+  [[nodiscard]] std::size_t size() const noexcept { return count_ != nullptr ? *count_ : index_->size(); }
+  /// Register group block `b` under hash `h` (PrefixHashIndex::insert, keyed for the group). The caller has
+  /// recorded `b` as this group's block. Returns `b`, or the group's block already registered under `h`.
+  id_type insert(const BlockHash& h, id_type b) {
+    const id_type r = index_->insert(key(h), b);
+    if (r == b && count_ != nullptr) ++*count_;
+    return r;
+  }
+  /// Unregister group block `b`; its hash, or nullopt when it was not registered.
+  std::optional<BlockHash> erase_block(id_type b) {
+    const auto k = index_->erase_block(b);
+    if (!k) return std::nullopt;
+    if (count_ != nullptr) --*count_;
+    return key(*k);
+  }
+
+ private:
+  [[nodiscard]] BlockHash key(const BlockHash& h) const noexcept { return group_block_key(h, g_); }
+
+  Index* index_;
+  std::size_t g_;
+  const std::uint8_t* group_of_;
+  count_type* count_;
 };
 
 /// Recompute the hash of a kBlockStored event from the event alone (what a KV-aware router does to check, or to

@@ -2,9 +2,6 @@
 // per scenario below, in the layout of manager_ops.hpp. Each seed is a short, readable engine story; the fuzzer
 // mutates from there. Usage: make_seeds <output directory>
 #include <cstdint>
-#include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -12,6 +9,8 @@
 
 #include "byte_reader.hpp"
 #include "manager_ops.hpp"
+
+#include "seed_writer.hpp"
 
 namespace {
 
@@ -269,23 +268,4 @@ std::vector<std::pair<std::string, Seed>> seeds() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: %s <output directory>\n", argv[0]);
-    return 2;
-  }
-  const std::filesystem::path dir(argv[1]);
-  std::filesystem::create_directories(dir);
-  std::size_t n = 0;
-  for (const auto& [name, seed] : seeds()) {
-    std::ofstream out(dir / (name + ".bin"), std::ios::binary | std::ios::trunc);
-    out.write(reinterpret_cast<const char*>(seed.bytes().data()), static_cast<std::streamsize>(seed.bytes().size()));
-    if (!out) {
-      std::fprintf(stderr, "%s: cannot write %s\n", argv[0], (dir / (name + ".bin")).string().c_str());
-      return 1;
-    }
-    ++n;
-  }
-  std::printf("wrote %zu seeds to %s\n", n, dir.string().c_str());
-  return 0;
-}
+int main(int argc, char** argv) { return pagedkv_fuzz::write_seeds(argc, argv, seeds()); }

@@ -641,6 +641,60 @@ TEST_CASE("HybridKVCacheManager: registration skips blocks that can never serve 
   for (std::size_t g = 0; g < 4; ++g) CHECK(m.prefix_index(g).size() == 0);
 }
 
+TEST_CASE("HybridKVCacheManager: the groups share one prefix index - keys mixed per group, views per group",
+          "[kv_cache_groups][index]") {
+  const std::uint32_t bs = 4;
+  // group_block_key: group 0 is the hash itself; other groups' keys differ from it and from each other, and mixing
+  // twice gives the hash back.
+  const BlockHash h0 = pagedkv::Xxh3Hasher::hash(std::span<const std::byte>());
+  CHECK(pagedkv::group_block_key(h0, 0) == h0);
+  CHECK_FALSE(pagedkv::group_block_key(h0, 1) == h0);
+  CHECK_FALSE(pagedkv::group_block_key(h0, 1) == pagedkv::group_block_key(h0, 2));
+  for (std::size_t g = 0; g < 8; ++g) CHECK(pagedkv::group_block_key(pagedkv::group_block_key(h0, g), g) == h0);
+
+  Mgr m(make_config(200, bs, {full(), swa(5), full()}));
+  Mgr one(make_config(200, bs, {}));
+  // One table for the pool, whatever the number of groups.
+  CHECK(m.prefix_index().memory_bytes() == one.prefix_index().memory_bytes());
+  const Toks p = pagedkv_test::toks(7, 41);  // 10 full blocks, cached by all three groups
+  REQUIRE(m.try_admit(1, p).admitted());
+  (void)build(m, {1});
+  std::vector<BlockHash> h;
+  m.prefix_index(0).hash_full_blocks(p, bs, nullptr, h);
+  REQUIRE(h.size() == 10);
+  std::size_t total = 0;
+  for (std::size_t g = 0; g < 3; ++g) {
+    const auto t = m.block_ids(1, g);
+    total += m.prefix_index(g).size();
+    CHECK(m.prefix_index(g).group() == g);
+    for (std::size_t i = 0; i < h.size(); ++i) {
+      if (t[i] == 0) continue;  // released by the window group
+      // Found under the group's own hash, and in the shared index under the mixed key.
+      CHECK(m.prefix_index(g).find(h[i]) == std::optional<std::uint32_t>(t[i]));
+      CHECK(m.prefix_index().find(pagedkv::group_block_key(h[i], g)) == std::optional<std::uint32_t>(t[i]));
+      CHECK(m.prefix_index(g).hash_of(t[i]) == std::optional<BlockHash>(h[i]));
+      for (std::size_t o = 0; o < 3; ++o) {
+        if (o != g) CHECK_FALSE(m.prefix_index(o).hash_of(t[i]).has_value());  // another group's block
+      }
+    }
+  }
+  CHECK(m.prefix_index(0).size() == 10);
+  CHECK(m.prefix_index(2).size() == 10);
+  CHECK(m.prefix_index().size() == total);
+  // Eviction and reset keep the per-group counts equal to the shared table's.
+  m.free(1);
+  for (SeqId s = 10; s < 40; ++s) {
+    if (!m.try_admit(s, pagedkv_test::toks(static_cast<TokenId>(s * 1000), 30)).admitted()) break;
+    (void)build(m, {s});
+    m.free(s);
+  }
+  CHECK(m.stats().evictions > 0);
+  CHECK(m.prefix_index(0).size() + m.prefix_index(1).size() + m.prefix_index(2).size() == m.prefix_index().size());
+  CHECK(m.reset_prefix_cache());
+  CHECK(m.prefix_index().size() == 0);
+  for (std::size_t g = 0; g < 3; ++g) CHECK(m.prefix_index(g).size() == 0);
+}
+
 TEST_CASE("HybridKVCacheManager: fork shares every group's blocks - copy-on-write per group", "[kv_cache_groups][cow]") {
   const std::uint32_t bs = 4;
   Mgr m(make_config(64, bs, {full(), swa(5)}));
