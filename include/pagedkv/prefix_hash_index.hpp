@@ -264,7 +264,15 @@ class PrefixHashIndex {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
   z ^= z >> 31;
   BlockHash k = h;
-  for (std::size_t i = 0; i < 16; ++i) k.bytes[i] ^= static_cast<std::uint8_t>(z >> (8 * (i % 8)));
+  if constexpr (std::endian::native == std::endian::little) {  // two 64-bit XORs: z's little-endian bytes, twice
+    std::uint64_t half[2];
+    std::memcpy(half, k.bytes.data(), 16);
+    half[0] ^= z;
+    half[1] ^= z;
+    std::memcpy(k.bytes.data(), half, 16);
+  } else {
+    for (std::size_t i = 0; i < 16; ++i) k.bytes[i] ^= static_cast<std::uint8_t>(z >> (8 * (i % 8)));
+  }
   return k;
 }
 
