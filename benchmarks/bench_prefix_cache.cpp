@@ -256,8 +256,10 @@ BENCHMARK_TEMPLATE(BM_Lookup, Xxh3Hasher)->ArgName("prompt_blocks")->Arg(1)->Arg
 // blocks) fills with the freed suffix blocks and then evicts them (LRU), as in a long replay; the shared prefixes
 // stay hot. Admission hashes every full block, hits half, allocates the rest and registers them; free releases
 // all blocks tail first.
+// `miss_causes`: 0 = plain; 1 = CacheConfig::count_miss_causes; 2 = that and an eviction history of the pool's size
+// (BM_AdmitFreeMissCauses: what the miss-cause counters cost an admission).
 template <class Hasher>
-void BM_AdmitFree(benchmark::State& state) {
+void admit_free(benchmark::State& state, int miss_causes, bool report_shares) {
   const auto prompt_tokens = static_cast<std::size_t>(state.range(0));
   const std::size_t prefix_tokens = prompt_tokens / 2;  // a multiple of the block size (args are multiples of 32)
   constexpr std::size_t kPrefixes = 64;
@@ -265,6 +267,8 @@ void BM_AdmitFree(benchmark::State& state) {
   cfg.num_blocks = std::size_t{1} << 16;
   cfg.block_size = kBlockSize;
   cfg.hash_seed = kHashSeed;
+  cfg.count_miss_causes = miss_causes >= 1;
+  cfg.eviction_history = miss_causes >= 2 ? cfg.num_blocks : 0;
   pagedkv::KVCacheManager<Hasher, Id> m(cfg);
   std::mt19937_64 rng(kSeed ^ prompt_tokens ^ 13);
   std::vector<std::vector<TokenId>> prompts;  // prefix + suffix template
@@ -304,10 +308,34 @@ void BM_AdmitFree(benchmark::State& state) {
       blocks * 1e-9, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
   state.counters["evictions_per_request"] =
       static_cast<double>(m.stats().evictions) / static_cast<double>(std::max<std::int64_t>(state.iterations(), 1));
+  // (0 with the counters off: every row of a family has the same counters, as --benchmark_format=csv needs)
+  if (report_shares) {
+    const auto& c = m.stats().admissions_by_miss_cause;
+    const auto at = [&](pagedkv::MissCause x) { return static_cast<double>(c[static_cast<std::size_t>(x)]); };
+    const double n = static_cast<double>(m.stats().prefix_query_requests);
+    state.counters["share_not_cached"] = at(pagedkv::MissCause::kNotCached) / n;  // the fresh suffixes
+    state.counters["share_evicted"] = at(pagedkv::MissCause::kEvicted) / n;
+  }
   report_per_item(state, 1.0, "item=request (admit half-cached prompt + prefill build + free)");
+}
+template <class Hasher>
+void BM_AdmitFree(benchmark::State& state) {
+  admit_free<Hasher>(state, 0, false);
 }
 BENCHMARK_TEMPLATE(BM_AdmitFree, Sha256Hasher)->ArgName("prompt_tokens")->Arg(512)->Arg(2048)->Arg(8192);
 BENCHMARK_TEMPLATE(BM_AdmitFree, Xxh3Hasher)->ArgName("prompt_tokens")->Arg(512)->Arg(2048)->Arg(8192);
+// BM_AdmitFreeMissCauses<Hasher>/prompt_tokens/miss_causes: BM_AdmitFree with the miss-cause counters off (0), on
+// (1), on with an eviction history of 65,536 evictions (2), in one process (docs/benchmarks.md "Miss causes").
+template <class Hasher>
+void BM_AdmitFreeMissCauses(benchmark::State& state) {
+  admit_free<Hasher>(state, static_cast<int>(state.range(1)), true);
+}
+BENCHMARK_TEMPLATE(BM_AdmitFreeMissCauses, Xxh3Hasher)
+    ->ArgNames({"prompt_tokens", "miss_causes"})
+    ->ArgsProduct({{512, 2048}, {0, 1, 2}});
+BENCHMARK_TEMPLATE(BM_AdmitFreeMissCauses, Sha256Hasher)
+    ->ArgNames({"prompt_tokens", "miss_causes"})
+    ->ArgsProduct({{2048}, {0, 1, 2}});
 
 // Resident host memory of a manager (docs/contract.md sec. 5: <= 32 bytes per block). One iteration constructs a
 // KVCacheManager of pool_blocks blocks and fills its whole pool with cached blocks (admit a 1024-token prompt,

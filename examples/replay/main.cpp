@@ -480,6 +480,9 @@ int main(int argc, char** argv) {
   app.add_flag("--json", json, "Print one JSON object per configuration per line instead of a table");
   app.add_flag("--progress,!--no-progress", opt.progress,
                "Show a progress line on stderr for runs longer than a second (default: when stderr is a terminal)");
+  app.add_flag("--miss-causes", opt.miss_causes,
+               "prefix: count why each admission's prefix hit ended (CacheConfig::count_miss_causes, with an eviction "
+               "history of 4x the pool's blocks) and report the shares as miss_* fields");
   app.add_flag("--check", opt.check,
                "Cross-check the derived block and slot counts against the block tables every step (slow)");
   app.add_option("--publish-events", opt.publish_events,

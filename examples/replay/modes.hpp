@@ -40,6 +40,8 @@ struct Options {
   std::size_t num_branches = 4;       ///< fork: parallel samples per request.
   bool progress = false;              ///< Show a progress line on stderr.
   bool check = false;                 ///< Cross-check derived block counts by brute force every step (slow).
+  bool miss_causes = false;           ///< prefix: count every admission's miss cause (an eviction history of 4x
+                                      ///< the pool's blocks), reported as miss_* fields.
   std::string publish_events;         ///< Publish KV events on this ZeroMQ endpoint (publish.hpp); "" = off.
   int publish_wait_ms = 0;            ///< Wait this long after binding it, for subscribers to connect.
   // Host tier and eviction (issue 10).

@@ -41,6 +41,8 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
       config.max_tokens_per_seq = max_prompt_tokens;
       config.num_host_blocks = host == 0 ? 0 : host + 1;  // + the host tier's null block
       config.offload = opt.offload;
+      config.count_miss_causes = opt.miss_causes;
+      config.eviction_history = opt.miss_causes ? 4 * usable : 0;  // remembers about four pool turnovers
       if (pools.empty()) events.configure(config);
       pools.push_back({capacity, usable, host, std::make_unique<Manager>(config), {}, 0, 0});
     }
@@ -117,6 +119,15 @@ std::vector<Row> run_prefix_with(const Trace& trace, const Options& opt) {
         .add("hit_ratio", hit_ratio(s), 4);
     if (host_blocks != 0) add_tier_fields(row, s, opt);
     row.add("evictions", s.evictions);
+    if (opt.miss_causes) {  // share of admitted requests per cause (docs/design.md: the counters)
+      const double n = static_cast<double>(std::max<std::uint64_t>(s.prefix_query_requests, 1));
+      for (std::size_t c = 0; c < pagedkv::kNumMissCauses; ++c) {
+        const auto cause = static_cast<pagedkv::MissCause>(c);
+        if (cause == pagedkv::MissCause::kKeyMismatch) continue;  // never counted (no extra keys here either)
+        const double share = static_cast<double>(s.admissions_by_miss_cause[c]) / n;
+        row.add(std::string("miss_") + pagedkv::to_string(cause), share, 4);
+      }
+    }
     add_cost_fields(row, pool.timer.seconds(), s.block_ops);
     if (host_blocks != 0) {
       // Library time per prompt block (the same work in both pools, unlike block_ops, which counts device-pool

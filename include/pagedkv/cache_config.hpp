@@ -54,6 +54,14 @@ struct CacheConfig {
   /// full-attention group (a plain pool).
   std::vector<KVCacheGroupSpec> groups;
   std::size_t page_size_bytes = 0;  ///< Bytes of one layer's K+V page of block_size tokens (0: no byte accounting).
+  /// Slots of the eviction history (device and host tiers together), so that a miss can tell "evicted" from
+  /// "never stored" (MissCause::kEvicted, explain_admit, the counters); 0 = off. Direct-mapped (EvictionHistory):
+  /// an eviction survives n later ones with probability about e^(-n / eviction_history); 16 bytes per slot,
+  /// allocated at construction; one store per eviction while on. At most 2^30.
+  std::size_t eviction_history = 0;
+  /// Count every admission's miss cause in CacheStats::admissions_by_miss_cause: per admitted request one probe per
+  /// group of the block after the hit (each tier) and, with eviction_history, one history lookup. Off: no cost.
+  bool count_miss_causes = false;
 };
 
 namespace detail {
@@ -62,7 +70,7 @@ namespace detail {
 /// a block_size outside [1, kMaxBlockSize], num_host_blocks = 1, too many groups, a full group with window_tokens
 /// != 0, a windowed group with window_tokens 0 or > 2^31 - 1, num_layers 0, pool bytes overflowing size_t) or
 /// kLimitExceeded (num_blocks > 2^31, max_tokens_per_seq > 2^31 - 1, num_host_blocks > 2^31: the int32 batch
-/// metadata), each naming the field and value.
+/// metadata; eviction_history > 2^30), each naming the field and value.
 [[nodiscard]] inline CacheConfig checked_cache_config(const CacheConfig& c, std::size_t max_groups) {
   if (c.num_blocks < 2) {
     detail::raise(Errc::kInvalidArgument, "CacheConfig.num_blocks = " + std::to_string(c.num_blocks) +
@@ -82,6 +90,10 @@ namespace detail {
   }
   if (c.num_host_blocks != 0) {
     detail::check_metadata_value(c.num_host_blocks - 1, "CacheConfig.num_host_blocks - 1 (the largest host block id)");
+  }
+  if (c.eviction_history > (std::size_t{1} << 30)) {
+    detail::raise(Errc::kLimitExceeded, "CacheConfig.eviction_history = " + std::to_string(c.eviction_history) +
+                                            ": at most 2^30 remembered evictions");
   }
   if (c.groups.size() > max_groups) {
     detail::raise(Errc::kInvalidArgument, "CacheConfig.groups has " + std::to_string(c.groups.size()) +

@@ -139,7 +139,8 @@ class KVCacheManager {
                                            : nullptr),
         filling_((config_.num_blocks + 63) / 64, 0),
         unkeyed_fill_((config_.num_blocks + 63) / 64, 0),
-        events_(config_.enable_events) {
+        events_(config_.enable_events),
+        history_(config_.eviction_history) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
     for (const KVCacheGroupSpec& g : config_.groups) windows_.push_back(g.window());
     if (num_groups_ > 1) {
@@ -726,36 +727,16 @@ class KVCacheManager {
         }
       }
     }
-    if (k == full) return x;  // kNone
-    if (k == walk && hit_blocks(k + 1) == k + 1) {
-      x.cause = MissCause::kCapped;
-      return x;
+    const MissVerdict v = classify_miss(hashes, full, walk, k, cached);
+    x.cause = v.cause;
+    x.first_miss_block = v.block;
+    x.limiting_group = v.group;
+    if (v.eviction) {
+      x.evictions_since = history_.evictions(v.eviction->tier) - v.eviction->eviction_number - 1;
+      x.eviction = v.eviction;
     }
-    // The hit stops at block k: which group lacks which block at length k + 1.
-    std::size_t full_bound = full + 1;  // the full-attention groups' run (none: no bound)
-    for (std::size_t g = 0; g < G; ++g) {
-      if (!windows_[g].enabled()) full_bound = std::min(full_bound, x.group_cached_run_tokens[g] / bs);
-    }
-    std::size_t miss_group = 0, miss_block = k;
-    bool found = false;
-    for (std::size_t g = 0; g < G && !found; ++g) {
-      for (std::size_t i = detail::first_kept_block(windows_[g], (k + 1) * bs, config_.block_size); i <= k; ++i) {
-        if (!cached(g, i)) {
-          miss_group = g;
-          miss_block = i;
-          found = true;
-          break;
-        }
-      }
-    }
-    x.first_miss_block = miss_block;
-    x.limiting_group = static_cast<std::uint32_t>(miss_group);
-    if (full_bound <= full && full_bound > k && windows_[miss_group].enabled()) {
-      x.cause = MissCause::kLimitedByGroup;
-      return x;
-    }
-    x.cause = MissCause::kNotCached;
-    if (keys != nullptr && !keys->empty()) {  // the same tokens cached without this request's extra keys?
+    const std::size_t miss_group = v.group, miss_block = v.block;
+    if (x.cause == MissCause::kNotCached && keys != nullptr && !keys->empty()) {  // cached without the extra keys?
       std::vector<BlockHash> plain;
       index_.hash_full_blocks(prompt.first((miss_block + 1) * bs), config_.block_size, nullptr, plain);
       if (tier_of(plain, miss_group, miss_block) != 0) x.cause = MissCause::kKeyMismatch;
@@ -899,6 +880,7 @@ class KVCacheManager {
     alloc_.clear_hashes([](Id) {});
     index_.clear();
     std::fill(group_cached_.begin(), group_cached_.end(), std::size_t{0});
+    history_.clear();  // the dropped hashes name content no longer meant to be served
     for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
       for (std::size_t g = 0; g < num_groups_; ++g) q.registered_of(g) = 0;
     }
@@ -1558,6 +1540,89 @@ class KVCacheManager {
     return p;
   }
 
+  // Why a hit of k blocks ends there (explain_admit and the counters share it). `cached(g, i)`: group g has block i
+  // in a tier. The fixed point's hit k means every group serves length k; at length k + 1 a group needs block k
+  // (unless its window starts after it) and the blocks of its window below k, which length k needed already. So
+  // block k is probed once per group; the window's lower blocks only when no group misses block k (not expected).
+  // A full-attention group's miss names the cause (evicted if the history has the block's key, else not cached);
+  // only windowed groups missing, while full groups hold block k, is kLimitedByGroup.
+  struct MissVerdict {
+    MissCause cause = MissCause::kNone;
+    std::size_t block = 0;
+    std::uint32_t group = 0;
+    std::optional<EvictionRecord> eviction;
+  };
+  template <class Cached>
+  [[nodiscard]] MissVerdict classify_miss(std::span<const BlockHash> hashes, std::size_t full, std::size_t walk,
+                                          std::size_t k, Cached&& cached) const {
+    MissVerdict v;
+    if (!config_.enable_prefix_caching) {
+      v.cause = MissCause::kPrefixCachingOff;
+      return v;
+    }
+    if (full == 0) {
+      v.cause = MissCause::kShortPrompt;
+      return v;
+    }
+    if (k >= full) return v;  // kNone
+    const std::size_t bs = config_.block_size;
+    const std::size_t len = (k + 1) * bs;
+    constexpr std::size_t kNo = ~std::size_t{0};
+    std::size_t full_miss = kNo, window_miss = kNo, window_block = k;
+    bool any_full = false;
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      const bool windowed = windows_[g].enabled();
+      any_full = any_full || !windowed;
+      if (detail::first_kept_block(windows_[g], len, config_.block_size) > k || cached(g, k)) continue;
+      if (!windowed && full_miss == kNo) full_miss = g;
+      if (windowed && window_miss == kNo) window_miss = g;
+    }
+    for (std::size_t g = 0; g < num_groups_ && full_miss == kNo && window_miss == kNo; ++g) {
+      if (!windows_[g].enabled()) continue;
+      for (std::size_t i = detail::first_kept_block(windows_[g], len, config_.block_size); i < k; ++i) {
+        if (!cached(g, i)) {
+          window_miss = g;
+          window_block = i;
+          break;
+        }
+      }
+    }
+    if (full_miss == kNo && window_miss == kNo) {  // every group could serve block k: the cap stops the hit
+      v.cause = MissCause::kCapped;
+      if (k != walk) {  // (not expected: the fixed point would have taken block k)
+        v.cause = MissCause::kNotCached;
+        v.block = k;
+      }
+      return v;
+    }
+    if (full_miss == kNo && any_full) {
+      v.cause = MissCause::kLimitedByGroup;
+      v.group = static_cast<std::uint32_t>(window_miss);
+      v.block = window_block;
+      return v;
+    }
+    v.group = static_cast<std::uint32_t>(full_miss != kNo ? full_miss : window_miss);
+    v.block = full_miss != kNo ? k : window_block;
+    v.cause = MissCause::kNotCached;
+    if (history_.enabled()) {
+      if ((v.eviction = history_.find(group_block_key(hashes[v.block], v.group)))) v.cause = MissCause::kEvicted;
+    }
+    return v;
+  }
+  // The miss cause of an admission that hits `k` blocks (for the counters). Out of line: admit_prompt stays small
+  // enough to inline its hashing.
+  [[nodiscard, gnu::noinline]] MissCause admission_miss_cause(std::size_t prompt_len, std::span<const BlockHash> hashes,
+                                               std::size_t k, const AdmitOptions& opts) const {
+    const std::size_t bs = config_.block_size;
+    const std::size_t full = config_.enable_prefix_caching ? prompt_len / bs : 0;
+    const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt_len - 1), prompt_len);
+    const std::size_t walk = std::min(full, cap / bs);
+    return classify_miss(hashes, full, walk, k, [&](std::size_t g, std::size_t i) {
+             return ix(g).find(hashes[i]).has_value() ||
+                    (host_ && host_->find_ready(group_block_key(hashes[i], g)).has_value());
+           }).cause;
+  }
+
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
   // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
@@ -1568,6 +1633,9 @@ class KVCacheManager {
     if (!plan.query.fits()) {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
     }
+    // The miss cause, before the commit's allocations can evict a block it would name (counted below).
+    const MissCause cause = config_.count_miss_causes ? admission_miss_cause(prompt.size(), hashes, plan.hit_blocks, opts)
+                                                      : MissCause::kNone;
     const std::size_t bs = config_.block_size;
     const std::size_t G = num_groups_;
     const std::size_t k = plan.hit_blocks;
@@ -1638,6 +1706,7 @@ class KVCacheManager {
       stats_.readmitted_hit_tokens += k * bs;
     }
     interval_.record(prompt.size(), k * bs, readmission);
+    if (config_.count_miss_causes) ++stats_.admissions_by_miss_cause[static_cast<std::size_t>(cause)];
     return {AdmitStatus::kAdmitted, k * bs, plan.host_hit_blocks * bs, plan.query.num_blocks, 0};
   }
 
@@ -1982,6 +2051,15 @@ class KVCacheManager {
     return const_cast<KVCacheManager*>(this)->live(seq, what);
   }
 
+  // Group g's block left the shared index under `key`: one registration less for g; its hash (the key unmixed).
+  BlockHash unregistered_from_group(const BlockHash& key, std::uint32_t g) noexcept {
+    --group_cached_[g];
+    return group_block_key(key, g);
+  }
+  // Out of line: the eviction paths stay small enough to inline their index probes (measured: docs/benchmarks.md).
+  [[gnu::noinline]] void record_eviction(const BlockHash& key, EvictedTier t, std::uint32_t g) {
+    history_.record(key, t, g);
+  }
   // Called by the allocator just before a cached block is reused: drop its hash; with a host tier and an offload
   // policy, copy it there first (write-back) unless the host already has (or is filling) that hash. The copy reads
   // the block at the start of the next build's step, before anything writes the block's new contents (the swap
@@ -1989,11 +2067,13 @@ class KVCacheManager {
   auto evictor() {
     return [this](Id b) {
       const std::uint32_t g = group_of_block(b);
-      const auto h = num_groups_ == 1 ? index_.erase_block(b) : ix(g).erase_block(b);  // one group: the raw index
-      if (!h) return;
+      const auto key = index_.erase_block(b);  // one erase site, so that it inlines (the view's adds no work here)
+      if (!key) return;
+      const BlockHash h = num_groups_ > 1 ? unregistered_from_group(*key, g) : *key;
+      if (history_.enabled()) record_eviction(*key, EvictedTier::kDevice, g);
       if (events_.enabled()) {
         KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-        e.hash = *h;
+        e.hash = h;
         e.group = g;
       }
       if (host_ && config_.offload != OffloadPolicy::kNone) {
@@ -2002,7 +2082,7 @@ class KVCacheManager {
           ++stats_.offloads_below_priority;
           return;
         }
-        queue_offload(b, *h, g, prio);
+        queue_offload(b, h, g, prio);
       }
     };
   }
@@ -2054,6 +2134,7 @@ class KVCacheManager {
   auto host_evictor() {
     return [this](Id hb, const BlockHash& key) {
       ++stats_.host_evictions;
+      if (history_.enabled()) record_eviction(key, EvictedTier::kHost, num_groups_ > 1 ? host_group_of_[hb] : 0U);
       if (!events_.enabled()) return;
       if (is_held_back(hb)) {  // never reported: nothing to remove
         held_back_[hb / 64] &= ~(std::uint64_t{1} << (hb % 64));
@@ -2233,6 +2314,7 @@ class KVCacheManager {
   std::vector<std::uint64_t> held_back_;               // events on, host tier: host blocks whose event is held back
   std::vector<Id> held_back_list_;                     // the host blocks marked in held_back_
   EventLog events_;
+  EvictionHistory history_;                            // recent evictions, for miss causes (capacity 0 = off)
   RetentionTimePoint retention_now_{};                 // the retention clock (expire_retention)
   CacheStats stats_;
   PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()

@@ -11,9 +11,11 @@
 
 #include <pagedkv/block_table.hpp>  // BlockCopy
 #include <pagedkv/config.hpp>
+#include <pagedkv/eviction_history.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/request_keys.hpp>
 #include <pagedkv/retention.hpp>
+#include <pagedkv/stats.hpp>
 
 namespace pagedkv {
 
@@ -116,14 +118,19 @@ enum class MissCause : std::uint8_t {
   kShortPrompt = 2,       ///< The prompt holds no full block (only full blocks are cached).
   kCapped = 3,            ///< The next block is cached but the cap stops the hit: prompt_len - 1 (one token is always
                           ///< computed, its logits sample the first output token) or AdmitOptions::max_cached_tokens.
-  kNotCached = 4,         ///< Block `first_miss_block` is cached in no tier: never stored, or evicted since.
+  kNotCached = 4,         ///< Block `first_miss_block` is cached in no tier: never stored, or evicted longer ago than
+                          ///< the eviction history remembers (CacheConfig::eviction_history; 0 = no history).
   kKeyMismatch = 5,       ///< Not cached under this request's extra keys, but the same tokens are cached without
                           ///< them: the salt, adapter or multimodal items differ from the requests that stored them.
   kLimitedByGroup = 6,    ///< The full-attention groups could serve more; group `limiting_group` (a window) lacks a
                           ///< block its window needs at the next length.
+  kEvicted = 7,           ///< Block `first_miss_block` was cached and has been evicted (the eviction history has it:
+                          ///< AdmitExplanation::eviction says from which tier and how long ago).
 };
+static_assert(static_cast<std::size_t>(MissCause::kEvicted) + 1 == kNumMissCauses);
 
-/// "none", "prefix_caching_off", "short_prompt", "capped", "not_cached", "key_mismatch", "limited_by_group".
+/// "none", "prefix_caching_off", "short_prompt", "capped", "not_cached", "key_mismatch", "limited_by_group",
+/// "evicted" (the label values of docs/groups.md's counters).
 [[nodiscard]] constexpr const char* to_string(MissCause c) noexcept {
   switch (c) {
     case MissCause::kPrefixCachingOff: return "prefix_caching_off";
@@ -132,6 +139,7 @@ enum class MissCause : std::uint8_t {
     case MissCause::kNotCached: return "not_cached";
     case MissCause::kKeyMismatch: return "key_mismatch";
     case MissCause::kLimitedByGroup: return "limited_by_group";
+    case MissCause::kEvicted: return "evicted";
     case MissCause::kNone: break;
   }
   return "none";
@@ -144,11 +152,17 @@ struct AdmitExplanation {
   std::size_t hit_tokens = 0;          ///< What admission would take from the cache (= lookup()).
   std::size_t host_hit_tokens = 0;     ///< Of which served by the host tier (some group's block onboarded).
   MissCause cause = MissCause::kNone;  ///< Why the hit ends there.
-  std::size_t first_miss_block = 0;    ///< kNotCached / kKeyMismatch / kLimitedByGroup: the logical block that stops it.
+  std::size_t first_miss_block = 0;    ///< kNotCached / kKeyMismatch / kLimitedByGroup / kEvicted: the logical block
+                                       ///< that stops it.
   std::uint32_t limiting_group = 0;    ///< kLimitedByGroup: the group; else the group whose miss stops it (0).
   /// Per group `[num_groups]`: its longest run of cached blocks from block 0 in either tier, in tokens (a windowed
   /// group needs only its window's blocks, so its run may be shorter than the hit).
   std::vector<std::size_t> group_cached_run_tokens;
+  /// kEvicted: the eviction of block `first_miss_block` of group `limiting_group` (its tier, its number in that
+  /// tier's evictions); nullopt otherwise.
+  std::optional<EvictionRecord> eviction;
+  /// kEvicted: evictions from the same tier since that one (how long ago, in evictions; 0 = the latest).
+  std::uint64_t evictions_since = 0;
 };
 
 }  // namespace pagedkv

@@ -2,6 +2,7 @@
 // statistics named as vLLM's metrics (PrefixCacheStats), so dashboards map one to one.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 
@@ -11,6 +12,9 @@ namespace pagedkv {
 /// exclude the null block; `usage` = blocks_used / usable blocks (vLLM's kv_cache_usage). Prefix counters are
 /// updated on successful admission only, so retries after "no capacity now" do not inflate them. `prefix_*`
 /// count every admission; `readmitted_*` count the subset that re-admits a preempted sequence id.
+/// Number of MissCause values (manager_results.hpp): the size of CacheStats::admissions_by_miss_cause.
+inline constexpr std::size_t kNumMissCauses = 8;
+
 struct CacheStats {
   std::size_t num_usable_blocks = 0;
   std::size_t blocks_used = 0;    ///< refcount > 0
@@ -48,6 +52,11 @@ struct CacheStats {
   /// Host-tier BlockStored events held back: the copy completed after its parent left every tier, so no router
   /// could place the block (it is reported if onboarded; its eviction reports nothing).
   std::uint64_t events_held_back = 0;
+  /// Admissions by the cause that ended their prefix hit, indexed by MissCause (manager_results.hpp), counted when
+  /// CacheConfig::count_miss_causes is on (all 0 otherwise). Each admitted request counts once; refused attempts
+  /// (kNoCapacity retries) do not. kKeyMismatch is never counted here (telling it apart needs a keyless rehash of
+  /// the prompt, which explain_admit does on demand): such a request counts as kNotCached or kEvicted.
+  std::array<std::uint64_t, kNumMissCauses> admissions_by_miss_cause{};
 };
 
 /// Prefix-cache statistics of one interval (since the previous `take_prefix_cache_stats()`), with vLLM's field
