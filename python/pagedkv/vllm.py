@@ -190,11 +190,12 @@ class _PoppedBlock(_Block):
 
 
 class _Seq:
-    __slots__ = ("seq", "lookahead")
+    __slots__ = ("seq", "lookahead", "known")
 
-    def __init__(self, seq: int):
+    def __init__(self, seq: int, known: int):
         self.seq = seq
         self.lookahead = 0  # outstanding lookahead slots (pagedkv try_reserve_lookahead)
+        self.known = known  # token ids pagedkv knows (len(token_ids(seq)), kept here to spare the copy)
 
 
 def _group_spec(spec, g: int):
@@ -326,7 +327,7 @@ class KVCacheManager:
         return _np.asarray(request.all_token_ids[:n], dtype=_np.int32)
 
     def _table(self, seq: int) -> tuple[list[int], ...]:
-        return tuple([int(b) for b in self._pk.block_ids(seq, g)] for g in range(self.num_kv_cache_groups))
+        return tuple(self._pk.block_ids(seq, g).tolist() for g in range(self.num_kv_cache_groups))
 
     def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         s = self._seqs.get(request_id)
@@ -462,7 +463,7 @@ class KVCacheManager:
             raise ValueError(f"allocate_slots: request {request.request_id} is running; a prefix hit "
                              f"({num_new_computed_tokens} tokens) is only taken at admission")
         seq = s.seq
-        known = len(self._pk.token_ids(seq))
+        known = s.known
         if s.lookahead:
             # The drafts of the previous step are settled: the tokens the request gained since are the accepted
             # ones (their K/V is in the lookahead slots); the other lookahead slots are rewound. This allocates
@@ -471,6 +472,7 @@ class KVCacheManager:
             self._pk.commit_lookahead(seq, _np.asarray(acc, dtype=_np.int32))
             s.lookahead = 0
             known += len(acc)
+            s.known = known
         before = self._table(seq)
         slotted = self._pk.num_tokens(seq)
         grow = need_end - slotted
@@ -484,8 +486,9 @@ class KVCacheManager:
             if r > 0:
                 self._check(self._pk.try_reserve(seq, r), request)
         if need_end > known and n_known > known:
-            self._check(self._pk.try_append(seq, self._known_tokens(request, min(n_known, need_end))[known:]),
-                        request)
+            new = request.all_token_ids[known:min(n_known, need_end)]
+            self._check(self._pk.try_append(seq, _np.asarray(new, dtype=_np.int32)), request)
+            s.known = known + len(new)
         tail = max(known, n_known)
         if need_end > tail:
             self._check(self._pk.try_reserve_lookahead(seq, need_end - tail), request)
@@ -524,7 +527,7 @@ class KVCacheManager:
         r = self._pk.try_admit(seq, tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
         if not r.admitted:
             return None
-        s = self._seqs[request.request_id] = _Seq(seq)
+        s = self._seqs[request.request_id] = _Seq(seq, n_known)
         if lookahead > 0:
             # need_end > n_known: the whole prompt is reserved, the drafts follow it.
             la = self._pk.try_reserve_lookahead(seq, lookahead)
