@@ -190,12 +190,13 @@ class _PoppedBlock(_Block):
 
 
 class _Seq:
-    __slots__ = ("seq", "lookahead", "known")
+    __slots__ = ("seq", "lookahead", "known", "built_full")
 
     def __init__(self, seq: int, known: int):
         self.seq = seq
         self.lookahead = 0  # outstanding lookahead slots (pagedkv try_reserve_lookahead)
         self.known = known  # token ids pagedkv knows (len(token_ids(seq)), kept here to spare the copy)
+        self.built_full = -1  # full blocks of slotted, known tokens at the last build (-1: never built)
 
 
 def _group_spec(spec, g: int):
@@ -280,6 +281,7 @@ class KVCacheManager:
             cfg.groups = pk_groups
         self._pk = _pk.KVCacheManager(cfg, hasher="sha256")
         self._seqs: dict[str, _Seq] = {}
+        self._seq_of: dict[int, _Seq] = {}
         self._next_seq = itertools.count(1)
         self._blocks: dict[int, _Block] = {}
         self._copies: list[KVCacheBlockCopy] = []
@@ -326,6 +328,13 @@ class KVCacheManager:
     def _known_tokens(self, request: Request, n: int):
         return _np.asarray(request.all_token_ids[:n], dtype=_np.int32)
 
+    def _full_blocks(self, s: _Seq) -> int:
+        """Full blocks of positions that have slots and known token ids (what a build could register)."""
+        return min(self._pk.num_tokens(s.seq) - s.lookahead, s.known) // self.block_size
+
+    def _lens(self, seq: int) -> tuple[int, ...]:
+        return tuple(self._pk.block_ids(seq, g).size for g in range(self.num_kv_cache_groups))
+
     def _table(self, seq: int) -> tuple[list[int], ...]:
         return tuple(self._pk.block_ids(seq, g).tolist() for g in range(self.num_kv_cache_groups))
 
@@ -340,6 +349,9 @@ class KVCacheManager:
         """Issue the writes of every pending position of `seq` (a build into scratch buffers): pagedkv registers the
         blocks they fill in the prefix index, as vLLM's cache_blocks does at allocation. Copy-on-writes it emits
         are handed out by take_kv_cache_block_copies."""
+        s = self._seq_of.get(seq)
+        if s is not None:
+            s.built_full = self._full_blocks(s)
         pending = len(self._pk.pending_slots(seq, 0))
         if pending == 0:
             return
@@ -361,10 +373,11 @@ class KVCacheManager:
             # The stores of this build are this request's: tag them with its session and LoRA name, as vLLM does.
             self._convert_events(request)
 
-    def _new_blocks(self, before: tuple[list[int], ...], after: tuple[list[int], ...]) -> KVCacheBlocks:
+    def _new_blocks(self, seq: int, before: tuple[int, ...]) -> KVCacheBlocks:
+        """The blocks appended to each group's table of `seq` since it had `before` blocks."""
         out = []
-        for b, a in zip(before, after):
-            out.append([self._block(x) for x in a[len(b):]])
+        for g, n in enumerate(before):
+            out.append([self._block(x) for x in self._pk.block_ids(seq, g)[n:].tolist()])
         return self.create_kv_cache_blocks(tuple(out))
 
     # -- vLLM's interface --------------------------------------------------------------------------------------
@@ -453,8 +466,10 @@ class KVCacheManager:
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark = self.watermark_blocks
-        free_now = self._num_free_blocks()
-        free = free_now - reserved_blocks
+        # pagedkv's own capacity check (fits) counts the free and the evictable blocks, as vLLM's free queue does;
+        # the count is read only when a margin is kept on top of it.
+        free_now = self._num_free_blocks() if (watermark or reserved_blocks or full_sequence_must_fit) else None
+        free = free_now - reserved_blocks if free_now is not None else None
         s = self._seqs.get(request.request_id)
         if s is None:
             return self._admit(request, num_new_computed_tokens, need_end, n_known, free, watermark,
@@ -473,28 +488,34 @@ class KVCacheManager:
             s.lookahead = 0
             known += len(acc)
             s.known = known
-        before = self._table(seq)
         slotted = self._pk.num_tokens(seq)
         grow = need_end - slotted
         if grow <= 0:
             return self.empty_kv_cache_blocks
         q = self._pk.query_append(seq, grow)
-        if not q.fits or q.num_blocks + watermark > free:
+        if not q.fits or (free is not None and q.num_blocks + watermark > free):
             return None
+        before = self._lens(seq)
+        copied = False
         if slotted < known:
             r = min(need_end, known) - slotted
             if r > 0:
-                self._check(self._pk.try_reserve(seq, r), request)
+                copied |= self._check(self._pk.try_reserve(seq, r), request).copy is not None
         if need_end > known and n_known > known:
             new = request.all_token_ids[known:min(n_known, need_end)]
-            self._check(self._pk.try_append(seq, _np.asarray(new, dtype=_np.int32)), request)
+            copied |= self._check(self._pk.try_append(seq, _np.asarray(new, dtype=_np.int32)), request).copy is not None
             s.known = known + len(new)
         tail = max(known, n_known)
         if need_end > tail:
-            self._check(self._pk.try_reserve_lookahead(seq, need_end - tail), request)
+            copied |= self._check(self._pk.try_reserve_lookahead(seq, need_end - tail), request).copy is not None
             s.lookahead = need_end - tail
-        allocated = self._new_blocks(before, self._table(seq))
-        self._build(seq, request)
+        allocated = self._new_blocks(seq, before)
+        # A build registers the blocks that became full and emits copies and window releases. With one full-attention
+        # group, no block filled, no copy and no lookahead (drafts are committed against issued writes), it would
+        # change nothing visible: it waits (the next build issues the pending positions' writes together), which
+        # spares most decode steps the build call.
+        if copied or s.lookahead or self.num_kv_cache_groups > 1 or self._full_blocks(s) > s.built_full:
+            self._build(seq, request)
         return allocated
 
     def _check(self, r, request):
@@ -502,6 +523,7 @@ class KVCacheManager:
             # query_append said the whole growth fits; a part failing is a bug here, not a pool state.
             raise AssertionError(f"pagedkv.vllm: growth of {request.request_id} failed after query_append "
                                  f"said it fits: {r!r}")
+        return r
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
         prompt_end = min(need_end, n_known)
@@ -518,7 +540,7 @@ class KVCacheManager:
             if not whole.fits or whole.num_blocks + watermark > full_check_free:
                 return None
         q = self._pk.query_admit(tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
-        if not q.fits or q.num_blocks + watermark > free:
+        if not q.fits or (free is not None and q.num_blocks + watermark > free):
             return None
         if q.num_cached_tokens != hit:
             raise AssertionError(f"pagedkv.vllm: request {request.request_id}: the scheduler took a {hit}-token "
@@ -527,17 +549,17 @@ class KVCacheManager:
         r = self._pk.try_admit(seq, tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
         if not r.admitted:
             return None
-        s = self._seqs[request.request_id] = _Seq(seq, n_known)
+        s = self._seqs[request.request_id] = self._seq_of[seq] = _Seq(seq, n_known)
         if lookahead > 0:
             # need_end > n_known: the whole prompt is reserved, the drafts follow it.
             la = self._pk.try_reserve_lookahead(seq, lookahead)
-            if not la.ok or r.num_new_blocks + la.num_new_blocks + watermark > free:
+            if not la.ok or (free is not None and r.num_new_blocks + la.num_new_blocks + watermark > free):
                 self._pk.free(seq)
-                del self._seqs[request.request_id]
+                del self._seqs[request.request_id], self._seq_of[seq]
                 return None
             s.lookahead = lookahead
         nb = hit // self.block_size
-        allocated = self.create_kv_cache_blocks(tuple([self._block(x) for x in a[nb:]] for a in self._table(seq)))
+        allocated = self._new_blocks(seq, (nb,) * self.num_kv_cache_groups)
         self._build(seq, request)
         return allocated
 
@@ -545,6 +567,7 @@ class KVCacheManager:
         """Free the blocks of `request` (pagedkv free: full blocks stay cached, evictable)."""
         s = self._seqs.pop(request.request_id, None)
         if s is not None:
+            del self._seq_of[s.seq]
             self._pk.free(s.seq)
 
     def remove_skipped_blocks(
@@ -560,6 +583,7 @@ class KVCacheManager:
         s = self._seqs.pop(request.request_id, None)
         if s is None:
             return []
+        del self._seq_of[s.seq]
         table = self._table(s.seq)
         self._popped.add(s.seq)
         return [_PoppedBlock(b, self, s.seq) for grp in table for b in grp]

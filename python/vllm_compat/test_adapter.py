@@ -5,9 +5,11 @@
 - vLLM internals are refused by name (NotProvided), configurations pagedkv lacks by reason (Unsupported);
 - a speculative-decoding round trip (lookahead slots, drafts accepted in part) keeps pagedkv's tokens equal to the
   request's and makes the committed blocks hits for the next request;
-- a differential run against vLLM's own KVCacheManager on random workloads (shared prefixes, chunked prefill,
-  decode, frees, a small pool): the same hit lengths, the same admission / growth decisions, the same free-block
-  counts, step by step.
+- a differential run against vLLM's own KVCacheManager on random workloads (shared prefixes, prompts copying a
+  live request's generated tokens, chunked prefill, decode, speculative decoding with drafts accepted in part,
+  frees): on a 40-block pool without drafts, the same hit lengths, the same admission / growth decisions and the
+  same free-block counts, step by step; with drafts (a pool that never runs out), the same hits, and at least
+  vLLM's free blocks (pagedkv releases the blocks that rejected drafts leave empty, vLLM keeps them).
 """
 
 import inspect
@@ -112,10 +114,11 @@ def test_speculative_decoding_round_trip():
     assert len(stored) == 3
 
 
+@pytest.mark.parametrize("spec", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_differential_against_vllms_own_manager(seed):
+def test_differential_against_vllms_own_manager(seed, spec):
     rng = random.Random(seed)
-    bs, nblocks = 4, 40
+    bs, nblocks = 4, (4000 if spec else 40)
     ours, theirs = _manager(pv.KVCacheManager, nblocks, bs), _manager(VllmKVCacheManager, nblocks, bs)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 24))] for _ in range(4)]
     live = {}  # rid -> (request for ours, request for theirs)
@@ -123,7 +126,12 @@ def test_differential_against_vllms_own_manager(seed):
     for step in range(300):
         op = rng.random()
         if op < 0.35 or not live:
-            toks = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
+            if live and rng.random() < 0.4:  # a prompt sharing a live request's tokens, generated ones included
+                src = live[rng.choice(sorted(live))][0].all_token_ids
+                toks = list(src[:rng.randrange(1, len(src) + 1)])
+            else:
+                toks = list(rng.choice(prefixes))
+            toks += [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
             rid = str(next_id)
             next_id += 1
             ra, rb = _request(rid, toks, bs), _request(rid, toks, bs)
@@ -141,19 +149,29 @@ def test_differential_against_vllms_own_manager(seed):
             rid = rng.choice(sorted(live))
             ra, rb = live[rid]
             remaining = ra.num_tokens - ra.num_computed_tokens
-            if remaining == 0:  # decode: a sampled token, then its slot
+            drafts, accepted = 0, 0
+            if remaining == 0:  # decode: a sampled token, then its slot (and k draft slots, speculative decoding)
                 t = rng.randrange(1000)
                 ra.append_output_token_ids([t])
                 rb.append_output_token_ids([t])
                 n = 1
+                if spec and rng.random() < 0.5:
+                    drafts = rng.randrange(1, 5)
+                    accepted = rng.randrange(0, drafts + 1)
             else:  # the next prefill chunk
                 n = rng.randrange(1, remaining + 1)
-            a = ours.allocate_slots(ra, n)
-            b = theirs.allocate_slots(rb, n)
+            a = ours.allocate_slots(ra, n + drafts)
+            b = theirs.allocate_slots(rb, n + drafts)
             assert (a is None) == (b is None), f"step {step}: growth {a} vs vLLM's {b}"
             if a is not None:
                 ra.num_computed_tokens += n
                 rb.num_computed_tokens += n
+                if drafts:  # the verification step: `accepted` drafts kept (their K/V computed), the rest rejected
+                    acc = [rng.randrange(1000) for _ in range(accepted)]
+                    ra.append_output_token_ids(acc)
+                    rb.append_output_token_ids(acc)
+                    ra.num_computed_tokens += accepted
+                    rb.num_computed_tokens += accepted
             else:  # preempt, as the scheduler does
                 ours.free(ra)
                 theirs.free(rb)
@@ -163,4 +181,7 @@ def test_differential_against_vllms_own_manager(seed):
             ra, rb = live.pop(rid)
             ours.free(ra)
             theirs.free(rb)
-        assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks(), f"step {step}"
+        if spec:
+            assert ours.block_pool.get_num_free_blocks() >= theirs.block_pool.get_num_free_blocks(), f"step {step}"
+        else:
+            assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks(), f"step {step}"
