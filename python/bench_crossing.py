@@ -15,7 +15,14 @@ benchmarks are run (median of --repeats repetitions of Google Benchmark's per-it
 ratio Python / C++ of the CPU times is printed: on a shared machine the CPU times are the comparable pair (a mean
 of wall time absorbs every preemption, a median of single iterations mostly skips them).
 
-Usage: PYTHONPATH=build-py/python python python/bench_crossing.py [--cpp-bench-dir build-bench/benchmarks]
+With --vllm (vLLM 0.32.0 importable: the venv of scripts/install-deps.sh) the same two cases also run, in the same
+process, on vLLM's own Python KVCacheManager (vllm.v1.core.kv_cache_manager) and on pagedkv.vllm.KVCacheManager (the
+adapter with vLLM's interface): a decode step = per request, append the sampled token (vLLM hashes a block when it
+fills) and allocate_slots(request, 1), 256 requests; an admission = Request construction (vLLM hashes the prompt's
+blocks there) + get_computed_blocks + allocate_slots + free. vLLM's manager builds no page table (its worker keeps
+the block table), so its decode row does less than pagedkv's append_tokens + build.
+
+Usage: PYTHONPATH=build-py/python python python/bench_crossing.py [--cpp-bench-dir build-bench/benchmarks] [--vllm]
 """
 from __future__ import annotations
 
@@ -118,6 +125,104 @@ def bench_admit(hasher: str, prompt_tokens: int, iters: int, seed: int):
     return times
 
 
+def _vllm_env():
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BS, sha256)
+
+    def config(num_blocks):
+        return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+            ["layer"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float16))])
+
+    def request(rid, tokens):
+        sp = SamplingParams(max_tokens=1 << 20)
+        sp.update_from_generation_config({}, eos_token_id=None)
+        return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp, pooling_params=None,
+                       block_hasher=hasher)
+
+    return config, request
+
+
+def _vllm_managers():
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as Vllm
+
+    import pagedkv.vllm as pv
+    return (("vLLM's KVCacheManager", Vllm), ("pagedkv.vllm.KVCacheManager", pv.KVCacheManager))
+
+
+def bench_vllm_decode(cls, batch: int, steps: int, seed: int):
+    config, request = _vllm_env()
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1000, 4001, size=batch)
+    prompts = [rng.integers(1, 128000, size=n).tolist() for n in lens]
+    m = cls(config(1 << 17), max_model_len=MAX_SEQ, scheduler_block_size=BS, hash_block_size=BS)
+    reqs = []
+
+    def admit_all():
+        reqs.clear()
+        for i, p in enumerate(prompts):
+            r = request(f"{seed}-{len(reqs)}-{rng.integers(1 << 30)}", p)
+            assert m.allocate_slots(r, len(p)) is not None
+            r.num_computed_tokens = len(p)
+            reqs.append(r)
+
+    admit_all()
+    tokens = rng.integers(1, 128000, size=(steps, batch)).tolist()
+    times = []
+    for k in range(steps):
+        if k and k % 256 == 0:
+            for r in reqs:
+                m.free(r)
+            admit_all()
+        tok = tokens[k]
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        for r, t in zip(reqs, tok):
+            r.append_output_token_ids(t)
+            if m.allocate_slots(r, 1) is None:
+                raise RuntimeError("an allocation failed")
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        for r in reqs:
+            r.num_computed_tokens += 1
+        times.append((t1 - t0, c1 - c0))
+    return times
+
+
+def bench_vllm_admit(cls, prompt_tokens: int, iters: int, seed: int):
+    config, request = _vllm_env()
+    rng = np.random.default_rng(seed)
+    prefix = prompt_tokens // 2
+    m = cls(config(1 << 16), max_model_len=MAX_SEQ, scheduler_block_size=BS, hash_block_size=BS,
+            enable_caching=True)
+    prompts = [rng.integers(1, 128000, size=prompt_tokens).tolist() for _ in range(64)]
+    for i, p in enumerate(prompts):
+        r = request(f"warm{i}", p[:prefix + 1])
+        assert m.allocate_slots(r, prefix + 1) is not None
+        m.free(r)
+    times = []
+    cached = 0
+    for k in range(iters):
+        p = prompts[k % 64]
+        p[prefix] = 1 + (k % 2_000_000_000)
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        r = request(f"r{k}", p)
+        blocks, hit, _ = m.get_computed_blocks(r)
+        if m.allocate_slots(r, prompt_tokens - hit, hit, blocks) is None:
+            raise RuntimeError("an admission failed")
+        m.free(r)
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        times.append((t1 - t0, c1 - c0))
+        cached += hit
+    if cached != iters * prefix:
+        raise RuntimeError(f"admission did not hit exactly the shared prefix ({cached} != {iters * prefix})")
+    return times
+
+
 def bench_call_floor(iters: int):
     """The cheapest bound call (num_tokens of a live sequence): nanobind's crossing alone."""
     m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=16, block_size=BS))
@@ -152,6 +257,7 @@ def main():
     ap.add_argument("--steps", type=int, default=1024, help="decode steps per run")
     ap.add_argument("--admits", type=int, default=2000, help="admissions per run")
     ap.add_argument("--hasher", default="sha256")
+    ap.add_argument("--vllm", action="store_true", help="also time vLLM's KVCacheManager and pagedkv.vllm's")
     args = ap.parse_args()
 
     dec, adm = [], []
@@ -184,6 +290,29 @@ def main():
         print(f"| {name} | {med:.1f} us ({pct(wall, 0.1) / 1e3:.1f}-{pct(wall, 0.9) / 1e3:.1f}) | {cmed:.1f} us "
               f"| {cw} | {cc} | {ratio} |")
     print(f"| one trivial bound call (num_tokens), wall | {statistics.median(floor):.0f} ns | | | | |")
+    if args.vllm:
+        steps = max(args.steps // 4, 64)
+        print()
+        print(f"Beside vLLM 0.32.0 in the same process ({steps} decode steps and {args.admits} admissions per run, "
+              f"{args.repeats} runs; pagedkv row: the bindings as above)")
+        print("| manager | decode step, 256 requests: wall median (p10-p90) | CPU median "
+              "| admission, 2048 tokens half cached: wall median (p10-p90) | CPU median |")
+        print("|---|---|---|---|---|")
+
+        def cells(xs):
+            wall = [w for w, _ in xs]
+            cpu = [c for _, c in xs]
+            return (f"{statistics.median(wall) / 1e3:.1f} us ({pct(wall, 0.1) / 1e3:.1f}-{pct(wall, 0.9) / 1e3:.1f})"
+                    f" | {statistics.median(cpu) / 1e3:.1f} us")
+
+        print(f"| pagedkv (append_tokens + build; try_admit + build + free) | {cells(dec)} | {cells(adm)} |")
+        for name, cls in _vllm_managers():
+            vd, va = [], []
+            for r in range(args.repeats):
+                vd += bench_vllm_decode(cls, 256, steps, seed=11 + r)
+                va += bench_vllm_admit(cls, 2048, args.admits, seed=21 + r)
+            print(f"| {name} (per request: append + allocate_slots; Request + get_computed_blocks + "
+                  f"allocate_slots + free) | {cells(vd)} | {cells(va)} |")
     for key in ("decode", "admit"):
         if cpp.get(key):
             print(f"C++ {key}: {cpp[key][2]} (Google Benchmark: mean per iteration; median of the repetitions)")

