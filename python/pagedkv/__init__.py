@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as _np
 
 from ._pagedkv import (  # noqa: F401  (re-exported)
+    AdmitExplanation,
     AdmitResult,
     AdmitStatus,
     AppendResult,
@@ -33,6 +34,8 @@ from ._pagedkv import (  # noqa: F401  (re-exported)
     DuplicateSequenceError,
     Errc,
     Error,
+    EvictedTier,
+    EvictionRecord,
     InvalidArgumentError,
     KVCacheGroupSpec,
     KVCacheManager,
@@ -42,6 +45,7 @@ from ._pagedkv import (  # noqa: F401  (re-exported)
     LimitExceededError,
     MAX_RETENTION_PRIORITY,
     Medium,
+    MissCause,
     MultimodalItem,
     OffloadPolicy,
     PreemptMode,

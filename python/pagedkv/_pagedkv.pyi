@@ -139,6 +139,90 @@ class AttentionKind(enum.Enum):
     Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].
     """
 
+class MissCause(enum.Enum):
+    """
+    Why an admission's prefix hit ends where it does (manager_results.hpp).
+    """
+
+    NONE = 0
+    """Every full block of the prompt is served."""
+
+    PREFIX_CACHING_OFF = 1
+    """CacheConfig.enable_prefix_caching is False."""
+
+    SHORT_PROMPT = 2
+    """The prompt holds no full block."""
+
+    CAPPED = 3
+    """The next block is cached but the cap stops the hit."""
+
+    NOT_CACHED = 4
+    """The block is in no tier and the eviction history lacks it."""
+
+    KEY_MISMATCH = 5
+    """Cached without this request's salt / adapter / items."""
+
+    LIMITED_BY_GROUP = 6
+    """A window group lacks a block its window needs."""
+
+    EVICTED = 7
+    """The block was cached and has been evicted (see .eviction)."""
+
+class EvictedTier(enum.Enum):
+    """The tier a block was evicted from."""
+
+    DEVICE = 0
+
+    HOST = 1
+
+class EvictionRecord:
+    """One remembered eviction (eviction_history.hpp)."""
+
+    @property
+    def tier(self) -> EvictedTier: ...
+
+    @property
+    def group(self) -> int: ...
+
+    @property
+    def eviction_number(self) -> int:
+        """That tier's evictions before this one."""
+
+class AdmitExplanation:
+    """
+    Why an admission's prefix hit ends where it does (KVCacheManager.explain_admit); tokens.
+    """
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def cap_tokens(self) -> int: ...
+
+    @property
+    def hit_tokens(self) -> int: ...
+
+    @property
+    def host_hit_tokens(self) -> int: ...
+
+    @property
+    def cause(self) -> MissCause: ...
+
+    @property
+    def first_miss_block(self) -> int: ...
+
+    @property
+    def limiting_group(self) -> int: ...
+
+    @property
+    def group_cached_run_tokens(self) -> list[int]: ...
+
+    @property
+    def eviction(self) -> EvictionRecord | None: ...
+
+    @property
+    def evictions_since(self) -> int: ...
+
 class AttentionWindow:
     """
     Which keys a query sees (kernel_params.hpp): sliding_window_tokens W (0 = none) and attention_chunk_tokens C (0 = none); what a group's kernels and decode plan take.
@@ -211,9 +295,9 @@ class KVCacheGroupSpec:
 class CacheConfig:
     """Configuration of one KV pool (kv_cache_manager.hpp CacheConfig)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False) -> None:
         """
-        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting). Checked by KVCacheManager.
+        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause. Checked by KVCacheManager.
         """
 
     @property
@@ -282,6 +366,18 @@ class CacheConfig:
 
     @page_size_bytes.setter
     def page_size_bytes(self, arg: int, /) -> None: ...
+
+    @property
+    def eviction_history(self) -> int: ...
+
+    @eviction_history.setter
+    def eviction_history(self, arg: int, /) -> None: ...
+
+    @property
+    def count_miss_causes(self) -> bool: ...
+
+    @count_miss_causes.setter
+    def count_miss_causes(self, arg: bool, /) -> None: ...
 
     def __repr__(self) -> str: ...
 
@@ -696,6 +792,12 @@ class CacheStats:
     @property
     def events_lost(self) -> int: ...
 
+    @property
+    def admissions_by_miss_cause(self) -> dict:
+        """
+        Admitted requests per miss cause (label -> count; CacheConfig.count_miss_causes).
+        """
+
     def as_dict(self) -> dict:
         """Every field as a dict (compare two snapshots with ==)."""
 
@@ -878,6 +980,11 @@ class KVCacheManager:
     def lookup(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None) -> int:
         """
         Cached prefix length in tokens of `prompt` if it were admitted now (pure).
+        """
+
+    def explain_admit(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None) -> AdmitExplanation:
+        """
+        Why the hit of `prompt` would end where it does if admitted now: an AdmitExplanation (pure).
         """
 
     @overload

@@ -525,6 +525,39 @@ NB_MODULE(_pagedkv, m) {
       .value("CHUNKED_LOCAL", AttentionKind::kChunkedLocal,
              "Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].");
 
+  nb::enum_<MissCause>(m, "MissCause", "Why an admission's prefix hit ends where it does (manager_results.hpp).")
+      .value("NONE", MissCause::kNone, "Every full block of the prompt is served.")
+      .value("PREFIX_CACHING_OFF", MissCause::kPrefixCachingOff, "CacheConfig.enable_prefix_caching is False.")
+      .value("SHORT_PROMPT", MissCause::kShortPrompt, "The prompt holds no full block.")
+      .value("CAPPED", MissCause::kCapped, "The next block is cached but the cap stops the hit.")
+      .value("NOT_CACHED", MissCause::kNotCached, "The block is in no tier and the eviction history lacks it.")
+      .value("KEY_MISMATCH", MissCause::kKeyMismatch, "Cached without this request's salt / adapter / items.")
+      .value("LIMITED_BY_GROUP", MissCause::kLimitedByGroup, "A window group lacks a block its window needs.")
+      .value("EVICTED", MissCause::kEvicted, "The block was cached and has been evicted (see .eviction).");
+
+  nb::enum_<EvictedTier>(m, "EvictedTier", "The tier a block was evicted from.")
+      .value("DEVICE", EvictedTier::kDevice)
+      .value("HOST", EvictedTier::kHost);
+
+  nb::class_<EvictionRecord>(m, "EvictionRecord", "One remembered eviction (eviction_history.hpp).")
+      .def_ro("tier", &EvictionRecord::tier)
+      .def_ro("group", &EvictionRecord::group)
+      .def_ro("eviction_number", &EvictionRecord::eviction_number, "That tier's evictions before this one.");
+
+  nb::class_<AdmitExplanation>(m, "AdmitExplanation",
+                               "Why an admission's prefix hit ends where it does (KVCacheManager.explain_admit); "
+                               "tokens.")
+      .def_ro("prompt_tokens", &AdmitExplanation::prompt_tokens)
+      .def_ro("cap_tokens", &AdmitExplanation::cap_tokens)
+      .def_ro("hit_tokens", &AdmitExplanation::hit_tokens)
+      .def_ro("host_hit_tokens", &AdmitExplanation::host_hit_tokens)
+      .def_ro("cause", &AdmitExplanation::cause)
+      .def_ro("first_miss_block", &AdmitExplanation::first_miss_block)
+      .def_ro("limiting_group", &AdmitExplanation::limiting_group)
+      .def_ro("group_cached_run_tokens", &AdmitExplanation::group_cached_run_tokens)
+      .def_ro("eviction", &AdmitExplanation::eviction)
+      .def_ro("evictions_since", &AdmitExplanation::evictions_since);
+
   nb::class_<AttentionWindow>(m, "AttentionWindow",
                               "Which keys a query sees (kernel_params.hpp): sliding_window_tokens W (0 = none) and "
                               "attention_chunk_tokens C (0 = none); what a group's kernels and decode plan take.")
@@ -602,19 +635,22 @@ NB_MODULE(_pagedkv, m) {
           [](CacheConfig* c, std::size_t num_blocks, std::uint32_t block_size, bool enable_prefix_caching,
              std::uint64_t hash_seed, std::size_t max_tokens_per_seq, bool enable_events, std::size_t num_host_blocks,
              OffloadPolicy offload, std::uint8_t min_offload_priority, std::vector<KVCacheGroupSpec> groups,
-             std::size_t page_size_bytes) {
+             std::size_t page_size_bytes, std::size_t eviction_history, bool count_miss_causes) {
             new (c) CacheConfig{num_blocks,     block_size,      enable_prefix_caching, hash_seed, max_tokens_per_seq,
                                 enable_events, num_host_blocks, offload,               min_offload_priority,
-                                std::move(groups), page_size_bytes};
+                                std::move(groups), page_size_bytes, eviction_history, count_miss_causes};
           },
           "num_blocks"_a, "block_size"_a = kDefaultBlockSize, "enable_prefix_caching"_a = true, "hash_seed"_a = 0,
           "max_tokens_per_seq"_a = 0, "enable_events"_a = false, "num_host_blocks"_a = 0,
           "offload"_a = OffloadPolicy::kWriteBack, "min_offload_priority"_a = 0,
-          "groups"_a = std::vector<KVCacheGroupSpec>{}, "page_size_bytes"_a = 0,
+          "groups"_a = std::vector<KVCacheGroupSpec>{}, "page_size_bytes"_a = 0, "eviction_history"_a = 0,
+          "count_miss_causes"_a = false,
           "num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; "
           "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups "
           "sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); "
-          "page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting). Checked "
+          "page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); "
+          "eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); "
+          "count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause. Checked "
           "by KVCacheManager.")
       .def_rw("num_blocks", &CacheConfig::num_blocks)
       .def_rw("block_size", &CacheConfig::block_size)
@@ -630,6 +666,8 @@ NB_MODULE(_pagedkv, m) {
           [](CacheConfig& c, std::vector<KVCacheGroupSpec> g) { c.groups = std::move(g); },
           "The KV-cache groups (a copy: assign a new list to change them).")
       .def_rw("page_size_bytes", &CacheConfig::page_size_bytes)
+      .def_rw("eviction_history", &CacheConfig::eviction_history)
+      .def_rw("count_miss_causes", &CacheConfig::count_miss_causes)
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
                std::to_string(c.block_size) + ", enable_prefix_caching=" + (c.enable_prefix_caching ? "True" : "False") +
@@ -865,6 +903,16 @@ NB_MODULE(_pagedkv, m) {
       .def_ro("transfers_in_flight", &CacheStats::transfers_in_flight)
       .def_ro("transfers_queued", &CacheStats::transfers_queued)
       .def_ro("events_lost", &CacheStats::events_lost)
+      .def_prop_ro(
+          "admissions_by_miss_cause",
+          [](const CacheStats& s) {
+            nb::dict d;
+            for (std::size_t c = 0; c < kNumMissCauses; ++c) {
+              d[to_string(static_cast<MissCause>(c))] = s.admissions_by_miss_cause[c];
+            }
+            return d;
+          },
+          "Admitted requests per miss cause (label -> count; CacheConfig.count_miss_causes).")
       .def("as_dict", [](const CacheStats& s) {
         nb::dict d;
         nb::object self = nb::cast(s);
@@ -1069,6 +1117,14 @@ NB_MODULE(_pagedkv, m) {
           },
           "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
           "Cached prefix length in tokens of `prompt` if it were admitted now (pure).")
+      .def(
+          "explain_admit",
+          [](Manager& s, const Tokens& prompt, const RequestKeys* keys, std::optional<std::size_t> max_cached_tokens) {
+            const AdmitOptions o = admit_options(max_cached_tokens, std::nullopt, nullptr);
+            return s.work([&](auto& mm) { return mm.explain_admit(prompt.span(), keys, o); });
+          },
+          "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "Why the hit of `prompt` would end where it does if admitted now: an AdmitExplanation (pure).")
       .def(
           "query_admit",
           [](Manager& s, const Tokens& prompt, const RequestKeys* keys, std::optional<std::size_t> max_cached_tokens,
