@@ -219,7 +219,7 @@ TEST_CASE("explain_admit: randomized group mixes with a host tier - the explanat
   CHECK(counts[7] > 0);
 }
 
-TEST_CASE("explain_admit: evicted or never stored, from which tier and how long ago; counters per cause",
+TEST_CASE("explain_admit: evicted or never stored, from which tier and how long ago, and counters per cause",
           "[explain][history]") {
   const std::uint32_t bs = 4;
   CacheConfig c = config(9, bs);  // 8 usable blocks
