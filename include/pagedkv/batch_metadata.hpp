@@ -53,6 +53,20 @@ inline std::string idle_row_message(std::uint64_t id, std::size_t row, bool sche
 ///                    swap preemption); (-1, -1) = padding. Consumed by swap_blocks(kDeviceToHost).
 ///  - `swap_in`       `[max_swaps, 2]` int32 (host block, device block) pairs: host -> device copies (onboarding
 ///                    of a host-tier hit, resume of a swapped sequence); (-1, -1) = padding. swap_blocks(kHostToDevice).
+/// A recurrent-state group (AttentionKind::kRecurrent; docs/groups.md, "Recurrent-state groups") has no K/V: its
+/// slot_mapping is -1 and its page table holds only checkpoint blocks (the null block 0 elsewhere); a build of a
+/// batch with rows needs these outputs in that group's buffers (kBadShape otherwise), and they stay unused in the
+/// other groups' buffers:
+///  - `state_in`      `[max_batch]` int32, the block to read row b's initial state from: its working state, the
+///                    checkpoint of its prefix hit on its first build after admission, or -1 (a zero state: the
+///                    sequence starts at position 0).
+///  - `state_out`     `[max_batch]` int32, the block that receives row b's state after its last token of the step
+///                    (its working state; may equal state_in: an update in place).
+///  - `checkpoint_indptr` `[max_batch + 1]` int32, row b's checkpoints are entries [indptr[b], indptr[b + 1]).
+///  - `checkpoint_positions` `[max_checkpoints]` int32, the position P of a checkpoint: the state after the first
+///                    P tokens of the sequence (after its token P - 1, which this step computes).
+///  - `checkpoint_blocks` `[max_checkpoints]` int32, the block that receives that state.
+/// Padding: state_in / state_out -1, checkpoint_indptr repeats its last value, checkpoint entries -1.
 /// Order of one step's work on the device (the contract the lists are built for): swap_out, then swap_in, then
 /// copy_blocks (copies), then write_kv (slot_mapping) and attention, in stream order; then the engine calls
 /// `complete_transfers(transfer_token)` once the swaps finished (blocks they read or fill stay pinned until then).
@@ -71,6 +85,11 @@ struct BatchMetadataBuffers {
   std::span<std::int32_t> copies;
   std::span<std::int32_t> swap_out;
   std::span<std::int32_t> swap_in;
+  std::span<std::int32_t> state_in;
+  std::span<std::int32_t> state_out;
+  std::span<std::int32_t> checkpoint_indptr;
+  std::span<std::int32_t> checkpoint_positions;
+  std::span<std::int32_t> checkpoint_blocks;
 };
 
 /// What one build wrote: the live extents inside the buffers.
@@ -82,6 +101,7 @@ struct BatchMetadataSizes {
   std::size_t num_swap_out = 0;   ///< Pairs written to `swap_out` before padding.
   std::size_t num_swap_in = 0;    ///< Pairs written to `swap_in` before padding.
   std::uint64_t transfer_token = 0;  ///< Token naming this build's swaps for complete_transfers (0: none).
+  std::size_t num_checkpoints = 0;   ///< checkpoint_indptr[batch_size]: checkpoints written (recurrent groups).
 };
 
 /// An engine's fixed limits for one build (what a CUDA-graph engine captures once): the buffers sized from them
@@ -96,13 +116,17 @@ struct BatchMetadataLimits {
   /// Swap pairs per direction per build (host tier: offloads of evicted blocks, swap preemption of whole
   /// sequences, onboarding of host hits); 0 = no host tier (no swap buffers).
   std::size_t max_swaps = 0;
+  /// Checkpoints of recurrent-state groups per build; 0 = max_tokens_per_step (each checkpoint ends on a token the
+  /// step computes, so this bound always holds).
+  std::size_t max_checkpoints = 0;
 };
 
 /// Entries of each BatchMetadataBuffers span for `limits` (element counts; `copies` / `swap_*` count int32 entries,
 /// two per pair). `indices` is max_batch * max_blocks_per_seq (every sequence at its longest).
 struct BatchMetadataCapacity {
   std::size_t indptr = 0, indices = 0, last_page_len = 0, block_tables = 0, seq_lens = 0, qo_indptr = 0,
-              slot_mapping = 0, copies = 0, swap_out = 0, swap_in = 0;
+              slot_mapping = 0, copies = 0, swap_out = 0, swap_in = 0, state_in = 0, state_out = 0,
+              checkpoint_indptr = 0, checkpoint_positions = 0, checkpoint_blocks = 0;
   std::int32_t max_blocks_per_seq = 0;  ///< The row length of block_tables.
 };
 
@@ -131,6 +155,11 @@ struct BatchMetadataCapacity {
   c.slot_mapping = limits.max_tokens_per_step;
   c.copies = 2 * (limits.max_copies != 0 ? limits.max_copies : limits.max_batch);
   c.swap_out = c.swap_in = 2 * limits.max_swaps;
+  c.state_in = c.state_out = limits.max_batch;
+  c.checkpoint_indptr = limits.max_batch + 1;
+  c.checkpoint_positions = c.checkpoint_blocks =
+      limits.max_checkpoints != 0 ? limits.max_checkpoints : limits.max_tokens_per_step;
+  detail::check_metadata_value(c.checkpoint_positions, "batch_metadata_capacity: max_checkpoints");
   return c;
 }
 
@@ -139,6 +168,7 @@ struct BatchMetadataCapacity {
 /// copies `data()` of each vector after the build (or allocates its own pinned memory of the same capacities).
 struct BatchMetadataStorage {
   std::vector<std::int32_t> indptr, indices, last_page_len, block_tables, seq_lens, qo_indptr, copies, swap_out, swap_in;
+  std::vector<std::int32_t> state_in, state_out, checkpoint_indptr, checkpoint_positions, checkpoint_blocks;
   std::vector<std::int64_t> slot_mapping;
   std::int32_t max_blocks_per_seq = 0;
 
@@ -155,12 +185,19 @@ struct BatchMetadataStorage {
     copies.resize(c.copies);
     swap_out.resize(c.swap_out);
     swap_in.resize(c.swap_in);
+    state_in.resize(c.state_in);
+    state_out.resize(c.state_out);
+    checkpoint_indptr.resize(c.checkpoint_indptr);
+    checkpoint_positions.resize(c.checkpoint_positions);
+    checkpoint_blocks.resize(c.checkpoint_blocks);
     max_blocks_per_seq = c.max_blocks_per_seq;
   }
   /// Every output (swap lists only with a host tier). Valid while this storage lives.
   [[nodiscard]] BatchMetadataBuffers buffers() noexcept {
-    return {indptr, indices, last_page_len, block_tables, max_blocks_per_seq, seq_lens, qo_indptr, slot_mapping,
-            copies, swap_out, swap_in};
+    return {indptr,          indices,   last_page_len, block_tables,      max_blocks_per_seq,
+            seq_lens,        qo_indptr, slot_mapping,  copies,            swap_out,
+            swap_in,         state_in,  state_out,     checkpoint_indptr, checkpoint_positions,
+            checkpoint_blocks};
   }
 };
 

@@ -127,6 +127,16 @@ class BlockTable {
     return true;
   }
 
+  /// Append `n` positions without allocating: each new logical block i is `entry(i)`, a block whose reference the
+  /// caller took or the null block 0 (a recurrent-state group's table, which holds only checkpoint blocks). The
+  /// caller reserved room (reserve_blocks); then it does not throw.
+  template <class Entry>
+  void extend(std::size_t n, Entry&& entry) {
+    const std::size_t end = (num_tokens_ + n + block_size_ - 1) / block_size_;
+    for (std::size_t i = blocks_.size(); i < end; ++i) blocks_.push_back(entry(i));
+    num_tokens_ += n;
+  }
+
   /// Append a full block whose reference the caller already took (a prefix-cache hit at admission).
   /// Throws kInvalidArgument unless the table ends on a block boundary.
   void append_full_block(Id b) {

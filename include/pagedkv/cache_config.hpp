@@ -33,7 +33,9 @@ enum class PreemptMode : std::uint8_t {
 ///
 /// Memory model with several groups (vLLM's hybrid allocator): one block id per (group, logical block) of a
 /// sequence; a block holds `block_size` tokens of K and V for one page per layer slot: `page_size_bytes` per layer
-/// and max_g(num_layers) layer slots, so every block has the same size (`KVCacheManager::bytes_per_block()`).
+/// and max_g(num_layers) layer slots, so every block has the same size (`KVCacheManager::bytes_per_block()`). A
+/// recurrent group's state (or checkpoint) takes one block, one layer's state per layer slot: a layer slot is
+/// max(page_size_bytes, every recurrent group's state_bytes) bytes (vLLM's page-size unification; docs/groups.md).
 struct CacheConfig {
   std::size_t num_blocks = 0;                     ///< Pool size in blocks, including the null block 0: [2, 2^31].
   std::uint32_t block_size = kDefaultBlockSize;   ///< Tokens per block: [1, kMaxBlockSize]. Kernels must see the
@@ -68,7 +70,9 @@ namespace detail {
 
 /// `c` if it is a valid configuration with at most `max_groups` groups, else throws kInvalidArgument (num_blocks < 2,
 /// a block_size outside [1, kMaxBlockSize], num_host_blocks = 1, too many groups, a full group with window_tokens
-/// != 0, a windowed group with window_tokens 0 or > 2^31 - 1, num_layers 0, pool bytes overflowing size_t) or
+/// != 0, a windowed or recurrent group with window_tokens 0 or > 2^31 - 1, a recurrent group 0 or with a checkpoint
+/// interval not a multiple of block_size, state_bytes on a non-recurrent group, num_layers 0, pool bytes
+/// overflowing size_t) or
 /// kLimitExceeded (num_blocks > 2^31, max_tokens_per_seq > 2^31 - 1, num_host_blocks > 2^31: the int32 batch
 /// metadata; eviction_history > 2^30), each naming the field and value.
 [[nodiscard]] inline CacheConfig checked_cache_config(const CacheConfig& c, std::size_t max_groups) {
@@ -101,11 +105,12 @@ namespace detail {
                                               std::to_string(max_groups));
   }
   std::size_t layers = 1;
+  std::size_t page = c.page_size_bytes;  // bytes of one layer slot of a block: max(page, every recurrent state)
   for (std::size_t g = 0; g < c.groups.size(); ++g) {
     const KVCacheGroupSpec& s = c.groups[g];
     const std::string who = "CacheConfig.groups[" + std::to_string(g) + "] (" + to_string(s.kind) + ")";
     if (s.kind != AttentionKind::kFull && s.kind != AttentionKind::kSlidingWindow &&
-        s.kind != AttentionKind::kChunkedLocal) {
+        s.kind != AttentionKind::kChunkedLocal && s.kind != AttentionKind::kRecurrent) {
       detail::raise(Errc::kInvalidArgument, who + ": unknown attention kind " +
                                                 std::to_string(static_cast<int>(s.kind)));
     }
@@ -119,15 +124,32 @@ namespace detail {
       detail::raise(Errc::kInvalidArgument, who + ".window_tokens = " + std::to_string(s.window_tokens) +
                                                 ": must be in [1, 2^31 - 1]");
     }
+    if (s.recurrent()) {
+      if (g == 0) {
+        detail::raise(Errc::kInvalidArgument, who + ": group 0 must be an attention group (full, sliding window or "
+                                                    "chunked-local); list the recurrent groups after it");
+      }
+      if (s.window_tokens % c.block_size != 0) {
+        detail::raise(Errc::kInvalidArgument, who + ".window_tokens (checkpoint interval) = " +
+                                                  std::to_string(s.window_tokens) + ": must be a multiple of the "
+                                                  "block size " + std::to_string(c.block_size) +
+                                                  " (a checkpoint is keyed by the hash of the block that ends there)");
+      }
+    } else if (s.state_bytes != 0 || s.last_checkpoint) {
+      detail::raise(Errc::kInvalidArgument, who + (s.last_checkpoint ? ".last_checkpoint = true" : ".state_bytes = " +
+                                                   std::to_string(s.state_bytes)) +
+                                                ": only a recurrent group has a state");
+    }
     if (s.num_layers == 0) detail::raise(Errc::kInvalidArgument, who + ".num_layers = 0: must be positive");
     layers = std::max<std::size_t>(layers, s.num_layers);
+    page = std::max(page, s.state_bytes);
   }
-  if (c.page_size_bytes != 0 && (layers > std::numeric_limits<std::size_t>::max() / c.page_size_bytes ||
-                                 c.num_blocks > std::numeric_limits<std::size_t>::max() /
-                                                    (layers * c.page_size_bytes))) {
+  if (page != 0 && (layers > std::numeric_limits<std::size_t>::max() / page ||
+                    c.num_blocks > std::numeric_limits<std::size_t>::max() / (layers * page))) {
     detail::raise(Errc::kInvalidArgument, "CacheConfig.page_size_bytes = " + std::to_string(c.page_size_bytes) +
-                                              " x " + std::to_string(layers) + " layers x " +
-                                              std::to_string(c.num_blocks) + " blocks overflows size_t");
+                                              " (a recurrent state: up to " + std::to_string(page) + ") x " +
+                                              std::to_string(layers) + " layers x " + std::to_string(c.num_blocks) +
+                                              " blocks overflows size_t");
   }
   return c;
 }

@@ -19,13 +19,18 @@ enum class AttentionKind : std::uint8_t {
   kFull = 0,           ///< Every earlier key is visible: the group keeps every block of the sequence.
   kSlidingWindow = 1,  ///< A query at p sees keys (p - W, p] (W keys, itself included; FlashInfer window_left = W-1).
   kChunkedLocal = 2,   ///< Llama 4 chunked-local: a query at p sees [floor(p / C) * C, p].
+  /// Recurrent state (Mamba-2, gated delta net, linear attention; vLLM's MambaSpec): a constant-size state per
+  /// sequence, updated in place by every step, plus read-only checkpoints of it every `window_tokens` tokens,
+  /// content-addressed by the chain hash of the blocks before them (docs/groups.md, "Recurrent-state groups").
+  kRecurrent = 3,
 };
 
-/// "full", "sliding_window" or "chunked_local". Never null.
+/// "full", "sliding_window", "chunked_local" or "recurrent". Never null.
 [[nodiscard]] constexpr const char* to_string(AttentionKind k) noexcept {
   switch (k) {
     case AttentionKind::kSlidingWindow: return "sliding_window";
     case AttentionKind::kChunkedLocal: return "chunked_local";
+    case AttentionKind::kRecurrent: return "recurrent";
     case AttentionKind::kFull: break;
   }
   return "full";
@@ -33,18 +38,43 @@ enum class AttentionKind : std::uint8_t {
 
 /// One KV-cache group: its attention type and how many layers it has (for byte accounting only).
 /// `window_tokens`: W for kSlidingWindow (>= 1, visible keys including the query, as AttentionWindow and the
-/// `sliding_window` of Mistral / Gemma / gpt-oss configs count it), C for kChunkedLocal (>= 1), 0 for kFull.
+/// `sliding_window` of Mistral / Gemma / gpt-oss configs count it), C for kChunkedLocal (>= 1), 0 for kFull, the
+/// checkpoint interval I for kRecurrent (tokens, a positive multiple of the block size: the state after every
+/// multiple of I tokens is kept as a checkpoint when prefix caching is on).
+/// `state_bytes`: kRecurrent only, one layer's state in bytes (byte accounting; 0 = none): a state takes one pool
+/// block, so a pool block is max(page_size_bytes, state_bytes) per layer slot (docs/groups.md).
+/// `last_checkpoint`: kRecurrent only, also keep the state at the last block boundary each sequence reached (the
+/// end of its prompt, or of its answer): one more block per running sequence, rewritten in place whenever a build
+/// crosses a block boundary, registered as a checkpoint when the sequence is freed or preempted (vLLM's `align`
+/// mode keeps such a checkpoint, at its block size, and nothing else).
 struct KVCacheGroupSpec {
   AttentionKind kind = AttentionKind::kFull;
   std::uint32_t window_tokens = 0;
   std::uint32_t num_layers = 1;
+  std::size_t state_bytes = 0;
+  bool last_checkpoint = false;
 
-  /// The kernels' AttentionWindow of this group (off for kFull). Precondition: window_tokens <= 2^31 - 1 (checked
-  /// by KVCacheManager's constructor).
+  /// Whether this is a recurrent-state group.
+  [[nodiscard]] constexpr bool recurrent() const noexcept { return kind == AttentionKind::kRecurrent; }
+  /// The checkpoint interval of a recurrent group (tokens); 0 for the other kinds.
+  [[nodiscard]] constexpr std::uint32_t checkpoint_interval() const noexcept { return recurrent() ? window_tokens : 0; }
+
+  /// The kernels' AttentionWindow of this group (off for kFull and kRecurrent). Precondition: window_tokens <=
+  /// 2^31 - 1 (checked by KVCacheManager's constructor).
   [[nodiscard]] constexpr AttentionWindow window() const noexcept {
     AttentionWindow w;
     if (kind == AttentionKind::kSlidingWindow) w.sliding_window_tokens = static_cast<std::int32_t>(window_tokens);
     if (kind == AttentionKind::kChunkedLocal) w.attention_chunk_tokens = static_cast<std::int32_t>(window_tokens);
+    return w;
+  }
+
+  /// The window the cache manager's hit and registration rules use: window() for the attention kinds; for
+  /// kRecurrent a sliding window of 2 tokens, since a hit of k blocks needs exactly one thing of the group, the
+  /// state after k * block_size tokens, kept with logical block k - 1 (the block that ends there).
+  [[nodiscard]] constexpr AttentionWindow hit_window() const noexcept {
+    if (!recurrent()) return window();
+    AttentionWindow w;
+    w.sliding_window_tokens = 2;
     return w;
   }
 };

@@ -142,7 +142,10 @@ class KVCacheManager {
         events_(config_.enable_events),
         history_(config_.eviction_history) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
-    for (const KVCacheGroupSpec& g : config_.groups) windows_.push_back(g.window());
+    for (const KVCacheGroupSpec& g : config_.groups) {
+      windows_.push_back(g.hit_window());
+      any_recurrent_ = any_recurrent_ || g.recurrent();
+    }
     if (num_groups_ > 1) {
       group_cached_.assign(num_groups_, 0);
       group_of_.assign(config_.num_blocks, 0);
@@ -169,21 +172,29 @@ class KVCacheManager {
   [[nodiscard]] std::size_t max_tokens_per_seq() const noexcept { return max_tokens_per_seq_; }
   /// KV-cache groups (1 for a plain full-attention pool).
   [[nodiscard]] std::size_t num_groups() const noexcept { return num_groups_; }
-  /// The AttentionWindow of group g (what its kernels and decode plan take; off for full attention).
+  /// The AttentionWindow of group g (what its kernels and decode plan take; off for full attention). A recurrent
+  /// group has no attention: its window is the hit rule's (KVCacheGroupSpec::hit_window, 2 tokens).
   /// Precondition: g < num_groups().
   [[nodiscard]] const AttentionWindow& window(std::size_t g) const noexcept { return windows_[g]; }
-  /// Bytes of one pool block: page_size_bytes x max_g num_layers (every block the same size).
+  /// Bytes of one pool block: max(page_size_bytes, every recurrent group's state_bytes) x max_g num_layers (every
+  /// block the same size: a block is a K/V page or one state per layer slot).
   [[nodiscard]] std::size_t bytes_per_block() const noexcept {
-    std::size_t m = 0;
-    for (const auto& g : config_.groups) m = std::max<std::size_t>(m, g.num_layers);
-    return config_.page_size_bytes * m;
+    std::size_t m = 0, page = config_.page_size_bytes;
+    for (const auto& g : config_.groups) {
+      m = std::max<std::size_t>(m, g.num_layers);
+      page = std::max(page, g.state_bytes);
+    }
+    return page * m;
   }
+  /// Whether group g is a recurrent-state group (AttentionKind::kRecurrent). Precondition: g < num_groups().
+  [[nodiscard]] bool is_recurrent(std::size_t g) const noexcept { return config_.groups[g].recurrent(); }
   /// The footprint bound of a windowed group g growing by `chunk_tokens` per build: ceil((W - 1 + chunk) /
-  /// block_size) + 1 blocks per sequence (chunked-local: C - 1 in place of W - 1); nullopt for a full group.
+  /// block_size) + 1 blocks per sequence (chunked-local: C - 1 in place of W - 1); nullopt for a full or a recurrent
+  /// group (a recurrent group holds its state plus the checkpoints its unbuilt positions will write).
   /// Throws kInvalidArgument for g >= num_groups().
   [[nodiscard]] std::optional<std::size_t> window_block_bound(std::size_t g, std::size_t chunk_tokens) const {
     check_group(g, "window_block_bound");
-    if (!windows_[g].enabled()) return std::nullopt;
+    if (!windows_[g].enabled() || is_recurrent(g)) return std::nullopt;
     const std::size_t bs = config_.block_size;
     return (config_.groups[g].window_tokens - 1 + chunk_tokens + bs - 1) / bs + 1;
   }
@@ -285,10 +296,16 @@ class KVCacheManager {
   /// slot (the verification step writes the drafts' K/V there); `commit_lookahead` later keeps the accepted ones
   /// and rewinds the rest. A block holding a lookahead position is never hashed or registered until its ids are
   /// committed. Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()),
-  /// kInvalidArgument (prompt tokens without slots, or lookahead already outstanding: commit it first).
+  /// kInvalidArgument (prompt tokens without slots, lookahead already outstanding: commit it first, or a
+  /// recurrent-state group: not supported yet).
   AppendResult<Id> try_reserve_lookahead(SeqId seq, std::size_t k) {
     sequence_type& q = live(seq, "try_reserve_lookahead");
     check_growable(q, seq, k, "try_reserve_lookahead");
+    if (any_recurrent_) {
+      detail::raise(Errc::kInvalidArgument, "try_reserve_lookahead: sequence " + std::to_string(seq) +
+                                                ": lookahead slots are not supported with a recurrent-state group "
+                                                "yet (a rejected draft would need the state before it)");
+    }
     if (k == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
     const CapacityQuery cq = query_growth(q, k);
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
@@ -342,7 +359,8 @@ class KVCacheManager {
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
   /// table is a copy of the parent's, every block's refcount + 1, nothing allocated. The first append to a shared
-  /// partial last block, by either side, copies it.
+  /// partial last block, by either side, copies it; so does the first growth of either side for the working state
+  /// of a recurrent group (one copy, in that group's copy list).
   /// Throws kUnknownSequence (parent), kDuplicateSequence (child live, or child == parent), kInvalidArgument when
   /// the parent is not settled (slots not yet built, prompt tokens without slots, lookahead outstanding, or a
   /// copy-on-write into its table not yet handed out: fork after the build of the step that wrote them, as
@@ -369,6 +387,11 @@ class KVCacheManager {
       for (Id b : it->second.table_of(g).blocks()) {
         if (b != Id{0}) acquire_block(b);
       }
+      if (g > 0) {
+        const GroupTableState<Id>& st = it->second.other_groups[g - 1];
+        if (st.state != Id{0}) acquire_block(st.state);
+        if (st.last_block != Id{0}) acquire_block(st.last_block);
+      }
     }
   }
 
@@ -384,6 +407,7 @@ class KVCacheManager {
       return;
     }
     sequence_type& q = live(seq, "free");
+    if (any_recurrent_) events_.reserve_more(num_groups_);  // last checkpoints registered on the way out
     release_all_groups(q);
     recycle(seqs_.extract(seq));
   }
@@ -393,9 +417,10 @@ class KVCacheManager {
   /// tier already holds is shared, not copied; the copies are this manager's next swap_out list (they read the
   /// blocks before the step writes anything into them: the device blocks are reusable at once). All or nothing:
   /// returns false, changing nothing, when the host tier lacks free or evictable blocks (preempt by recompute
-  /// then). Counted as a preemption. Throws kUnknownSequence; kInvalidArgument for kSwap without a host tier, or
-  /// when the sequence is not settled (unbuilt slots, prompt tokens without slots, lookahead, or a copy into its
-  /// table outstanding: swap after the step that computed it has been built).
+  /// then). Counted as a preemption. Throws kUnknownSequence; kInvalidArgument for kSwap without a host tier, with
+  /// a recurrent-state group (not supported yet), or when the sequence is not settled (unbuilt slots, prompt tokens
+  /// without slots, lookahead, or a copy into its table outstanding: swap after the step that computed it has been
+  /// built).
   bool preempt(SeqId seq, PreemptMode mode) {
     if (mode == PreemptMode::kRecompute) {
       preempt(seq);
@@ -404,6 +429,11 @@ class KVCacheManager {
     sequence_type& q = live(seq, "preempt");
     if (!host_) detail::raise(Errc::kInvalidArgument, "preempt: swapping sequence " + std::to_string(seq) +
                                                           " needs a host tier (CacheConfig.num_host_blocks)");
+    if (any_recurrent_) {
+      detail::raise(Errc::kInvalidArgument, "preempt: swapping sequence " + std::to_string(seq) +
+                                                " is not supported with a recurrent-state group yet: preempt by "
+                                                "recompute (its checkpoints stay cached)");
+    }
     if (!settled(q)) {
       detail::raise(Errc::kInvalidArgument, "preempt: sequence " + std::to_string(seq) +
                                                 " is not settled (unbuilt slots, lookahead or a copy outstanding): "
@@ -570,8 +600,10 @@ class KVCacheManager {
   /// outstanding lookahead slots, which go first). Blocks left empty are released in every group, last first; a
   /// partial block that is shared or cached stays intact and is copied on the next append. Only as far back as
   /// every windowed group still holds what the next query needs: a block released when the window moved past it
-  /// cannot come back. Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens, lookahead included, or
-  /// the rewind would need a released block: the message names the group and the block); nothing changes then.
+  /// cannot come back, and never behind the built positions with a recurrent-state group (its state is updated in
+  /// place). Throws kUnknownSequence, kLimitExceeded (n > the sequence's tokens, lookahead included, the rewind
+  /// would need a released block, or built positions of a recurrent group: the message names the group); nothing
+  /// changes then.
   void rewind(SeqId seq, std::size_t n) {
     sequence_type& q = live(seq, "rewind");
     const std::size_t length = q.num_known() + q.num_lookahead;
@@ -585,6 +617,14 @@ class KVCacheManager {
     if (!simple_) {  // the rewind floor of every windowed group
       const std::size_t new_built = std::min(q.num_built, keep_slotted);
       for (std::size_t g = 0; g < num_groups_; ++g) {
+        if (is_recurrent(g)) {
+          if (new_built == q.num_built) continue;
+          detail::raise(Errc::kLimitExceeded,
+                        "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
+                            " tokens would take the state of recurrent group " + std::to_string(g) + " back from " +
+                            std::to_string(q.num_built) + " built positions to " + std::to_string(new_built) +
+                            ": a recurrent state cannot be rewound (only unbuilt positions can)");
+        }
         const std::size_t need = detail::first_kept_block(windows_[g], new_built, config_.block_size);
         if (q.released_of(g) > need) {
           detail::raise(Errc::kLimitExceeded,
@@ -601,7 +641,12 @@ class KVCacheManager {
     const std::size_t drop = q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead);
     for (std::size_t g = 0; g < num_groups_; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
-      q.table_of(g).rewind(drop, pool);
+      BlockTable<Id>& t = q.table_of(g);
+      t.rewind(drop, pool);
+      // A recurrent group's checkpoint block left partial will not be written: null, as before it was completed.
+      if (is_recurrent(g) && t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
+        release_block(t.replace_block(t.num_blocks() - 1, Id{0}));
+      }
     }
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
@@ -765,6 +810,17 @@ class KVCacheManager {
   [[nodiscard]] std::size_t num_null_blocks(SeqId seq, std::size_t g) const {
     check_group(g, "num_null_blocks");
     return live(seq, "num_null_blocks").released_of(g);
+  }
+  /// The block of `seq`'s working state in recurrent group g (held from admission to free; a fork shares it until
+  /// the next growth of either side copies it). Throws kUnknownSequence, kInvalidArgument (g is not a recurrent
+  /// group).
+  [[nodiscard]] Id state_block(SeqId seq, std::size_t g) const {
+    check_group(g, "state_block");
+    if (!is_recurrent(g)) {
+      detail::raise(Errc::kInvalidArgument, "state_block: group " + std::to_string(g) + " (" +
+                                                to_string(config_.groups[g].kind) + ") is not a recurrent group");
+    }
+    return live(seq, "state_block").other_groups[g - 1].state;
   }
   /// Positions of `seq` whose writes a build issued (or prefix hits). Throws kUnknownSequence.
   [[nodiscard]] std::size_t num_built(SeqId seq) const { return live(seq, "num_built").num_built; }
@@ -1187,6 +1243,29 @@ class KVCacheManager {
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
         fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + *bad);
       }
+      if constexpr (!kOne) {
+        if (is_recurrent(g) && B > 0) {  // its state and checkpoint outputs cannot be dropped
+          std::size_t checkpoints = 0;
+          for (std::size_t r = 0; r < B; ++r) {
+            const std::size_t first = batch_scratch_[r]->num_built;
+            checkpoints += checkpoints_between(g, first, first + qlen_scratch_[r]) + (keeps_last(g) ? 1 : 0);
+          }
+          const std::pair<std::size_t, std::size_t> need[] = {{buf.state_in.size(), B},
+                                                               {buf.state_out.size(), B},
+                                                               {buf.checkpoint_indptr.size(), B + 1},
+                                                               {buf.checkpoint_positions.size(), checkpoints},
+                                                               {buf.checkpoint_blocks.size(), checkpoints}};
+          const char* names[] = {"state_in", "state_out", "checkpoint_indptr", "checkpoint_positions",
+                                 "checkpoint_blocks"};
+          for (std::size_t i = 0; i < 5; ++i) {
+            if (need[i].first >= need[i].second) continue;
+            fail(Errc::kBadShape, "group " + std::to_string(g) + " (recurrent): " + names[i] + " holds " +
+                                      std::to_string(need[i].first) + " entries, needs " +
+                                      std::to_string(need[i].second) + " (a recurrent group's state and checkpoint "
+                                      "outputs cannot be dropped)");
+          }
+        }
+      }
     }
     const BatchMetadataBuffers& buf0 = per_group[0];
     try {
@@ -1215,7 +1294,10 @@ class KVCacheManager {
       }
       recent_registered_.clear();
     }
-    for (std::size_t g = 0; g < G; ++g) sizes_out[g] = BatchMetadataSizes{B, 0, 0, 0, 0, 0, 0};
+    for (std::size_t g = 0; g < G; ++g) {
+      sizes_out[g] = BatchMetadataSizes{};
+      sizes_out[g].batch_size = B;
+    }
     for (std::size_t b = 0; b < B; ++b) {
       sequence_type& q = *batch_scratch_[b];
       q.in_batch = false;
@@ -1231,6 +1313,14 @@ class KVCacheManager {
         switched_scratch_.clear();
         register_full_blocks_in<kOne>(q, g);
         detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(nblocks), seq_len, bs, blk, tok);
+        if constexpr (!kOne) {
+          if (is_recurrent(g)) {
+            write_state_row(q, g, b, first, seq_len, buf, sizes_out[g].num_checkpoints);
+            if (!buf.slot_mapping.empty()) std::fill_n(buf.slot_mapping.begin() + tok, q_len, std::int64_t{-1});
+            tok += q_len;
+            continue;
+          }
+        }
         if (!buf.slot_mapping.empty()) write_slots<kOne>(q, g, first, q_len, buf.slot_mapping.subspan(tok, q_len));
         tok += q_len;
       }
@@ -1243,6 +1333,7 @@ class KVCacheManager {
       BatchMetadataSizes& sz = sizes_out[g];
       detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
       sz.num_copies = detail::write_copies(buf, std::span<const copy_type>(copy_scratch_), static_cast<std::uint32_t>(g));
+      if (is_recurrent(g)) pad_state_outputs(buf, B, sz.num_checkpoints);
     }
     for (const copy_type& c : copy_scratch_) release_block(c.src);
     copy_scratch_.clear();
@@ -1333,6 +1424,9 @@ class KVCacheManager {
       const auto blocks = table_in<kOne>(q, g).blocks();
       for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
         if (blocks[i] == b) return true;
+      }
+      if constexpr (!kOne) {
+        if (g > 0 && q.other_groups[g - 1].state == b) return true;  // a working state is updated in place
       }
     }
     return false;
@@ -1521,11 +1615,18 @@ class KVCacheManager {
     }
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - k * bs);
     const std::size_t new_per_group = (k * bs + reserved + bs - 1) / bs - k;
-    const std::size_t new_blocks = new_per_group * G + host_hits;
+    std::size_t new_table_blocks = 0;  // a recurrent group: its state + the checkpoints the reservation completes
+    for (std::size_t g = 0; g < G; ++g) {
+      new_table_blocks += is_recurrent(g) ? state_blocks(g) + checkpoints_between(g, k * bs, k * bs + reserved)
+                                          : new_per_group;
+    }
+    const std::size_t new_blocks = new_table_blocks + host_hits;
     const std::size_t usable = alloc_.num_usable_blocks();
     std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
-    for (std::size_t g = 0; g < G; ++g) lower_bound += windows_[g].enabled() ? 1 : (prompt.size() + bs - 1) / bs;
-    const std::size_t never = std::max(lower_bound, held_hits + new_per_group * G);
+    for (std::size_t g = 0; g < G; ++g) {
+      lower_bound += is_recurrent(g) ? state_blocks(g) : windows_[g].enabled() ? 1 : (prompt.size() + bs - 1) / bs;
+    }
+    const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
     AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
     if (never > usable) {
       p.query.status = CapacityStatus::kNeverFits;
@@ -1687,6 +1788,12 @@ class KVCacheManager {
     }
     q.num_built = k * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
     for (std::size_t g = 0; g < G; ++g) {
+      if (is_recurrent(g)) {  // its working state, then its checkpoints (guaranteed by the capacity check)
+        q.other_groups[g - 1].state = allocate_one(g);
+        if (keeps_last(g)) q.other_groups[g - 1].last_block = allocate_one(g);
+        grow_recurrent(q, g, plan.num_reserved);
+        continue;
+      }
       std::optional<copy_type> no_copy;
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       const bool ok = q.table_of(g).try_append(plan.num_reserved, pool, evictor(), nullptr, no_copy);
@@ -1742,6 +1849,10 @@ class KVCacheManager {
     for (auto& og : q.other_groups) {
       og.num_registered = 0;
       og.num_released = 0;
+      og.state = Id{0};
+      og.state_valid = false;
+      og.last_block = Id{0};
+      og.last_pos = 0;
     }
     spare_.push_back(std::move(node));  // room reserved at construction
   }
@@ -1824,6 +1935,17 @@ class KVCacheManager {
     for (std::size_t g = 0; g < groups<kOne>(); ++g) {
       const BlockTable<Id>& t = table_in<kOne>(q, g);
       const std::size_t nblocks = t.num_blocks();
+      if constexpr (!kOne) {
+        if (is_recurrent(g)) {  // the checkpoints the growth completes, and a copy of a shared working state
+          const GroupTableState<Id>& st = q.other_groups[g - 1];
+          const std::size_t ck = checkpoints_between(g, q.num_slotted(), q.num_slotted() + n);
+          needed += ck + (st.state != Id{0} && table_refcount(st.state) > 1 ? 1 : 0) +
+                    (st.last_block != Id{0} && table_refcount(st.last_block) > 1 ? 1 : 0);
+          held_after += state_blocks(g) + ck;
+          for (std::size_t i = q.released_of(g); i < nblocks; ++i) held_after += t.blocks()[i] != Id{0} ? 1 : 0;
+          continue;
+        }
+      }
       const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - nblocks;
       const bool cow = t.last_block_needs_copy(ConstProxy{this});
       const bool hashed_partial = cow && alloc_.is_hashed(t.blocks().back());
@@ -1849,7 +1971,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
     if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
     slot_scratch_.clear();
-    reserve_for_allocations(G * (new_blocks + 1), 0);
+    reserve_for_allocations(G * (new_blocks + 2), 0);  // + a copy; a recurrent group: + a completed partial block
   }
 
   // Give `q` n more slots in every group (capacity checked by query_growth, room reserved by prepare_growth): the
@@ -1861,6 +1983,13 @@ class KVCacheManager {
   AppendResult<Id> commit_growth_in(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
     std::optional<copy_type> copy0;
     for (std::size_t g = 0; g < groups<kOne>(); ++g) {
+      if constexpr (!kOne) {
+        if (is_recurrent(g)) {
+          grow_recurrent(q, g, n);
+          copy_shared_state(q, g);
+          continue;
+        }
+      }
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       std::optional<copy_type> copy;
       const bool ok = table_in<kOne>(q, g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
@@ -2018,6 +2147,12 @@ class KVCacheManager {
     for (std::size_t g = 0; g < num_groups_; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).release_all(pool);
+      if (g > 0 && q.other_groups[g - 1].state != Id{0}) {
+        release_block(q.other_groups[g - 1].state);
+        q.other_groups[g - 1].state = Id{0};
+        q.other_groups[g - 1].state_valid = false;
+      }
+      if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) release_last_checkpoint(q, g);
     }
   }
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
@@ -2028,8 +2163,12 @@ class KVCacheManager {
     for (std::size_t g = 0; g < num_groups_; ++g) {
       if (!windows_[g].enabled()) continue;
       BlockTable<Id>& t = q.table_of(g);
+      // A recurrent group keeps no block for the next query (its working state is apart): its checkpoints go to the
+      // cache once written.
       const std::size_t target =
-          std::min(detail::first_kept_block(windows_[g], committed, config_.block_size), t.num_blocks());
+          std::min(is_recurrent(g) ? committed / config_.block_size
+                                   : detail::first_kept_block(windows_[g], committed, config_.block_size),
+                   t.num_blocks());
       std::size_t& released = q.released_of(g);
       if (target > released) apply_retention_group(q, g, released, target);
       for (std::size_t i = released; i < target; ++i) {
@@ -2038,6 +2177,77 @@ class KVCacheManager {
       }
       released = std::max(released, target);
     }
+  }
+
+  // The last checkpoint of q in recurrent group g, as q leaves the device: registered under the chain hash of the
+  // blocks before its position unless that state is registered already (or it holds none), then released (to the
+  // cache when registered). Room for its event reserved by the caller.
+  void release_last_checkpoint(sequence_type& q, std::size_t g) {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    const Id b = st.last_block;
+    const std::size_t i = st.last_pos / config_.block_size;  // the state after blocks [0, i)
+    if (i > 0 && i <= q.hashes.size() && alloc_.refcount(b) - pins(b) == 1 && !ix(g).find(q.hashes[i - 1])) {
+      (void)ix(g).insert(q.hashes[i - 1], b);
+      alloc_.set_hashed(b, true);
+      if (events_.enabled()) record_stored(q, i - 1, q.hashes[i - 1], g);
+    }
+    release_block(b);
+    st.last_block = Id{0};
+    st.last_pos = 0;
+  }
+  // Recurrent group g keeps the state at each sequence's last block boundary (KVCacheGroupSpec::last_checkpoint).
+  [[nodiscard]] bool keeps_last(std::size_t g) const noexcept {
+    return config_.enable_prefix_caching && config_.groups[g].last_checkpoint;
+  }
+  // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
+  [[nodiscard]] std::size_t state_blocks(std::size_t g) const noexcept { return keeps_last(g) ? 2 : 1; }
+  // Recurrent group g: the checkpoints that positions (from, to] complete (multiples of its interval), with prefix
+  // caching on; 0 otherwise.
+  [[nodiscard]] std::size_t checkpoints_between(std::size_t g, std::size_t from, std::size_t to) const noexcept {
+    if (!config_.enable_prefix_caching) return 0;
+    const std::size_t interval = config_.groups[g].window_tokens;
+    return to / interval - from / interval;
+  }
+  // Grow recurrent group g's table of q by n positions: null entries, except a fresh block for each logical block
+  // the growth completes at a checkpoint (the state after its last token is kept there). Capacity checked and
+  // room reserved by the caller.
+  void grow_recurrent(sequence_type& q, std::size_t g, std::size_t n) {
+    BlockTable<Id>& t = q.table_of(g);
+    const std::size_t bs = config_.block_size;
+    const std::size_t from = t.num_tokens();
+    const std::size_t end = from + n;
+    const auto completes_checkpoint = [&](std::size_t i) {
+      return (i + 1) * bs > from && (i + 1) * bs <= end && checkpoints_between(g, i * bs + bs - 1, (i + 1) * bs) != 0;
+    };
+    if (from % bs != 0 && completes_checkpoint(from / bs)) {
+      const Id old = t.replace_block(from / bs, allocate_one(g));
+      (void)old;  // null: a checkpoint block is taken when its block is complete (rewind nulls a partial one)
+    }
+    t.extend(n, [&](std::size_t i) { return completes_checkpoint(i) ? allocate_one(g) : Id{0}; });
+  }
+  // Recurrent group g of q about to grow: a working state shared with a fork gets its own block, a copy of it when
+  // it holds the state (else the state is still the zero state or the hit's checkpoint, which the table keeps); a
+  // shared last checkpoint is left to the other side, this one starts a new one. Capacity checked and room
+  // reserved by the caller.
+  void copy_shared_state(sequence_type& q, std::size_t g) {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    if (st.last_block != Id{0} && table_refcount(st.last_block) > 1) {  // a new last checkpoint, nothing in it yet
+      const Id old = st.last_block;
+      st.last_block = allocate_one(g);
+      st.last_pos = 0;
+      release_block(old);
+    }
+    if (st.state == Id{0} || table_refcount(st.state) <= 1) return;
+    const Id src = st.state;
+    st.state = allocate_one(g);
+    if (!st.state_valid) {
+      release_block(src);
+      return;
+    }
+    pending_copies_.push_back(copy_type{src, st.state, static_cast<std::uint32_t>(g)});  // holds our reference on src
+    copy_owners_.push_back(&q);
+    ++q.num_pending_copies;
+    ++stats_.cow_copies;
   }
 
   sequence_type& live(SeqId seq, const char* what) {
@@ -2242,6 +2452,59 @@ class KVCacheManager {
     registered = std::max(registered, end);
   }
 
+  // Recurrent group g's outputs of batch row b (sequence q computing positions [first, seq_len)): the block its
+  // initial state is read from, its working state, and the checkpoints whose last position it computes (a block
+  // switched to an identical registered one by this build is not written: it holds that state already). Marks the
+  // working state valid. Room checked by the build.
+  void write_state_row(sequence_type& q, std::size_t g, std::size_t b, std::size_t first, std::size_t seq_len,
+                       const BatchMetadataBuffers& buf, std::size_t& num_checkpoints) {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    const auto blocks = st.table.blocks();
+    const std::size_t bs = config_.block_size;
+    const std::int32_t in = st.state_valid ? static_cast<std::int32_t>(st.state)
+                            : first == 0   ? -1
+                                           : static_cast<std::int32_t>(blocks[first / bs - 1]);  // the hit's checkpoint
+    buf.state_in[b] = in;
+    buf.state_out[b] = static_cast<std::int32_t>(st.state);
+    st.state_valid = true;
+    if (b == 0) buf.checkpoint_indptr[0] = 0;
+    const std::size_t interval = config_.groups[g].window_tokens;
+    for (std::size_t p = (first / interval + 1) * interval; config_.enable_prefix_caching && p <= seq_len;
+         p += interval) {
+      const std::size_t i = p / bs - 1;
+      const bool switched = std::find(switched_scratch_.begin(), switched_scratch_.end(), i) != switched_scratch_.end();
+      if (blocks[i] == Id{0} || switched) continue;
+      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(p);
+      buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(blocks[i]);
+      ++num_checkpoints;
+    }
+    // The last block boundary this step crosses, into the last checkpoint (unless a checkpoint of the interval is
+    // there: that one is kept already).
+    const std::size_t boundary = seq_len / bs * bs;
+    if (keeps_last(g) && boundary > first) {
+      st.last_pos = 0;
+      if (boundary % interval != 0) {
+        buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(boundary);
+        buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(st.last_block);
+        ++num_checkpoints;
+        st.last_pos = boundary;
+      }
+    }
+    buf.checkpoint_indptr[b + 1] = static_cast<std::int32_t>(num_checkpoints);
+  }
+  // Padding of a recurrent group's outputs after a build of `batch` rows and `n` checkpoints (see
+  // BatchMetadataBuffers).
+  static void pad_state_outputs(const BatchMetadataBuffers& buf, std::size_t batch, std::size_t n) {
+    detail::pad_from(buf.state_in, batch, -1);
+    detail::pad_from(buf.state_out, batch, -1);
+    if (!buf.checkpoint_indptr.empty()) {
+      buf.checkpoint_indptr[0] = batch == 0 ? 0 : buf.checkpoint_indptr[0];
+      detail::pad_from(buf.checkpoint_indptr, batch + 1, static_cast<std::int32_t>(n));
+    }
+    detail::pad_from(buf.checkpoint_positions, n, -1);
+    detail::pad_from(buf.checkpoint_blocks, n, -1);
+  }
+
   // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
   // per block: a vectorizable fill of consecutive slots.
   template <bool kOne>
@@ -2280,7 +2543,8 @@ class KVCacheManager {
   allocator_type alloc_;
   index_type index_;                                   // the prefix index, shared by the groups (keys: group_block_key)
   std::vector<std::size_t> group_cached_;              // [G] when G > 1: blocks registered per group
-  std::vector<AttentionWindow> windows_;               // [G]
+  std::vector<AttentionWindow> windows_;               // [G] the hit rule's window (KVCacheGroupSpec::hit_window)
+  bool any_recurrent_ = false;                         // a recurrent-state group exists (no swap, lookahead)
   std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
   std::vector<std::uint8_t> host_group_of_;            // [num_host_blocks] when G > 1 with a host tier
   std::vector<std::size_t> held_;                      // [G] blocks held per group (unless simple_)

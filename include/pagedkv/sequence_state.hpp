@@ -26,6 +26,17 @@ struct GroupTableState {
   BlockTable<Id> table;            ///< Logical -> physical blocks of this group.
   std::size_t num_registered = 0;  ///< Leading full blocks that need no registration attempt in this group.
   std::size_t num_released = 0;    ///< Leading logical blocks that are the null block 0.
+  /// Recurrent-state groups only (docs/groups.md): the block of the sequence's working state (0 = none), held
+  /// while the sequence lives, updated in place by every build; shared after a fork until the next growth copies it.
+  Id state = 0;
+  /// Whether `state` holds the state after `num_built` tokens. False from admission to the first build: the state
+  /// is then the zero state (num_built 0) or the prefix hit's checkpoint, logical block num_built / block_size - 1.
+  bool state_valid = false;
+  /// Recurrent groups with KVCacheGroupSpec::last_checkpoint: the block holding the state at the last block boundary
+  /// a build crossed (0 = none), and that boundary (tokens; 0 = nothing written yet). Shared after a fork until the
+  /// next growth of either side, which then starts a new one.
+  Id last_block = 0;
+  std::size_t last_pos = 0;
 };
 
 /// One live sequence as the KVCacheManager tracks it. A plain aggregate with derived queries; the manager keeps
@@ -55,7 +66,9 @@ struct SequenceState {
   /// An empty sequence with `num_groups` >= 1 block tables of `block_size` tokens per block.
   explicit SequenceState(std::uint32_t block_size, std::size_t num_groups = 1) : table(block_size) {
     other_groups.reserve(num_groups - 1);
-    for (std::size_t g = 1; g < num_groups; ++g) other_groups.push_back({BlockTable<Id>(block_size), 0, 0});
+    for (std::size_t g = 1; g < num_groups; ++g) {
+      other_groups.push_back({BlockTable<Id>(block_size), 0, 0, Id{0}, false, Id{0}, 0});
+    }
   }
 
   BlockTable<Id> table;                     ///< Logical -> physical blocks for the slotted positions.

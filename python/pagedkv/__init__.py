@@ -83,9 +83,16 @@ class BatchMetadataBuffers:
         self.copies = alloc((cap.copies // 2, 2), i32)
         self.swap_out = alloc((cap.swap_out // 2, 2), i32) if cap.swap_out else None
         self.swap_in = alloc((cap.swap_in // 2, 2), i32) if cap.swap_in else None
+        # A recurrent-state group's outputs (state_in / state_out per row, the checkpoints of the step).
+        self.state_in = alloc((cap.state_in,), i32)
+        self.state_out = alloc((cap.state_out,), i32)
+        self.checkpoint_indptr = alloc((cap.checkpoint_indptr,), i32)
+        self.checkpoint_positions = alloc((cap.checkpoint_positions,), i32)
+        self.checkpoint_blocks = alloc((cap.checkpoint_blocks,), i32)
 
     def kwargs(self) -> dict:
-        """Every buffer by its build_batch_metadata keyword (swap lists only when allocated)."""
+        """Every buffer by its build_batch_metadata keyword (swap lists only when allocated; the recurrent-state
+        outputs, which only the per-group build takes, are attributes: pass ``groups=[buffers, ...]``)."""
         names = ("indptr", "indices", "last_page_len", "block_tables", "seq_lens", "qo_indptr", "slot_mapping",
                  "copies", "swap_out", "swap_in")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}

@@ -195,8 +195,10 @@ AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::op
 // build_batch_metadata's output arrays: one set per KV-cache group, converted without copying (exact dtype,
 // writable, C-contiguous) and kept alive here while the GIL is released.
 
-constexpr const char* kBufferNames[] = {"indptr",   "indices",      "last_page_len", "block_tables", "seq_lens",
-                                        "qo_indptr", "slot_mapping", "copies",        "swap_out",     "swap_in"};
+constexpr const char* kBufferNames[] = {
+    "indptr",   "indices",   "last_page_len",     "block_tables",         "seq_lens",         "qo_indptr",
+    "slot_mapping", "copies", "swap_out",         "swap_in",              "state_in",         "state_out",
+    "checkpoint_indptr",     "checkpoint_positions", "checkpoint_blocks"};
 
 struct PyBuffers {
   std::optional<OutI32> indptr, indices, last_page_len;
@@ -204,6 +206,8 @@ struct PyBuffers {
   std::optional<OutI32> seq_lens, qo_indptr;
   std::optional<OutI64> slot_mapping;
   std::optional<OutPairs> copies, swap_out, swap_in;
+  // A recurrent-state group's outputs (batch_metadata.hpp).
+  std::optional<OutI32> state_in, state_out, checkpoint_indptr, checkpoint_positions, checkpoint_blocks;
 
   // Sets the buffer called `name` from `value` (None = skipped). False when `name` is unknown; raises TypeError
   // naming `where` and the buffer when the array is not of the exact dtype, shape, writability and layout.
@@ -236,6 +240,11 @@ struct PyBuffers {
     else if (name == "copies") take(copies);
     else if (name == "swap_out") take(swap_out);
     else if (name == "swap_in") take(swap_in);
+    else if (name == "state_in") take(state_in);
+    else if (name == "state_out") take(state_out);
+    else if (name == "checkpoint_indptr") take(checkpoint_indptr);
+    else if (name == "checkpoint_positions") take(checkpoint_positions);
+    else if (name == "checkpoint_blocks") take(checkpoint_blocks);
     else return false;
     return true;
   }
@@ -266,6 +275,11 @@ struct PyBuffers {
     buf.copies = pairs(copies);
     buf.swap_out = pairs(swap_out);
     buf.swap_in = pairs(swap_in);
+    buf.state_in = span32(state_in);
+    buf.state_out = span32(state_out);
+    buf.checkpoint_indptr = span32(checkpoint_indptr);
+    buf.checkpoint_positions = span32(checkpoint_positions);
+    buf.checkpoint_blocks = span32(checkpoint_blocks);
     return buf;
   }
 };
@@ -523,7 +537,10 @@ NB_MODULE(_pagedkv, m) {
       .value("SLIDING_WINDOW", AttentionKind::kSlidingWindow,
              "A query at p sees keys (p - W, p]: W keys, itself included (FlashInfer window_left = W - 1).")
       .value("CHUNKED_LOCAL", AttentionKind::kChunkedLocal,
-             "Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].");
+             "Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].")
+      .value("RECURRENT", AttentionKind::kRecurrent,
+             "A recurrent state per sequence (Mamba-2, gated delta net; vLLM's MambaSpec) with checkpoints every "
+             "window_tokens tokens (docs/groups.md, 'Recurrent-state groups').");
 
   nb::enum_<MissCause>(m, "MissCause", "Why an admission's prefix hit ends where it does (manager_results.hpp).")
       .value("NONE", MissCause::kNone, "Every full block of the prompt is served.")
@@ -596,17 +613,23 @@ NB_MODULE(_pagedkv, m) {
 
   nb::class_<KVCacheGroupSpec>(m, "KVCacheGroupSpec",
                                "One KV-cache group (a set of layers with one attention type): `kind`, "
-                               "`window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, 0 for FULL) and "
-                               "`num_layers` (for byte accounting only). Checked by KVCacheManager.")
+                               "`window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval "
+                               "for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for "
+                               "RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the "
+                               "state at each sequence's last block boundary). Checked by KVCacheManager.")
       .def(
           "__init__",
-          [](KVCacheGroupSpec* g, AttentionKind kind, std::uint32_t window_tokens, std::uint32_t num_layers) {
-            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers};
+          [](KVCacheGroupSpec* g, AttentionKind kind, std::uint32_t window_tokens, std::uint32_t num_layers,
+             std::size_t state_bytes, bool last_checkpoint) {
+            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers, state_bytes, last_checkpoint};
           },
-          "kind"_a = AttentionKind::kFull, "window_tokens"_a = 0, "num_layers"_a = 1)
+          "kind"_a = AttentionKind::kFull, "window_tokens"_a = 0, "num_layers"_a = 1, "state_bytes"_a = 0,
+          "last_checkpoint"_a = false)
       .def_rw("kind", &KVCacheGroupSpec::kind)
       .def_rw("window_tokens", &KVCacheGroupSpec::window_tokens)
       .def_rw("num_layers", &KVCacheGroupSpec::num_layers)
+      .def_rw("state_bytes", &KVCacheGroupSpec::state_bytes)
+      .def_rw("last_checkpoint", &KVCacheGroupSpec::last_checkpoint)
       .def(
           "window",
           [](const KVCacheGroupSpec& g) {
@@ -618,14 +641,19 @@ NB_MODULE(_pagedkv, m) {
           },
           "The kernels' AttentionWindow of this group (off for FULL).")
       .def("__eq__", [](const KVCacheGroupSpec& a, const KVCacheGroupSpec& b) {
-        return a.kind == b.kind && a.window_tokens == b.window_tokens && a.num_layers == b.num_layers;
+        return a.kind == b.kind && a.window_tokens == b.window_tokens && a.num_layers == b.num_layers &&
+               a.state_bytes == b.state_bytes && a.last_checkpoint == b.last_checkpoint;
       })
       .def("__repr__", [](const KVCacheGroupSpec& g) {
         return std::string("KVCacheGroupSpec(kind=AttentionKind.") +
                (g.kind == AttentionKind::kSlidingWindow ? "SLIDING_WINDOW"
                 : g.kind == AttentionKind::kChunkedLocal ? "CHUNKED_LOCAL"
+                : g.kind == AttentionKind::kRecurrent    ? "RECURRENT"
                                                           : "FULL") +
                ", window_tokens=" + std::to_string(g.window_tokens) + ", num_layers=" + std::to_string(g.num_layers) +
+               (g.recurrent() ? ", state_bytes=" + std::to_string(g.state_bytes) +
+                                    ", last_checkpoint=" + (g.last_checkpoint ? "True" : "False")
+                              : std::string()) +
                ")";
       });
 
@@ -828,6 +856,7 @@ NB_MODULE(_pagedkv, m) {
       .def_ro("num_swap_out", &BatchMetadataSizes::num_swap_out)
       .def_ro("num_swap_in", &BatchMetadataSizes::num_swap_in)
       .def_ro("transfer_token", &BatchMetadataSizes::transfer_token)
+      .def_ro("num_checkpoints", &BatchMetadataSizes::num_checkpoints)
       .def("__repr__", [](const BatchMetadataSizes& s) {
         return repr_fields<std::uint64_t>("BatchMetadataSizes", {{"batch_size", s.batch_size},
                                                                  {"num_indices", s.num_indices},
@@ -835,22 +864,27 @@ NB_MODULE(_pagedkv, m) {
                                                                  {"num_copies", s.num_copies},
                                                                  {"num_swap_out", s.num_swap_out},
                                                                  {"num_swap_in", s.num_swap_in},
-                                                                 {"transfer_token", s.transfer_token}});
+                                                                 {"transfer_token", s.transfer_token},
+                                                                 {"num_checkpoints", s.num_checkpoints}});
       });
 
   nb::class_<BatchMetadataLimits>(m, "BatchMetadataLimits", "An engine's fixed limits for one build.")
       .def(
           "__init__",
           [](BatchMetadataLimits* l, std::size_t max_batch, std::size_t max_tokens_per_step,
-             std::size_t max_blocks_per_seq, std::size_t max_copies, std::size_t max_swaps) {
-            new (l) BatchMetadataLimits{max_batch, max_tokens_per_step, max_blocks_per_seq, max_copies, max_swaps};
+             std::size_t max_blocks_per_seq, std::size_t max_copies, std::size_t max_swaps,
+             std::size_t max_checkpoints) {
+            new (l) BatchMetadataLimits{max_batch,  max_tokens_per_step, max_blocks_per_seq,
+                                        max_copies, max_swaps,           max_checkpoints};
           },
-          "max_batch"_a, "max_tokens_per_step"_a, "max_blocks_per_seq"_a, "max_copies"_a = 0, "max_swaps"_a = 0)
+          "max_batch"_a, "max_tokens_per_step"_a, "max_blocks_per_seq"_a, "max_copies"_a = 0, "max_swaps"_a = 0,
+          "max_checkpoints"_a = 0)
       .def_rw("max_batch", &BatchMetadataLimits::max_batch)
       .def_rw("max_tokens_per_step", &BatchMetadataLimits::max_tokens_per_step)
       .def_rw("max_blocks_per_seq", &BatchMetadataLimits::max_blocks_per_seq)
       .def_rw("max_copies", &BatchMetadataLimits::max_copies)
-      .def_rw("max_swaps", &BatchMetadataLimits::max_swaps);
+      .def_rw("max_swaps", &BatchMetadataLimits::max_swaps)
+      .def_rw("max_checkpoints", &BatchMetadataLimits::max_checkpoints);
 
   nb::class_<BatchMetadataCapacity>(m, "BatchMetadataCapacity",
                                     "Entries of each buffer for some limits (copies / swaps: int32 entries, two per "
@@ -865,6 +899,11 @@ NB_MODULE(_pagedkv, m) {
       .def_ro("copies", &BatchMetadataCapacity::copies)
       .def_ro("swap_out", &BatchMetadataCapacity::swap_out)
       .def_ro("swap_in", &BatchMetadataCapacity::swap_in)
+      .def_ro("state_in", &BatchMetadataCapacity::state_in)
+      .def_ro("state_out", &BatchMetadataCapacity::state_out)
+      .def_ro("checkpoint_indptr", &BatchMetadataCapacity::checkpoint_indptr)
+      .def_ro("checkpoint_positions", &BatchMetadataCapacity::checkpoint_positions)
+      .def_ro("checkpoint_blocks", &BatchMetadataCapacity::checkpoint_blocks)
       .def_ro("max_blocks_per_seq", &BatchMetadataCapacity::max_blocks_per_seq);
   m.def("batch_metadata_capacity", &batch_metadata_capacity, "limits"_a,
         "Capacities of the buffers a build writes for an engine with `limits`. Raises InvalidArgumentError (a "
@@ -1204,8 +1243,8 @@ NB_MODULE(_pagedkv, m) {
                    "KV-cache groups (1 for a plain full-attention pool).")
       .def_prop_ro("bytes_per_block",
                    [](Manager& s) { return s.peek([](auto& mm) { return mm.bytes_per_block(); }); },
-                   "Bytes of one pool block: page_size_bytes x the most layers of any group (0 without "
-                   "page_size_bytes).")
+                   "Bytes of one pool block: max(page_size_bytes, every recurrent group's state_bytes) x the most "
+                   "layers of any group (0 without either).")
       .def(
           "window",
           [](Manager& s, std::size_t g) {
@@ -1232,6 +1271,24 @@ NB_MODULE(_pagedkv, m) {
           "seq"_a, "group"_a = 0,
           "Leading null blocks (0) of group `group`'s table of `seq`: blocks released behind a windowed group's "
           "window, or before the window at a prefix hit. Raises UnknownSequenceError, InvalidArgumentError.")
+      .def(
+          "is_recurrent",
+          [](Manager& s, std::size_t g) {
+            return s.peek([&](auto& mm) {
+              check_group_index(g, mm.num_groups(), "is_recurrent");
+              return mm.is_recurrent(g);
+            });
+          },
+          "group"_a, "Whether group `group` is a recurrent-state group. Raises InvalidArgumentError.")
+      .def(
+          "state_block",
+          [](Manager& s, SeqId seq, std::size_t g) {
+            return s.peek([&](auto& mm) { return static_cast<std::uint32_t>(mm.state_block(seq, g)); });
+          },
+          "seq"_a, "group"_a,
+          "The block of `seq`'s working state in recurrent group `group` (held from admission to free; a fork "
+          "shares it until the next growth of either side copies it). Raises UnknownSequenceError, "
+          "InvalidArgumentError (not a recurrent group).")
       .def(
           "num_built", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.num_built(seq); }); },
           "seq"_a, "Positions of `seq` whose writes a build issued (or served by prefix hits).")
@@ -1321,8 +1378,9 @@ NB_MODULE(_pagedkv, m) {
              std::optional<OutI32> seq_lens, std::optional<OutI32> qo_indptr, std::optional<OutI64> slot_mapping,
              std::optional<OutPairs> copies, std::optional<OutPairs> swap_out, std::optional<OutPairs> swap_in,
              std::optional<U32s> num_scheduled_tokens) {
-            PyBuffers arrays{indptr, indices,   last_page_len, block_tables, seq_lens,
-                             qo_indptr, slot_mapping, copies,      swap_out,     swap_in};
+            PyBuffers arrays{indptr,    indices,      last_page_len, block_tables, seq_lens,
+                             qo_indptr, slot_mapping, copies,        swap_out,     swap_in,
+                             {},        {},           {},            {},           {}};
             const BatchMetadataBuffers buf = arrays.view();
             const std::span<const std::uint32_t> sched =
                 num_scheduled_tokens ? num_scheduled_tokens->span() : std::span<const std::uint32_t>{};
