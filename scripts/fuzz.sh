@@ -3,7 +3,7 @@
 #
 #   scripts/fuzz.sh [SECONDS] [TARGET...]
 #
-# SECONDS per target (default 60); TARGET: manager, manager_groups, trace, index (default all four). The targets run
+# SECONDS per target (default 60); TARGET: manager, manager_groups, manager_recurrent, trace, index (default all five). The targets run
 # side by side, one per core. Each starts from its committed seed corpus (tests/fuzz/corpus/<target>) plus what earlier runs of this
 # script found (build-fuzz/corpus/<target>, kept between runs, never committed). Before fuzzing, ctest replays the
 # seed corpora and runs the replay input tests. A finding (a crash, an invariant violation, a leak, a timeout of
@@ -23,10 +23,10 @@ if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then
   shift
 fi
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(manager manager_groups trace index)
+[ ${#targets[@]} -gt 0 ] || targets=(manager manager_groups manager_recurrent trace index)
 for t in "${targets[@]}"; do
-  case $t in manager | manager_groups | trace | index) ;;
-    *) echo "fuzz.sh: unknown target '$t' (manager, manager_groups, trace, index)" >&2; exit 2 ;;
+  case $t in manager | manager_groups | manager_recurrent | trace | index) ;;
+    *) echo "fuzz.sh: unknown target '$t' (manager, manager_groups, manager_recurrent, trace, index)" >&2; exit 2 ;;
   esac
 done
 

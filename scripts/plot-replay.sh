@@ -5,9 +5,12 @@
 #                        host tier (total and the GPU tier's part), beside Mooncake's published Fig. 9 points
 #   replay-policies.png  hit ratio vs GPU capacity per eviction policy, GPU only and GPU + a 1e7-token host tier, on
 #                        the Mooncake synthetic and conversation traces
+#   replay-recurrent.png a hybrid Mamba model (full:12,mamba:36, Qwen3-Next's shape): hit ratio vs pool size for
+#                        all attention, vLLM's align mode (one checkpoint per request) and checkpoints every
+#                        1024 / 2048 tokens with and without the last checkpoint, on both Mooncake traces
 # Usage: scripts/plot-replay.sh [--run [REPLAY_BINARY]]
 #   --run  first re-generates the JSON (benchmarks/results/replay-prefix-*.json) with the replay binary (default
-#          build-release/examples/pagedkv-replay; scripts/replay.sh builds it): about 3 minutes on 2 cores.
+#          build-release/examples/pagedkv-replay; scripts/replay.sh builds it): about 5 minutes on 2 cores.
 # Needs gnuplot (Debian: gnuplot-nox) and python3 (standard library: JSON lines -> gnuplot data). Not run by CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +19,7 @@ results=benchmarks/results
 out=docs/img
 fig9_json=$results/replay-prefix-synthetic-tiered-lru.json
 policies_json=$results/replay-prefix-policies.json
+recurrent_json=$results/replay-recurrent.json
 
 if ! command -v gnuplot >/dev/null 2>&1; then
   echo "plot-replay: gnuplot is not installed; install the Debian package gnuplot-nox (sudo apt-get install -y gnuplot-nox)" >&2
@@ -44,9 +48,14 @@ if [ "${1:-}" = "--run" ]; then
         >> "$policies_json"
     done
   done
+  : > "$recurrent_json"
+  for t in "$conv" "$syn"; do
+    "$replay" "$t" --mode prefix --model-layers full:12,mamba:36 --capacity-tokens 1e6,3e6,1e7,3e7 --hash xxh3 \
+      --json --no-progress >> "$recurrent_json"
+  done
 fi
 
-for f in "$fig9_json" "$policies_json"; do
+for f in "$fig9_json" "$policies_json" "$recurrent_json"; do
   if [ ! -s "$f" ]; then
     echo "plot-replay: $f is missing or empty; run scripts/plot-replay.sh --run" >&2
     exit 2
@@ -57,9 +66,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 # JSON lines -> whitespace-separated data files, one per series.
-python3 - "$fig9_json" "$policies_json" "$tmp" <<'EOF'
+python3 - "$fig9_json" "$policies_json" "$tmp" "$recurrent_json" <<'EOF'
 import json, sys, os
-fig9, policies, tmp = sys.argv[1:4]
+fig9, policies, tmp, recurrent = sys.argv[1:5]
 def rows(path):
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip()]
@@ -83,6 +92,9 @@ for x in rows(policies):
     name = f'pol_{x["trace"]}_{label}_{tier}.dat'
     with open(os.path.join(tmp, name), "a") as f:
         f.write(f'{x["capacity_tokens"]} {x["hit_ratio"]} {x.get("gpu_hit_ratio", x["hit_ratio"])}\n')
+for x in rows(recurrent):
+    with open(os.path.join(tmp, f'rec_{x["trace"]}_{x["manager"]}.dat'), "a") as f:
+        f.write(f'{x["capacity_tokens"]} {x["hit_ratio"]} {x["peak_checkpoint_share"]}\n')
 EOF
 
 mkdir -p "$out"
@@ -130,4 +142,27 @@ do for [t in "synthetic_trace conversation_trace"] {
 unset multiplot
 EOF
 
-echo "plot-replay: wrote $out/replay-fig9.png and $out/replay-policies.png"
+gnuplot <<EOF
+set terminal pngcairo size 1200,520 font "sans,10"
+set output "$out/replay-recurrent.png"
+set multiplot layout 1,2 title "full:12,mamba:36 (1 MiB state per recurrent layer, 2 KiB K+V per token per attention layer), pools of equal bytes"
+set logscale x
+set xrange [7e5:4e7]
+set xlabel "pool size (tokens of the all-attention model's KV)"
+set ylabel "hit ratio"
+set grid
+set format x "%.0e"
+set key left top
+do for [t in "conversation_trace synthetic_trace"] {
+  set title t noenhanced
+  set yrange [0:(t eq "synthetic_trace" ? 0.8 : 0.45)]
+  plot "$tmp/rec_".t."_all-attention.dat" using 1:2 with linespoints lw 2 pt 5 lc rgb "#7f7f7f" title "all attention (block 16)", \
+       "$tmp/rec_".t."_vllm-align.dat" using 1:2 with linespoints lw 2 pt 7 lc rgb "#d62728" title "vLLM align: one checkpoint per request", \
+       "$tmp/rec_".t."_every-1024+last.dat" using 1:2 with linespoints lw 2 pt 9 lc rgb "#1f77b4" title "every 1024 + last", \
+       "$tmp/rec_".t."_every-2048+last.dat" using 1:2 with linespoints lw 2 pt 11 lc rgb "#2ca02c" title "every 2048 + last", \
+       "$tmp/rec_".t."_every-2048.dat" using 1:2 with linespoints dt 2 lw 1 pt 11 lc rgb "#2ca02c" title "every 2048 only"
+}
+unset multiplot
+EOF
+
+echo "plot-replay: wrote $out/replay-fig9.png, $out/replay-policies.png and $out/replay-recurrent.png"

@@ -25,6 +25,7 @@ std::string group_label(const pagedkv::KVCacheGroupSpec& g) {
   switch (g.kind) {
     case pagedkv::AttentionKind::kSlidingWindow: return "swa" + std::to_string(g.window_tokens);
     case pagedkv::AttentionKind::kChunkedLocal: return "chunk" + std::to_string(g.window_tokens);
+    case pagedkv::AttentionKind::kRecurrent: return "mamba";
     case pagedkv::AttentionKind::kFull: break;
   }
   return "full";
@@ -53,6 +54,9 @@ class GroupBuffers {
     grow(lens_, g_ * std::max<std::size_t>(batch, 1));
     grow(indices_, g_ * std::max<std::size_t>(indices, 1));
     grow(slots_, g_ * std::max<std::size_t>(tokens, 1));
+    grow(state_, g_ * 2 * std::max<std::size_t>(batch, 1));
+    grow(ck_indptr_, g_ * (batch + 1));
+    grow(ck_, g_ * 2 * std::max<std::size_t>(tokens, 1));
     for (std::size_t g = 0; g < g_; ++g) {
       pagedkv::BatchMetadataBuffers& v = views_[g];
       v.indptr = std::span(indptr_).subspan(g * (batch + 1), batch + 1);
@@ -61,13 +65,20 @@ class GroupBuffers {
       v.seq_lens = std::span(lens_).subspan(g * std::max<std::size_t>(batch, 1), batch);
       v.indices = std::span(indices_).subspan(g * std::max<std::size_t>(indices, 1), indices);
       v.slot_mapping = std::span(slots_).subspan(g * std::max<std::size_t>(tokens, 1), tokens);
+      // A recurrent group's state and checkpoint outputs (at most one checkpoint per new token).
+      const std::size_t sb = 2 * std::max<std::size_t>(batch, 1), cb = 2 * std::max<std::size_t>(tokens, 1);
+      v.state_in = std::span(state_).subspan(g * sb, batch);
+      v.state_out = std::span(state_).subspan(g * sb + batch, batch);
+      v.checkpoint_indptr = std::span(ck_indptr_).subspan(g * (batch + 1), batch + 1);
+      v.checkpoint_positions = std::span(ck_).subspan(g * cb, tokens);
+      v.checkpoint_blocks = std::span(ck_).subspan(g * cb + tokens, tokens);
     }
     return views_;
   }
 
  private:
   std::size_t g_;
-  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_;
+  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_, state_, ck_indptr_, ck_;
   std::vector<std::int64_t> slots_;
   std::vector<pagedkv::BatchMetadataBuffers> views_;
 };
@@ -371,6 +382,123 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
   return row;
 }
 
+/// One row of the recurrent replay: the model's groups with checkpoints every `interval` tokens (and at each
+/// request's last block boundary when `last`), on a pool of `num_blocks` blocks of `block_size` tokens, requests one
+/// at a time (admit, build the prefill step, free) as prefix_row; plus the bytes held by cached checkpoints.
+template <class Hasher>
+Row recurrent_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const std::string& manager,
+                  std::uint32_t block_size, std::size_t num_blocks, std::uint32_t interval, bool last) {
+  pagedkv::CacheConfig c;
+  c.num_blocks = num_blocks;
+  c.block_size = block_size;
+  c.groups = model.groups;
+  c.page_size_bytes = std::size_t{block_size} * opt.layer_kv_bytes;
+  c.eviction_history = num_blocks;  // miss causes: evicted vs never stored
+  c.count_miss_causes = true;
+  for (auto& g : c.groups) {
+    if (!g.recurrent()) continue;
+    g.window_tokens = interval;
+    g.state_bytes = opt.state_bytes;
+    g.last_checkpoint = last;
+  }
+  pagedkv::KVCacheManager<Hasher> m(c);
+  GroupBuffers buffers(c.groups.size());
+  LibraryTimer timer;
+  std::vector<pagedkv::TokenId> prompt;
+  std::uint64_t rejected = 0;
+  std::size_t peak_checkpoints = 0;
+  for (std::size_t i = 0; i < trace.requests.size(); ++i) {
+    synthesize_prompt(trace, i, prompt);
+    const auto r = timer.measure([&] { return m.try_admit(i, prompt); });
+    if (!r.admitted()) {
+      ++rejected;
+      continue;
+    }
+    const pagedkv::SeqId id = i;
+    const std::uint32_t n = static_cast<std::uint32_t>(prompt.size() - r.num_cached_tokens);
+    const auto views = buffers.view(1, blocks_for(prompt.size(), block_size), n);
+    timer.measure([&] {
+      (void)m.build_batch_metadata(std::span(&id, 1), views);
+      m.free(id);
+    });
+    std::size_t checkpoints = 0;
+    for (std::size_t g = 0; g < c.groups.size(); ++g) checkpoints += m.is_recurrent(g) ? m.prefix_index(g).size() : 0;
+    peak_checkpoints = std::max(peak_checkpoints, checkpoints);
+  }
+  const pagedkv::CacheStats st = m.stats();
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const double block_bytes = static_cast<double>(m.bytes_per_block());
+  Row row;
+  row.add("trace", trace.path.stem().string())
+      .add("mode", "recurrent-prefix")
+      .add("manager", manager)
+      .add("groups", describe(model))
+      .add("block_size", block_size)
+      .add("checkpoint_interval", static_cast<std::int64_t>(interval))
+      .add("last_checkpoint", last ? "yes" : "no")
+      .add("capacity_tokens", static_cast<std::int64_t>(opt.capacity_tokens))
+      .add("pool_gib", block_bytes * static_cast<double>(num_blocks - 1) / gib, 1)
+      .add("requests", trace.requests.size())
+      .add("rejected", rejected)
+      .add("hit_ratio", st.prefix_query_tokens == 0 ? 0.0
+                                                    : static_cast<double>(st.prefix_hit_tokens) /
+                                                          static_cast<double>(st.prefix_query_tokens), 4)
+      .add("peak_checkpoint_gib", block_bytes * static_cast<double>(peak_checkpoints) / gib, 1)
+      .add("peak_checkpoint_share", static_cast<double>(peak_checkpoints) / static_cast<double>(num_blocks - 1), 3)
+      .add("evictions", st.evictions);
+  for (std::size_t k = 0; k < pagedkv::kNumMissCauses; ++k) {
+    row.add(std::string("miss_") + pagedkv::to_string(static_cast<pagedkv::MissCause>(k)),
+            st.admissions_by_miss_cause[k]);
+  }
+  row.add("manager_seconds", timer.seconds(), 3);
+  return row;
+}
+
+/// The recurrent replay (prefix mode): all attention, vLLM's align mode, and checkpoints every interval, on pools
+/// of the same bytes (docs/groups.md "Measured: recurrent groups").
+template <class Hasher>
+std::vector<Row> recurrent_rows(const Trace& trace, const HybridOptions& opt, const ModelLayers& model) {
+  if (opt.layer_kv_bytes == 0 || opt.state_bytes == 0) {
+    throw std::invalid_argument("recurrent replay: --layer-kv-bytes and --state-bytes must be positive");
+  }
+  const std::uint32_t bs = opt.block_size;
+  // The pool: the bytes of the all-attention model's KV for capacity_tokens tokens.
+  const double pool_bytes = opt.capacity_tokens * static_cast<double>(opt.layer_kv_bytes) * model.num_layers;
+  // vLLM's page-size unification: the attention block grows until its page holds a state (a multiple of bs).
+  const std::size_t per_page = (opt.state_bytes + opt.layer_kv_bytes - 1) / opt.layer_kv_bytes;
+  const std::uint32_t unified = static_cast<std::uint32_t>(std::max<std::size_t>(bs, (per_page + bs - 1) / bs * bs));
+  const double block_bytes =
+      static_cast<double>(std::max<std::size_t>(std::size_t{unified} * opt.layer_kv_bytes, opt.state_bytes)) *
+      model.layers_per_group;
+  const double blocks = std::floor(pool_bytes / block_bytes);
+  if (!(blocks >= static_cast<double>(model.groups.size() * 2)) || blocks >= 2147483646.0) {
+    throw std::invalid_argument("recurrent replay: capacity " + std::to_string(opt.capacity_tokens) + " tokens gives " +
+                                std::to_string(blocks) + " unified blocks (need 2 per group, below 2^31)");
+  }
+  const std::size_t num_blocks = static_cast<std::size_t>(blocks) + 1;
+  const std::uint32_t never = 2147483647U / unified * unified;  // no checkpoint of the interval inside any prompt
+  std::vector<Row> rows;
+  {
+    HybridOptions a = opt;
+    const ModelLayers full = all_full(model);
+    Row r = recurrent_row<Hasher>(trace, a, full, "all-attention", bs,
+                                  static_cast<std::size_t>(std::floor(pool_bytes / (static_cast<double>(bs) *
+                                                                                    static_cast<double>(opt.layer_kv_bytes) *
+                                                                                    model.layers_per_group))) + 1,
+                                  never, false);
+    rows.push_back(std::move(r));
+  }
+  rows.push_back(recurrent_row<Hasher>(trace, opt, model, "vllm-align", unified, num_blocks, never, true));
+  for (const std::uint32_t want : opt.checkpoint_intervals) {
+    const std::uint32_t interval = std::max<std::uint32_t>(unified, (want + unified - 1) / unified * unified);
+    rows.push_back(recurrent_row<Hasher>(trace, opt, model, "every-" + std::to_string(interval), unified, num_blocks,
+                                         interval, false));
+    rows.push_back(recurrent_row<Hasher>(trace, opt, model, "every-" + std::to_string(interval) + "+last", unified,
+                                         num_blocks, interval, true));
+  }
+  return rows;
+}
+
 }  // namespace
 
 ModelLayers parse_model_layers(std::string_view spec) {
@@ -378,8 +506,8 @@ ModelLayers parse_model_layers(std::string_view spec) {
   std::vector<std::pair<pagedkv::KVCacheGroupSpec, std::uint64_t>> kinds;
   const auto bad = [&](std::string_view item, const std::string& why) {
     throw std::invalid_argument("--model-layers \"" + std::string(spec) + "\": item \"" + std::string(item) + "\" " +
-                                why + " (expected kind:layers items, kind = full, swa<W> or chunk<C>, e.g. "
-                                      "\"full:12,swa4096:24\")");
+                                why + " (expected kind:layers items, kind = full, swa<W>, chunk<C> or mamba, "
+                                      "e.g. \"full:12,swa4096:24\")");
   };
   const auto number = [&](std::string_view item, std::string_view digits, const char* what) -> std::uint32_t {
     if (digits.empty() || digits.size() > 10 ||
@@ -407,6 +535,8 @@ ModelLayers parse_model_layers(std::string_view spec) {
     } else if (kind.starts_with("chunk")) {
       g.kind = pagedkv::AttentionKind::kChunkedLocal;
       g.window_tokens = number(item, kind.substr(5), "chunk size");
+    } else if (kind == "mamba") {
+      g.kind = pagedkv::AttentionKind::kRecurrent;  // the checkpoint interval is the recurrent replay's, per row
     } else {
       bad(item, "has an unknown kind \"" + std::string(kind) + "\"");
     }
@@ -432,6 +562,9 @@ ModelLayers parse_model_layers(std::string_view spec) {
     bad(spec, "splits into " + std::to_string(total / gcd) + " groups of " + std::to_string(gcd) + " layers (at most " +
                   std::to_string(pagedkv::HybridKVCacheManager<>::kMaxGroups) + ")");
   }
+  // Attention kinds first: group 0 of a manager is an attention group (the recurrent groups follow it).
+  std::stable_partition(kinds.begin(), kinds.end(), [](const auto& k) { return !k.first.recurrent(); });
+  if (!kinds.empty() && kinds.front().first.recurrent()) bad(spec, "has no attention layers (a recurrent group needs one)");
   m.layers_per_group = static_cast<std::uint32_t>(gcd);
   m.num_layers = static_cast<std::uint32_t>(total);
   for (const auto& [g, layers] : kinds) {
@@ -458,7 +591,13 @@ int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream&
   const ModelLayers model = parse_model_layers(opt.model_layers);
   const ModelLayers baseline = all_full(model);
   std::vector<Row> rows;
+  const bool recurrent = std::any_of(model.groups.begin(), model.groups.end(), [](const auto& g) { return g.recurrent(); });
   const auto run = [&]<class H>(std::type_identity<H>) {
+    if (recurrent) {
+      if (opt.mode != "prefix") throw std::invalid_argument("hybrid: a model with mamba layers replays in --mode prefix");
+      rows = recurrent_rows<H>(trace, opt, model);
+      return;
+    }
     if (opt.mode == "prefix") {
       // "Past the window": prompts longer than the hybrid model's smallest window (the same subset for both rows).
       std::size_t past = 0;

@@ -24,7 +24,8 @@ struct ModelLayers {
 };
 
 /// Parse a layer spec: comma-separated `kind:layers` items, kind one of `full`, `swa<W>` (sliding window of W tokens,
-/// the query included), `chunk<C>` (chunked-local attention, chunk of C tokens); e.g. "full:12,swa4096:24" (the
+/// the query included), `chunk<C>` (chunked-local attention, chunk of C tokens), `mamba` (recurrent state: Mamba-2,
+/// gated delta net; listed after the attention groups, its checkpoint interval set by the replay); e.g. "full:12,swa4096:24" (the
 /// issue's example), "full:6,swa1024:30" (Gemma 3's 5:1), "full:18,swa128:18" (gpt-oss). Items of the same kind and
 /// window are merged. Every kind is split into groups of gcd(all layer counts) layers, as vLLM's hybrid allocator
 /// splits layer types into groups of equal size so that one page size serves all: "full:12,swa4096:24" gives one
@@ -48,6 +49,10 @@ struct HybridOptions {
   std::size_t max_num_seqs = 256;             ///< serve: most sequences running at once.
   std::size_t max_num_batched_tokens = 8192;  ///< serve: token budget per step (prefill chunks); 0 = none.
   bool json = false;                          ///< JSON lines instead of a table.
+  // A model with mamba (recurrent) layers (prefix mode; docs/groups.md "Measured: recurrent groups"):
+  std::size_t state_bytes = std::size_t{1} << 20;  ///< One recurrent layer's state (Qwen3-Next's GDN: 1 MiB bf16).
+  std::size_t layer_kv_bytes = 2048;  ///< K + V bytes of one token in one attention layer (Qwen3-Next: 2 KiB).
+  std::vector<std::uint32_t> checkpoint_intervals = {512, 1024, 2048};  ///< Tokens; rounded up to the block size.
 };
 
 /// Replay `trace` through a HybridKVCacheManager for the model of `opt.model_layers` and through the all-full model
@@ -62,6 +67,12 @@ struct HybridOptions {
 /// prefix (as --mode prefix at one capacity: admit, build the prefill step, free, request after request): hit ratio,
 /// and the hit ratio over the prompts longer than the smallest window (must not fall to zero past the window),
 /// evictions, library seconds.
+/// With mamba layers (prefix mode only): on pools of the same bytes (the all-attention model's KV for
+/// capacity_tokens tokens), one row for all attention (block size as given), one for vLLM's align mode (the
+/// attention block grown until a page holds a state, vLLM's page-size unification; one checkpoint per request, at
+/// its last block boundary), and per interval of checkpoint_intervals a row with checkpoints every interval and one
+/// with them plus the last checkpoint: hit ratio, the peak bytes of cached checkpoints, evictions, and the miss
+/// causes of the admissions.
 /// Returns 0. Throws std::invalid_argument for a bad spec or capacity.
 int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream& out);
 

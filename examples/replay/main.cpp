@@ -107,6 +107,7 @@ struct RunShape {
   bool host_tier = false;
   bool speculation = false;
   bool publishing = false;
+  bool recurrent = false;  ///< --model-layers has mamba layers
 };
 
 /// The mode as --mode spells it.
@@ -175,6 +176,12 @@ constexpr FlagRule kFlagRules[] = {
      [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
     {"--publish-linger-ms", "runs with --publish-events",
      [](const RunShape& r) { return r.publishing ? std::string() : std::string("--publish-events is not given"); }},
+    {"--state-bytes", "--model-layers with mamba layers",
+     [](const RunShape& r) { return r.recurrent ? std::string() : std::string("--model-layers has no mamba layers"); }},
+    {"--layer-kv-bytes", "--model-layers with mamba layers",
+     [](const RunShape& r) { return r.recurrent ? std::string() : std::string("--model-layers has no mamba layers"); }},
+    {"--checkpoint-intervals", "--model-layers with mamba layers",
+     [](const RunShape& r) { return r.recurrent ? std::string() : std::string("--model-layers has no mamba layers"); }},
     {"--check", "runs without --model-layers",
      [](const RunShape& r) {
        return r.hybrid ? std::string("the hybrid replay (--model-layers) has no block-count cross-check") : "";
@@ -494,7 +501,23 @@ int main(int argc, char** argv) {
   app.add_option("--model-layers", model_layers,
                  "serve / prefix: a hybrid model's layers as KV-cache groups, e.g. \"full:12,swa4096:24\" (kinds "
                  "full, swa<W>, chunk<C>): replays the manager with those groups against the same layers all full attention "
-                 "on the same pool, one row each (docs/groups.md)");
+                 "on the same pool, one row each; with mamba layers (e.g. \"full:12,mamba:36\", prefix mode): all "
+                 "attention vs vLLM's align mode vs checkpoints every --checkpoint-intervals (docs/groups.md)");
+  replay::HybridOptions recurrent_opt;
+  std::string checkpoint_intervals;
+  app.add_option("--state-bytes", recurrent_opt.state_bytes,
+                 "With mamba layers: one recurrent layer's state in bytes (default: Qwen3-Next's gated delta net, "
+                 "32 heads x 128 x 128 x bf16)")
+      ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 34))
+      ->capture_default_str();
+  app.add_option("--layer-kv-bytes", recurrent_opt.layer_kv_bytes,
+                 "With mamba layers: K + V bytes of one token in one attention layer (default: Qwen3-Next, 2 KV heads "
+                 "x 256 x 2 x bf16)")
+      ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 24))
+      ->capture_default_str();
+  app.add_option("--checkpoint-intervals", checkpoint_intervals,
+                 "With mamba layers: comma-separated checkpoint intervals in tokens, one pair of rows each (rounded up "
+                 "to the unified block size); default 512,1024,2048");
   app.add_option("--publish-wait-ms", opt.publish_wait_ms,
                  "With --publish-events: wait this long after binding, so subscribers can connect first")
       ->check(CLI::Range(0, 600000))
@@ -596,6 +619,7 @@ int main(int argc, char** argv) {
       throw CLI::ValidationError("--capacity-tokens", "serve and fork modes take a single capacity");
     }
     std::size_t num_groups = 0;
+    bool recurrent = false;
     if (!model_layers.empty()) {
       if (mode == Mode::kFork) throw CLI::ValidationError("--model-layers", "takes --mode serve or prefix");
       if (opt.host_capacity_tokens > 0 || opt.eviction != replay::EvictionKind::kLru || opt.spec_tokens != 0 ||
@@ -604,9 +628,14 @@ int main(int argc, char** argv) {
                                                      "published events (the hybrid replay's scheduler drives none of them; the manager has them)");
       }
       try {
-        num_groups = replay::parse_model_layers(model_layers).groups.size();
+        const replay::ModelLayers parsed = replay::parse_model_layers(model_layers);
+        num_groups = parsed.groups.size();
+        recurrent = std::any_of(parsed.groups.begin(), parsed.groups.end(), [](const auto& g) { return g.recurrent(); });
       } catch (const std::invalid_argument& e) {
         throw CLI::ValidationError("--model-layers", e.what());
+      }
+      if (recurrent && mode != Mode::kPrefix) {
+        throw CLI::ValidationError("--model-layers", "with mamba layers replays --mode prefix (hit ratios)");
       }
     }
     // Every capacity must hold a block and fit 32-bit block ids (the hybrid pool: one block per group per
@@ -621,7 +650,7 @@ int main(int argc, char** argv) {
     }
     // A flag this run does not use is refused, never ignored (kFlagRules).
     const RunShape shape{mode, !model_layers.empty(), opt.host_capacity_tokens > 0, opt.spec_tokens > 0,
-                         !opt.publish_events.empty()};
+                         !opt.publish_events.empty(), recurrent};
     for (const FlagRule& rule : kFlagRules) {
       if (app.count(rule.flag) == 0) continue;
       if (std::string_view(rule.flag) == "--progress" && !opt.progress) continue;  // --no-progress always applies
@@ -652,6 +681,23 @@ int main(int argc, char** argv) {
       h.max_num_seqs = opt.max_num_seqs;
       h.max_num_batched_tokens = opt.max_num_batched_tokens;
       h.json = json;
+      h.state_bytes = recurrent_opt.state_bytes;
+      h.layer_kv_bytes = recurrent_opt.layer_kv_bytes;
+      if (!checkpoint_intervals.empty()) {
+        h.checkpoint_intervals.clear();
+        std::size_t pos = 0;
+        while (pos <= checkpoint_intervals.size()) {
+          const std::size_t end = std::min(checkpoint_intervals.find(',', pos), checkpoint_intervals.size());
+          const std::string item = checkpoint_intervals.substr(pos, end - pos);
+          if (item.empty() || item.size() > 9 || item.find_first_not_of("0123456789") != std::string::npos ||
+              std::stoul(item) == 0) {
+            throw CLI::ValidationError("--checkpoint-intervals", "item \"" + item + "\" is not a positive number "
+                                                                 "of tokens below 10^9");
+          }
+          h.checkpoint_intervals.push_back(static_cast<std::uint32_t>(std::stoul(item)));
+          pos = end + 1;
+        }
+      }
       for (const double c : opt.capacity_tokens) {
         h.capacity_tokens = c;
         replay::run_hybrid_serve(trace, h, std::cout);

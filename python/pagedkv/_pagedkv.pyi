@@ -139,6 +139,11 @@ class AttentionKind(enum.Enum):
     Llama 4 chunked-local attention: a query at p sees [floor(p / C) * C, p].
     """
 
+    RECURRENT = 3
+    """
+    A recurrent state per sequence (Mamba-2, gated delta net; vLLM's MambaSpec) with checkpoints every window_tokens tokens (docs/groups.md, 'Recurrent-state groups').
+    """
+
 class MissCause(enum.Enum):
     """
     Why an admission's prefix hit ends where it does (manager_results.hpp).
@@ -262,10 +267,10 @@ class AttentionWindow:
 
 class KVCacheGroupSpec:
     """
-    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, 0 for FULL) and `num_layers` (for byte accounting only). Checked by KVCacheManager.
+    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the state at each sequence's last block boundary). Checked by KVCacheManager.
     """
 
-    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1) -> None: ...
+    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1, state_bytes: int = 0, last_checkpoint: bool = False) -> None: ...
 
     @property
     def kind(self) -> AttentionKind: ...
@@ -284,6 +289,18 @@ class KVCacheGroupSpec:
 
     @num_layers.setter
     def num_layers(self, arg: int, /) -> None: ...
+
+    @property
+    def state_bytes(self) -> int: ...
+
+    @state_bytes.setter
+    def state_bytes(self, arg: int, /) -> None: ...
+
+    @property
+    def last_checkpoint(self) -> bool: ...
+
+    @last_checkpoint.setter
+    def last_checkpoint(self, arg: bool, /) -> None: ...
 
     def window(self) -> AttentionWindow:
         """The kernels' AttentionWindow of this group (off for FULL)."""
@@ -613,12 +630,15 @@ class BatchMetadataSizes:
     @property
     def transfer_token(self) -> int: ...
 
+    @property
+    def num_checkpoints(self) -> int: ...
+
     def __repr__(self) -> str: ...
 
 class BatchMetadataLimits:
     """An engine's fixed limits for one build."""
 
-    def __init__(self, max_batch: int, max_tokens_per_step: int, max_blocks_per_seq: int, max_copies: int = 0, max_swaps: int = 0) -> None: ...
+    def __init__(self, max_batch: int, max_tokens_per_step: int, max_blocks_per_seq: int, max_copies: int = 0, max_swaps: int = 0, max_checkpoints: int = 0) -> None: ...
 
     @property
     def max_batch(self) -> int: ...
@@ -649,6 +669,12 @@ class BatchMetadataLimits:
 
     @max_swaps.setter
     def max_swaps(self, arg: int, /) -> None: ...
+
+    @property
+    def max_checkpoints(self) -> int: ...
+
+    @max_checkpoints.setter
+    def max_checkpoints(self, arg: int, /) -> None: ...
 
 class BatchMetadataCapacity:
     """
@@ -684,6 +710,21 @@ class BatchMetadataCapacity:
 
     @property
     def swap_in(self) -> int: ...
+
+    @property
+    def state_in(self) -> int: ...
+
+    @property
+    def state_out(self) -> int: ...
+
+    @property
+    def checkpoint_indptr(self) -> int: ...
+
+    @property
+    def checkpoint_positions(self) -> int: ...
+
+    @property
+    def checkpoint_blocks(self) -> int: ...
 
     @property
     def max_blocks_per_seq(self) -> int: ...
@@ -1043,7 +1084,7 @@ class KVCacheManager:
     @property
     def bytes_per_block(self) -> int:
         """
-        Bytes of one pool block: page_size_bytes x the most layers of any group (0 without page_size_bytes).
+        Bytes of one pool block: max(page_size_bytes, every recurrent group's state_bytes) x the most layers of any group (0 without either).
         """
 
     def window(self, group: int) -> AttentionWindow:
@@ -1059,6 +1100,16 @@ class KVCacheManager:
     def num_null_blocks(self, seq: int, group: int = 0) -> int:
         """
         Leading null blocks (0) of group `group`'s table of `seq`: blocks released behind a windowed group's window, or before the window at a prefix hit. Raises UnknownSequenceError, InvalidArgumentError.
+        """
+
+    def is_recurrent(self, group: int) -> bool:
+        """
+        Whether group `group` is a recurrent-state group. Raises InvalidArgumentError.
+        """
+
+    def state_block(self, seq: int, group: int) -> int:
+        """
+        The block of `seq`'s working state in recurrent group `group` (held from admission to free; a fork shares it until the next growth of either side copies it). Raises UnknownSequenceError, InvalidArgumentError (not a recurrent group).
         """
 
     def num_built(self, seq: int) -> int:

@@ -81,7 +81,14 @@ TEST_CASE("a whole decode step in one CUDA graph replays 50 manager-driven steps
   std::vector<std::int32_t> indptr(cap + 1), indices(static_cast<std::size_t>(cap) * max_blocks_per_seq), last(cap),
       lens(cap), qo(cap + 1), copies(2 * max_copies);
   std::vector<std::int64_t> slots(cap);
-  const pagedkv::BatchMetadataBuffers md{indptr, indices, last, {}, 0, lens, qo, slots, copies, {}, {}};
+  pagedkv::BatchMetadataBuffers md;
+  md.indptr = indptr;
+  md.indices = indices;
+  md.last_page_len = last;
+  md.seq_lens = lens;
+  md.qo_indptr = qo;
+  md.slot_mapping = slots;
+  md.copies = copies;
   DevBuf d_indptr(indptr.size() * 4), d_indices(indices.size() * 4), d_last(last.size() * 4),
       d_copies(copies.size() * 4), d_slots(slots.size() * 8);
 

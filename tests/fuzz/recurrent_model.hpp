@@ -1,0 +1,354 @@
+// tests/fuzz/recurrent_model.hpp: the engine side of a pool with recurrent-state groups, for the unit test
+// (tests/unit/test_recurrent_groups.cpp, random operations) and the fuzz target (fuzz_manager_recurrent.cpp,
+// operations decoded from the input). A toy recurrence (an affine scan over the tokens and their positions) plays
+// the SSM kernel: a shadow pool holds the state each block would hold; a build runs the step as an engine does
+// (every copy, then per row: read state_in, scan the step's tokens, write each listed checkpoint, write state_out).
+// After every operation `check` asserts, from the manager's public state:
+//  - every built sequence's working state (or the pending copy that fills it) is the scan of its built tokens;
+//    before its first build, the hit's checkpoint (table entry num_built / bs - 1) is;
+//  - its last checkpoint holds the scan up to its position; its table holds only unwritten checkpoints;
+//  - every registered checkpoint holds the scan of the prefix its hash names;
+//  - refcounts = table entries + working states + last checkpoints + pending copy sources; held_blocks(g) = the
+//    distinct referenced blocks of group g;
+// and poisons every free block. Every admission's hit must equal a brute-force maximum over the groups.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <pagedkv/kv_cache_manager.hpp>
+
+namespace pagedkv_recurrent {
+
+using pagedkv::AttentionKind;
+using pagedkv::BlockHash;
+using pagedkv::SeqId;
+using pagedkv::TokenId;
+using Manager = pagedkv::KVCacheManager<pagedkv::Xxh3Hasher>;
+
+/// One step of the toy recurrence: an affine map of the state, driven by the token and its position.
+inline std::uint64_t scan_step(std::uint64_t s, TokenId t, std::size_t pos) {
+  return s * 6364136223846793005ULL + ((static_cast<std::uint64_t>(t) + 1) * 0x9E3779B97F4A7C15ULL ^ pos) +
+         1442695040888963407ULL;
+}
+/// The state after the first n tokens, computed contiguously.
+inline std::uint64_t scan(std::span<const TokenId> tokens, std::size_t n) {
+  std::uint64_t s = 0;
+  for (std::size_t p = 0; p < n; ++p) s = scan_step(s, tokens[p], p);
+  return s;
+}
+
+inline std::uint64_t splitmix(std::uint64_t& x) {
+  std::uint64_t z = (x += 0x9E3779B97F4A7C15ULL);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+/// What a run did (so a test can check that it exercised hits, forks, ...).
+struct Counts {
+  std::size_t admits = 0, hits = 0, forks = 0, builds = 0, rewinds = 0, refusals = 0, preemptions = 0;
+};
+
+/// The engine and its checks. `Fail` is called with a message when a check fails and must not return.
+template <class Fail>
+class Engine {
+ public:
+  Engine(const pagedkv::CacheConfig& c, std::uint64_t seed, Fail fail)
+      : m(c), fail_(std::move(fail)), poison_(seed), mem_(c.num_blocks, 0) {
+    pagedkv::BatchMetadataLimits lim;
+    lim.max_batch = 64;
+    lim.max_tokens_per_step = 8192;
+    lim.max_blocks_per_seq = 2048;
+    lim.max_copies = 256;
+    for (std::size_t g = 0; g < m.num_groups(); ++g) store.emplace_back(lim);
+    for (auto& x : mem_) x = splitmix(poison_);
+  }
+
+  Manager m;
+  std::vector<pagedkv::BatchMetadataStorage> store;
+
+  void require(bool ok, const std::string& what) {
+    if (!ok) fail_(what);
+  }
+
+  /// Build `batch` with `sched` tokens each and run the step as the kernels would. Returns the sizes.
+  std::vector<pagedkv::BatchMetadataSizes> build(const std::vector<SeqId>& batch,
+                                                 const std::vector<std::uint32_t>& sched) {
+    std::vector<pagedkv::BatchMetadataBuffers> bufs;
+    for (auto& st : store) bufs.push_back(st.buffers());
+    const auto sizes = m.build_batch_metadata(batch, bufs, sched);
+    for (std::size_t g = 0; g < m.num_groups(); ++g) {
+      for (std::size_t j = 0; j < sizes[g].num_copies && m.is_recurrent(g); ++j) {
+        mem_[static_cast<std::size_t>(store[g].copies[2 * j + 1])] = mem_[static_cast<std::size_t>(store[g].copies[2 * j])];
+      }
+    }
+    const std::size_t bs = m.block_size();
+    for (std::size_t g = 0; g < m.num_groups(); ++g) {
+      if (!m.is_recurrent(g)) continue;
+      const pagedkv::BatchMetadataStorage& st = store[g];
+      const auto& spec = m.config().groups[g];
+      require(sizes[g].num_checkpoints == static_cast<std::size_t>(st.checkpoint_indptr[batch.size()]),
+              "num_checkpoints == checkpoint_indptr[batch]");
+      std::vector<std::pair<std::int32_t, std::uint64_t>> writes;  // a step's reads come before its writes
+      for (std::size_t r = 0; r < batch.size(); ++r) {
+        const auto tokens = m.token_ids(batch[r]);
+        const auto& og = m.sequence(batch[r]).other_groups[g - 1];
+        const std::size_t seq_len = static_cast<std::size_t>(st.seq_lens[r]);
+        const std::size_t first = seq_len - static_cast<std::size_t>(st.qo_indptr[r + 1] - st.qo_indptr[r]);
+        require(first == seq_len - sched[r], "the row computes its scheduled tokens");
+        require(st.state_in[r] != -1 || first == 0, "a zero initial state only at position 0");
+        std::uint64_t s = st.state_in[r] == -1 ? 0 : mem_[static_cast<std::size_t>(st.state_in[r])];
+        std::int32_t c = st.checkpoint_indptr[r];
+        for (std::size_t p = first; p < seq_len; ++p) {
+          s = scan_step(s, tokens[p], p);
+          if (c < st.checkpoint_indptr[r + 1] && static_cast<std::size_t>(st.checkpoint_positions[c]) == p + 1) {
+            const bool last = spec.last_checkpoint && p + 1 == seq_len / bs * bs &&
+                              static_cast<std::uint32_t>(st.checkpoint_blocks[c]) == og.last_block &&
+                              og.last_pos == p + 1;
+            require((p + 1) % spec.window_tokens == 0 || last,
+                    "a checkpoint at a multiple of the interval, or the last one at the step's last boundary");
+            writes.emplace_back(st.checkpoint_blocks[c], s);
+            ++c;
+          }
+        }
+        require(c == st.checkpoint_indptr[r + 1], "every checkpoint inside the step, in position order");
+        require(st.state_out[r] == static_cast<std::int32_t>(m.state_block(batch[r], g)), "state_out is the state");
+        writes.emplace_back(st.state_out[r], s);
+      }
+      for (std::size_t r = batch.size(); r < st.state_in.size(); ++r) require(st.state_in[r] == -1, "state_in padding");
+      for (const auto& [b, v] : writes) mem_[static_cast<std::size_t>(b)] = v;
+    }
+    for (SeqId s : batch) remember_prefixes(s);
+    return sizes;
+  }
+
+  /// Every invariant, recounted from the manager's public state; then poison the free blocks.
+  void check() {
+    const std::size_t N = m.config().num_blocks;
+    const std::size_t G = m.num_groups();
+    const std::size_t bs = m.block_size();
+    std::vector<std::uint32_t> refs(N, 0);
+    std::vector<std::size_t> held(G, 0);
+    m.for_each_sequence([&](SeqId s, std::size_t) {
+      const auto& q = m.sequence(s);
+      for (std::size_t g = 0; g < G; ++g) {
+        for (auto b : q.table_of(g).blocks()) refs[b] += b != 0 ? 1 : 0;
+        if (!m.is_recurrent(g)) continue;
+        const auto& og = q.other_groups[g - 1];
+        const std::string who = "sequence " + std::to_string(s) + " group " + std::to_string(g) + " built " +
+                                std::to_string(q.num_built);
+        require(og.state != 0, who + ": holds a working state");
+        ++refs[og.state];
+        require((og.last_block != 0) == (m.config().groups[g].last_checkpoint && m.config().enable_prefix_caching),
+                who + ": a last checkpoint exactly when configured");
+        if (og.last_block != 0) {
+          ++refs[og.last_block];
+          require(og.last_pos <= q.num_built, who + ": last checkpoint within the built positions");
+          if (og.last_pos > 0) require(mem_[og.last_block] == scan(q.tokens, og.last_pos), who + ": last checkpoint");
+        }
+        if (og.state_valid) {
+          auto from = og.state;  // a state copied after a fork is filled by a pending copy: its source
+          for (const auto& c : m.pending_copies()) from = c.dst == og.state ? c.src : from;
+          require(mem_[from] == scan(q.tokens, q.num_built), who + ": the working state is the scan of the tokens");
+        } else {
+          require(q.num_built % bs == 0, who + ": before the first build, at a block boundary");
+          if (q.num_built > 0) {
+            const auto ck = q.table_of(g).blocks()[q.num_built / bs - 1];
+            require(ck != 0 && mem_[ck] == scan(q.tokens, q.num_built), who + ": the hit's checkpoint");
+          }
+        }
+        const auto blocks = q.table_of(g).blocks();
+        for (std::size_t i = 0; i < blocks.size(); ++i) {
+          if (blocks[i] == 0) continue;
+          const bool hit_entry = !og.state_valid && (i + 1) * bs == q.num_built;
+          require(((i + 1) * bs) % m.config().groups[g].window_tokens == 0 || hit_entry,
+                  who + ": a table entry is a checkpoint of the interval or the hit's");
+          require((i + 1) * bs >= q.num_built, who + ": written checkpoints left the table");
+        }
+      }
+    });
+    for (const auto& c : m.pending_copies()) ++refs[c.src];
+    for (std::size_t b = 1; b < N; ++b) {
+      const auto id = static_cast<std::uint32_t>(b);
+      require(m.allocator().refcount(id) == refs[b], "block " + std::to_string(b) + ": refcount = its holders");
+      if (refs[b] > 0) ++held[m.group_of(id)];
+    }
+    for (std::size_t g = 0; g < G; ++g) require(m.held_blocks(g) == held[g], "held_blocks(g) = its referenced blocks");
+    for (std::size_t g = 0; g < G; ++g) {
+      if (!m.is_recurrent(g)) continue;
+      for (std::size_t b = 1; b < N; ++b) {
+        const auto id = static_cast<std::uint32_t>(b);
+        if (m.group_of(id) != g) continue;
+        const auto h = m.prefix_index(g).hash_of(id);
+        if (!h) continue;
+        const auto it = expect_.find(*h);
+        require(it != expect_.end() && mem_[b] == it->second,
+                "registered checkpoint " + std::to_string(b) + " holds the scan of its prefix");
+      }
+    }
+    for (std::size_t b = 1; b < N; ++b) {
+      const auto id = static_cast<std::uint32_t>(b);
+      if (m.allocator().refcount(id) == 0 && !m.allocator().is_hashed(id)) mem_[b] = splitmix(poison_);
+    }
+  }
+
+  /// The largest k (blocks) <= cap_blocks every group serves, from the definitions: a full group needs blocks
+  /// [0, k), a sliding window of W the blocks meeting [k * bs - W + 1, k * bs), a recurrent group block k - 1.
+  std::size_t oracle_hit(const std::vector<BlockHash>& hashes, std::size_t cap_blocks) const {
+    const std::size_t bs = m.block_size();
+    if (!m.config().enable_prefix_caching) return 0;
+    for (std::size_t k = cap_blocks; k > 0; --k) {
+      bool ok = true;
+      for (std::size_t g = 0; g < m.num_groups() && ok; ++g) {
+        const auto& spec = m.config().groups[g];
+        std::size_t lo = 0;
+        if (spec.kind == AttentionKind::kSlidingWindow) {
+          lo = k * bs + 1 > spec.window_tokens ? (k * bs + 1 - spec.window_tokens) / bs : 0;
+        } else if (spec.recurrent()) {
+          lo = k - 1;
+        }
+        for (std::size_t i = lo; i < k && ok; ++i) ok = m.prefix_index(g).find(hashes[i]).has_value();
+      }
+      if (ok) return k;
+    }
+    return 0;
+  }
+
+ private:
+  void remember_prefixes(SeqId s) {
+    const auto& q = m.sequence(s);
+    const std::size_t bs = m.block_size();
+    for (std::size_t i = 0; i < q.hashes.size(); ++i) expect_[q.hashes[i]] = scan(q.tokens, (i + 1) * bs);
+  }
+
+  Fail fail_;
+  std::uint64_t poison_;
+  std::vector<std::uint64_t> mem_;                                                  // [num_blocks] a block's state
+  std::unordered_map<BlockHash, std::uint64_t, pagedkv::BlockHashHasher> expect_;  // chain hash -> its prefix's scan
+};
+
+/// Random operations on `e`, `steps` of them or until `next` says stop: `next(n)` returns a value in [0, n) (a
+/// random number, or the input's next bytes). Admission (document prefixes plus a tail, or a preempted request
+/// again), growth (reserve or append), builds of random subsets with partial schedules, fork, free, preemption by
+/// recompute, rewind (unbuilt positions; built ones must be refused and change nothing). `e.check()` after each.
+template <class Fail, class Next, class Done>
+Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
+  Manager& m = e.m;
+  const std::size_t bs = m.block_size();
+  Counts n;
+  std::vector<std::vector<TokenId>> docs(4);
+  for (auto& d : docs) {
+    d.resize(40 + next(120));
+    for (auto& t : d) t = static_cast<TokenId>(next(50));
+  }
+  SeqId next_id = 1;
+  std::vector<SeqId> live;
+  std::map<SeqId, std::vector<TokenId>> preempted;
+  const auto pick = [&]() -> SeqId { return live[next(live.size())]; };
+  const auto erase_live = [&](SeqId s) { live.erase(std::find(live.begin(), live.end(), s)); };
+  const auto admit = [&](SeqId id, const std::vector<TokenId>& prompt) {
+    pagedkv::AdmitOptions opts;
+    if (next(3) == 0) opts.num_reserved_tokens = next(prompt.size());
+    const auto prep = m.prepare_prompt(prompt);
+    const std::size_t want = e.oracle_hit(prep.hashes, (prompt.size() - 1) / bs);
+    const auto r = m.try_admit(id, prep, opts);
+    if (r.status != pagedkv::AdmitStatus::kAdmitted) return false;
+    ++n.admits;
+    live.push_back(id);
+    e.require(r.num_cached_tokens == want * bs, "the hit is the brute-force maximum over the groups");
+    for (std::size_t g = 0; g < m.num_groups(); ++g) {
+      const auto& spec = m.config().groups[g];
+      if (spec.recurrent() && !spec.last_checkpoint) {
+        e.require(r.num_cached_tokens % spec.window_tokens == 0, "a hit at a checkpoint of the interval");
+      }
+    }
+    n.hits += r.num_cached_tokens > 0 ? 1 : 0;
+    return true;
+  };
+  for (std::size_t step = 0; step < steps && !done(); ++step) {
+    const std::size_t op = next(100);
+    if (op < 22 || live.empty()) {
+      if (!preempted.empty() && next(2) == 0) {
+        const auto it = preempted.begin();
+        if (admit(it->first, it->second)) preempted.erase(it);
+      } else {
+        const auto& d = docs[next(docs.size())];
+        std::vector<TokenId> p(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(1 + next(d.size())));
+        for (std::size_t i = next(20); i > 0; --i) p.push_back(static_cast<TokenId>(next(50)));
+        admit(next_id++, p);
+      }
+    } else if (op < 45) {
+      const SeqId s = pick();
+      const auto& q = m.sequence(s);
+      if (q.num_unslotted() > 0) {
+        (void)m.try_reserve(s, 1 + next(q.num_unslotted()));
+      } else {
+        std::vector<TokenId> t(1 + (next(4) == 0 ? next(20) : 0));
+        for (auto& x : t) x = static_cast<TokenId>(next(50));
+        (void)m.try_append(s, t);
+      }
+    } else if (op < 75) {
+      std::vector<SeqId> batch;
+      std::vector<std::uint32_t> sched;
+      for (SeqId s : live) {
+        const std::size_t pend = m.sequence(s).num_pending();
+        if (pend == 0 || next(3) == 0) continue;
+        batch.push_back(s);
+        sched.push_back(static_cast<std::uint32_t>(next(2) == 0 ? pend : 1 + next(pend)));
+      }
+      if (!batch.empty()) {
+        e.build(batch, sched);
+        ++n.builds;
+      }
+    } else if (op < 82) {
+      const SeqId s = pick();
+      if (m.sequence(s).settled()) {
+        m.fork(s, next_id);
+        live.push_back(next_id++);
+        ++n.forks;
+      }
+    } else if (op < 88) {
+      const SeqId s = pick();
+      m.free(s);
+      erase_live(s);
+    } else if (op < 93) {
+      const SeqId s = pick();
+      const auto& t = m.sequence(s).tokens;
+      std::vector<TokenId> tokens(t.begin(), t.end());
+      m.preempt(s);
+      erase_live(s);
+      ++n.preemptions;
+      if (!tokens.empty()) preempted[s] = std::move(tokens);
+    } else {
+      const SeqId s = pick();
+      const auto& q = m.sequence(s);
+      if (q.num_unslotted() != 0 || q.num_known() == 0) continue;
+      const std::size_t unbuilt = q.num_known() - std::min(q.num_known(), q.num_built);
+      if (unbuilt > 0 && next(2) == 0) {
+        m.rewind(s, 1 + next(unbuilt));
+        ++n.rewinds;
+      } else if (q.num_built > 0 && q.num_built <= q.num_known()) {
+        const std::size_t before = q.num_known();
+        bool refused = false;
+        try {
+          m.rewind(s, unbuilt + 1);
+        } catch (const pagedkv::Error& err) {
+          refused = err.code() == pagedkv::Errc::kLimitExceeded;
+        }
+        e.require(refused && m.sequence(s).num_known() == before, "rewinding a built position is refused, unchanged");
+        ++n.refusals;
+      }
+    }
+    e.check();
+  }
+  return n;
+}
+
+}  // namespace pagedkv_recurrent
