@@ -291,6 +291,45 @@ class KVCacheManager {
     return commit_growth(q, n, cq.num_blocks);
   }
 
+  /// Keep the state after the first `pos` tokens of `seq` as a checkpoint of every recurrent-state group, besides
+  /// those of the interval: the end of a chat turn or of a tool call's output, where a later request sharing the
+  /// prefix will resume (docs/groups.md "Recurrent-state groups"). The build that computes token pos - 1 writes it
+  /// (listed with the others in `checkpoint_positions` / `checkpoint_blocks`), then it is registered and cached like
+  /// them. `pos` must be a block boundary (a checkpoint is keyed by the chain hash of the blocks before it) inside
+  /// (num_built, num_slotted]: its tokens have slots and its state is not computed yet. Returns kOk (also when a
+  /// checkpoint is kept there already), or kNoCapacity, changing nothing, when the pool lacks the block each
+  /// recurrent group needs. Throws kUnknownSequence; kInvalidArgument (no recurrent group, prefix caching off, pos
+  /// not a multiple of block_size, pos <= num_built: that state is computed already and gone); kLimitExceeded (pos
+  /// beyond the positions with slots); nothing changes then.
+  AppendStatus mark_checkpoint(SeqId seq, std::size_t pos) {
+    sequence_type& q = live(seq, "mark_checkpoint");
+    const std::size_t bs = config_.block_size;
+    const auto bad = [&](Errc c, const std::string& why) {
+      detail::raise(c, "mark_checkpoint: sequence " + std::to_string(seq) + ", position " + std::to_string(pos) +
+                           ": " + why);
+    };
+    if (!any_recurrent_) bad(Errc::kInvalidArgument, "the manager has no recurrent-state group");
+    if (!config_.enable_prefix_caching) bad(Errc::kInvalidArgument, "prefix caching is off (no checkpoints)");
+    if (pos % bs != 0) bad(Errc::kInvalidArgument, "not a multiple of the block size " + std::to_string(bs));
+    if (pos > q.num_slotted()) {
+      bad(Errc::kLimitExceeded, "beyond the sequence's " + std::to_string(q.num_slotted()) + " positions with slots");
+    }
+    if (pos <= q.num_built) {
+      bad(Errc::kInvalidArgument, "at or before the " + std::to_string(q.num_built) +
+                                      " built positions: that state is computed already");
+    }
+    const std::size_t i = pos / bs - 1;
+    std::size_t need = 0;
+    for (std::size_t g = 1; g < num_groups_; ++g) need += is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0} ? 1 : 0;
+    if (need > alloc_.num_available_blocks()) return AppendStatus::kNoCapacity;
+    reserve_for_allocations(need, 0);
+    for (std::size_t g = 1; g < num_groups_; ++g) {
+      if (is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0}) (void)q.table_of(g).replace_block(i, allocate_one(g));
+    }
+    note_peak();
+    return AppendStatus::kOk;
+  }
+
   /// Speculative decoding: reserve `k` lookahead slots after the last token of `seq` for tokens whose ids the host
   /// does not know yet (draft tokens proposed on the GPU), all or nothing. The builds emit them like any pending
   /// slot (the verification step writes the drafts' K/V there); `commit_lookahead` later keeps the accepted ones
@@ -1248,7 +1287,7 @@ class KVCacheManager {
           std::size_t checkpoints = 0;
           for (std::size_t r = 0; r < B; ++r) {
             const std::size_t first = batch_scratch_[r]->num_built;
-            checkpoints += checkpoints_between(g, first, first + qlen_scratch_[r]) + (keeps_last(g) ? 1 : 0);
+            checkpoints += checkpoints_in_step(*batch_scratch_[r], g, first, first + qlen_scratch_[r]);
           }
           const std::pair<std::size_t, std::size_t> need[] = {{buf.state_in.size(), B},
                                                                {buf.state_out.size(), B},
@@ -2199,6 +2238,16 @@ class KVCacheManager {
   [[nodiscard]] bool keeps_last(std::size_t g) const noexcept {
     return config_.enable_prefix_caching && config_.groups[g].last_checkpoint;
   }
+  // Upper bound of the checkpoints a build lists for recurrent group g of q computing positions [first, end): the
+  // table's checkpoint blocks ending inside, and the last checkpoint.
+  [[nodiscard]] std::size_t checkpoints_in_step(const sequence_type& q, std::size_t g, std::size_t first,
+                                                std::size_t end) const noexcept {
+    const std::size_t bs = config_.block_size;
+    const auto blocks = q.table_of(g).blocks();
+    std::size_t n = keeps_last(g) ? 1 : 0;
+    for (std::size_t i = first / bs; (i + 1) * bs <= end; ++i) n += blocks[i] != Id{0} ? 1 : 0;
+    return n;
+  }
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
   [[nodiscard]] std::size_t state_blocks(std::size_t g) const noexcept { return keeps_last(g) ? 2 : 1; }
   // Recurrent group g: the checkpoints that positions (from, to] complete (multiples of its interval), with prefix
@@ -2468,22 +2517,20 @@ class KVCacheManager {
     buf.state_out[b] = static_cast<std::int32_t>(st.state);
     st.state_valid = true;
     if (b == 0) buf.checkpoint_indptr[0] = 0;
-    const std::size_t interval = config_.groups[g].window_tokens;
-    for (std::size_t p = (first / interval + 1) * interval; config_.enable_prefix_caching && p <= seq_len;
-         p += interval) {
-      const std::size_t i = p / bs - 1;
+    // The table's checkpoint blocks (of the interval, or marked) that end inside the step.
+    for (std::size_t i = first / bs; (i + 1) * bs <= seq_len; ++i) {
       const bool switched = std::find(switched_scratch_.begin(), switched_scratch_.end(), i) != switched_scratch_.end();
       if (blocks[i] == Id{0} || switched) continue;
-      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(p);
+      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>((i + 1) * bs);
       buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(blocks[i]);
       ++num_checkpoints;
     }
-    // The last block boundary this step crosses, into the last checkpoint (unless a checkpoint of the interval is
-    // there: that one is kept already).
+    // The last block boundary this step crosses, into the last checkpoint (unless the table keeps a checkpoint
+    // there already).
     const std::size_t boundary = seq_len / bs * bs;
     if (keeps_last(g) && boundary > first) {
       st.last_pos = 0;
-      if (boundary % interval != 0) {
+      if (blocks[boundary / bs - 1] == Id{0}) {
         buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(boundary);
         buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(st.last_block);
         ++num_checkpoints;

@@ -982,6 +982,11 @@ class KVCacheManager:
         Chunked prefill: reserve slots for the next `n` prompt tokens of `seq`, all or nothing.
         """
 
+    def mark_checkpoint(self, seq: int, pos: int) -> AppendStatus:
+        """
+        Keep the state after the first `pos` tokens of `seq` as a checkpoint of every recurrent group (the end of a chat turn or tool output), besides those of the interval. `pos`: a block boundary in (num_built, num_tokens]. Returns AppendStatus.OK or NO_CAPACITY (nothing changed). Raises UnknownSequenceError, InvalidArgumentError (no recurrent group, prefix caching off, not a block boundary, already built), LimitExceededError (beyond the slotted positions).
+        """
+
     def try_reserve_lookahead(self, seq: int, k: int) -> AppendResult:
         """
         Speculative decoding: reserve `k` lookahead slots after the last token of `seq`.

@@ -1093,6 +1093,17 @@ NB_MODULE(_pagedkv, m) {
           },
           "seq"_a, "n"_a, "Chunked prefill: reserve slots for the next `n` prompt tokens of `seq`, all or nothing.")
       .def(
+          "mark_checkpoint",
+          [](Manager& s, SeqId seq, std::size_t pos) {
+            return s.work([&](auto& mm) { return mm.mark_checkpoint(seq, pos); });
+          },
+          "seq"_a, "pos"_a,
+          "Keep the state after the first `pos` tokens of `seq` as a checkpoint of every recurrent group (the end of "
+          "a chat turn or tool output), besides those of the interval. `pos`: a block boundary in (num_built, "
+          "num_tokens]. Returns AppendStatus.OK or NO_CAPACITY (nothing changed). Raises UnknownSequenceError, "
+          "InvalidArgumentError (no recurrent group, prefix caching off, not a block boundary, already built), "
+          "LimitExceededError (beyond the slotted positions).")
+      .def(
           "try_reserve_lookahead",
           [](Manager& s, SeqId seq, std::size_t k) {
             return s.work([&](auto& mm) { return to_py(mm.try_reserve_lookahead(seq, k)); });

@@ -100,3 +100,24 @@ def test_toy_recurrence_resumes_from_the_latest_checkpoint():
     assert e.mem[m.state_block(3, 1)] == _scan(0, b + [5], 0)
     with pytest.raises(pagedkv.LimitExceededError, match="cannot be rewound"):
         m.rewind(3, 1)
+
+
+def test_mark_checkpoint_serves_a_shared_system_prompt():
+    cfg = pagedkv.CacheConfig(num_blocks=128, block_size=BS,
+                              groups=[KVCacheGroupSpec(), KVCacheGroupSpec(AttentionKind.RECURRENT, window_tokens=64)])
+    m = pagedkv.KVCacheManager(cfg, hasher="xxh3")
+    e = _Engine(m)
+    a = list(range(40, 70))  # a 20-token system prompt, then a question
+    assert m.try_admit(1, a).admitted
+    assert m.mark_checkpoint(1, 20) == pagedkv.AppendStatus.OK
+    with pytest.raises(pagedkv.InvalidArgumentError, match="multiple of the block size"):
+        m.mark_checkpoint(1, 21)
+    with pytest.raises(pagedkv.LimitExceededError, match="beyond"):
+        m.mark_checkpoint(1, 32)
+    e.build([1], {1: a})
+    assert list(e.bufs[1].checkpoint_positions[:e.bufs[1].checkpoint_indptr[1]]) == [20]
+    m.free(1)
+    b = a[:20] + [900 + i for i in range(12)]
+    assert m.try_admit(2, b).num_cached_tokens == 20
+    e.build([2], {2: b})
+    assert e.mem[m.state_block(2, 1)] == _scan(0, b, 0)

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -53,7 +54,7 @@ inline std::uint64_t splitmix(std::uint64_t& x) {
 
 /// What a run did (so a test can check that it exercised hits, forks, ...).
 struct Counts {
-  std::size_t admits = 0, hits = 0, forks = 0, builds = 0, rewinds = 0, refusals = 0, preemptions = 0;
+  std::size_t admits = 0, hits = 0, forks = 0, builds = 0, rewinds = 0, refusals = 0, preemptions = 0, marks = 0;
 };
 
 /// The engine and its checks. `Fail` is called with a message when a check fails and must not return.
@@ -112,8 +113,8 @@ class Engine {
             const bool last = spec.last_checkpoint && p + 1 == seq_len / bs * bs &&
                               static_cast<std::uint32_t>(st.checkpoint_blocks[c]) == og.last_block &&
                               og.last_pos == p + 1;
-            require((p + 1) % spec.window_tokens == 0 || last,
-                    "a checkpoint at a multiple of the interval, or the last one at the step's last boundary");
+            require((p + 1) % spec.window_tokens == 0 || last || marks_.contains({batch[r], p + 1}),
+                    "a checkpoint of the interval, a marked one, or the last one at the step's last boundary");
             writes.emplace_back(st.checkpoint_blocks[c], s);
             ++c;
           }
@@ -168,8 +169,9 @@ class Engine {
         for (std::size_t i = 0; i < blocks.size(); ++i) {
           if (blocks[i] == 0) continue;
           const bool hit_entry = !og.state_valid && (i + 1) * bs == q.num_built;
-          require(((i + 1) * bs) % m.config().groups[g].window_tokens == 0 || hit_entry,
-                  who + ": a table entry is a checkpoint of the interval or the hit's");
+          require(((i + 1) * bs) % m.config().groups[g].window_tokens == 0 || hit_entry ||
+                      marks_.contains({s, (i + 1) * bs}),
+                  who + ": a table entry is a checkpoint of the interval, a marked one or the hit's");
           require((i + 1) * bs >= q.num_built, who + ": written checkpoints left the table");
         }
       }
@@ -198,6 +200,20 @@ class Engine {
       if (m.allocator().refcount(id) == 0 && !m.allocator().is_hashed(id)) mem_[b] = splitmix(poison_);
     }
   }
+
+  /// mark_checkpoint(seq, pos), remembered on success (what the checks allow besides the interval).
+  pagedkv::AppendStatus mark(SeqId seq, std::size_t pos) {
+    const pagedkv::AppendStatus st = m.mark_checkpoint(seq, pos);
+    if (st == pagedkv::AppendStatus::kOk) {
+      marks_.insert({seq, pos});
+      ever_marked_ = true;
+    }
+    return st;
+  }
+  /// Whether a mark ever succeeded (then hits may end at marked positions too).
+  [[nodiscard]] bool ever_marked() const noexcept { return ever_marked_; }
+  /// `seq` left (freed or preempted): its marks go (its id may come back).
+  void forget_marks(SeqId seq) { std::erase_if(marks_, [&](const auto& k) { return k.first == seq; }); }
 
   /// The largest k (blocks) <= cap_blocks every group serves, from the definitions: a full group needs blocks
   /// [0, k), a sliding window of W the blocks meeting [k * bs - W + 1, k * bs), a recurrent group block k - 1.
@@ -229,6 +245,8 @@ class Engine {
   }
 
   Fail fail_;
+  std::set<std::pair<SeqId, std::size_t>> marks_;  // (sequence, position) marked by mark()
+  bool ever_marked_ = false;
   std::uint64_t poison_;
   std::vector<std::uint64_t> mem_;                                                  // [num_blocks] a block's state
   std::unordered_map<BlockHash, std::uint64_t, pagedkv::BlockHashHasher> expect_;  // chain hash -> its prefix's scan
@@ -237,7 +255,8 @@ class Engine {
 /// Random operations on `e`, `steps` of them or until `next` says stop: `next(n)` returns a value in [0, n) (a
 /// random number, or the input's next bytes). Admission (document prefixes plus a tail, or a preempted request
 /// again), growth (reserve or append), builds of random subsets with partial schedules, fork, free, preemption by
-/// recompute, rewind (unbuilt positions; built ones must be refused and change nothing). `e.check()` after each.
+/// recompute, rewind (unbuilt positions; built ones must be refused and change nothing), marked checkpoints (bad
+/// positions must be refused and change nothing). `e.check()` after each.
 template <class Fail, class Next, class Done>
 Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
   Manager& m = e.m;
@@ -265,7 +284,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
     e.require(r.num_cached_tokens == want * bs, "the hit is the brute-force maximum over the groups");
     for (std::size_t g = 0; g < m.num_groups(); ++g) {
       const auto& spec = m.config().groups[g];
-      if (spec.recurrent() && !spec.last_checkpoint) {
+      if (spec.recurrent() && !spec.last_checkpoint && !e.ever_marked()) {
         e.require(r.num_cached_tokens % spec.window_tokens == 0, "a hit at a checkpoint of the interval");
       }
     }
@@ -318,14 +337,49 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
       const SeqId s = pick();
       m.free(s);
       erase_live(s);
+      e.forget_marks(s);
     } else if (op < 93) {
       const SeqId s = pick();
       const auto& t = m.sequence(s).tokens;
       std::vector<TokenId> tokens(t.begin(), t.end());
       m.preempt(s);
       erase_live(s);
+      e.forget_marks(s);
       ++n.preemptions;
       if (!tokens.empty()) preempted[s] = std::move(tokens);
+    } else if (op >= 97) {  // mark a checkpoint: a block boundary with a slot and no state yet, or a bad position
+      SeqId s = pick();
+      for (SeqId t : live) s = m.sequence(t).num_pending() >= bs && next(2) == 0 ? t : s;
+      const auto& q = m.sequence(s);
+      const std::size_t lo = q.num_built / bs + 1, hi = q.num_slotted() / bs;  // boundaries (lo..hi) x bs
+      const std::size_t kind = next(4);
+      if (kind > 0 && lo <= hi) {
+        n.marks += e.mark(s, (lo + next(hi - lo + 1)) * bs) == pagedkv::AppendStatus::kOk ? 1 : 0;
+      } else {
+        const std::size_t bad = kind == 0 ? q.num_built / bs * bs : kind == 1 ? (hi + 1) * bs : lo * bs + 1;
+        std::vector<std::vector<std::uint32_t>> before;
+        for (std::size_t g = 0; g < m.num_groups(); ++g) {
+          const auto b = m.block_ids(s, g);
+          before.emplace_back(b.begin(), b.end());
+        }
+        const std::size_t free_before = m.allocator().num_free_blocks();
+        bool refused = false;
+        try {
+          (void)e.mark(s, bad);
+        } catch (const pagedkv::Error& err) {
+          refused = err.code() == pagedkv::Errc::kInvalidArgument || err.code() == pagedkv::Errc::kLimitExceeded;
+        }
+        const bool valid = bad % bs == 0 && bad > q.num_built && bad <= q.num_slotted();
+        if (!valid) {
+          e.require(refused, "a mark at a bad position is refused");
+          for (std::size_t g = 0; g < m.num_groups(); ++g) {
+            const auto b = m.block_ids(s, g);
+            e.require(std::vector<std::uint32_t>(b.begin(), b.end()) == before[g], "a refused mark changes nothing");
+          }
+          e.require(m.allocator().num_free_blocks() == free_before, "a refused mark takes no block");
+          ++n.refusals;
+        }
+      }
     } else {
       const SeqId s = pick();
       const auto& q = m.sequence(s);

@@ -66,12 +66,14 @@ void run_model(const CacheConfig& c, std::uint64_t seed, std::size_t steps) {
       e, steps, [&](std::size_t k) { return static_cast<std::size_t>(rng() % std::max<std::size_t>(k, 1)); },
       [] { return false; });
   INFO("admits " << n.admits << " hits " << n.hits << " forks " << n.forks << " builds " << n.builds << " rewinds "
-                 << n.rewinds << " refusals " << n.refusals << " preemptions " << n.preemptions);
+                 << n.rewinds << " refusals " << n.refusals << " preemptions " << n.preemptions << " marks "
+                 << n.marks);
   CHECK(n.admits > 20);
   CHECK(n.hits > 5);  // hits from checkpoints did happen (the state checks saw them)
   CHECK(n.forks > 3);
   CHECK(n.builds > 50);
   CHECK(n.preemptions > 10);
+  CHECK(n.marks > 3);
 }
 
 }  // namespace
@@ -177,6 +179,38 @@ TEST_CASE("Recurrent groups: the last checkpoint makes a conversation's next tur
   f.build({1}, {static_cast<std::uint32_t>(tokens.size())});
   f.m.free(1);
   CHECK(f.m.try_admit(2, next).num_cached_tokens == 0);
+}
+
+TEST_CASE("Recurrent groups: a marked checkpoint (the end of a turn) serves the next request sharing it",
+          "[recurrent][prefix]") {
+  Engine e(config(200, 4, {{AttentionKind::kFull, 0, 1}, {AttentionKind::kRecurrent, 64, 1}}), 9);
+  Manager& m = e.m;
+  const auto turn = pagedkv_test::toks(40, 30);  // a system prompt of 20 tokens, then a question
+  REQUIRE(m.try_admit(1, turn).status == pagedkv::AdmitStatus::kAdmitted);
+  REQUIRE(e.mark(1, 20) == pagedkv::AppendStatus::kOk);  // the end of the system prompt
+  CHECK(m.block_ids(1, 1)[4] != 0);
+  e.build({1}, {30});
+  e.check();
+  m.free(1);
+  auto other = pagedkv_test::toks(40, 20);  // the same system prompt, another question
+  for (int i = 0; i < 12; ++i) other.push_back(900 + i);
+  CHECK(m.try_admit(2, other).num_cached_tokens == 20);  // without the mark: 0 (no multiple of 64 inside)
+  e.build({2}, {12});
+  e.check();
+  // Bad marks are refused, naming the position, and change nothing.
+  REQUIRE(m.try_append(2, pagedkv_test::toks(7, 5)).status == pagedkv::AppendStatus::kOk);  // 37 slots, 32 built
+  const std::vector<std::uint32_t> before(m.block_ids(2, 1).begin(), m.block_ids(2, 1).end());
+  CHECK(expect_error([&] { (void)m.mark_checkpoint(2, 34); }, Errc::kInvalidArgument).find("multiple") !=
+        std::string::npos);
+  CHECK(expect_error([&] { (void)m.mark_checkpoint(2, 32); }, Errc::kInvalidArgument).find("built") !=
+        std::string::npos);
+  CHECK(expect_error([&] { (void)m.mark_checkpoint(2, 40); }, Errc::kLimitExceeded).find("beyond") !=
+        std::string::npos);
+  CHECK(std::vector<std::uint32_t>(m.block_ids(2, 1).begin(), m.block_ids(2, 1).end()) == before);
+  CHECK(e.mark(2, 36) == pagedkv::AppendStatus::kOk);
+  Manager plain(config(16, 4, {}));
+  REQUIRE(plain.try_admit(1, pagedkv_test::toks(1, 9)).status == pagedkv::AdmitStatus::kAdmitted);
+  expect_error([&] { (void)plain.mark_checkpoint(1, 8); }, Errc::kInvalidArgument);
 }
 
 TEST_CASE("Recurrent groups: refused calls are typed errors and change nothing", "[recurrent][strong]") {
