@@ -442,6 +442,9 @@ class KVCacheManager {
       for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
         if (*it != Id{0}) host_->release(*it);
       }
+      for (Id hb : sw->second.states) {
+        if (hb != Id{0}) host_->release(hb);
+      }
       swapped_.erase(sw);
       return;
     }
@@ -456,8 +459,9 @@ class KVCacheManager {
   /// tier already holds is shared, not copied; the copies are this manager's next swap_out list (they read the
   /// blocks before the step writes anything into them: the device blocks are reusable at once). All or nothing:
   /// returns false, changing nothing, when the host tier lacks free or evictable blocks (preempt by recompute
-  /// then). Counted as a preemption. Throws kUnknownSequence; kInvalidArgument for kSwap without a host tier, with
-  /// a recurrent-state group (not supported yet), or when the sequence is not settled (unbuilt slots, prompt tokens
+  /// then). A recurrent group's working state is copied too (its last checkpoint is registered and released, as
+  /// at a free). Counted as a preemption. Throws kUnknownSequence; kInvalidArgument for kSwap without a host tier,
+  /// or when the sequence is not settled (unbuilt slots, prompt tokens
   /// without slots, lookahead, or a copy into its table outstanding: swap after the step that computed it has been
   /// built).
   bool preempt(SeqId seq, PreemptMode mode) {
@@ -468,11 +472,6 @@ class KVCacheManager {
     sequence_type& q = live(seq, "preempt");
     if (!host_) detail::raise(Errc::kInvalidArgument, "preempt: swapping sequence " + std::to_string(seq) +
                                                           " needs a host tier (CacheConfig.num_host_blocks)");
-    if (any_recurrent_) {
-      detail::raise(Errc::kInvalidArgument, "preempt: swapping sequence " + std::to_string(seq) +
-                                                " is not supported with a recurrent-state group yet: preempt by "
-                                                "recompute (its checkpoints stay cached)");
-    }
     if (!settled(q)) {
       detail::raise(Errc::kInvalidArgument, "preempt: sequence " + std::to_string(seq) +
                                                 " is not settled (unbuilt slots, lookahead or a copy outstanding): "
@@ -492,12 +491,14 @@ class KVCacheManager {
         }
       }
     }
+    for (std::size_t g = 1; g < num_groups_; ++g) to_fill += is_recurrent(g) && q.other_groups[g - 1].state_valid ? 1 : 0;
     if (to_fill > host_->allocator().num_available_blocks() - shared_cached) return false;
     // Commit. Reserve first: nothing below throws.
-    SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted()};
+    SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted(), {}};
     sw.host_blocks.assign(num_groups_ * nb, Id{0});
+    if (any_recurrent_) sw.states.assign(num_groups_, Id{0});
     transfers_.reserve_more(to_fill);
-    events_.reserve_more(to_fill);
+    events_.reserve_more(to_fill + num_groups_);  // + the last checkpoints registered by the release
     auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
     SwappedSequence& dst = it->second;
     for (std::size_t g = 0; g < num_groups_; ++g) {  // shared host blocks first (allocations cannot evict them)
@@ -526,6 +527,16 @@ class KVCacheManager {
         ++stats_.swap_outs;
       }
     }
+    for (std::size_t g = 1; g < num_groups_; ++g) {  // working states (unhashed: always copied)
+      if (!is_recurrent(g) || !q.other_groups[g - 1].state_valid) continue;
+      const Id hb = *host_->allocate(nullptr, host_evictor());  // guaranteed by the plan
+      host_->acquire(hb);
+      host_group_of_[hb] = static_cast<std::uint8_t>(g);
+      dst.states[g] = hb;
+      transfers_.push({q.other_groups[g - 1].state, hb, TransferKind::kSwapOut, false, BlockHash{}, 0,
+                       static_cast<std::uint32_t>(g)});
+      ++stats_.swap_outs;
+    }
     release_all_groups(q);
     dst.state = std::move(q);
     seqs_.erase(seq);
@@ -549,8 +560,14 @@ class KVCacheManager {
     const std::size_t n = s.host_blocks.size();  // [groups x blocks], 0 = a null entry of a windowed group
     const std::size_t nb = n / num_groups_;
     const std::size_t bs = config_.block_size;
-    std::size_t held = 0;
+    std::size_t held = 0, fresh = 0;  // fresh: recurrent groups' working states and last checkpoints
     for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
+    for (std::size_t g = 1; g < num_groups_; ++g) {
+      if (!is_recurrent(g)) continue;
+      fresh += state_blocks(g);
+      if (s.states[g] != Id{0} && !host_->is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
+    }
+    held += fresh;
     if (held > alloc_.num_usable_blocks()) {
       return {AdmitStatus::kNeverFits, 0, 0, 0, held - alloc_.num_usable_blocks()};
     }
@@ -570,7 +587,7 @@ class KVCacheManager {
       }
     }
     const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
-    if (to_fill > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill - available};
+    if (to_fill + fresh > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill + fresh - available};
     // Commit. Reserve first.
     auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, num_groups_));
     if (!inserted) {  // cannot happen: a swapped id is not live (admission refuses a swapped id)
@@ -578,7 +595,7 @@ class KVCacheManager {
     }
     sequence_type& q = it->second;
     try {
-      reserve_for_allocations(to_fill, to_fill);
+      reserve_for_allocations(to_fill + fresh, to_fill + fresh);
       onboard_scratch_.assign(n, Id{0});
     } catch (...) {
       seqs_.erase(it);
@@ -617,12 +634,23 @@ class KVCacheManager {
       q.registered_of(g) = q.hashes.size();  // device hits are registered, copied blocks when their copy completes
     }
     q.num_built = num_tokens;
+    for (std::size_t g = 1; g < num_groups_; ++g) {  // working states copied back; the zero or hit state stays so
+      if (!is_recurrent(g)) continue;
+      GroupTableState<Id>& st = q.other_groups[g - 1];
+      st.state = allocate_one(g);
+      st.state_valid = s.states[g] != Id{0};
+      if (st.state_valid) queue_fill(st.state, s.states[g], TransferKind::kSwapIn, nullptr, false, g);
+      if (keeps_last(g)) st.last_block = allocate_one(g);
+    }
     for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) {
       if (*hb != Id{0}) host_->release(*hb);
     }
+    for (Id hb : s.states) {
+      if (hb != Id{0}) host_->release(hb);
+    }
     swapped_.erase(sw);
     note_peak();
-    return {AdmitStatus::kAdmitted, num_tokens, host_tokens, to_fill, 0};
+    return {AdmitStatus::kAdmitted, num_tokens, host_tokens, to_fill + fresh, 0};
   }
 
   /// `free`, counted as a preemption (recompute: the engine re-admits the request later under the same id and its
@@ -1442,6 +1470,7 @@ class KVCacheManager {
     sequence_type state;          // tokens, hashes, keys, cursors (tables empty)
     std::vector<Id> host_blocks;  // [groups x blocks] held once each by this sequence (0: a null entry)
     std::size_t num_tokens = 0;   // positions (all built)
+    std::vector<Id> states;       // [groups] a recurrent group's working state on the host, held once (0: none)
   };
 
   // The allocator as capacity queries see it (read-only).

@@ -1,8 +1,9 @@
 // tests/fuzz/fuzz_manager_recurrent.cpp: libFuzzer target driving KVCacheManager with recurrent-state groups (issue
 // 20): a full-attention group, optionally a sliding-window group, and one or two recurrent groups with checkpoint
-// intervals and the last checkpoint decoded from the input, then operations decoded from it (admission of document
-// prefixes, whole or chunked; growth; builds with partial schedules; fork; free; preemption by recompute and
-// re-admission; rewind of unbuilt positions, and of built ones, which must be refused). The engine of
+// intervals and the last checkpoint decoded from the input, optionally a host tier, then operations decoded from it
+// (admission of document prefixes, whole or chunked; growth; builds with partial schedules; fork; free; preemption
+// by recompute and re-admission, or by swapping and resume; marked checkpoints; rewind of unbuilt positions, and of
+// built ones, which must be refused). The engine of
 // recurrent_model.hpp runs every build with a toy recurrence over a shadow pool and checks after every operation
 // that every working state, hit checkpoint, last checkpoint and registered checkpoint holds the scan of its
 // tokens, that refcounts and per-group held counts equal their holders, and that every hit is the brute-force
@@ -29,6 +30,7 @@ pagedkv::CacheConfig decode_config(pagedkv_fuzz::ByteReader& r) {
   c.enable_prefix_caching = (f & 12) != 12;
   c.num_blocks = 8 + r.u8() % 160;
   c.hash_seed = r.u8();
+  if ((f & 64) != 0) c.num_host_blocks = 2 + r.u8() % 100;  // a host tier: swap preemption, resume, write-back
   c.groups.push_back({AttentionKind::kFull, 0, 1});
   if ((f & 16) != 0) {
     c.groups.push_back({AttentionKind::kSlidingWindow, 1 + static_cast<std::uint32_t>(r.u8() % (3 * c.block_size + 5)), 1});
@@ -43,7 +45,8 @@ pagedkv::CacheConfig decode_config(pagedkv_fuzz::ByteReader& r) {
 
 std::string config_text(const pagedkv::CacheConfig& c) {
   std::string t = "num_blocks " + std::to_string(c.num_blocks) + ", block_size " + std::to_string(c.block_size) +
-                  ", prefix caching " + std::to_string(c.enable_prefix_caching) + ", groups {";
+                  ", prefix caching " + std::to_string(c.enable_prefix_caching) + ", host blocks " +
+                  std::to_string(c.num_host_blocks) + ", groups {";
   for (const auto& g : c.groups) {
     t += std::string(pagedkv::to_string(g.kind)) + " " + std::to_string(g.window_tokens) +
          (g.last_checkpoint ? " +last" : "") + "; ";

@@ -54,7 +54,8 @@ inline std::uint64_t splitmix(std::uint64_t& x) {
 
 /// What a run did (so a test can check that it exercised hits, forks, ...).
 struct Counts {
-  std::size_t admits = 0, hits = 0, forks = 0, builds = 0, rewinds = 0, refusals = 0, preemptions = 0, marks = 0;
+  std::size_t admits = 0, hits = 0, forks = 0, builds = 0, rewinds = 0, refusals = 0, preemptions = 0, marks = 0,
+              swaps = 0, resumes = 0;
 };
 
 /// The engine and its checks. `Fail` is called with a message when a check fails and must not return.
@@ -62,12 +63,13 @@ template <class Fail>
 class Engine {
  public:
   Engine(const pagedkv::CacheConfig& c, std::uint64_t seed, Fail fail)
-      : m(c), fail_(std::move(fail)), poison_(seed), mem_(c.num_blocks, 0) {
+      : m(c), fail_(std::move(fail)), poison_(seed), mem_(c.num_blocks, 0), hmem_(c.num_host_blocks, 0) {
     pagedkv::BatchMetadataLimits lim;
     lim.max_batch = 64;
     lim.max_tokens_per_step = 8192;
     lim.max_blocks_per_seq = 2048;
     lim.max_copies = 256;
+    lim.max_swaps = c.num_host_blocks != 0 ? 256 : 0;
     for (std::size_t g = 0; g < m.num_groups(); ++g) store.emplace_back(lim);
     for (auto& x : mem_) x = splitmix(poison_);
   }
@@ -85,6 +87,13 @@ class Engine {
     std::vector<pagedkv::BatchMetadataBuffers> bufs;
     for (auto& st : store) bufs.push_back(st.buffers());
     const auto sizes = m.build_batch_metadata(batch, bufs, sched);
+    // The step in stream order: swap_out, swap_in, copies, then the kernels; the swaps complete with the step.
+    for (std::size_t j = 0; j < sizes[0].num_swap_out; ++j) {
+      hmem_[static_cast<std::size_t>(store[0].swap_out[2 * j + 1])] = mem_[static_cast<std::size_t>(store[0].swap_out[2 * j])];
+    }
+    for (std::size_t j = 0; j < sizes[0].num_swap_in; ++j) {
+      mem_[static_cast<std::size_t>(store[0].swap_in[2 * j + 1])] = hmem_[static_cast<std::size_t>(store[0].swap_in[2 * j])];
+    }
     for (std::size_t g = 0; g < m.num_groups(); ++g) {
       for (std::size_t j = 0; j < sizes[g].num_copies && m.is_recurrent(g); ++j) {
         mem_[static_cast<std::size_t>(store[g].copies[2 * j + 1])] = mem_[static_cast<std::size_t>(store[g].copies[2 * j])];
@@ -127,6 +136,7 @@ class Engine {
       for (const auto& [b, v] : writes) mem_[static_cast<std::size_t>(b)] = v;
     }
     for (SeqId s : batch) remember_prefixes(s);
+    if (sizes[0].transfer_token != 0) m.complete_transfers(sizes[0].transfer_token);
     return sizes;
   }
 
@@ -137,6 +147,21 @@ class Engine {
     const std::size_t bs = m.block_size();
     std::vector<std::uint32_t> refs(N, 0);
     std::vector<std::size_t> held(G, 0);
+    // Host -> device copies queued for the next build: each holds its destination, whose content is its source's.
+    std::unordered_map<std::uint32_t, std::uint32_t> filling;
+    std::vector<bool> swapping_out(N, false);
+    for (const auto& t : m.transfers().queued()) {
+      if (pagedkv::is_device_to_host(t.kind)) {
+        swapping_out[t.device] = true;
+      } else {
+        filling[t.device] = t.host;
+        ++refs[t.device];
+      }
+    }
+    const auto content = [&](std::uint32_t b) {
+      const auto f = filling.find(b);
+      return f != filling.end() ? hmem_[f->second] : mem_[b];
+    };
     m.for_each_sequence([&](SeqId s, std::size_t) {
       const auto& q = m.sequence(s);
       for (std::size_t g = 0; g < G; ++g) {
@@ -152,17 +177,17 @@ class Engine {
         if (og.last_block != 0) {
           ++refs[og.last_block];
           require(og.last_pos <= q.num_built, who + ": last checkpoint within the built positions");
-          if (og.last_pos > 0) require(mem_[og.last_block] == scan(q.tokens, og.last_pos), who + ": last checkpoint");
+          if (og.last_pos > 0) require(content(og.last_block) == scan(q.tokens, og.last_pos), who + ": last checkpoint");
         }
         if (og.state_valid) {
           auto from = og.state;  // a state copied after a fork is filled by a pending copy: its source
           for (const auto& c : m.pending_copies()) from = c.dst == og.state ? c.src : from;
-          require(mem_[from] == scan(q.tokens, q.num_built), who + ": the working state is the scan of the tokens");
+          require(content(from) == scan(q.tokens, q.num_built), who + ": the working state is the scan of the tokens");
         } else {
           require(q.num_built % bs == 0, who + ": before the first build, at a block boundary");
           if (q.num_built > 0) {
             const auto ck = q.table_of(g).blocks()[q.num_built / bs - 1];
-            require(ck != 0 && mem_[ck] == scan(q.tokens, q.num_built), who + ": the hit's checkpoint");
+            require(ck != 0 && content(ck) == scan(q.tokens, q.num_built), who + ": the hit's checkpoint");
           }
         }
         const auto blocks = q.table_of(g).blocks();
@@ -191,13 +216,14 @@ class Engine {
         const auto h = m.prefix_index(g).hash_of(id);
         if (!h) continue;
         const auto it = expect_.find(*h);
-        require(it != expect_.end() && mem_[b] == it->second,
+        require(it != expect_.end() && content(id) == it->second,
                 "registered checkpoint " + std::to_string(b) + " holds the scan of its prefix");
       }
     }
     for (std::size_t b = 1; b < N; ++b) {
       const auto id = static_cast<std::uint32_t>(b);
-      if (m.allocator().refcount(id) == 0 && !m.allocator().is_hashed(id)) mem_[b] = splitmix(poison_);
+      // (A free block a queued swap-out still reads keeps its content until the next step's swap_out.)
+      if (m.allocator().refcount(id) == 0 && !m.allocator().is_hashed(id) && !swapping_out[b]) mem_[b] = splitmix(poison_);
     }
   }
 
@@ -216,7 +242,8 @@ class Engine {
   void forget_marks(SeqId seq) { std::erase_if(marks_, [&](const auto& k) { return k.first == seq; }); }
 
   /// The largest k (blocks) <= cap_blocks every group serves, from the definitions: a full group needs blocks
-  /// [0, k), a sliding window of W the blocks meeting [k * bs - W + 1, k * bs), a recurrent group block k - 1.
+  /// [0, k), a sliding window of W the blocks meeting [k * bs - W + 1, k * bs), a recurrent group block k - 1; a
+  /// block serves when the device index or the host tier (ready) holds it.
   std::size_t oracle_hit(const std::vector<BlockHash>& hashes, std::size_t cap_blocks) const {
     const std::size_t bs = m.block_size();
     if (!m.config().enable_prefix_caching) return 0;
@@ -230,7 +257,10 @@ class Engine {
         } else if (spec.recurrent()) {
           lo = k - 1;
         }
-        for (std::size_t i = lo; i < k && ok; ++i) ok = m.prefix_index(g).find(hashes[i]).has_value();
+        for (std::size_t i = lo; i < k && ok; ++i) {  // cached on the device, or ready in the host tier
+          ok = m.prefix_index(g).find(hashes[i]).has_value() ||
+               (m.host_tier() != nullptr && m.host_tier()->find_ready(pagedkv::group_block_key(hashes[i], g)));
+        }
       }
       if (ok) return k;
     }
@@ -249,6 +279,7 @@ class Engine {
   bool ever_marked_ = false;
   std::uint64_t poison_;
   std::vector<std::uint64_t> mem_;                                                  // [num_blocks] a block's state
+  std::vector<std::uint64_t> hmem_;                                                 // [num_host_blocks] likewise
   std::unordered_map<BlockHash, std::uint64_t, pagedkv::BlockHashHasher> expect_;  // chain hash -> its prefix's scan
 };
 
@@ -270,6 +301,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
   SeqId next_id = 1;
   std::vector<SeqId> live;
   std::map<SeqId, std::vector<TokenId>> preempted;
+  std::vector<SeqId> swapped;
   const auto pick = [&]() -> SeqId { return live[next(live.size())]; };
   const auto erase_live = [&](SeqId s) { live.erase(std::find(live.begin(), live.end(), s)); };
   const auto admit = [&](SeqId id, const std::vector<TokenId>& prompt) {
@@ -294,7 +326,15 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
   for (std::size_t step = 0; step < steps && !done(); ++step) {
     const std::size_t op = next(100);
     if (op < 22 || live.empty()) {
-      if (!preempted.empty() && next(2) == 0) {
+      if (!swapped.empty() && next(3) == 0) {  // resume a swapped sequence
+        const std::size_t k = next(swapped.size());
+        const auto r = m.try_resume(swapped[k]);
+        if (r.status == pagedkv::AdmitStatus::kAdmitted) {
+          live.push_back(swapped[k]);
+          swapped.erase(swapped.begin() + static_cast<std::ptrdiff_t>(k));
+          ++n.resumes;
+        }
+      } else if (!preempted.empty() && next(2) == 0) {
         const auto it = preempted.begin();
         if (admit(it->first, it->second)) preempted.erase(it);
       } else {
@@ -334,26 +374,42 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
         ++n.forks;
       }
     } else if (op < 88) {
-      const SeqId s = pick();
-      m.free(s);
-      erase_live(s);
-      e.forget_marks(s);
+      if (!swapped.empty() && next(4) == 0) {
+        m.free(swapped.back());
+        swapped.pop_back();
+      } else {
+        const SeqId s = pick();
+        m.free(s);
+        erase_live(s);
+        e.forget_marks(s);
+      }
     } else if (op < 93) {
       const SeqId s = pick();
-      const auto& t = m.sequence(s).tokens;
-      std::vector<TokenId> tokens(t.begin(), t.end());
-      m.preempt(s);
-      erase_live(s);
-      e.forget_marks(s);
-      ++n.preemptions;
-      if (!tokens.empty()) preempted[s] = std::move(tokens);
+      // Swap it out (settled, and no host -> device copy still filling a block of its: none queued at all).
+      if (m.host_tier() != nullptr && m.sequence(s).settled() && m.transfers().queued().empty() && next(2) == 0) {
+        if (m.preempt(s, pagedkv::PreemptMode::kSwap)) {
+          erase_live(s);
+          e.forget_marks(s);
+          swapped.push_back(s);
+          ++n.swaps;
+        }
+      } else {
+        const auto& t = m.sequence(s).tokens;
+        std::vector<TokenId> tokens(t.begin(), t.end());
+        m.preempt(s);
+        erase_live(s);
+        e.forget_marks(s);
+        ++n.preemptions;
+        if (!tokens.empty()) preempted[s] = std::move(tokens);
+      }
     } else if (op >= 97) {  // mark a checkpoint: a block boundary with a slot and no state yet, or a bad position
       SeqId s = pick();
       for (SeqId t : live) s = m.sequence(t).num_pending() >= bs && next(2) == 0 ? t : s;
       const auto& q = m.sequence(s);
       const std::size_t lo = q.num_built / bs + 1, hi = q.num_slotted() / bs;  // boundaries (lo..hi) x bs
       const std::size_t kind = next(4);
-      if (kind > 0 && lo <= hi) {
+      const bool caching = m.config().enable_prefix_caching;  // no checkpoints without it: every mark is refused
+      if (kind > 0 && lo <= hi && caching) {
         n.marks += e.mark(s, (lo + next(hi - lo + 1)) * bs) == pagedkv::AppendStatus::kOk ? 1 : 0;
       } else {
         const std::size_t bad = kind == 0 ? q.num_built / bs * bs : kind == 1 ? (hi + 1) * bs : lo * bs + 1;
@@ -369,7 +425,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
         } catch (const pagedkv::Error& err) {
           refused = err.code() == pagedkv::Errc::kInvalidArgument || err.code() == pagedkv::Errc::kLimitExceeded;
         }
-        const bool valid = bad % bs == 0 && bad > q.num_built && bad <= q.num_slotted();
+        const bool valid = caching && bad % bs == 0 && bad > q.num_built && bad <= q.num_slotted();
         if (!valid) {
           e.require(refused, "a mark at a bad position is refused");
           for (std::size_t g = 0; g < m.num_groups(); ++g) {

@@ -59,7 +59,7 @@ CacheConfig config(std::size_t num_blocks, std::uint32_t bs, std::vector<KVCache
   return c;
 }
 
-void run_model(const CacheConfig& c, std::uint64_t seed, std::size_t steps) {
+pagedkv_recurrent::Counts run_model(const CacheConfig& c, std::uint64_t seed, std::size_t steps) {
   Engine e(c, seed);
   std::mt19937_64 rng(seed);
   const auto n = pagedkv_recurrent::run_ops(
@@ -67,13 +67,14 @@ void run_model(const CacheConfig& c, std::uint64_t seed, std::size_t steps) {
       [] { return false; });
   INFO("admits " << n.admits << " hits " << n.hits << " forks " << n.forks << " builds " << n.builds << " rewinds "
                  << n.rewinds << " refusals " << n.refusals << " preemptions " << n.preemptions << " marks "
-                 << n.marks);
+                 << n.marks << " swaps " << n.swaps << " resumes " << n.resumes);
   CHECK(n.admits > 20);
   CHECK(n.hits > 5);  // hits from checkpoints did happen (the state checks saw them)
   CHECK(n.forks > 3);
   CHECK(n.builds > 50);
   CHECK(n.preemptions > 10);
   CHECK(n.marks > 3);
+  return n;
 }
 
 }  // namespace
@@ -98,7 +99,7 @@ TEST_CASE("Recurrent groups: invalid configurations are typed errors naming the 
   CHECK_FALSE(m.window_block_bound(1, 16).has_value());
 }
 
-TEST_CASE("Recurrent groups: a toy recurrence through hits, fork, partial builds, rewind and preemption",
+TEST_CASE("Recurrent groups: a toy recurrence through hits, fork, partial builds, rewind, marks, preemption and swap",
           "[recurrent][toy]") {
   const std::uint64_t seed = GENERATE(1, 2, 3);
   SECTION("full + recurrent every 8, block size 4, a roomy pool") {
@@ -111,6 +112,16 @@ TEST_CASE("Recurrent groups: a toy recurrence through hits, fork, partial builds
                       {AttentionKind::kRecurrent, 4, 1},
                       {AttentionKind::kRecurrent, 12, 1}}),
               seed, 1500);
+  }
+  SECTION("a host tier: swap preemption and resume carry the working state, evicted checkpoints come back") {
+    CacheConfig c = config(90, 4,
+                           {{AttentionKind::kFull, 0, 1},
+                            {AttentionKind::kRecurrent, 8, 1, 0, true},
+                            {AttentionKind::kSlidingWindow, 5, 1}});
+    c.num_host_blocks = 120;
+    const auto n = run_model(c, seed, 1500);
+    CHECK(n.swaps > 5);
+    CHECK(n.resumes > 3);
   }
   SECTION("full + recurrent every 16 keeping the last checkpoint, and one without") {
     run_model(config(200, 4,
@@ -228,7 +239,6 @@ TEST_CASE("Recurrent groups: refused calls are typed errors and change nothing",
                       q.other_groups[0].state, m.allocator().num_free_blocks(), m.num_sequences());
   };
   const auto before = snapshot();
-  expect_error([&] { (void)m.preempt(1, pagedkv::PreemptMode::kSwap); }, Errc::kInvalidArgument);
   expect_error([&] { (void)m.try_reserve_lookahead(1, 2); }, Errc::kInvalidArgument);
   expect_error([&] { m.rewind(1, 1); }, Errc::kLimitExceeded);
   CHECK(snapshot() == before);
