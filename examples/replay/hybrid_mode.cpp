@@ -332,14 +332,15 @@ Row serve_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& m
   return row;
 }
 
-template <class Hasher>
-Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager,
-               std::size_t past) {
-  pagedkv::HybridKVCacheManager<Hasher> m(make_config(model, opt, 0));
-  GroupBuffers buffers(model.groups.size());
-  LibraryTimer timer;
+/// The trace's requests one at a time, as --mode prefix: admit (`admitted(result, prompt_len)` sees each admitted
+/// one), build its prefill step, free it (`freed()` runs after). Library calls timed by `timer`. Returns the
+/// requests refused.
+template <class Manager, class Admitted, class Freed>
+std::uint64_t one_at_a_time(const Trace& trace, Manager& m, std::uint32_t block_size, LibraryTimer& timer,
+                            Admitted&& admitted, Freed&& freed) {
+  GroupBuffers buffers(m.num_groups());
   std::vector<pagedkv::TokenId> prompt;
-  std::uint64_t rejected = 0, past_queries = 0, past_hits = 0, hits_beyond_window = 0;
+  std::uint64_t rejected = 0;
   for (std::size_t i = 0; i < trace.requests.size(); ++i) {
     synthesize_prompt(trace, i, prompt);
     const auto r = timer.measure([&] { return m.try_admit(i, prompt); });
@@ -347,19 +348,35 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
       ++rejected;
       continue;
     }
-    if (past > 0 && prompt.size() > past) {
-      past_queries += prompt.size();
-      past_hits += r.num_cached_tokens;
-    }
-    if (past > 0 && r.num_cached_tokens > past) ++hits_beyond_window;
+    admitted(r, prompt.size());
     const pagedkv::SeqId id = i;
     const std::uint32_t n = static_cast<std::uint32_t>(prompt.size() - r.num_cached_tokens);
-    const auto views = buffers.view(1, blocks_for(prompt.size(), opt.block_size), n);
+    const auto views = buffers.view(1, blocks_for(prompt.size(), block_size), n);
     timer.measure([&] {
       (void)m.build_batch_metadata(std::span(&id, 1), views);
       m.free(id);
     });
+    freed();
   }
+  return rejected;
+}
+
+template <class Hasher>
+Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager,
+               std::size_t past) {
+  pagedkv::HybridKVCacheManager<Hasher> m(make_config(model, opt, 0));
+  LibraryTimer timer;
+  std::uint64_t past_queries = 0, past_hits = 0, hits_beyond_window = 0;
+  const std::uint64_t rejected = one_at_a_time(
+      trace, m, opt.block_size, timer,
+      [&](const pagedkv::AdmitResult& r, std::size_t prompt_len) {
+        if (past > 0 && prompt_len > past) {
+          past_queries += prompt_len;
+          past_hits += r.num_cached_tokens;
+        }
+        if (past > 0 && r.num_cached_tokens > past) ++hits_beyond_window;
+      },
+      [] {});
   const pagedkv::CacheStats s = m.stats();
   Row row;
   row.add("trace", trace.path.stem().string())
@@ -402,29 +419,15 @@ Row recurrent_row(const Trace& trace, const HybridOptions& opt, const ModelLayer
     g.last_checkpoint = last;
   }
   pagedkv::KVCacheManager<Hasher> m(c);
-  GroupBuffers buffers(c.groups.size());
   LibraryTimer timer;
-  std::vector<pagedkv::TokenId> prompt;
-  std::uint64_t rejected = 0;
   std::size_t peak_checkpoints = 0;
-  for (std::size_t i = 0; i < trace.requests.size(); ++i) {
-    synthesize_prompt(trace, i, prompt);
-    const auto r = timer.measure([&] { return m.try_admit(i, prompt); });
-    if (!r.admitted()) {
-      ++rejected;
-      continue;
-    }
-    const pagedkv::SeqId id = i;
-    const std::uint32_t n = static_cast<std::uint32_t>(prompt.size() - r.num_cached_tokens);
-    const auto views = buffers.view(1, blocks_for(prompt.size(), block_size), n);
-    timer.measure([&] {
-      (void)m.build_batch_metadata(std::span(&id, 1), views);
-      m.free(id);
-    });
-    std::size_t checkpoints = 0;
-    for (std::size_t g = 0; g < c.groups.size(); ++g) checkpoints += m.is_recurrent(g) ? m.prefix_index(g).size() : 0;
-    peak_checkpoints = std::max(peak_checkpoints, checkpoints);
-  }
+  const std::uint64_t rejected = one_at_a_time(
+      trace, m, block_size, timer, [](const pagedkv::AdmitResult&, std::size_t) {},
+      [&] {
+        std::size_t checkpoints = 0;
+        for (std::size_t g = 0; g < c.groups.size(); ++g) checkpoints += m.is_recurrent(g) ? m.prefix_index(g).size() : 0;
+        peak_checkpoints = std::max(peak_checkpoints, checkpoints);
+      });
   const pagedkv::CacheStats st = m.stats();
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const double block_bytes = static_cast<double>(m.bytes_per_block());
