@@ -199,7 +199,7 @@ class _Seq:
 def _group_spec(spec, g: int):
     """The pagedkv KVCacheGroupSpec of vLLM KV-cache spec `spec` (group g), or Unsupported."""
     if isinstance(spec, MambaSpec):
-        raise Unsupported(f"group {g} is {type(spec).__name__}: pagedkv has no recurrent group yet (issue 20)")
+        raise Unsupported(f"group {g} is {type(spec).__name__}: its mamba block layout is not mapped onto pagedkv's recurrent groups (issue 20)")
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
         raise Unsupported(f"group {g} is {type(spec).__name__} (encoder tokens): pagedkv has no encoder groups")
     if isinstance(spec, SlidingWindowSpec):

@@ -752,7 +752,7 @@ class GroupsDriver {
         gb.swap_in.assign(2 * (queued_in + pad) + 2, kS);
       }
       views[g] = {gb.indptr, gb.indices, gb.last_page_len, gb.block_tables, gb.row, gb.seq_lens, gb.qo_indptr,
-                  gb.slot_mapping, gb.copies, gb.swap_out, gb.swap_in};
+                  gb.slot_mapping, gb.copies, gb.swap_out, gb.swap_in, {}, {}, {}, {}, {}};
     }
     const Snapshot before = snapshot();
     std::vector<pagedkv::BatchMetadataSizes> sz;
