@@ -58,13 +58,17 @@ inline std::string idle_row_message(std::uint64_t id, std::size_t row, bool sche
 /// batch with rows needs these outputs in that group's buffers (kBadShape otherwise), and they stay unused in the
 /// other groups' buffers:
 ///  - `state_in`      `[max_batch]` int32, the block to read row b's initial state from: its working state, the
-///                    checkpoint of its prefix hit on its first build after admission, or -1 (a zero state: the
-///                    sequence starts at position 0).
+///                    checkpoint of its prefix hit on its first build after admission, a draft state (a row that
+///                    starts inside lookahead positions), or -1 (a zero state: the sequence starts at position 0).
 ///  - `state_out`     `[max_batch]` int32, the block that receives row b's state after its last token of the step
-///                    (its working state; may equal state_in: an update in place).
+///                    (its working state; may equal state_in: an update in place); -1 for a row that computes
+///                    lookahead positions (speculative drafts): its checkpoint entries then hold the state after
+///                    its last known token (into the working state) and after each lookahead position (into that
+///                    draft's block), so that commit_lookahead can keep any accepted prefix.
 ///  - `checkpoint_indptr` `[max_batch + 1]` int32, row b's checkpoints are entries [indptr[b], indptr[b + 1]).
 ///  - `checkpoint_positions` `[max_checkpoints]` int32, the position P of a checkpoint: the state after the first
-///                    P tokens of the sequence (after its token P - 1, which this step computes).
+///                    P tokens of the sequence (after its token P - 1, which this step computes). Non-decreasing
+///                    within a row; a position may appear twice (two blocks receive the same state).
 ///  - `checkpoint_blocks` `[max_checkpoints]` int32, the block that receives that state.
 /// Padding: state_in / state_out -1, checkpoint_indptr repeats its last value, checkpoint entries -1.
 /// Order of one step's work on the device (the contract the lists are built for): swap_out, then swap_in, then
@@ -116,8 +120,9 @@ struct BatchMetadataLimits {
   /// Swap pairs per direction per build (host tier: offloads of evicted blocks, swap preemption of whole
   /// sequences, onboarding of host hits); 0 = no host tier (no swap buffers).
   std::size_t max_swaps = 0;
-  /// Checkpoints of recurrent-state groups per build; 0 = max_tokens_per_step (each checkpoint ends on a token the
-  /// step computes, so this bound always holds).
+  /// Checkpoints of recurrent-state groups per build; 0 = 2 x max_tokens_per_step (each entry ends on a token the
+  /// step computes, and a position gets at most two: a checkpoint and, with lookahead, the working or a draft
+  /// state; so this bound always holds).
   std::size_t max_checkpoints = 0;
 };
 
@@ -158,7 +163,7 @@ struct BatchMetadataCapacity {
   c.state_in = c.state_out = limits.max_batch;
   c.checkpoint_indptr = limits.max_batch + 1;
   c.checkpoint_positions = c.checkpoint_blocks =
-      limits.max_checkpoints != 0 ? limits.max_checkpoints : limits.max_tokens_per_step;
+      limits.max_checkpoints != 0 ? limits.max_checkpoints : 2 * limits.max_tokens_per_step;
   detail::check_metadata_value(c.checkpoint_positions, "batch_metadata_capacity: max_checkpoints");
   return c;
 }

@@ -296,11 +296,11 @@ class KVCacheManager {
   /// prefix will resume (docs/groups.md "Recurrent-state groups"). The build that computes token pos - 1 writes it
   /// (listed with the others in `checkpoint_positions` / `checkpoint_blocks`), then it is registered and cached like
   /// them. `pos` must be a block boundary (a checkpoint is keyed by the chain hash of the blocks before it) inside
-  /// (num_built, num_slotted]: its tokens have slots and its state is not computed yet. Returns kOk (also when a
-  /// checkpoint is kept there already), or kNoCapacity, changing nothing, when the pool lacks the block each
-  /// recurrent group needs. Throws kUnknownSequence; kInvalidArgument (no recurrent group, prefix caching off, pos
-  /// not a multiple of block_size, pos <= num_built: that state is computed already and gone); kLimitExceeded (pos
-  /// beyond the positions with slots); nothing changes then.
+  /// (num_built, min(num_slotted, num_known)]: its tokens have slots and known ids, its state is not computed yet.
+  /// Returns kOk (also when a checkpoint is kept there already), or kNoCapacity, changing nothing, when the pool
+  /// lacks the block each recurrent group needs. Throws kUnknownSequence; kInvalidArgument (no recurrent group,
+  /// prefix caching off, pos not a multiple of block_size, pos <= num_built: that state is computed already and
+  /// gone); kLimitExceeded (pos beyond the positions with slots, or inside lookahead slots); nothing changes then.
   AppendStatus mark_checkpoint(SeqId seq, std::size_t pos) {
     sequence_type& q = live(seq, "mark_checkpoint");
     const std::size_t bs = config_.block_size;
@@ -313,6 +313,10 @@ class KVCacheManager {
     if (pos % bs != 0) bad(Errc::kInvalidArgument, "not a multiple of the block size " + std::to_string(bs));
     if (pos > q.num_slotted()) {
       bad(Errc::kLimitExceeded, "beyond the sequence's " + std::to_string(q.num_slotted()) + " positions with slots");
+    }
+    if (pos > q.num_known()) {
+      bad(Errc::kLimitExceeded, "inside the lookahead slots (after the " + std::to_string(q.num_known()) +
+                                    " known tokens): their token ids are not known");
     }
     if (pos <= q.num_built) {
       bad(Errc::kInvalidArgument, "at or before the " + std::to_string(q.num_built) +
@@ -334,22 +338,40 @@ class KVCacheManager {
   /// does not know yet (draft tokens proposed on the GPU), all or nothing. The builds emit them like any pending
   /// slot (the verification step writes the drafts' K/V there); `commit_lookahead` later keeps the accepted ones
   /// and rewinds the rest. A block holding a lookahead position is never hashed or registered until its ids are
-  /// committed. Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()),
-  /// kInvalidArgument (prompt tokens without slots, lookahead already outstanding: commit it first, or a
-  /// recurrent-state group: not supported yet).
+  /// committed. With a recurrent-state group, each lookahead slot also takes one *draft state* block per such group
+  /// (`GroupTableState::drafts`): the build writes the state after each draft token there (listed in the checkpoint
+  /// outputs; see BatchMetadataBuffers::state_out), so that commit_lookahead can keep the state after the last
+  /// accepted draft, whatever the verification accepts (vLLM keeps per-draft Mamba states for speculative decoding
+  /// the same way). Throws kUnknownSequence, kLimitExceeded (length would exceed max_tokens_per_seq()),
+  /// kInvalidArgument (prompt tokens without slots, or lookahead already outstanding: commit it first).
   AppendResult<Id> try_reserve_lookahead(SeqId seq, std::size_t k) {
     sequence_type& q = live(seq, "try_reserve_lookahead");
     check_growable(q, seq, k, "try_reserve_lookahead");
-    if (any_recurrent_) {
-      detail::raise(Errc::kInvalidArgument, "try_reserve_lookahead: sequence " + std::to_string(seq) +
-                                                ": lookahead slots are not supported with a recurrent-state group "
-                                                "yet (a rejected draft would need the state before it)");
-    }
     if (k == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
-    const CapacityQuery cq = query_growth(q, k);
+    const CapacityQuery cq = query_growth(q, k, k);
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
-    prepare_growth(q, k);
+    prepare_growth(q, k, k);
+    if (any_recurrent_) {  // the growth's copies (one per group) + a copy per recurrent group (below)
+      detail::reserve_more(pending_copies_, 2 * num_groups_);
+      detail::reserve_more(copy_owners_, 2 * num_groups_);
+    }
     AppendResult<Id> r = commit_growth(q, k, cq.num_blocks);
+    for (std::size_t g = 1; g < num_groups_ && any_recurrent_; ++g) {  // room reserved above
+      if (!is_recurrent(g)) continue;
+      GroupTableState<Id>& st = q.other_groups[g - 1];
+      for (std::size_t j = 0; j < k; ++j) st.drafts.push_back(allocate_one(g));
+      // Every known position built but the working state not written yet (the hit's checkpoint holds the state): a
+      // step computing only drafts would not write it, so it takes a copy of the checkpoint now.
+      if (!st.state_valid && q.num_built == q.num_known() && q.num_built > 0) {
+        const Id src = st.table.blocks()[q.num_built / config_.block_size - 1];
+        acquire_block(src);  // the copy's hold on its source
+        pending_copies_.push_back(copy_type{src, st.state, static_cast<std::uint32_t>(g)});
+        copy_owners_.push_back(&q);
+        ++q.num_pending_copies;
+        st.state_valid = true;
+      }
+    }
+    note_peak();
     q.num_lookahead = k;
     return r;
   }
@@ -381,19 +403,28 @@ class KVCacheManager {
     events_.reserve_more(max_reg * num_groups_);
     switched_scratch_.clear();
     switched_scratch_.reserve(max_reg);
+    if (any_recurrent_) {  // a copy per recurrent group (resolve_drafts)
+      detail::reserve_more(pending_copies_, num_groups_);
+      detail::reserve_more(copy_owners_, num_groups_);
+    }
     append_known_tokens(q, accepted);
     // Nothing below throws.
     const std::size_t rejected = q.num_lookahead - a;
     q.num_lookahead = 0;
+    for (std::size_t g = 1; g < num_groups_ && any_recurrent_; ++g) {
+      if (is_recurrent(g)) resolve_drafts(q, g, old_known, a);
+    }
     for (std::size_t g = 0; g < num_groups_; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).rewind(rejected, pool);
+      null_partial_checkpoint(q, g);
     }
     q.num_built = std::min(q.num_built, q.num_slotted());
     for (std::size_t g = 0; g < num_groups_; ++g) {  // the accepted blocks whose writes were issued
       switched_scratch_.clear();
       register_full_blocks(q, g);
     }
+    if (any_recurrent_) release_out_of_window(q);  // written checkpoints of accepted positions go to the cache
   }
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
@@ -683,14 +714,15 @@ class KVCacheManager {
     const std::size_t keep_slotted = std::min(q.num_slotted(), len + q.num_lookahead - drop_lookahead);
     if (!simple_) {  // the rewind floor of every windowed group
       const std::size_t new_built = std::min(q.num_built, keep_slotted);
+      const std::size_t built_known = std::min(q.num_built, q.num_known());  // lookahead positions may go
       for (std::size_t g = 0; g < num_groups_; ++g) {
         if (is_recurrent(g)) {
-          if (new_built == q.num_built) continue;
+          if (len >= built_known) continue;
           detail::raise(Errc::kLimitExceeded,
                         "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
                             " tokens would take the state of recurrent group " + std::to_string(g) + " back from " +
-                            std::to_string(q.num_built) + " built positions to " + std::to_string(new_built) +
-                            ": a recurrent state cannot be rewound (only unbuilt positions can)");
+                            std::to_string(built_known) + " built positions to " + std::to_string(len) +
+                            ": a recurrent state cannot be rewound (only unbuilt or lookahead positions can)");
         }
         const std::size_t need = detail::first_kept_block(windows_[g], new_built, config_.block_size);
         if (q.released_of(g) > need) {
@@ -710,10 +742,8 @@ class KVCacheManager {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
-      // A recurrent group's checkpoint block left partial will not be written: null, as before it was completed.
-      if (is_recurrent(g) && t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
-        release_block(t.replace_block(t.num_blocks() - 1, Id{0}));
-      }
+      null_partial_checkpoint(q, g);
+      if (g > 0) release_drafts(q.other_groups[g - 1], q.num_lookahead);  // the dropped lookahead slots' drafts
     }
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
@@ -1921,6 +1951,7 @@ class KVCacheManager {
       og.state_valid = false;
       og.last_block = Id{0};
       og.last_pos = 0;
+      og.drafts.clear();
     }
     spare_.push_back(std::move(node));  // room reserved at construction
   }
@@ -1993,11 +2024,12 @@ class KVCacheManager {
   // What growing `q` by n > 0 slots takes now, over every group. Never fits: even with every other sequence gone,
   // `q` would hold more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced
   // by a hash not).
-  [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n) const {
-    return simple_ ? query_growth_in<true>(q, n) : query_growth_in<false>(q, n);
+  // `drafts`: lookahead slots among the n (a draft state each in every recurrent group).
+  [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n, std::size_t drafts = 0) const {
+    return simple_ ? query_growth_in<true>(q, n, 0) : query_growth_in<false>(q, n, drafts);
   }
   template <bool kOne>
-  [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n) const {
+  [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n, std::size_t drafts) const {
     const std::size_t bs = config_.block_size;
     std::size_t needed = 0, held_after = 0;
     for (std::size_t g = 0; g < groups<kOne>(); ++g) {
@@ -2007,9 +2039,9 @@ class KVCacheManager {
         if (is_recurrent(g)) {  // the checkpoints the growth completes, and a copy of a shared working state
           const GroupTableState<Id>& st = q.other_groups[g - 1];
           const std::size_t ck = checkpoints_between(g, q.num_slotted(), q.num_slotted() + n);
-          needed += ck + (st.state != Id{0} && table_refcount(st.state) > 1 ? 1 : 0) +
+          needed += ck + drafts + (st.state != Id{0} && table_refcount(st.state) > 1 ? 1 : 0) +
                     (st.last_block != Id{0} && table_refcount(st.last_block) > 1 ? 1 : 0);
-          held_after += state_blocks(g) + ck;
+          held_after += state_blocks(g) + ck + drafts;
           for (std::size_t i = q.released_of(g); i < nblocks; ++i) held_after += t.blocks()[i] != Id{0} ? 1 : 0;
           continue;
         }
@@ -2030,7 +2062,8 @@ class KVCacheManager {
   }
 
   // Reserve everything commit_growth(q, n) needs, so that it cannot throw. May throw; changes nothing visible.
-  void prepare_growth(sequence_type& q, std::size_t n) {
+  // `drafts`: lookahead slots among the n (a draft state each in every recurrent group).
+  void prepare_growth(sequence_type& q, std::size_t n, std::size_t drafts = 0) {
     const std::size_t bs = config_.block_size;
     const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
     const std::size_t G = num_groups_;
@@ -2039,7 +2072,10 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
     if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
     slot_scratch_.clear();
-    reserve_for_allocations(G * (new_blocks + 2), 0);  // + a copy; a recurrent group: + a completed partial block
+    reserve_for_allocations(G * (new_blocks + 2 + drafts), 0);  // + a copy; recurrent: + a completed partial block
+    for (std::size_t g = 1; g < G && drafts != 0; ++g) {
+      if (is_recurrent(g)) q.other_groups[g - 1].drafts.reserve(drafts);
+    }
   }
 
   // Give `q` n more slots in every group (capacity checked by query_growth, room reserved by prepare_growth): the
@@ -2221,7 +2257,54 @@ class KVCacheManager {
         q.other_groups[g - 1].state_valid = false;
       }
       if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) release_last_checkpoint(q, g);
+      if (g > 0) release_drafts(q.other_groups[g - 1], 0);
     }
+  }
+  // A recurrent group's checkpoint block that a rewind left partial will not be written: null, as before it was
+  // completed (grow_recurrent takes a block again when a growth completes it).
+  void null_partial_checkpoint(sequence_type& q, std::size_t g) {
+    BlockTable<Id>& t = q.table_of(g);
+    if (is_recurrent(g) && t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
+      release_block(t.replace_block(t.num_blocks() - 1, Id{0}));
+    }
+  }
+  // commit_lookahead of recurrent group g of q: `accepted` of the lookahead slots after `base` known tokens were
+  // accepted. Of them, the first `built` = min(accepted, num_built - base) have their states in the drafts: the
+  // state after the last of them becomes the working state (block ids swapped), the last block boundary among them
+  // becomes the last checkpoint (KVCacheGroupSpec::last_checkpoint; when it is also the working state's position,
+  // the working state is filled by a copy of it, pending like a copy-on-write). Every other draft is released. Room
+  // for the copy reserved by the caller. Never throws.
+  void resolve_drafts(sequence_type& q, std::size_t g, std::size_t base, std::size_t accepted) {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    const std::size_t bs = config_.block_size;
+    const std::size_t built = std::min(accepted, q.num_built > base ? q.num_built - base : 0);
+    bool copied = false;
+    const std::size_t boundary = (base + built) / bs * bs;  // the last boundary the accepted drafts cross
+    if (built > 0 && keeps_last(g) && boundary > base) {
+      st.last_pos = 0;  // as a build: the table's checkpoint there, if any, is the last one
+      if (st.table.blocks()[boundary / bs - 1] == Id{0}) {
+        std::swap(st.last_block, st.drafts[boundary - base - 1]);
+        st.last_pos = boundary;
+        if (boundary == base + built) {  // the working state is the same state: a copy of the last checkpoint
+          acquire_block(st.last_block);  // the copy's hold on its source
+          pending_copies_.push_back(copy_type{st.last_block, st.state, static_cast<std::uint32_t>(g)});
+          copy_owners_.push_back(&q);
+          ++q.num_pending_copies;
+          st.state_valid = true;
+          copied = true;
+        }
+      }
+    }
+    if (built > 0 && !copied) {
+      std::swap(st.state, st.drafts[built - 1]);
+      st.state_valid = true;
+    }
+    release_drafts(st, 0);
+  }
+  // Release the draft states of st from the `keep`-th on (lookahead slots dropped or resolved).
+  void release_drafts(GroupTableState<Id>& st, std::size_t keep) {
+    for (std::size_t j = keep; j < st.drafts.size(); ++j) release_block(st.drafts[j]);
+    st.drafts.resize(std::min(keep, st.drafts.size()));
   }
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
   // min(num_built, num_known): built lookahead positions do not count, since commit_lookahead may reject them and
@@ -2232,9 +2315,11 @@ class KVCacheManager {
       if (!windows_[g].enabled()) continue;
       BlockTable<Id>& t = q.table_of(g);
       // A recurrent group keeps no block for the next query (its working state is apart): its checkpoints go to the
-      // cache once written.
+      // cache once written; but the hit's checkpoint stays while it holds the state (no build wrote the working
+      // state yet: a commit_lookahead that accepted nothing built).
+      const std::size_t kept = is_recurrent(g) && !q.other_groups[g - 1].state_valid && committed > 0 ? 1 : 0;
       const std::size_t target =
-          std::min(is_recurrent(g) ? committed / config_.block_size
+          std::min(is_recurrent(g) ? committed / config_.block_size - kept
                                    : detail::first_kept_block(windows_[g], committed, config_.block_size),
                    t.num_blocks());
       std::size_t& released = q.released_of(g);
@@ -2268,13 +2353,16 @@ class KVCacheManager {
     return config_.enable_prefix_caching && config_.groups[g].last_checkpoint;
   }
   // Upper bound of the checkpoints a build lists for recurrent group g of q computing positions [first, end): the
-  // table's checkpoint blocks ending inside, and the last checkpoint.
+  // table's checkpoint blocks ending inside, the last checkpoint, and with lookahead positions inside, the working
+  // state at the last known token and one draft state per lookahead position.
   [[nodiscard]] std::size_t checkpoints_in_step(const sequence_type& q, std::size_t g, std::size_t first,
                                                 std::size_t end) const noexcept {
     const std::size_t bs = config_.block_size;
     const auto blocks = q.table_of(g).blocks();
     std::size_t n = keeps_last(g) ? 1 : 0;
     for (std::size_t i = first / bs; (i + 1) * bs <= end; ++i) n += blocks[i] != Id{0} ? 1 : 0;
+    const std::size_t base = q.num_known();  // lookahead: the working state at base, a draft state per position
+    if (end > base) n += (first < base ? 1 : 0) + end - std::max(first, base);
     return n;
   }
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
@@ -2532,38 +2620,56 @@ class KVCacheManager {
 
   // Recurrent group g's outputs of batch row b (sequence q computing positions [first, seq_len)): the block its
   // initial state is read from, its working state, and the checkpoints whose last position it computes (a block
-  // switched to an identical registered one by this build is not written: it holds that state already). Marks the
-  // working state valid. Room checked by the build.
+  // switched to an identical registered one by this build is not written: it holds that state already), in position
+  // order. A row reaching into lookahead positions (after the base = num_known known tokens) writes no state_out: the
+  // working state is a checkpoint entry at base, each lookahead position's state an entry into its draft block. Marks
+  // the working state valid when the row writes it. Room checked by the build.
   void write_state_row(sequence_type& q, std::size_t g, std::size_t b, std::size_t first, std::size_t seq_len,
                        const BatchMetadataBuffers& buf, std::size_t& num_checkpoints) {
     GroupTableState<Id>& st = q.other_groups[g - 1];
     const auto blocks = st.table.blocks();
     const std::size_t bs = config_.block_size;
-    const std::int32_t in = st.state_valid ? static_cast<std::int32_t>(st.state)
-                            : first == 0   ? -1
-                                           : static_cast<std::int32_t>(blocks[first / bs - 1]);  // the hit's checkpoint
-    buf.state_in[b] = in;
-    buf.state_out[b] = static_cast<std::int32_t>(st.state);
-    st.state_valid = true;
-    if (b == 0) buf.checkpoint_indptr[0] = 0;
-    // The table's checkpoint blocks (of the interval, or marked) that end inside the step.
-    for (std::size_t i = first / bs; (i + 1) * bs <= seq_len; ++i) {
-      const bool switched = std::find(switched_scratch_.begin(), switched_scratch_.end(), i) != switched_scratch_.end();
-      if (blocks[i] == Id{0} || switched) continue;
-      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>((i + 1) * bs);
-      buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(blocks[i]);
-      ++num_checkpoints;
+    const std::size_t base = q.num_known();
+    std::int32_t in = -1;  // the zero state
+    if (first > base) {
+      in = static_cast<std::int32_t>(st.drafts[first - base - 1]);
+    } else if (st.state_valid) {
+      in = static_cast<std::int32_t>(st.state);
+    } else if (first > 0) {
+      in = static_cast<std::int32_t>(blocks[first / bs - 1]);  // the hit's checkpoint
     }
-    // The last block boundary this step crosses, into the last checkpoint (unless the table keeps a checkpoint
-    // there already).
-    const std::size_t boundary = seq_len / bs * bs;
+    buf.state_in[b] = in;
+    buf.state_out[b] = seq_len <= base ? static_cast<std::int32_t>(st.state) : -1;
+    if (b == 0) buf.checkpoint_indptr[0] = 0;
+    const auto put = [&](std::size_t pos, Id block) {
+      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(pos);
+      buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(block);
+      ++num_checkpoints;
+    };
+    // The table's checkpoint blocks (of the interval, or marked) that end at position `pos` (a block boundary).
+    const auto table_entry = [&](std::size_t pos) {
+      const std::size_t i = pos / bs - 1;
+      const bool switched = std::find(switched_scratch_.begin(), switched_scratch_.end(), i) != switched_scratch_.end();
+      if (blocks[i] != Id{0} && !switched) put(pos, blocks[i]);
+    };
+    const std::size_t known_end = std::min(seq_len, base);
+    for (std::size_t pos = (first / bs + 1) * bs; pos <= known_end; pos += bs) table_entry(pos);
+    // The last block boundary of the known positions this step crosses, into the last checkpoint (unless the table
+    // keeps a checkpoint there already).
+    const std::size_t boundary = known_end / bs * bs;
     if (keeps_last(g) && boundary > first) {
       st.last_pos = 0;
       if (blocks[boundary / bs - 1] == Id{0}) {
-        buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(boundary);
-        buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(st.last_block);
-        ++num_checkpoints;
+        put(boundary, st.last_block);
         st.last_pos = boundary;
+      }
+    }
+    if (seq_len <= base || first < base) st.state_valid = true;
+    if (seq_len > base) {  // lookahead positions
+      if (first < base) put(base, st.state);
+      for (std::size_t pos = std::max(first, base) + 1; pos <= seq_len; ++pos) {
+        if (pos % bs == 0) table_entry(pos);
+        put(pos, st.drafts[pos - base - 1]);
       }
     }
     buf.checkpoint_indptr[b + 1] = static_cast<std::int32_t>(num_checkpoints);

@@ -37,6 +37,10 @@ struct GroupTableState {
   /// next growth of either side, which then starts a new one.
   Id last_block = 0;
   std::size_t last_pos = 0;
+  /// Recurrent groups, while lookahead slots are outstanding (speculative decoding): `drafts[j]` receives the state
+  /// after num_known + j + 1 tokens (the state after draft token j), one block per lookahead slot;
+  /// commit_lookahead keeps the one after the last accepted draft as the working state and releases the others.
+  std::vector<Id> drafts;
 };
 
 /// One live sequence as the KVCacheManager tracks it. A plain aggregate with derived queries; the manager keeps
@@ -67,7 +71,7 @@ struct SequenceState {
   explicit SequenceState(std::uint32_t block_size, std::size_t num_groups = 1) : table(block_size) {
     other_groups.reserve(num_groups - 1);
     for (std::size_t g = 1; g < num_groups; ++g) {
-      other_groups.push_back({BlockTable<Id>(block_size), 0, 0, Id{0}, false, Id{0}, 0});
+      other_groups.push_back({BlockTable<Id>(block_size), 0, 0, Id{0}, false, Id{0}, 0, {}});
     }
   }
 

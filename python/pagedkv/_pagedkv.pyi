@@ -984,12 +984,12 @@ class KVCacheManager:
 
     def mark_checkpoint(self, seq: int, pos: int) -> AppendStatus:
         """
-        Keep the state after the first `pos` tokens of `seq` as a checkpoint of every recurrent group (the end of a chat turn or tool output), besides those of the interval. `pos`: a block boundary in (num_built, num_tokens]. Returns AppendStatus.OK or NO_CAPACITY (nothing changed). Raises UnknownSequenceError, InvalidArgumentError (no recurrent group, prefix caching off, not a block boundary, already built), LimitExceededError (beyond the slotted positions).
+        Keep the state after the first `pos` tokens of `seq` as a checkpoint of every recurrent group (the end of a chat turn or tool output), besides those of the interval. `pos`: a block boundary in (num_built, num_tokens], not inside lookahead slots. Returns AppendStatus.OK or NO_CAPACITY (nothing changed). Raises UnknownSequenceError, InvalidArgumentError (no recurrent group, prefix caching off, not a block boundary, already built), LimitExceededError (beyond the slotted positions, or inside lookahead slots).
         """
 
     def try_reserve_lookahead(self, seq: int, k: int) -> AppendResult:
         """
-        Speculative decoding: reserve `k` lookahead slots after the last token of `seq`.
+        Speculative decoding: reserve `k` lookahead slots after the last token of `seq`. With a recurrent group, each slot also takes a draft state block in it (the build writes the state after each draft there; commit_lookahead keeps the one after the last accepted draft).
         """
 
     def commit_lookahead(self, seq: int, accepted: numpy.typing.NDArray[numpy.int32] | Sequence[int]) -> None:

@@ -36,15 +36,19 @@ class _Engine:
             end = int(b.seq_lens[r])
             first = end - int(b.qo_indptr[r + 1] - b.qo_indptr[r])
             state = 0 if b.state_in[r] == -1 else self.mem[int(b.state_in[r])]
-            ck = {int(b.checkpoint_positions[c]): int(b.checkpoint_blocks[c])
-                  for c in range(b.checkpoint_indptr[r], b.checkpoint_indptr[r + 1])}
-            toks = tokens_of[seq]
+            ck = {}  # position -> blocks (a position may name two: a checkpoint and a draft state)
+            for c in range(b.checkpoint_indptr[r], b.checkpoint_indptr[r + 1]):
+                ck.setdefault(int(b.checkpoint_positions[c]), []).append(int(b.checkpoint_blocks[c]))
+            toks = tokens_of[seq]  # known tokens, then the drafts of lookahead slots (the GPU's)
             for p in range(first, end):
                 state = _scan(state, toks[p:p + 1], p)
-                if p + 1 in ck:
-                    self.mem[ck[p + 1]] = state
-            assert int(b.state_out[r]) == self.m.state_block(seq, 1)
-            self.mem[int(b.state_out[r])] = state
+                for blk in ck.get(p + 1, []):
+                    self.mem[blk] = state
+            if end <= len(self.m.token_ids(seq)):
+                assert int(b.state_out[r]) == self.m.state_block(seq, 1)
+                self.mem[int(b.state_out[r])] = state
+            else:  # a row computing lookahead positions: the states are checkpoint entries
+                assert int(b.state_out[r]) == -1
         return sizes
 
 
@@ -121,3 +125,26 @@ def test_mark_checkpoint_serves_a_shared_system_prompt():
     assert m.try_admit(2, b).num_cached_tokens == 20
     e.build([2], {2: b})
     assert e.mem[m.state_block(2, 1)] == _scan(0, b, 0)
+
+
+def test_speculative_decoding_keeps_the_state_after_the_accepted_drafts():
+    cfg = pagedkv.CacheConfig(num_blocks=64, block_size=BS,
+                              groups=[KVCacheGroupSpec(), KVCacheGroupSpec(AttentionKind.RECURRENT, window_tokens=8)])
+    m = pagedkv.KVCacheManager(cfg, hasher="xxh3")
+    e = _Engine(m)
+    prompt = list(range(20, 30))
+    assert m.try_admit(1, prompt).admitted
+    e.build([1], {1: prompt})
+    assert m.try_append(1, [7]).ok
+    drafts = [50, 51, 52, 53]
+    held = m.held_blocks(1)
+    assert m.try_reserve_lookahead(1, 4).ok
+    assert m.held_blocks(1) - held == 4  # a draft state per lookahead slot (no checkpoint boundary inside)
+    e.build([1], {1: prompt + [7] + drafts})  # the verification step: the sampled token and the drafts
+    m.commit_lookahead(1, drafts[:2])  # two drafts accepted
+    tokens = prompt + [7] + drafts[:2]
+    assert list(m.token_ids(1)) == tokens and m.num_built(1) == len(tokens)
+    assert e.mem[m.state_block(1, 1)] == _scan(0, tokens, 0)
+    assert m.try_append(1, [9]).ok  # the bonus token
+    e.build([1], {1: tokens + [9]})
+    assert e.mem[m.state_block(1, 1)] == _scan(0, tokens + [9], 0)

@@ -3,9 +3,12 @@
 // operations decoded from the input). A toy recurrence (an affine scan over the tokens and their positions) plays
 // the SSM kernel: a shadow pool holds the state each block would hold; a build runs the step as an engine does
 // (every copy, then per row: read state_in, scan the step's tokens, write each listed checkpoint, write state_out).
+// Speculative decoding: the engine keeps the draft tokens of each sequence's lookahead slots (the host manager does
+// not know them), the step scans them, and commit_lookahead accepts a prefix of them.
 // After every operation `check` asserts, from the manager's public state:
-//  - every built sequence's working state (or the pending copy that fills it) is the scan of its built tokens;
-//    before its first build, the hit's checkpoint (table entry num_built / bs - 1) is;
+//  - every built sequence's working state (or the pending copy that fills it) is the scan of its built known
+//    tokens; before its first build, the hit's checkpoint (table entry num_built / bs - 1) is; each built draft
+//    state is the scan of the known tokens and the drafts up to it;
 //  - its last checkpoint holds the scan up to its position; its table holds only unwritten checkpoints;
 //  - every registered checkpoint holds the scan of the prefix its hash names;
 //  - refcounts = table entries + working states + last checkpoints + pending copy sources; held_blocks(g) = the
@@ -55,7 +58,7 @@ inline std::uint64_t splitmix(std::uint64_t& x) {
 /// What a run did (so a test can check that it exercised hits, forks, ...).
 struct Counts {
   std::size_t admits = 0, hits = 0, forks = 0, builds = 0, rewinds = 0, refusals = 0, preemptions = 0, marks = 0,
-              swaps = 0, resumes = 0;
+              swaps = 0, resumes = 0, lookaheads = 0, accepted = 0;
 };
 
 /// The engine and its checks. `Fail` is called with a message when a check fails and must not return.
@@ -108,7 +111,8 @@ class Engine {
               "num_checkpoints == checkpoint_indptr[batch]");
       std::vector<std::pair<std::int32_t, std::uint64_t>> writes;  // a step's reads come before its writes
       for (std::size_t r = 0; r < batch.size(); ++r) {
-        const auto tokens = m.token_ids(batch[r]);
+        const std::vector<TokenId> tokens = tokens_with_drafts(batch[r]);
+        const std::size_t base = m.sequence(batch[r]).num_known();
         const auto& og = m.sequence(batch[r]).other_groups[g - 1];
         const std::size_t seq_len = static_cast<std::size_t>(st.seq_lens[r]);
         const std::size_t first = seq_len - static_cast<std::size_t>(st.qo_indptr[r + 1] - st.qo_indptr[r]);
@@ -118,19 +122,27 @@ class Engine {
         std::int32_t c = st.checkpoint_indptr[r];
         for (std::size_t p = first; p < seq_len; ++p) {
           s = scan_step(s, tokens[p], p);
-          if (c < st.checkpoint_indptr[r + 1] && static_cast<std::size_t>(st.checkpoint_positions[c]) == p + 1) {
-            const bool last = spec.last_checkpoint && p + 1 == seq_len / bs * bs &&
-                              static_cast<std::uint32_t>(st.checkpoint_blocks[c]) == og.last_block &&
-                              og.last_pos == p + 1;
-            require((p + 1) % spec.window_tokens == 0 || last || marks_.contains({batch[r], p + 1}),
-                    "a checkpoint of the interval, a marked one, or the last one at the step's last boundary");
+          while (c < st.checkpoint_indptr[r + 1] && static_cast<std::size_t>(st.checkpoint_positions[c]) == p + 1) {
+            const auto blk = static_cast<std::uint32_t>(st.checkpoint_blocks[c]);
+            const bool last = spec.last_checkpoint && p + 1 == std::min(seq_len, base) / bs * bs &&
+                              blk == og.last_block && og.last_pos == p + 1;
+            const bool working = p + 1 == base && seq_len > base && blk == og.state;
+            const bool draft = p + 1 > base && blk == og.drafts[p - base];
+            require(((p + 1) % bs == 0 && (p + 1) % spec.window_tokens == 0) || last || working || draft ||
+                        marks_.contains({batch[r], p + 1}),
+                    "a checkpoint of the interval, a marked one, the last one at the step's last known boundary, the "
+                    "working state at the last known token or a draft state");
             writes.emplace_back(st.checkpoint_blocks[c], s);
             ++c;
           }
         }
         require(c == st.checkpoint_indptr[r + 1], "every checkpoint inside the step, in position order");
-        require(st.state_out[r] == static_cast<std::int32_t>(m.state_block(batch[r], g)), "state_out is the state");
-        writes.emplace_back(st.state_out[r], s);
+        if (seq_len <= base) {
+          require(st.state_out[r] == static_cast<std::int32_t>(m.state_block(batch[r], g)), "state_out is the state");
+          writes.emplace_back(st.state_out[r], s);
+        } else {
+          require(st.state_out[r] == -1, "no state_out for a row computing lookahead positions");
+        }
       }
       for (std::size_t r = batch.size(); r < st.state_in.size(); ++r) require(st.state_in[r] == -1, "state_in padding");
       for (const auto& [b, v] : writes) mem_[static_cast<std::size_t>(b)] = v;
@@ -172,32 +184,43 @@ class Engine {
                                 std::to_string(q.num_built);
         require(og.state != 0, who + ": holds a working state");
         ++refs[og.state];
+        const std::size_t committed = std::min(q.num_built, q.num_known());
+        require(og.drafts.size() == q.num_lookahead, who + ": a draft state per lookahead slot");
+        for (std::size_t j = 0; j < og.drafts.size(); ++j) {
+          ++refs[og.drafts[j]];
+          if (q.num_known() + j + 1 <= q.num_built) {
+            require(content(og.drafts[j]) == scan(tokens_with_drafts(s), q.num_known() + j + 1),
+                    who + ": a built draft state is the scan of the known tokens and the drafts up to it");
+          }
+        }
         require((og.last_block != 0) == (m.config().groups[g].last_checkpoint && m.config().enable_prefix_caching),
                 who + ": a last checkpoint exactly when configured");
         if (og.last_block != 0) {
           ++refs[og.last_block];
-          require(og.last_pos <= q.num_built, who + ": last checkpoint within the built positions");
+          require(og.last_pos <= committed, who + ": last checkpoint within the built known positions");
           if (og.last_pos > 0) require(content(og.last_block) == scan(q.tokens, og.last_pos), who + ": last checkpoint");
         }
         if (og.state_valid) {
           auto from = og.state;  // a state copied after a fork is filled by a pending copy: its source
           for (const auto& c : m.pending_copies()) from = c.dst == og.state ? c.src : from;
-          require(content(from) == scan(q.tokens, q.num_built), who + ": the working state is the scan of the tokens");
+          require(content(from) == scan(q.tokens, committed), who + ": the working state is the scan of the tokens");
         } else {
-          require(q.num_built % bs == 0, who + ": before the first build, at a block boundary");
-          if (q.num_built > 0) {
-            const auto ck = q.table_of(g).blocks()[q.num_built / bs - 1];
-            require(ck != 0 && content(ck) == scan(q.tokens, q.num_built), who + ": the hit's checkpoint");
+          require(committed % bs == 0, who + ": before the first build, at a block boundary");
+          if (committed > 0) {
+            const auto ck = q.table_of(g).blocks()[committed / bs - 1];
+            require(ck != 0 && content(ck) == scan(q.tokens, committed),
+                    who + ": the hit's checkpoint (known " + std::to_string(q.num_known()) + ", lookahead " +
+                        std::to_string(q.num_lookahead) + ", block " + std::to_string(ck) + ")");
           }
         }
         const auto blocks = q.table_of(g).blocks();
         for (std::size_t i = 0; i < blocks.size(); ++i) {
           if (blocks[i] == 0) continue;
-          const bool hit_entry = !og.state_valid && (i + 1) * bs == q.num_built;
+          const bool hit_entry = !og.state_valid && (i + 1) * bs == committed;
           require(((i + 1) * bs) % m.config().groups[g].window_tokens == 0 || hit_entry ||
                       marks_.contains({s, (i + 1) * bs}),
                   who + ": a table entry is a checkpoint of the interval, a marked one or the hit's");
-          require((i + 1) * bs >= q.num_built, who + ": written checkpoints left the table");
+          require((i + 1) * bs >= committed, who + ": written checkpoints left the table");
         }
       }
     });
@@ -236,10 +259,41 @@ class Engine {
     }
     return st;
   }
+  /// try_reserve_lookahead(seq, drafts.size()), remembering the draft tokens (the GPU's, unknown to the manager).
+  pagedkv::AppendStatus lookahead(SeqId seq, std::vector<TokenId> drafts) {
+    const auto r = m.try_reserve_lookahead(seq, drafts.size());
+    if (r.status == pagedkv::AppendStatus::kOk) drafts_[seq] = std::move(drafts);
+    return r.status;
+  }
+  /// commit_lookahead(seq, the first `a` drafts): the verification accepted them.
+  void commit(SeqId seq, std::size_t a) {
+    std::vector<TokenId>& d = drafts_[seq];
+    const std::vector<TokenId> accepted(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(a));
+    m.commit_lookahead(seq, accepted);
+    drafts_.erase(seq);
+    remember_prefixes(seq);  // checkpoints of accepted positions are registered now
+  }
+  /// rewind(seq, n): lookahead slots go first (their drafts with them).
+  void rewind(SeqId seq, std::size_t n) {
+    m.rewind(seq, n);
+    const auto it = drafts_.find(seq);
+    if (it != drafts_.end()) it->second.resize(m.sequence(seq).num_lookahead);
+  }
+  /// The known tokens of `seq` followed by the drafts of its lookahead slots.
+  std::vector<TokenId> tokens_with_drafts(SeqId seq) const {
+    const auto t = m.token_ids(seq);
+    std::vector<TokenId> all(t.begin(), t.end());
+    const auto it = drafts_.find(seq);
+    if (it != drafts_.end()) all.insert(all.end(), it->second.begin(), it->second.end());
+    return all;
+  }
   /// Whether a mark ever succeeded (then hits may end at marked positions too).
   [[nodiscard]] bool ever_marked() const noexcept { return ever_marked_; }
-  /// `seq` left (freed or preempted): its marks go (its id may come back).
-  void forget_marks(SeqId seq) { std::erase_if(marks_, [&](const auto& k) { return k.first == seq; }); }
+  /// `seq` left (freed or preempted): its marks and drafts go (its id may come back).
+  void forget_marks(SeqId seq) {
+    std::erase_if(marks_, [&](const auto& k) { return k.first == seq; });
+    drafts_.erase(seq);
+  }
 
   /// The largest k (blocks) <= cap_blocks every group serves, from the definitions: a full group needs blocks
   /// [0, k), a sliding window of W the blocks meeting [k * bs - W + 1, k * bs), a recurrent group block k - 1; a
@@ -276,6 +330,7 @@ class Engine {
 
   Fail fail_;
   std::set<std::pair<SeqId, std::size_t>> marks_;  // (sequence, position) marked by mark()
+  std::map<SeqId, std::vector<TokenId>> drafts_;     // the draft tokens of each sequence's lookahead slots
   bool ever_marked_ = false;
   std::uint64_t poison_;
   std::vector<std::uint64_t> mem_;                                                  // [num_blocks] a block's state
@@ -346,8 +401,16 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
     } else if (op < 45) {
       const SeqId s = pick();
       const auto& q = m.sequence(s);
-      if (q.num_unslotted() > 0) {
+      if (q.num_lookahead > 0) {  // the verification accepted a prefix of the drafts
+        const std::size_t a = next(q.num_lookahead + 1);
+        e.commit(s, a);
+        n.accepted += a;
+      } else if (q.num_unslotted() > 0) {
         (void)m.try_reserve(s, 1 + next(q.num_unslotted()));
+      } else if (next(4) == 0) {  // speculative decoding: k draft tokens proposed on the GPU
+        std::vector<TokenId> d(1 + next(5));
+        for (auto& x : d) x = static_cast<TokenId>(next(50));
+        n.lookaheads += e.lookahead(s, d) == pagedkv::AppendStatus::kOk ? 1 : 0;
       } else {
         std::vector<TokenId> t(1 + (next(4) == 0 ? next(20) : 0));
         for (auto& x : t) x = static_cast<TokenId>(next(50));
@@ -368,7 +431,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
       }
     } else if (op < 82) {
       const SeqId s = pick();
-      if (m.sequence(s).settled()) {
+      if (m.sequence(s).settled() && m.transfers().queued().empty()) {  // (no host copy filling a block of it)
         m.fork(s, next_id);
         live.push_back(next_id++);
         ++n.forks;
@@ -406,7 +469,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
       SeqId s = pick();
       for (SeqId t : live) s = m.sequence(t).num_pending() >= bs && next(2) == 0 ? t : s;
       const auto& q = m.sequence(s);
-      const std::size_t lo = q.num_built / bs + 1, hi = q.num_slotted() / bs;  // boundaries (lo..hi) x bs
+      const std::size_t lo = q.num_built / bs + 1, hi = std::min(q.num_slotted(), q.num_known()) / bs;  // (lo..hi) x bs
       const std::size_t kind = next(4);
       const bool caching = m.config().enable_prefix_caching;  // no checkpoints without it: every mark is refused
       if (kind > 0 && lo <= hi && caching) {
@@ -425,7 +488,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
         } catch (const pagedkv::Error& err) {
           refused = err.code() == pagedkv::Errc::kInvalidArgument || err.code() == pagedkv::Errc::kLimitExceeded;
         }
-        const bool valid = caching && bad % bs == 0 && bad > q.num_built && bad <= q.num_slotted();
+        const bool valid = caching && bad % bs == 0 && bad > q.num_built && bad <= std::min(q.num_slotted(), q.num_known());
         if (!valid) {
           e.require(refused, "a mark at a bad position is refused");
           for (std::size_t g = 0; g < m.num_groups(); ++g) {
@@ -441,18 +504,21 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
       const auto& q = m.sequence(s);
       if (q.num_unslotted() != 0 || q.num_known() == 0) continue;
       const std::size_t unbuilt = q.num_known() - std::min(q.num_known(), q.num_built);
-      if (unbuilt > 0 && next(2) == 0) {
-        m.rewind(s, 1 + next(unbuilt));
+      const std::size_t la = q.num_lookahead;  // lookahead slots go first, built or not
+      if (unbuilt + la > 0 && next(2) == 0) {
+        e.rewind(s, 1 + next(unbuilt + la));
         ++n.rewinds;
-      } else if (q.num_built > 0 && q.num_built <= q.num_known()) {
-        const std::size_t before = q.num_known();
+      } else if (std::min(q.num_built, q.num_known()) > 0) {
+        const std::size_t before = q.num_known(), slotted = q.num_slotted();
         bool refused = false;
         try {
-          m.rewind(s, unbuilt + 1);
+          e.rewind(s, la + unbuilt + 1);
         } catch (const pagedkv::Error& err) {
           refused = err.code() == pagedkv::Errc::kLimitExceeded;
         }
-        e.require(refused && m.sequence(s).num_known() == before, "rewinding a built position is refused, unchanged");
+        e.require(refused && m.sequence(s).num_known() == before && m.sequence(s).num_slotted() == slotted &&
+                      m.sequence(s).num_lookahead == la,
+                  "rewinding a built known position is refused, unchanged");
         ++n.refusals;
       }
     }

@@ -12,8 +12,10 @@
 //              after every operation; refcounts and per-group held counts are recounted from the tables;
 //  - [prefix]  the hit is the brute-force maximum over the groups (full run, window blocks, the checkpoint at the
 //              end of the hit) and always a multiple of the interval;
-//  - [strong]  refused calls (swap preemption, lookahead, rewinding built positions, a build without the state
-//              outputs, a pool too small) are typed errors or results and change nothing.
+//  - [lookahead] speculative decoding: draft states per lookahead slot; commit keeps the state after the last
+//              accepted draft (and the last checkpoint among them), whatever the verification accepts;
+//  - [strong]  refused calls (swap preemption, rewinding built positions, a mark inside lookahead slots, a build
+//              without the state outputs, a pool too small) are typed errors or results and change nothing.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -67,13 +69,16 @@ pagedkv_recurrent::Counts run_model(const CacheConfig& c, std::uint64_t seed, st
       [] { return false; });
   INFO("admits " << n.admits << " hits " << n.hits << " forks " << n.forks << " builds " << n.builds << " rewinds "
                  << n.rewinds << " refusals " << n.refusals << " preemptions " << n.preemptions << " marks "
-                 << n.marks << " swaps " << n.swaps << " resumes " << n.resumes);
+                 << n.marks << " swaps " << n.swaps << " resumes " << n.resumes << " lookaheads " << n.lookaheads
+                 << " accepted " << n.accepted);
   CHECK(n.admits > 20);
   CHECK(n.hits > 5);  // hits from checkpoints did happen (the state checks saw them)
   CHECK(n.forks > 3);
   CHECK(n.builds > 50);
   CHECK(n.preemptions > 10);
   CHECK(n.marks > 3);
+  CHECK(n.lookaheads > 5);
+  CHECK(n.accepted > 5);
   return n;
 }
 
@@ -239,7 +244,6 @@ TEST_CASE("Recurrent groups: refused calls are typed errors and change nothing",
                       q.other_groups[0].state, m.allocator().num_free_blocks(), m.num_sequences());
   };
   const auto before = snapshot();
-  expect_error([&] { (void)m.try_reserve_lookahead(1, 2); }, Errc::kInvalidArgument);
   expect_error([&] { m.rewind(1, 1); }, Errc::kLimitExceeded);
   CHECK(snapshot() == before);
   // A build whose recurrent group's buffers lack the state outputs.
@@ -258,4 +262,69 @@ TEST_CASE("Recurrent groups: refused calls are typed errors and change nothing",
   CHECK(tiny.try_admit(1, pagedkv_test::toks(1, 3)).status == pagedkv::AdmitStatus::kNeverFits);
   CHECK(tiny.num_sequences() == 0);
   CHECK(tiny.allocator().num_free_blocks() == 1);
+}
+
+TEST_CASE("Recurrent groups: lookahead keeps a draft state per slot and commit keeps the accepted prefix's state",
+          "[recurrent][lookahead]") {
+  // Block 4, checkpoints every 8, a last checkpoint: the sequence has 10 built tokens, then a sampled token
+  // (position 10) and 4 drafts (positions 11..14) are computed in one step; the verification accepts 0 to 4 drafts.
+  // Accepting one ends exactly on the block boundary 12: the last checkpoint takes that draft's state and the
+  // working state becomes a copy of it.
+  for (std::size_t accept = 0; accept <= 4; ++accept) {
+    DYNAMIC_SECTION("accepting " << accept << " of 4 drafts") {
+      Engine e(config(64, 4, {{AttentionKind::kFull, 0, 1}, {AttentionKind::kRecurrent, 8, 1, 0, true}}), 13);
+      Manager& m = e.m;
+      REQUIRE(m.try_admit(1, pagedkv_test::toks(1, 10)).status == pagedkv::AdmitStatus::kAdmitted);
+      e.build({1}, {10});
+      REQUIRE(m.try_append(1, pagedkv_test::toks(70, 1)).status == pagedkv::AppendStatus::kOk);
+      const std::size_t free_before = m.allocator().num_free_blocks();
+      REQUIRE(e.lookahead(1, {7, 8, 9, 10}) == pagedkv::AppendStatus::kOk);
+      CHECK(m.sequence(1).other_groups[0].drafts.size() == 4);
+      // K/V: positions 11..15 need block 3 (12..15; block 2 has room for 11); recurrent: 4 drafts, no checkpoint.
+      CHECK(free_before - m.allocator().num_free_blocks() == 1 + 4);
+      const auto sizes = e.build({1}, {5});
+      CHECK(e.store[1].state_out[0] == -1);
+      CHECK(sizes[1].num_checkpoints == 1 + 4);  // the working state at 11, a draft state at each of 12..15
+      e.check();
+      e.commit(1, accept);
+      e.check();
+      const auto& q = m.sequence(1);
+      CHECK(q.num_known() == 11 + accept);
+      CHECK(q.num_built == 11 + accept);
+      CHECK(q.other_groups[0].drafts.empty());
+      // The last boundary is 12 once a draft is accepted; else none (the interval checkpoint at 8 is the last).
+      CHECK(q.other_groups[0].last_pos == (accept >= 1 ? 12U : 0U));
+      // The next step continues from the accepted state (check() compares it with the contiguous scan).
+      REQUIRE(m.try_append(1, pagedkv_test::toks(90, 1)).status == pagedkv::AppendStatus::kOk);
+      e.build({1}, {1});
+      e.check();
+      m.free(1);
+      e.check();
+      CHECK(m.allocator().num_free_blocks() + m.allocator().num_cached_blocks() == 63);
+    }
+  }
+}
+
+TEST_CASE("Recurrent groups: lookahead slots rewind with their drafts, marks inside them are refused",
+          "[recurrent][lookahead][strong]") {
+  Engine e(config(64, 4, {{AttentionKind::kFull, 0, 1}, {AttentionKind::kRecurrent, 8, 1}}), 17);
+  Manager& m = e.m;
+  REQUIRE(m.try_admit(1, pagedkv_test::toks(1, 6)).status == pagedkv::AdmitStatus::kAdmitted);
+  e.build({1}, {6});
+  REQUIRE(e.lookahead(1, {3, 4, 5, 6, 7}) == pagedkv::AppendStatus::kOk);  // positions 6..10
+  e.build({1}, {2});  // a partial build: drafts 0 and 1
+  e.check();
+  expect_error([&] { (void)m.mark_checkpoint(1, 8); }, Errc::kLimitExceeded);  // inside the lookahead slots
+  e.rewind(1, 2);  // drop the last two drafts
+  CHECK(m.sequence(1).num_lookahead == 3);
+  CHECK(m.sequence(1).other_groups[0].drafts.size() == 3);
+  e.check();
+  e.build({1}, {1});  // draft 2 starts from draft 1's state
+  e.check();
+  expect_error([&] { e.rewind(1, 4); }, Errc::kLimitExceeded);  // 3 lookahead slots + a built known token
+  e.commit(1, 3);
+  CHECK(m.sequence(1).num_known() == 9);
+  e.check();
+  m.free(1);
+  e.check();
 }
