@@ -46,8 +46,9 @@ build_old_groups() {  # NEW_SRC OLD_SRC OLD_BUILD
   local new_src=$1 old_src=$2 old_build=$3
   c++ -DPAGEDKV_STATIC_DEFINE -I"$old_src/include" -O3 -DNDEBUG -std=c++20 \
       -DPAGEDKV_BENCH_TRACE_DIR="\"$new_src/data/traces/azure-llm-2023\"" \
-      -o "$old_build/bench_groups_old" "$new_src/benchmarks/bench_groups.cpp" "$old_build/libpagedkv.a" \
-      -lbenchmark_main -lbenchmark -lcrypto -lpthread
+      -o "$old_build/bench_groups_old" "$new_src/benchmarks/bench_groups.cpp" "$new_src/benchmarks/main.cpp" \
+      "$old_build/libpagedkv.a" \
+      -lbenchmark -lcrypto -lpthread
 }
 
 summarize() {
