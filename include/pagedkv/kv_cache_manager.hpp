@@ -776,7 +776,8 @@ class KVCacheManager {
   }
 
   /// What growing live sequence `seq` by `n` slots would take now (`try_append` of n tokens, `try_reserve(n)` or
-  /// `try_reserve_lookahead(n)`): new blocks plus a copy-on-write of the tail. Throws kUnknownSequence.
+  /// `try_reserve_lookahead(n)`): new blocks plus a copy-on-write of the tail. A lookahead of n also takes n draft
+  /// states per recurrent-state group, not counted here. Throws kUnknownSequence.
   [[nodiscard]] CapacityQuery query_append(SeqId seq, std::size_t n) const {
     const sequence_type& q = live(seq, "query_append");
     if (n == 0) return {};
