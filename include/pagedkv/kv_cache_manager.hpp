@@ -841,9 +841,7 @@ class KVCacheManager {
     index_.hash_full_blocks(prompt, config_.block_size, keys, hashes);
     // tier(g, i): 1 = device, 2 = host (ready), 0 = neither.
     const auto tier_of = [&](const std::vector<BlockHash>& hs, std::size_t g, std::size_t i) -> int {
-      if (ix(g).find(hs[i])) return 1;
-      if (host_ && host_->find_ready(group_block_key(hs[i], g))) return 2;
-      return 0;
+      return cached_at(hs[i], g).tier;
     };
     std::vector<std::uint8_t> tier(G * full);
     for (std::size_t g = 0; g < G; ++g) {
@@ -1677,16 +1675,9 @@ class KVCacheManager {
     const auto look = [&](std::size_t g, std::size_t i) {  // 1 device, 2 host, 3 miss; looked up once each
       std::uint8_t& l = sc.looked[g * walk + i];
       if (l == 0) {
-        l = 3;
-        if (const auto b = ix(g).find(hashes[i])) {
-          sc.found[g * walk + i] = *b;
-          l = 1;
-        } else if (host_) {
-          if (const auto hb = host_->find_ready(group_block_key(hashes[i], g))) {
-            sc.found[g * walk + i] = *hb;
-            l = 2;
-          }
-        }
+        const CachedAt c = cached_at(hashes[i], g);
+        sc.found[g * walk + i] = c.block;
+        l = c.tier != 0 ? c.tier : 3;
       }
       return l;
     };
@@ -1817,10 +1808,9 @@ class KVCacheManager {
     const std::size_t full = config_.enable_prefix_caching ? prompt_len / bs : 0;
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt_len - 1), prompt_len);
     const std::size_t walk = std::min(full, cap / bs);
-    return classify_miss(hashes, full, walk, k, [&](std::size_t g, std::size_t i) {
-             return ix(g).find(hashes[i]).has_value() ||
-                    (host_ && host_->find_ready(group_block_key(hashes[i], g)).has_value());
-           }).cause;
+    return classify_miss(hashes, full, walk, k,
+                         [&](std::size_t g, std::size_t i) { return cached_at(hashes[i], g).tier != 0; })
+        .cause;
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
@@ -2176,9 +2166,21 @@ class KVCacheManager {
   // Whether group g's block with hash h is cached in a tier and its BlockStored was published: a device-registered
   // block, or a ready host block not held back.
   [[nodiscard]] bool reported_cached(const BlockHash& h, std::uint32_t g) const {
-    if (ix(g).find(h)) return true;
-    const auto hb = host_ ? host_->find_ready(group_block_key(h, g)) : std::nullopt;
-    return hb && !is_held_back(*hb);
+    const CachedAt c = cached_at(h, g);
+    return c.tier == 1 || (c.tier == 2 && !is_held_back(c.block));
+  }
+  // Where group g's block with hash h is cached: tier 1 = the device pool (block: its device block), 2 = a ready
+  // host block (block: the host block), 0 = neither (block 0). The device tier is probed first.
+  struct CachedAt {
+    std::uint8_t tier = 0;
+    Id block = 0;
+  };
+  [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const {
+    if (const auto b = ix(g).find(h)) return {1, *b};
+    if (host_) {
+      if (const auto hb = host_->find_ready(group_block_key(h, g))) return {2, *hb};
+    }
+    return {};
   }
 
   // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
