@@ -75,11 +75,16 @@ def test_recurrent_group_config_and_errors():
         m.state_block(1, 0)
 
 
-def test_toy_recurrence_resumes_from_the_latest_checkpoint():
-    cfg = pagedkv.CacheConfig(num_blocks=128, block_size=BS,
+def _attention_and_recurrent(num_blocks):
+    """A manager of a full-attention group and a recurrent group with a checkpoint every 8 tokens, and its engine."""
+    cfg = pagedkv.CacheConfig(num_blocks=num_blocks, block_size=BS,
                               groups=[KVCacheGroupSpec(), KVCacheGroupSpec(AttentionKind.RECURRENT, window_tokens=8)])
     m = pagedkv.KVCacheManager(cfg, hasher="xxh3")
-    e = _Engine(m)
+    return m, _Engine(m)
+
+
+def test_toy_recurrence_resumes_from_the_latest_checkpoint():
+    m, e = _attention_and_recurrent(128)
     a = list(range(100, 130))
     assert m.try_admit(1, a).admitted
     sizes = e.build([1], {1: a})
@@ -128,10 +133,7 @@ def test_mark_checkpoint_serves_a_shared_system_prompt():
 
 
 def test_speculative_decoding_keeps_the_state_after_the_accepted_drafts():
-    cfg = pagedkv.CacheConfig(num_blocks=64, block_size=BS,
-                              groups=[KVCacheGroupSpec(), KVCacheGroupSpec(AttentionKind.RECURRENT, window_tokens=8)])
-    m = pagedkv.KVCacheManager(cfg, hasher="xxh3")
-    e = _Engine(m)
+    m, e = _attention_and_recurrent(64)
     prompt = list(range(20, 30))
     assert m.try_admit(1, prompt).admitted
     e.build([1], {1: prompt})
