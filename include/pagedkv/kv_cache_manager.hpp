@@ -417,7 +417,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < num_groups_; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).rewind(rejected, pool);
-      null_partial_checkpoint(q, g);
+      if (is_recurrent(g)) null_partial_checkpoint(q, g);
     }
     q.num_built = std::min(q.num_built, q.num_slotted());
     for (std::size_t g = 0; g < num_groups_; ++g) {  // the accepted blocks whose writes were issued
@@ -742,8 +742,10 @@ class KVCacheManager {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
-      null_partial_checkpoint(q, g);
-      if (g > 0) release_drafts(q.other_groups[g - 1], q.num_lookahead);  // the dropped lookahead slots' drafts
+      if (is_recurrent(g)) {
+        null_partial_checkpoint(q, g);
+        release_drafts(q.other_groups[g - 1], q.num_lookahead);  // the dropped lookahead slots' drafts
+      }
     }
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
@@ -2260,14 +2262,15 @@ class KVCacheManager {
         q.other_groups[g - 1].state_valid = false;
       }
       if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) release_last_checkpoint(q, g);
-      if (g > 0) release_drafts(q.other_groups[g - 1], 0);
+      if (g > 0 && !q.other_groups[g - 1].drafts.empty()) release_drafts(q.other_groups[g - 1], 0);
     }
   }
   // A recurrent group's checkpoint block that a rewind left partial will not be written: null, as before it was
   // completed (grow_recurrent takes a block again when a growth completes it).
-  void null_partial_checkpoint(sequence_type& q, std::size_t g) {
+  // (Out of line, as the other recurrent-only paths below: the hot one-group paths stay small enough to inline.)
+  [[gnu::noinline]] void null_partial_checkpoint(sequence_type& q, std::size_t g) {
     BlockTable<Id>& t = q.table_of(g);
-    if (is_recurrent(g) && t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
+    if (t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
       release_block(t.replace_block(t.num_blocks() - 1, Id{0}));
     }
   }
@@ -2277,7 +2280,7 @@ class KVCacheManager {
   // becomes the last checkpoint (KVCacheGroupSpec::last_checkpoint; when it is also the working state's position,
   // the working state is filled by a copy of it, pending like a copy-on-write). Every other draft is released. Room
   // for the copy reserved by the caller. Never throws.
-  void resolve_drafts(sequence_type& q, std::size_t g, std::size_t base, std::size_t accepted) {
+  [[gnu::noinline]] void resolve_drafts(sequence_type& q, std::size_t g, std::size_t base, std::size_t accepted) {
     GroupTableState<Id>& st = q.other_groups[g - 1];
     const std::size_t bs = config_.block_size;
     const std::size_t built = std::min(accepted, q.num_built > base ? q.num_built - base : 0);
@@ -2305,9 +2308,11 @@ class KVCacheManager {
     release_drafts(st, 0);
   }
   // Release the draft states of st from the `keep`-th on (lookahead slots dropped or resolved).
-  void release_drafts(GroupTableState<Id>& st, std::size_t keep) {
-    for (std::size_t j = keep; j < st.drafts.size(); ++j) release_block(st.drafts[j]);
-    st.drafts.resize(std::min(keep, st.drafts.size()));
+  [[gnu::noinline]] void release_drafts(GroupTableState<Id>& st, std::size_t keep) {
+    while (st.drafts.size() > keep) {
+      release_block(st.drafts.back());
+      st.drafts.pop_back();
+    }
   }
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
   // min(num_built, num_known): built lookahead positions do not count, since commit_lookahead may reject them and
@@ -2627,8 +2632,9 @@ class KVCacheManager {
   // order. A row reaching into lookahead positions (after the base = num_known known tokens) writes no state_out: the
   // working state is a checkpoint entry at base, each lookahead position's state an entry into its draft block. Marks
   // the working state valid when the row writes it. Room checked by the build.
-  void write_state_row(sequence_type& q, std::size_t g, std::size_t b, std::size_t first, std::size_t seq_len,
-                       const BatchMetadataBuffers& buf, std::size_t& num_checkpoints) {
+  [[gnu::noinline]] void write_state_row(sequence_type& q, std::size_t g, std::size_t b, std::size_t first,
+                                         std::size_t seq_len, const BatchMetadataBuffers& buf,
+                                         std::size_t& num_checkpoints) {
     GroupTableState<Id>& st = q.other_groups[g - 1];
     const auto blocks = st.table.blocks();
     const std::size_t bs = config_.block_size;
