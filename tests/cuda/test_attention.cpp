@@ -209,7 +209,7 @@ void run_decode(const DecodeCase& c) {
   });
   const double err = row_rel_error(got, ref.o, c.head_dim);
   INFO("max row-relative error vs float64 oracle: " << err);
-  CHECK(err <= o_tolerance(c.dt));
+  CHECK(err <= o_tolerance(c.dt, c.q_scale));
   std::string why;
   const bool lse_good = lse_ok(got_lse, ref.lse, &why);
   INFO(why);
@@ -234,7 +234,7 @@ void run_decode(const DecodeCase& c) {
     for (std::size_t i = 0; i < rod.size(); ++i) rod[i] = ro.at(static_cast<std::int64_t>(i));
     const double rerr = row_rel_error(got, rod, c.head_dim);
     INFO("max row-relative error vs pagedkv::reference::decode: " << rerr);
-    CHECK(rerr <= 2 * o_tolerance(c.dt));
+    CHECK(rerr <= 2 * o_tolerance(c.dt, c.q_scale));
   }
 }
 
@@ -437,7 +437,7 @@ void run_prefill(const PrefillCase& c) {
   });
   const double err = row_rel_error(got, ref.o, c.head_dim);
   INFO("max row-relative error vs float64 oracle: " << err);
-  CHECK(err <= o_tolerance(c.dt));
+  CHECK(err <= o_tolerance(c.dt, c.q_scale));
   std::string why;
   const bool lse_good = lse_ok(got_lse, ref.lse, &why);
   INFO(why);
@@ -456,7 +456,7 @@ void run_prefill(const PrefillCase& c) {
     for (std::size_t i = 0; i < rod.size(); ++i) rod[i] = ro.at(static_cast<std::int64_t>(i));
     const double rerr = row_rel_error(got, rod, c.head_dim);
     INFO("max row-relative error vs pagedkv::reference::prefill: " << rerr);
-    CHECK(rerr <= 2 * o_tolerance(c.dt));
+    CHECK(rerr <= 2 * o_tolerance(c.dt, c.q_scale));
   }
 }
 

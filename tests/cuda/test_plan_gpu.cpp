@@ -258,12 +258,18 @@ TEST_CASE("kernels address a pool over 4 GiB with block ids above 2^24", "[offse
   p.pages = PageTable::csr(batch, d_indptr.as<std::int32_t>(), d_indices.as<std::int32_t>(), d_last.as<std::int32_t>());
   p.num_qo_heads = hq;
   p.sm_scale = scale;
+  // The work list's partial rows scale with the device's CTA capacity (3.3 MB on an H100): size the workspace
+  // from the plan's capacity, never from a guess (the first H100 run found 1 MiB too small, refused by the REQUIRE).
+  pagedkv::DecodePlanConfig cfg;
+  REQUIRE(pagedkv::cuda::decode_plan_config(0, dt, hd, hq, hkv, &cfg) == Status::kSuccess);
+  cfg.min_chunk_tokens = 4;
+  const auto cap = pagedkv::decode_plan_capacity(batch, cfg);
   for (const bool planned : {false, true}) {
     INFO((planned ? "work list" : "chunk rule"));
     Tensor o(dt, q.n);
     o.dev.poison();
     DevBuf lse(static_cast<std::size_t>(batch) * hq * sizeof(float));
-    DevBuf ws(1 << 20);
+    DevBuf ws(std::max<std::size_t>(std::size_t{1} << 20, static_cast<std::size_t>(cap.workspace_bytes)));
     p.o = o.dev.get();
     p.lse = lse.as<float>();
     p.workspace = ws.get();
@@ -272,10 +278,6 @@ TEST_CASE("kernels address a pool over 4 GiB with block ids above 2^24", "[offse
     std::vector<DecodeMergeItem> merges;
     DevBuf d_items, d_merges;
     if (planned) {
-      pagedkv::DecodePlanConfig cfg;
-      REQUIRE(pagedkv::cuda::decode_plan_config(0, dt, hd, hq, hkv, &cfg) == Status::kSuccess);
-      cfg.min_chunk_tokens = 4;
-      const auto cap = pagedkv::decode_plan_capacity(batch, cfg);
       REQUIRE(cap.workspace_bytes <= ws.bytes());
       items.resize(static_cast<std::size_t>(cap.items));
       merges.resize(static_cast<std::size_t>(cap.merges));
