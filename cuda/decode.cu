@@ -1,5 +1,6 @@
 // cuda/decode.cu: the decode attention launchers (work-list and chunk-rule entry points), decode_plan_config, and
-// the explicit instantiations of the decode kernel family (9 decode kernels + 9 merge kernels).
+// the explicit instantiations of the decode kernel family (CUDA-core decode kernels for every (dtype, head_dim) and
+// KV storage, tensor-core GQA kernels for fp16 / bf16 at head_dim 64 / 128, merge kernels).
 #include <cmath>
 
 #include <pagedkv/cuda/decode.cuh>
@@ -97,16 +98,24 @@ Status decode_plan_config(int device, DType dtype, std::int32_t head_dim, std::i
     return fail(Status::kInvalidValue, "device", " = %d: not the calling thread's current device (%d)", device, current);
   }
   int ctas = 0;
+  const std::int32_t hpt = decode_heads_per_tile(dtype, head_dim, num_qo_heads / num_kv_heads);
   const Status s = dispatch_dtype_head_dim(dtype, head_dim, [&]<class T, int HD>() -> Status {
-    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_kernel<T, HD>,
-                                                                        DecodeTraits<T, HD>::kThreads, 0);
+    cudaError_t e;
+    if constexpr (kDecodeUsesMma<T, HD, T>) {  // the kernel launch_decode picks for this tiling (fp16 / bf16 pool)
+      e = decode_mma_tile(hpt) ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                     &ctas, decode_mma_kernel<T, HD>, DecodeMmaTraits<T, HD>::kThreads, 0)
+                               : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_kernel<T, HD>,
+                                                                               DecodeTraits<T, HD>::kThreads, 0);
+    } else {
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_kernel<T, HD>, DecodeTraits<T, HD>::kThreads, 0);
+    }
     return e == cudaSuccess ? Status::kSuccess : cuda_fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
   });
   if (s != Status::kSuccess) return s;
   cfg->num_qo_heads = num_qo_heads;
   cfg->num_kv_heads = num_kv_heads;
   cfg->head_dim = head_dim;
-  cfg->heads_per_tile = decode_heads_per_tile(dtype, head_dim, num_qo_heads / num_kv_heads);
+  cfg->heads_per_tile = hpt;
   cfg->num_sms = sms;
   cfg->ctas_per_sm = ctas < 1 ? 1 : ctas;
   return Status::kSuccess;

@@ -94,109 +94,177 @@ struct DecodeArgs {
   float* ws_lse;                // [partial rows, num_qo_heads]
 };
 
-/// Decode kernel. Work-list mode: grid = item capacity; grid mode: grid = (batch, num_kv_heads * num_head_tiles,
-/// split ? max_num_chunks : 1). block = kThreads. KV = T reads the pool as T; KV = Fp8E4M3 reads e4m3 bytes and
-/// dequantizes them in registers (k_scale folded into the prescaled q, v_scale applied to the output).
+/// One CTA's unit of work, resolved from the work list (or the chunk rule) and clamped to the visible keys.
+struct DecodeWork {
+  std::int32_t b, kv_head, head_tile, chunk_begin, chunk_end;
+  std::int64_t partial_row;  // -1: write o and lse
+  std::int32_t head0;        // first query head of the tile
+  std::int32_t tile_heads;   // query heads of the tile (<= heads_per_tile)
+};
+
+/// Resolves this CTA's work (both kernels of the family). Returns false when the CTA has nothing to do at all (a
+/// padding item, a malformed one, a chunk the sequence does not have, an empty head tile); an empty token range
+/// returns true with chunk_begin >= chunk_end (the caller writes the masked result, decode_write_empty).
+__device__ __forceinline__ bool decode_work(const DecodeArgs& a, DecodeWork& w) {
+  const std::int32_t bs = a.block_size;
+  if (a.items != nullptr) {
+    const DecodeWorkItem it = a.items[blockIdx.x];
+    if (it.valid == 0 || it.request < 0 || it.request >= a.pages.batch_size || it.kv_head < 0 ||
+        it.kv_head >= a.num_kv_heads || it.head_tile < 0 || it.head_tile >= a.num_head_tiles) {
+      return false;  // padding (or a malformed item: precondition violated, skipped)
+    }
+    if (it.partial_row >= a.partial_row_capacity) return false;  // a row past the workspace: precondition violated
+    w.b = it.request;
+    w.kv_head = it.kv_head;
+    w.head_tile = it.head_tile;
+    w.partial_row = it.partial_row < 0 ? -1 : it.partial_row;
+    // Never read past the sequence the page table describes, nor before the window, whatever the plan says.
+    const std::int32_t kv_len = seq_kv_len(a.pages, w.b, bs);
+    const std::int32_t first = kv_len > 0 ? first_visible_token(kv_len - 1, a.window_tokens, a.chunk_tokens) : 0;
+    w.chunk_begin = max(it.kv_begin, first);
+    w.chunk_end = min(it.kv_end, kv_len);
+  } else {
+    w.b = static_cast<std::int32_t>(blockIdx.x);
+    w.kv_head = static_cast<std::int32_t>(blockIdx.y) / a.num_head_tiles;
+    w.head_tile = static_cast<std::int32_t>(blockIdx.y) % a.num_head_tiles;
+    const std::int32_t kv_len = seq_kv_len(a.pages, w.b, bs);
+    const std::int32_t first = kv_len > 0 ? first_visible_token(kv_len - 1, a.window_tokens, a.chunk_tokens) : 0;
+    w.chunk_begin = first;
+    w.chunk_end = kv_len;
+    w.partial_row = -1;
+    if (a.split) {
+      const std::int32_t chunk_idx = static_cast<std::int32_t>(blockIdx.z);
+      const std::int32_t chunk = effective_chunk(kv_len, a.chunk_request, a.max_num_chunks);
+      w.chunk_begin = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_idx) * chunk,
+                                                    static_cast<std::int64_t>(kv_len)));
+      w.chunk_end = static_cast<std::int32_t>(min(static_cast<std::int64_t>(w.chunk_begin) + chunk,
+                                                  static_cast<std::int64_t>(kv_len)));
+      if (w.chunk_begin >= w.chunk_end) return false;  // this chunk does not exist for this sequence (merge skips it)
+      w.partial_row = static_cast<std::int64_t>(w.b) * a.max_num_chunks + chunk_idx;
+      // A chunk wholly before the window is masked: it reads nothing and writes o = 0, lse = -inf (below), which the
+      // merge weighs 0. The chunk straddling the window start reads only its visible part.
+      w.chunk_begin = max(w.chunk_begin, first);
+    }
+  }
+  w.head0 = w.kv_head * a.group_size + w.head_tile * a.heads_per_tile;
+  w.tile_heads = min(a.heads_per_tile, a.group_size - w.head_tile * a.heads_per_tile);
+  return w.tile_heads > 0;  // balanced head tiling can leave the last tile empty for very large groups
+}
+
+/// An empty range: a padding sequence (o = 0, lse = -inf), a chunk wholly before the window (masked), or a plan
+/// item whose range the page table or the window does not have (precondition violated): its partial row gets
+/// o = 0, lse = -inf, which the merge weighs 0. Nothing is read, so null pages before the window are never touched.
+template <KernelElement T, int HD, int kThreads>
+__device__ __forceinline__ void decode_write_empty(const DecodeArgs& a, const DecodeWork& w) {
+  for (int i = threadIdx.x; i < w.tile_heads * HD; i += kThreads) {
+    const std::int64_t h = w.head0 + i / HD;
+    if (w.partial_row >= 0) {
+      const std::int64_t r = w.partial_row * a.num_qo_heads + h;
+      a.ws_o[r * HD + i % HD] = 0.f;
+      if (i % HD == 0) a.ws_lse[r] = -INFINITY;
+    } else {
+      static_cast<T*>(a.o)[(static_cast<std::int64_t>(w.b) * a.num_qo_heads + h) * HD + i % HD] = from_float<T>(0.f);
+      if (a.lse != nullptr && i % HD == 0) a.lse[static_cast<std::int64_t>(w.b) * a.num_qo_heads + h] = -INFINITY;
+    }
+  }
+}
+
+/// Stages K and V rows of tokens [w.chunk_begin + tile * kTileTokens, +kTileTokens) (clamped to chunk_end) into the
+/// shared-memory tiles ks / vs ([kTileTokens][HD] of KV each), 16-byte cp.async chunks, and commits one group.
+/// kSwizzle (the tensor-core kernel): chunk c of row r lands at chunk c ^ (r & 7), so that 8 consecutive rows read at
+/// one logical chunk hit 8 different bank groups, and rows past the range are zero-filled (the MMA multiplies whole
+/// 16-token blocks: probability 0 times a stale NaN would be NaN).
+template <class KV, int HD, int kTileTokens, int kThreads, bool kSwizzle>
+__device__ __forceinline__ void decode_load_tile(const DecodeArgs& a, const DecodeWork& w, const char* k_head,
+                                                 const char* v_head, int tile, KV* ks, KV* vs) {
+  constexpr int kChunksPerRow = HD * static_cast<int>(sizeof(KV)) / 16;
+  constexpr int kChunkElems = 16 / static_cast<int>(sizeof(KV));
+  const std::int32_t tok0 = w.chunk_begin + tile * kTileTokens;
+  const std::int32_t n = min(kTileTokens, w.chunk_end - tok0);
+#pragma unroll
+  for (int it = 0; it < ceil_div(kTileTokens * kChunksPerRow, kThreads); ++it) {
+    const int i = it * kThreads + static_cast<int>(threadIdx.x);
+    const int r = i / kChunksPerRow;
+    const int c = i % kChunksPerRow;
+    const int cs = kSwizzle ? (c ^ (r & 7)) : c;
+    if (r < n) {
+      const std::int32_t tok = tok0 + r;
+      const std::int32_t page = tok / a.block_size;
+      const std::int32_t in_page = tok - page * a.block_size;
+      const std::int64_t blk = page_block(a.pages, w.b, page);
+      const std::int64_t byte_off = (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(KV)} + c * 16;
+      cp_async16(ks + r * HD + cs * kChunkElems, k_head + byte_off);
+      cp_async16(vs + r * HD + cs * kChunkElems, v_head + byte_off);
+    } else if (kSwizzle && r < kTileTokens) {
+      *reinterpret_cast<uint4*>(ks + r * HD + cs * kChunkElems) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(vs + r * HD + cs * kChunkElems) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  cp_async_commit();
+}
+
+/// Merges the per-phase softmax states of each head of the tile and stores the result. red: [phases x
+/// heads_per_tile] rows of kRedStride = HD + 2 floats (unnormalized o[HD], m (base 2), d), row (ph * heads_per_tile +
+/// hl); a phase that saw no token has m = -inf, d = 0, o = 0. Writes o / lse, or the normalized partial and its lse.
+template <KernelElement T, int HD, int kThreads>
+__device__ __forceinline__ void decode_merge_store(const DecodeArgs& a, const DecodeWork& w, const float* red,
+                                                   int phases) {
+  constexpr int kRedStride = HD + 2;
+  for (int i = static_cast<int>(threadIdx.x); i < w.tile_heads * HD; i += kThreads) {
+    const int hl = i / HD;
+    const int dim = i % HD;
+    float mx = -INFINITY;
+    for (int ph = 0; ph < phases; ++ph) mx = fmaxf(mx, red[(ph * a.heads_per_tile + hl) * kRedStride + HD]);
+    float den = 0.f;
+    float num = 0.f;
+    for (int ph = 0; ph < phases; ++ph) {
+      const float* row = red + (ph * a.heads_per_tile + hl) * kRedStride;
+      const float wgt = row[HD] == -INFINITY ? 0.f : exp2f(row[HD] - mx);
+      den = fmaf(row[HD + 1], wgt, den);
+      num = fmaf(row[dim], wgt, num);
+    }
+    // den > 0: the chunk has >= 1 token, so some phase saw it.
+    const float out = num / den * a.v_scale;  // v_scale: 1 unless fp8 (x * 1 is exact)
+    const float lse_nat = (mx + log2f(den)) * 0.69314718055994530942f;
+    const std::int64_t h = w.head0 + hl;
+    if (w.partial_row >= 0) {
+      const std::int64_t r = w.partial_row * a.num_qo_heads + h;
+      a.ws_o[r * HD + dim] = out;
+      if (dim == 0) a.ws_lse[r] = lse_nat;
+    } else {
+      const std::int64_t r = static_cast<std::int64_t>(w.b) * a.num_qo_heads + h;
+      static_cast<T*>(a.o)[r * HD + dim] = from_float<T>(out);
+      if (dim == 0 && a.lse != nullptr) a.lse[r] = lse_nat;
+    }
+  }
+}
+
+/// Decode kernel (CUDA cores). Work-list mode: grid = item capacity; grid mode: grid = (batch, num_kv_heads *
+/// num_head_tiles, split ? max_num_chunks : 1). block = kThreads. KV = T reads the pool as T; KV = Fp8E4M3 reads e4m3
+/// bytes and dequantizes them in registers (k_scale folded into the prescaled q, v_scale applied to the output).
 template <KernelElement T, int HD, class KV = T>
 __global__ void __launch_bounds__(DecodeTraits<T, HD, KV>::kThreads, 1)
     decode_kernel(const DecodeArgs a) {
   using Tr = DecodeTraits<T, HD, KV>;
   __shared__ __align__(16) unsigned char smem_raw[Tr::kSmemBytes];
   KV* const smem_kv = reinterpret_cast<KV*>(smem_raw);
-  const std::int32_t bs = a.block_size;
 
-  // ---- which work: (b, kv head, head tile, [chunk_begin, chunk_end), partial row or -1) ----
-  std::int32_t b, kv_head, head_tile, chunk_begin, chunk_end;
-  std::int64_t partial_row;  // -1: write o and lse
-  if (a.items != nullptr) {
-    const DecodeWorkItem it = a.items[blockIdx.x];
-    if (it.valid == 0 || it.request < 0 || it.request >= a.pages.batch_size || it.kv_head < 0 ||
-        it.kv_head >= a.num_kv_heads || it.head_tile < 0 || it.head_tile >= a.num_head_tiles) {
-      return;  // padding (or a malformed item: precondition violated, skipped)
-    }
-    if (it.partial_row >= a.partial_row_capacity) return;  // a row past the workspace: precondition violated
-    b = it.request;
-    kv_head = it.kv_head;
-    head_tile = it.head_tile;
-    partial_row = it.partial_row < 0 ? -1 : it.partial_row;
-    // Never read past the sequence the page table describes, nor before the window, whatever the plan says.
-    const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
-    const std::int32_t first = kv_len > 0 ? first_visible_token(kv_len - 1, a.window_tokens, a.chunk_tokens) : 0;
-    chunk_begin = max(it.kv_begin, first);
-    chunk_end = min(it.kv_end, kv_len);
-  } else {
-    b = static_cast<std::int32_t>(blockIdx.x);
-    kv_head = static_cast<std::int32_t>(blockIdx.y) / a.num_head_tiles;
-    head_tile = static_cast<std::int32_t>(blockIdx.y) % a.num_head_tiles;
-    const std::int32_t kv_len = seq_kv_len(a.pages, b, bs);
-    const std::int32_t first = kv_len > 0 ? first_visible_token(kv_len - 1, a.window_tokens, a.chunk_tokens) : 0;
-    chunk_begin = first;
-    chunk_end = kv_len;
-    partial_row = -1;
-    if (a.split) {
-      const std::int32_t chunk_idx = static_cast<std::int32_t>(blockIdx.z);
-      const std::int32_t chunk = effective_chunk(kv_len, a.chunk_request, a.max_num_chunks);
-      chunk_begin = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_idx) * chunk,
-                                                  static_cast<std::int64_t>(kv_len)));
-      chunk_end = static_cast<std::int32_t>(min(static_cast<std::int64_t>(chunk_begin) + chunk,
-                                                static_cast<std::int64_t>(kv_len)));
-      if (chunk_begin >= chunk_end) return;  // this chunk does not exist for this sequence (merge skips it)
-      partial_row = static_cast<std::int64_t>(b) * a.max_num_chunks + chunk_idx;
-      // A chunk wholly before the window is masked: it reads nothing and writes o = 0, lse = -inf (below), which the
-      // merge weighs 0. The chunk straddling the window start reads only its visible part.
-      chunk_begin = max(chunk_begin, first);
-    }
-  }
-  const std::int32_t head0 = kv_head * a.group_size + head_tile * a.heads_per_tile;  // first qo head of the tile
-  const std::int32_t tile_heads = min(a.heads_per_tile, a.group_size - head_tile * a.heads_per_tile);
-  if (tile_heads <= 0) return;  // balanced head tiling can leave the last tile empty for very large groups
-
+  DecodeWork w;
+  if (!decode_work(a, w)) return;
+  const std::int32_t b = w.b, chunk_begin = w.chunk_begin, chunk_end = w.chunk_end;
+  const std::int32_t head0 = w.head0, tile_heads = w.tile_heads;
   if (chunk_begin >= chunk_end) {
-    // An empty range: a padding sequence (o = 0, lse = -inf), a chunk wholly before the window (masked), or a plan
-    // item whose range the page table or the window does not have (precondition violated): its partial row gets
-    // o = 0, lse = -inf, which the merge weighs 0. Nothing is read, so null pages before the window are never touched.
-    for (int i = threadIdx.x; i < tile_heads * HD; i += Tr::kThreads) {
-      const std::int64_t h = head0 + i / HD;
-      if (partial_row >= 0) {
-        const std::int64_t r = partial_row * a.num_qo_heads + h;
-        a.ws_o[r * HD + i % HD] = 0.f;
-        if (i % HD == 0) a.ws_lse[r] = -INFINITY;
-      } else {
-        static_cast<T*>(a.o)[(static_cast<std::int64_t>(b) * a.num_qo_heads + h) * HD + i % HD] = from_float<T>(0.f);
-        if (a.lse != nullptr && i % HD == 0) a.lse[static_cast<std::int64_t>(b) * a.num_qo_heads + h] = -INFINITY;
-      }
-    }
+    decode_write_empty<T, HD, Tr::kThreads>(a, w);
     return;
   }
   const std::int32_t num_tokens = chunk_end - chunk_begin;
   const std::int32_t num_tiles = static_cast<std::int32_t>(ceil_div(num_tokens, Tr::kTileTokens));
 
-  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
-  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
-
-  // Stage tile `tile` (tokens [chunk_begin + tile * kTileTokens, ...)) into shared-memory stage `stage`.
+  const char* const k_head = static_cast<const char*>(a.k) + w.kv_head * a.stride_head * std::int64_t{sizeof(KV)};
+  const char* const v_head = static_cast<const char*>(a.v) + w.kv_head * a.stride_head * std::int64_t{sizeof(KV)};
   auto load_tile = [&](int tile, int stage) {
     KV* const ks = smem_kv + stage * 2 * Tr::kStageElems;
-    KV* const vs = ks + Tr::kStageElems;
-    const std::int32_t tok0 = chunk_begin + tile * Tr::kTileTokens;
-    const std::int32_t n = min(Tr::kTileTokens, chunk_end - tok0);
-#pragma unroll
-    for (int it = 0; it < ceil_div(Tr::kTileTokens * Tr::kChunksPerRow, Tr::kThreads); ++it) {
-      const int i = it * Tr::kThreads + static_cast<int>(threadIdx.x);
-      const int r = i / Tr::kChunksPerRow;
-      const int c = i % Tr::kChunksPerRow;
-      if (r < n) {
-        const std::int32_t tok = tok0 + r;
-        const std::int32_t page = tok / bs;
-        const std::int32_t in_page = tok - page * bs;
-        const std::int64_t blk = page_block(a.pages, b, page);
-        const std::int64_t byte_off =
-            (blk * a.stride_page + in_page * a.stride_token) * std::int64_t{sizeof(KV)} + c * 16;
-        cp_async16(ks + r * HD + c * Tr::kChunkElems, k_head + byte_off);
-        cp_async16(vs + r * HD + c * Tr::kChunkElems, v_head + byte_off);
-      }
-    }
-    cp_async_commit();
+    decode_load_tile<KV, HD, Tr::kTileTokens, Tr::kThreads, false>(a, w, k_head, v_head, tile, ks, ks + Tr::kStageElems);
   };
 
   // ---- per-slot setup ----
@@ -312,33 +380,255 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD, KV>::kThreads, 1)
   }
   __syncthreads();
 
-  for (int i = static_cast<int>(threadIdx.x); i < tile_heads * HD; i += Tr::kThreads) {
-    const int hl = i / HD;
-    const int dim = i % HD;
-    float mx = -INFINITY;
-    for (int ph = 0; ph < a.phases; ++ph) mx = fmaxf(mx, red[(ph * a.heads_per_tile + hl) * Tr::kRedStride + HD]);
-    float den = 0.f;
-    float num = 0.f;
-    for (int ph = 0; ph < a.phases; ++ph) {
-      const float* row = red + (ph * a.heads_per_tile + hl) * Tr::kRedStride;
-      const float w = row[HD] == -INFINITY ? 0.f : exp2f(row[HD] - mx);
-      den = fmaf(row[HD + 1], w, den);
-      num = fmaf(row[dim], w, num);
-    }
-    // den > 0: the chunk has >= 1 token, so some phase saw it.
-    const float out = num / den * a.v_scale;  // v_scale: 1 unless fp8 (x * 1 is exact)
-    const float lse_nat = (mx + log2f(den)) * 0.69314718055994530942f;
-    const std::int64_t h = head0 + hl;
-    if (partial_row >= 0) {
-      const std::int64_t r = partial_row * a.num_qo_heads + h;
-      a.ws_o[r * HD + dim] = out;
-      if (dim == 0) a.ws_lse[r] = lse_nat;
-    } else {
-      const std::int64_t r = static_cast<std::int64_t>(b) * a.num_qo_heads + h;
-      static_cast<T*>(a.o)[r * HD + dim] = from_float<T>(out);
-      if (dim == 0 && a.lse != nullptr) a.lse[r] = lse_nat;
+  decode_merge_store<T, HD, Tr::kThreads>(a, w, red, a.phases);
+}
+
+// ---- tensor-core decode for GQA (query heads of a tile as the MMA's rows) ----------------------------------------
+
+/// Geometry of the tensor-core decode kernel (fp16 / bf16, head_dim 64 or 128, KV = T): 2 warps; each takes 16 of a
+/// stage's 32 tokens. S = Q K^T and O += P V run as mma.sync m16n8k16 (fp32 accumulate) with the tile's query heads
+/// as the 16 rows (rows past tile_heads are zero), so each K/V element staged in shared memory feeds every head of
+/// the group through one fragment load, instead of one load, one conversion and one shuffle reduction per head.
+template <KernelElement T, int HD>
+struct DecodeMmaTraits {
+  static constexpr int kWarps = 2;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTileTokens = 16 * kWarps;
+  static constexpr int kStages = 2;
+  static constexpr int kStageElems = kTileTokens * HD;  // one of K or V, one stage
+  static constexpr int kKVSmemBytes = kStages * 2 * kStageElems * static_cast<int>(sizeof(T));
+  static constexpr int kRedStride = HD + 2;
+  static constexpr int kRedSmemBytes = kWarps * 16 * kRedStride * static_cast<int>(sizeof(float));
+  static constexpr int kSmemBytes = kKVSmemBytes > kRedSmemBytes ? kKVSmemBytes : kRedSmemBytes;
+  static_assert(HD == 64 || HD == 128, "DecodeMmaTraits: head_dim 64 or 128 (the fp32 output fragment is HD / 2 registers)");
+  static_assert(kSmemBytes <= 48 * 1024, "DecodeMmaTraits: static shared memory must stay under 48 KiB");
+};
+
+/// Whether decode uses the tensor-core kernel: fp16 / bf16 query and pool (not fp8), head_dim 64 or 128, and at least
+/// two query heads per tile (one head would leave 15 of the MMA's 16 rows idle; the CUDA-core kernel reads K/V at the
+/// copy bandwidth there).
+template <KernelElement T, int HD, class KV>
+inline constexpr bool kDecodeUsesMma = !std::same_as<T, float> && std::same_as<KV, T> && (HD == 64 || HD == 128);
+inline constexpr bool decode_mma_tile(std::int32_t heads_per_tile) { return heads_per_tile >= 2; }
+
+/// D = A B + D, m16n8k16, A row-major (4 x 32-bit: 2 elements each), B col-major (2 x 32-bit), fp32 accumulators.
+template <KernelElement T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::same_as<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the tensor-core path needs sm_80+ (CMAKE_CUDA_ARCHITECTURES defaults to 90)
+#endif
+}
+
+/// Four 8x8 16-bit matrices from shared memory, transposed (ldmatrix .x4 .trans); lane l gives the address of row
+/// (l % 8) of matrix (l / 8).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#else
+  __trap();
+#endif
+}
+
+/// Two floats as one 32-bit register of two T (the first in the low half), round to nearest.
+template <KernelElement T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  unsigned u;
+  if constexpr (std::same_as<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    __builtin_memcpy(&u, &v, sizeof u);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    __builtin_memcpy(&u, &v, sizeof u);
+  }
+  return u;
+}
+
+/// Tensor-core decode kernel (kDecodeUsesMma). Same grid, work resolution, windows, partial rows and output as
+/// decode_kernel; block = DecodeMmaTraits::kThreads. Per warp and 16-token block: S (16 heads x 16 tokens) =
+/// Q K^T in 2 x HD/16 MMAs from swizzled shared memory, scaled to base 2 and masked past the range, an online softmax
+/// per row (each row's 4 lanes reduce with 2 shuffles), then O (16 x HD) += P V in HD/8 MMAs with P rounded to T (as
+/// FlashAttention-2) and V fragments from ldmatrix .trans. The two warps' states merge through shared memory.
+template <KernelElement T, int HD>
+__global__ void __launch_bounds__(DecodeMmaTraits<T, HD>::kThreads, 6) decode_mma_kernel(const DecodeArgs a) {
+  using Tr = DecodeMmaTraits<T, HD>;
+  __shared__ __align__(16) unsigned char smem_raw[Tr::kSmemBytes];
+  T* const smem_kv = reinterpret_cast<T*>(smem_raw);
+
+  DecodeWork w;
+  if (!decode_work(a, w)) return;
+  if (w.chunk_begin >= w.chunk_end) {
+    decode_write_empty<T, HD, Tr::kThreads>(a, w);
+    return;
+  }
+  const std::int32_t num_tokens = w.chunk_end - w.chunk_begin;
+  const std::int32_t num_tiles = static_cast<std::int32_t>(ceil_div(num_tokens, Tr::kTileTokens));
+  const char* const k_head = static_cast<const char*>(a.k) + w.kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  const char* const v_head = static_cast<const char*>(a.v) + w.kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  auto load_tile = [&](int tile, int stage) {
+    T* const ks = smem_kv + stage * 2 * Tr::kStageElems;
+    decode_load_tile<T, HD, Tr::kTileTokens, Tr::kThreads, true>(a, w, k_head, v_head, tile, ks, ks + Tr::kStageElems);
+  };
+
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4;  // fragment row (head g and g + 8) / column (token or dim g)
+  const int t = lane % 4;  // fragment column pair 2t, 2t + 1
+
+  // Q as the A operand of HD/16 k-steps: qa[kk] = {(g, 16kk+2t), (g+8, 16kk+2t), (g, 16kk+8+2t), (g+8, 16kk+8+2t)}.
+  unsigned qa[HD / 16][4];
+  {
+    const unsigned* const q0 = reinterpret_cast<const unsigned*>(
+        static_cast<const T*>(a.q) + (static_cast<std::int64_t>(w.b) * a.num_qo_heads + w.head0 + g) * HD);
+    const unsigned* const q8 = reinterpret_cast<const unsigned*>(
+        static_cast<const T*>(a.q) + (static_cast<std::int64_t>(w.b) * a.num_qo_heads + w.head0 + g + 8) * HD);
+    const bool has0 = g < w.tile_heads, has8 = g + 8 < w.tile_heads;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      qa[kk][0] = has0 ? __ldg(q0 + kk * 8 + t) : 0u;
+      qa[kk][1] = has8 ? __ldg(q8 + kk * 8 + t) : 0u;
+      qa[kk][2] = has0 ? __ldg(q0 + kk * 8 + 4 + t) : 0u;
+      qa[kk][3] = has8 ? __ldg(q8 + kk * 8 + 4 + t) : 0u;
     }
   }
+  float o[HD / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < HD / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+  float m0 = -INFINITY, m8 = -INFINITY;  // running max (base 2) of rows g, g + 8
+  float d0 = 0.f, d8 = 0.f;              // this lane's part of the running denominators
+
+  load_tile(0, 0);
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    if (tile + 1 < num_tiles) {
+      load_tile(tile + 1, (tile + 1) % Tr::kStages);
+    } else {
+      cp_async_commit();  // empty group keeps the wait count uniform
+    }
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int n = min(Tr::kTileTokens, num_tokens - tile * Tr::kTileTokens);  // valid tokens of the stage
+    const int tok0 = warp * 16;                                               // this warp's first token
+    if (tok0 < n) {  // warp-uniform
+      const T* const ks = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
+      const T* const vs = ks + Tr::kStageElems;
+      // S = Q K^T: n-tile j covers tokens tok0 + 8j + [0, 8); B fragment (k = dims 2t, 2t+1 [+8], n = token g).
+      float s[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const int row = tok0 + 8 * j + g;  // row & 7 == g
+        const T* const krow = ks + row * HD;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const unsigned b0 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk) ^ g) * 8) + 2 * t);
+          const unsigned b1 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk + 1) ^ g) * 8) + 2 * t);
+          mma_16816<T>(s[j], qa[kk], b0, b1);
+        }
+      }
+      // Scale to base 2, mask tokens past the range, online softmax per row.
+      float mx0 = m0, mx8 = m8;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const bool valid = tok0 + 8 * j + 2 * t + c < n;
+          s[j][c] = valid ? s[j][c] * a.scale_log2 : -INFINITY;
+          s[j][2 + c] = valid ? s[j][2 + c] * a.scale_log2 : -INFINITY;
+          mx0 = fmaxf(mx0, s[j][c]);
+          mx8 = fmaxf(mx8, s[j][2 + c]);
+        }
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 1));
+      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 2));
+      // mx is finite: token tok0 is valid, so every row has a finite score (rows past tile_heads score 0).
+      const float alpha0 = exp2f(m0 - mx0), alpha8 = exp2f(m8 - mx8);  // exp2(-inf) = 0 on the first block
+      m0 = mx0;
+      m8 = mx8;
+      d0 *= alpha0;
+      d8 *= alpha8;
+#pragma unroll
+      for (int nd = 0; nd < HD / 8; ++nd) {
+        o[nd][0] *= alpha0;
+        o[nd][1] *= alpha0;
+        o[nd][2] *= alpha8;
+        o[nd][3] *= alpha8;
+      }
+      unsigned pa[4];  // P as the A operand (k = the warp's 16 tokens): the S fragments' layout, rounded to T
+      {
+        float p[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          p[j][0] = exp2f(s[j][0] - m0);
+          p[j][1] = exp2f(s[j][1] - m0);
+          p[j][2] = exp2f(s[j][2] - m8);
+          p[j][3] = exp2f(s[j][3] - m8);
+          d0 += p[j][0] + p[j][1];
+          d8 += p[j][2] + p[j][3];
+        }
+        pa[0] = pack2<T>(p[0][0], p[0][1]);
+        pa[1] = pack2<T>(p[0][2], p[0][3]);
+        pa[2] = pack2<T>(p[1][0], p[1][1]);
+        pa[3] = pack2<T>(p[1][2], p[1][3]);
+      }
+      // O += P V: V fragments for dims [16 dn, 16 dn + 16) from one ldmatrix .x4 .trans (matrices: tokens 0-7 /
+      // 8-15 of the warp x dims 0-7 / 8-15 of the pair; lane l addresses token (l % 8) + 8 ((l / 8) & 1), chunk
+      // 2 dn + l / 16, swizzled by the token's row & 7 == l % 8).
+      const int vrow = tok0 + (lane % 8) + 8 * ((lane / 8) & 1);
+#pragma unroll
+      for (int dn = 0; dn < HD / 16; ++dn) {
+        unsigned vb[4];
+        ldmatrix_x4_trans(vb, vs + vrow * HD + (((2 * dn + lane / 16) ^ (lane % 8)) * 8));
+        mma_16816<T>(o[2 * dn], pa, vb[0], vb[1]);
+        mma_16816<T>(o[2 * dn + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // the stage just read is refilled by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+
+  // ---- each warp's state (unnormalized o, m, d per head) into shared memory, then merge the two warps ----
+  d0 += __shfl_xor_sync(0xffffffffu, d0, 1);
+  d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
+  d8 += __shfl_xor_sync(0xffffffffu, d8, 1);
+  d8 += __shfl_xor_sync(0xffffffffu, d8, 2);
+  float* const red = reinterpret_cast<float*>(smem_raw);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int hl = g + 8 * half;
+    if (hl < w.tile_heads) {
+      float* const row = red + (warp * a.heads_per_tile + hl) * Tr::kRedStride;
+#pragma unroll
+      for (int nd = 0; nd < HD / 8; ++nd) {
+        row[nd * 8 + 2 * t] = o[nd][2 * half];
+        row[nd * 8 + 2 * t + 1] = o[nd][2 * half + 1];
+      }
+      if (t == 0) {
+        row[HD] = half == 0 ? m0 : m8;  // -inf, d = 0, o = 0 for a warp that saw no token
+        row[HD + 1] = half == 0 ? d0 : d8;
+      }
+    }
+  }
+  __syncthreads();
+  decode_merge_store<T, HD, Tr::kThreads>(a, w, red, Tr::kWarps);
 }
 
 /// Merge kernel (Flash-Decoding): o[b, h] = sum_c exp(lse_c - lse) * o_c, lse = log sum_c exp(lse_c), over the
@@ -414,10 +704,19 @@ template <KernelElement T, int HD, class KV = T>
 Status launch_decode(const DecodeArgs& a, std::int32_t item_capacity, bool has_partials, cudaStream_t stream) {
   using Tr = DecodeTraits<T, HD, KV>;
   const std::int32_t batch = a.pages.batch_size;
+  // The attention kernel for this tiling: tensor cores for a GQA tile of fp16 / bf16 (decode_mma_kernel), else the
+  // CUDA-core kernel. Same grid either way; only the block size differs.
+  auto launch_attention = [&](dim3 grid) -> Status {
+    if constexpr (kDecodeUsesMma<T, HD, KV>) {
+      if (decode_mma_tile(a.heads_per_tile)) {
+        return launch_kernel(decode_mma_kernel<T, HD>, grid, dim3(DecodeMmaTraits<T, HD>::kThreads), 0, stream, a);
+      }
+    }
+    return launch_kernel(decode_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), 0, stream, a);
+  };
   if (a.items != nullptr) {
     if (item_capacity > 0) {
-      const Status s = launch_kernel(decode_kernel<T, HD, KV>, dim3(static_cast<unsigned>(item_capacity)),
-                                     dim3(Tr::kThreads), 0, stream, a);
+      const Status s = launch_attention(dim3(static_cast<unsigned>(item_capacity)));
       if (s != Status::kSuccess) return s;
     }
     if (a.merges != nullptr && a.merge_capacity > 0 && has_partials) {
@@ -429,8 +728,7 @@ Status launch_decode(const DecodeArgs& a, std::int32_t item_capacity, bool has_p
   }
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(a.num_kv_heads * a.num_head_tiles),
                   a.split ? static_cast<unsigned>(a.max_num_chunks) : 1u);
-  if (const Status s = launch_kernel(decode_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), 0, stream, a);
-      s != Status::kSuccess) {
+  if (const Status s = launch_attention(grid); s != Status::kSuccess) {
     return s;
   }
   if (a.split) {
