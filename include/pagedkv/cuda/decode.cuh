@@ -385,18 +385,22 @@ __global__ void __launch_bounds__(DecodeTraits<T, HD, KV>::kThreads, 1)
 
 // ---- tensor-core decode for GQA (query heads of a tile as the MMA's rows) ----------------------------------------
 
-/// Geometry of the tensor-core decode kernel (fp16 / bf16, head_dim 64 or 128, KV = T): 2 warps; each takes 16 of a
-/// stage's 32 tokens. S = Q K^T and O += P V run as mma.sync m16n8k16 (fp32 accumulate) with the tile's query heads
-/// as the 16 rows (rows past tile_heads are zero), so each K/V element staged in shared memory feeds every head of
-/// the group through one fragment load, instead of one load, one conversion and one shuffle reduction per head.
-template <KernelElement T, int HD>
+/// Geometry of the tensor-core decode kernel (fp16 / bf16, head_dim 64 or 128, KV = T or fp8 e4m3): 2 warps; each
+/// takes 16 of a stage's 32 tokens. S = Q K^T and O += P V run as mma.sync m16n8k16 (fp32 accumulate) with the
+/// tile's query heads as the 16 rows (rows past tile_heads are zero), so each K/V element staged in shared memory
+/// feeds every head of the group through one fragment load, instead of one load, one conversion and one shuffle
+/// reduction per head. An fp8 pool is staged as bytes (half the copy) and converted once per stage into a T tile
+/// (exact: every e4m3 value is a bf16 and an fp16 value), which the MMAs read as for a T pool.
+template <KernelElement T, int HD, class KV = T>
 struct DecodeMmaTraits {
+  static constexpr bool kFp8 = !std::same_as<KV, T>;
   static constexpr int kWarps = 2;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kTileTokens = 16 * kWarps;
   static constexpr int kStages = 2;
   static constexpr int kStageElems = kTileTokens * HD;  // one of K or V, one stage
-  static constexpr int kKVSmemBytes = kStages * 2 * kStageElems * static_cast<int>(sizeof(T));
+  static constexpr int kStagedBytes = kStages * 2 * kStageElems * static_cast<int>(sizeof(KV));
+  static constexpr int kKVSmemBytes = kStagedBytes + (kFp8 ? 2 * kStageElems * static_cast<int>(sizeof(T)) : 0);
   static constexpr int kRedStride = HD + 2;
   static constexpr int kRedSmemBytes = kWarps * 16 * kRedStride * static_cast<int>(sizeof(float));
   static constexpr int kSmemBytes = kKVSmemBytes > kRedSmemBytes ? kKVSmemBytes : kRedSmemBytes;
@@ -404,11 +408,11 @@ struct DecodeMmaTraits {
   static_assert(kSmemBytes <= 48 * 1024, "DecodeMmaTraits: static shared memory must stay under 48 KiB");
 };
 
-/// Whether decode uses the tensor-core kernel: fp16 / bf16 query and pool (not fp8), head_dim 64 or 128, and at least
-/// two query heads per tile (one head would leave 15 of the MMA's 16 rows idle; the CUDA-core kernel reads K/V at the
+/// Whether decode uses the tensor-core kernel: fp16 / bf16 query, an fp16 / bf16 (same type) or fp8 e4m3 pool,
+/// head_dim 64 or 128, and at least two query heads per tile (one head would leave 15 of the MMA's 16 rows idle; the CUDA-core kernel reads K/V at the
 /// copy bandwidth there).
 template <KernelElement T, int HD, class KV>
-inline constexpr bool kDecodeUsesMma = !std::same_as<T, float> && std::same_as<KV, T> && (HD == 64 || HD == 128);
+inline constexpr bool kDecodeUsesMma = !std::same_as<T, float> && (HD == 64 || HD == 128);
 inline constexpr bool decode_mma_tile(std::int32_t heads_per_tile) { return heads_per_tile >= 2; }
 
 /// D = A B + D, m16n8k16, A row-major (4 x 32-bit: 2 elements each), B col-major (2 x 32-bit), fp32 accumulators.
@@ -464,12 +468,14 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
 /// decode_kernel; block = DecodeMmaTraits::kThreads. Per warp and 16-token block: S (16 heads x 16 tokens) =
 /// Q K^T in 2 x HD/16 MMAs from swizzled shared memory, scaled to base 2 and masked past the range, an online softmax
 /// per row (each row's 4 lanes reduce with 2 shuffles), then O (16 x HD) += P V in HD/8 MMAs with P rounded to T (as
-/// FlashAttention-2) and V fragments from ldmatrix .trans. The two warps' states merge through shared memory.
-template <KernelElement T, int HD>
-__global__ void __launch_bounds__(DecodeMmaTraits<T, HD>::kThreads, 6) decode_mma_kernel(const DecodeArgs a) {
-  using Tr = DecodeMmaTraits<T, HD>;
+/// FlashAttention-2) and V fragments from ldmatrix .trans. The two warps' states merge through shared memory. An fp8
+/// pool: the stage is converted to T in shared memory first (k_scale is in scale_log2, v_scale applied at the store).
+template <KernelElement T, int HD, class KV = T>
+__global__ void __launch_bounds__(DecodeMmaTraits<T, HD, KV>::kThreads, 6) decode_mma_kernel(const DecodeArgs a) {
+  using Tr = DecodeMmaTraits<T, HD, KV>;
   __shared__ __align__(16) unsigned char smem_raw[Tr::kSmemBytes];
-  T* const smem_kv = reinterpret_cast<T*>(smem_raw);
+  KV* const smem_kv = reinterpret_cast<KV*>(smem_raw);
+  T* const smem_conv = reinterpret_cast<T*>(smem_raw + Tr::kStagedBytes);  // fp8: the stage converted to T (K, V)
 
   DecodeWork w;
   if (!decode_work(a, w)) return;
@@ -479,11 +485,12 @@ __global__ void __launch_bounds__(DecodeMmaTraits<T, HD>::kThreads, 6) decode_mm
   }
   const std::int32_t num_tokens = w.chunk_end - w.chunk_begin;
   const std::int32_t num_tiles = static_cast<std::int32_t>(ceil_div(num_tokens, Tr::kTileTokens));
-  const char* const k_head = static_cast<const char*>(a.k) + w.kv_head * a.stride_head * std::int64_t{sizeof(T)};
-  const char* const v_head = static_cast<const char*>(a.v) + w.kv_head * a.stride_head * std::int64_t{sizeof(T)};
-  auto load_tile = [&](int tile, int stage) {
-    T* const ks = smem_kv + stage * 2 * Tr::kStageElems;
-    decode_load_tile<T, HD, Tr::kTileTokens, Tr::kThreads, true>(a, w, k_head, v_head, tile, ks, ks + Tr::kStageElems);
+  const char* const k_head = static_cast<const char*>(a.k) + w.kv_head * a.stride_head * std::int64_t{sizeof(KV)};
+  const char* const v_head = static_cast<const char*>(a.v) + w.kv_head * a.stride_head * std::int64_t{sizeof(KV)};
+  auto load_tile = [&](int tile, int stage) {  // T: swizzled and zero-filled here; fp8: by the conversion below
+    KV* const ks = smem_kv + stage * 2 * Tr::kStageElems;
+    decode_load_tile<KV, HD, Tr::kTileTokens, Tr::kThreads, !Tr::kFp8>(a, w, k_head, v_head, tile, ks,
+                                                                        ks + Tr::kStageElems);
   };
 
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -524,9 +531,36 @@ __global__ void __launch_bounds__(DecodeMmaTraits<T, HD>::kThreads, 6) decode_mm
     __syncthreads();
 
     const int n = min(Tr::kTileTokens, num_tokens - tile * Tr::kTileTokens);  // valid tokens of the stage
-    const int tok0 = warp * 16;                                               // this warp's first token
-    if (tok0 < n) {  // warp-uniform
-      const T* const ks = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
+    const T* ks;
+    if constexpr (Tr::kFp8) {
+      // e4m3 stage -> T tile: each 16-byte chunk (16 codes) of row r becomes T chunks 2c and 2c + 1, swizzled by
+      // r & 7 like a T stage; rows past the range become zeros.
+      const KV* const staged = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
+      constexpr int kChunks = HD / 16;  // 16-byte fp8 chunks per row
+      for (int i = static_cast<int>(threadIdx.x); i < 2 * Tr::kTileTokens * kChunks; i += Tr::kThreads) {
+        const int kv = i / (Tr::kTileTokens * kChunks);  // 0: K, 1: V
+        const int r = (i / kChunks) % Tr::kTileTokens;
+        const int c = i % kChunks;
+        T* const dst = smem_conv + kv * Tr::kStageElems + r * HD;
+        uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+        if (r < n) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(staged + kv * Tr::kStageElems + r * HD + c * 16);
+          float f[8];
+          unpack_e4m3<8>(raw.x, raw.y, f);
+          lo = pack16<T>(f);
+          unpack_e4m3<8>(raw.z, raw.w, f);
+          hi = pack16<T>(f);
+        }
+        *reinterpret_cast<uint4*>(dst + (((2 * c) ^ (r & 7)) * 8)) = lo;
+        *reinterpret_cast<uint4*>(dst + (((2 * c + 1) ^ (r & 7)) * 8)) = hi;
+      }
+      __syncthreads();
+      ks = smem_conv;
+    } else {
+      ks = smem_kv + (tile % Tr::kStages) * 2 * Tr::kStageElems;
+    }
+    const int tok0 = warp * 16;  // this warp's first token
+    if (tok0 < n) {              // warp-uniform
       const T* const vs = ks + Tr::kStageElems;
       // S = Q K^T: n-tile j covers tokens tok0 + 8j + [0, 8); B fragment (k = dims 2t, 2t+1 [+8], n = token g).
       float s[2][4];
@@ -709,7 +743,8 @@ Status launch_decode(const DecodeArgs& a, std::int32_t item_capacity, bool has_p
   auto launch_attention = [&](dim3 grid) -> Status {
     if constexpr (kDecodeUsesMma<T, HD, KV>) {
       if (decode_mma_tile(a.heads_per_tile)) {
-        return launch_kernel(decode_mma_kernel<T, HD>, grid, dim3(DecodeMmaTraits<T, HD>::kThreads), 0, stream, a);
+        return launch_kernel(decode_mma_kernel<T, HD, KV>, grid, dim3(DecodeMmaTraits<T, HD, KV>::kThreads), 0, stream,
+                             a);
       }
     }
     return launch_kernel(decode_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), 0, stream, a);
