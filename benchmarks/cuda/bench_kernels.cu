@@ -22,7 +22,8 @@
 // the JSON). Setup (fills, uploads) is finished (cudaDeviceSynchronize) before any timed launch on the benchmark's
 // non-blocking stream. The JSON has every repetition of every row, not only the median.
 //
-// Usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick] [--seed N]
+// Usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick] [--seed N] [--only SUBSTRING]
+//   --only: only the rows whose name contains SUBSTRING (the copy bandwidth is always measured).
 //   --quick: the rows the GPU issue asks for (decode grid b 1/64/256 x 4k/32k x heads 32/32, 32/8, 64/8; ragged vs
 //   uniform; block sizes 8-64; fp8 vs bf16 at 4k and 32k; prefill; write_kv; copy_blocks; the copy bandwidth),
 //   5 repetitions; without it also the unsplit / chunk-rule / graph / window rows and the 256-sequence ragged batch.
@@ -432,6 +433,7 @@ int main(int argc, char** argv) {
   const char* json_path = nullptr;
   double spec_override = 0;
   bool quick = false;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
       json_path = argv[++i];
@@ -443,8 +445,11 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (std::strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
       g_seed = std::strtoull(argv[++i], nullptr, 10);
+    } else if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+      only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick] [--seed N]\n");
+      std::fprintf(stderr,
+                   "usage: bench_kernels [--json PATH] [--reps N] [--spec-gbps X] [--quick] [--seed N] [--only SUBSTRING]\n");
       return 2;
     }
   }
@@ -525,14 +530,18 @@ int main(int argc, char** argv) {
     shapes.push_back({"decode ragged 255x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged256, 32, 8, 128, 16,
                       Split::kUnsplit});
   }
+  const auto want = [&](const std::string& name) { return only.empty() || name.find(only) != std::string::npos; };
   for (const auto& s : shapes) {
+    if (!want(s.name)) continue;
     results.push_back(bench_decode(s));
     std::fflush(stdout);
   }
-  results.push_back(bench_prefill("prefill b8 cached2048+new512 causal qo32/kv8 d128 bs16", 8, 2048, 512, 32, 8, 128, 16));
+  if (const std::string name = "prefill b8 cached2048+new512 causal qo32/kv8 d128 bs16"; want(name)) {
+    results.push_back(bench_prefill(name, 8, 2048, 512, 32, 8, 128, 16));
+  }
 
   // write_kv: 65536 tokens x 8 heads x 128 bf16 into a shuffled set of slots (read + write of K and V).
-  {
+  if (want("write_kv 65536 tok x 8 heads x 128 bf16 bs16")) {
     const int tokens = 65536, heads = 8, hd = 128, bs = 16;
     const std::int64_t num_blocks = tokens / bs + 1;
     const std::int64_t page_elems = std::int64_t{bs} * heads * hd;
@@ -558,6 +567,7 @@ int main(int argc, char** argv) {
   // copy_blocks: 4096 (src, dst) pairs of 64 KiB blocks (K + V), one layer; and 8 layers x 512 pairs.
   for (int layers : {1, 8}) {
     const int pairs = 4096 / layers, heads = 8, hd = 128, bs = 16;
+    if (!want("copy_blocks " + std::to_string(layers) + " layer(s)")) continue;
     const std::int64_t num_blocks = 2 * pairs + 1;
     const std::int64_t page_elems = std::int64_t{bs} * heads * hd;
     std::vector<Buf*> pools;
