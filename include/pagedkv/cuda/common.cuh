@@ -210,6 +210,91 @@ __device__ __forceinline__ std::int32_t page_block(const PageTable& pt, std::int
   return __ldg(pt.block_tables + static_cast<std::int64_t>(b) * pt.max_blocks_per_seq + page);
 }
 
+/// Stages the K and V rows of tokens [tok0, tok0 + n) of sequence b (n <= kRows) into the shared-memory tiles ks / vs
+/// ([kRows][HD] of KV each) with 16-byte cp.async chunks, and commits one group. k_head / v_head: the pool's K / V
+/// base already offset to the kv head (bytes). kSwizzle (the tensor-core kernels): chunk c of row r lands at chunk
+/// c ^ (r & 7), so that 8 consecutive rows read at one logical chunk hit 8 different bank groups (MMA fragments,
+/// ldmatrix), and rows [n, kRows) are zero-filled (an MMA multiplies whole 16-token blocks: probability 0 times a stale
+/// NaN would be NaN).
+template <class KV, int HD, int kRows, int kThreads, bool kSwizzle>
+__device__ __forceinline__ void load_kv_rows(const PageTable& pages, std::int32_t b, std::int32_t block_size,
+                                             std::int64_t stride_page, std::int64_t stride_token, const char* k_head,
+                                             const char* v_head, std::int32_t tok0, std::int32_t n, KV* ks, KV* vs) {
+  constexpr int kChunksPerRow = HD * static_cast<int>(sizeof(KV)) / 16;
+  constexpr int kChunkElems = 16 / static_cast<int>(sizeof(KV));
+#pragma unroll
+  for (int it = 0; it < ceil_div(kRows * kChunksPerRow, kThreads); ++it) {
+    const int i = it * kThreads + static_cast<int>(threadIdx.x);
+    const int r = i / kChunksPerRow;
+    const int c = i % kChunksPerRow;
+    const int cs = kSwizzle ? (c ^ (r & 7)) : c;
+    if (r < n) {
+      const std::int32_t tok = tok0 + r;
+      const std::int32_t page = tok / block_size;
+      const std::int32_t in_page = tok - page * block_size;
+      const std::int64_t blk = page_block(pages, b, page);
+      const std::int64_t byte_off = (blk * stride_page + in_page * stride_token) * std::int64_t{sizeof(KV)} + c * 16;
+      cp_async16(ks + r * HD + cs * kChunkElems, k_head + byte_off);
+      cp_async16(vs + r * HD + cs * kChunkElems, v_head + byte_off);
+    } else if (kSwizzle && r < kRows) {
+      *reinterpret_cast<uint4*>(ks + r * HD + cs * kChunkElems) = make_uint4(0u, 0u, 0u, 0u);
+      *reinterpret_cast<uint4*>(vs + r * HD + cs * kChunkElems) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  cp_async_commit();
+}
+
+// ---- tensor-core fragments (sm_80+ mma.sync; the decode and prefill tensor-core kernels) ----
+
+/// D = A B + D, m16n8k16, A row-major (4 x 32-bit: 2 elements each), B col-major (2 x 32-bit), fp32 accumulators.
+template <KernelElement T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (std::same_as<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+#else
+  __trap();  // the tensor-core path needs sm_80+ (CMAKE_CUDA_ARCHITECTURES defaults to 90)
+#endif
+}
+
+/// Four 8x8 16-bit matrices from shared memory, transposed (ldmatrix .x4 .trans); lane l gives the address of row
+/// (l % 8) of matrix (l / 8).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+#else
+  __trap();
+#endif
+}
+
+/// Two floats as one 32-bit register of two T (the first in the low half), round to nearest.
+template <KernelElement T>
+__device__ __forceinline__ unsigned pack2(float lo, float hi) {
+  unsigned u;
+  if constexpr (std::same_as<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    __builtin_memcpy(&u, &v, sizeof u);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    __builtin_memcpy(&u, &v, sizeof u);
+  }
+  return u;
+}
+
 /// First key position visible to the query at position `pos` under a local-attention window (AttentionWindow in
 /// kernel_params.hpp, device copy of AttentionWindow::first_visible): max(0, pos - window + 1 when window > 0,
 /// floor(pos / chunk) * chunk when chunk > 0). window = sliding_window_tokens, chunk = attention_chunk_tokens; 0 = off.

@@ -1,8 +1,9 @@
 // pagedkv/cuda/prefill.cuh: causal prefill attention over paged KV with ragged queries.
 //
 // Source: FlashInfer's batch prefill with paged KV (ragged qo_indptr, query i of sequence b at position
-// kv_len_b - q_len_b + i) and FlashAttention's tiling with online softmax. Correctness first: fp32 CUDA-core math
-// on tiles in shared memory (no tensor cores yet).
+// kv_len_b - q_len_b + i) and FlashAttention(-2)'s tiling with online softmax. Two kernels: prefill_mma_kernel
+// (tensor cores, mma.sync m16n8k16, for fp16 / bf16 at head_dim 64 / 128 with a same-type pool; below) and
+// prefill_kernel (fp32 CUDA-core math on tiles in shared memory: fp32, head_dim 256, fp8 pools).
 //
 // CTA = (32-query tile of one sequence, one qo head); 128 threads. Thread t owns query row t / 4 of the tile and
 // a quarter of its scores (keys sub + 4j of a 32-key tile, sub = t % 4) and of its output dims (float4 groups
@@ -58,20 +59,11 @@ struct PrefillArgs {
   std::int32_t total_q_tokens; // rows of q / o: no CTA reads or writes a row at or past it, whatever qo_indptr says
 };
 
-/// grid = (ceil(total_q / 32) + batch, num_qo_heads), block = 128, dynamic smem = PrefillTraits::kSmemBytes.
-/// KV = T reads the pool as T; KV = Fp8E4M3 reads kVec e4m3 bytes per vector and dequantizes them (exact) into the
-/// fp32 shared tiles (k_scale folded into the prescaled q, v_scale applied to the output).
-template <KernelElement T, int HD, class KV = T>
-  requires KVStorageOf<KV, T>
-__global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel(const PrefillArgs a) {
-  using Tr = PrefillTraits<T, HD>;
-  extern __shared__ __align__(16) float smem_f[];
-  float* const qs = smem_f;                          // [kTileQ][kRowStride]
-  float* const ks = qs + Tr::kTileQ * Tr::kRowStride; // [kTileK][kRowStride]
-  float* const vs = ks + Tr::kTileK * Tr::kRowStride; // [kTileK][kRowStride]
-  float* const ps = vs + Tr::kTileK * Tr::kRowStride; // [kTileQ][kPStride]
-
-  // ---- which (sequence, query tile) is blockIdx.x: warp 0 scans ceil(q_len_b / kTileQ) over the batch ----
+/// Which (sequence, query tile of kTileQ rows) this CTA (blockIdx.x) computes: warp 0 scans ceil(q_len_b / kTileQ)
+/// over the batch (cub::WarpScan), then the CTA synchronizes. Returns {sequence, tile}; sequence -1: past the last
+/// tile (grid.x is an upper bound). Call from every thread of the CTA.
+template <int kTileQ>
+__device__ __forceinline__ int2 prefill_tile_of_block(const PrefillArgs& a) {
   __shared__ int s_seq;
   __shared__ int s_tile;
   if (threadIdx.x < 32) {
@@ -86,7 +78,7 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
     for (int base = 0; base < batch; base += 32) {
       const int b = base + lane;
       int cnt = 0;
-      if (b < batch) cnt = static_cast<int>(ceil_div(a.qo_indptr[b + 1] - a.qo_indptr[b], Tr::kTileQ));
+      if (b < batch) cnt = static_cast<int>(ceil_div(a.qo_indptr[b + 1] - a.qo_indptr[b], kTileQ));
       if (cnt < 0) cnt = 0;
       int incl = 0;
       int total = 0;
@@ -108,26 +100,68 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
     }
   }
   __syncthreads();
-  const int b = s_seq;
-  if (b < 0) return;  // grid.x is an upper bound on the number of tiles
+  return make_int2(s_seq, s_tile);
+}
 
-  const std::int32_t q_begin = a.qo_indptr[b];
-  const std::int32_t q_len = a.qo_indptr[b + 1] - q_begin;
-  const std::int32_t kv_len = seq_kv_len(a.pages, b, a.block_size);
+/// The query tile a prefill CTA computes and the keys it may see.
+struct PrefillTile {
+  std::int32_t b;         // sequence
+  std::int32_t q_begin;   // its first row in q / o
+  std::int32_t tile_q0;   // the tile's first query within the sequence
+  std::int32_t rows;      // query rows of the tile (> 0)
+  std::int32_t pos0;      // position of the tile's first query: kv_len - q_len + tile_q0
+  std::int32_t kv_begin;  // first key any row of the tile sees
+  std::int32_t kv_end;    // one past the last
+};
+
+/// Resolves this CTA's tile (prefill_tile_of_block) and its key range; false when there is nothing to compute
+/// (uniform across the CTA).
+/// - Rows are clamped to [0, total_q_tokens): a qo_indptr that breaks its preconditions (device data the host cannot
+///   check: qo_indptr[0] != 0, qo_indptr[batch] != total_q_tokens) never makes a CTA touch q / o rows outside the
+///   tensors; those rows are simply not computed.
+/// - With q_len > kv_len (a precondition the reference checks and the launcher cannot: both lengths are device data)
+///   pos0 is negative for the leading queries: every key is masked for them (key >= 0 > qpos), so they get o = 0,
+///   lse = -inf, and kv_begin >= 0, kv_end <= kv_len keep every K/V load inside the sequence's pages.
+/// - kv_begin is the window / chunk start of the tile's first query (first_visible_token is non-decreasing in the
+///   position, so that query's is the smallest): keys before it are visible to no row, and their pages (maybe the
+///   null block 0) are never read.
+template <int kTileQ>
+__device__ __forceinline__ bool prefill_tile(const PrefillArgs& a, PrefillTile& t) {
+  const int2 found = prefill_tile_of_block<kTileQ>(a);
+  t.b = found.x;
+  if (t.b < 0) return false;  // grid.x is an upper bound on the number of tiles
+  t.q_begin = a.qo_indptr[t.b];
+  const std::int32_t q_len = a.qo_indptr[t.b + 1] - t.q_begin;
+  const std::int32_t kv_len = seq_kv_len(a.pages, t.b, a.block_size);
+  t.tile_q0 = found.y * kTileQ;
+  if (t.q_begin < 0) return false;
+  t.rows = max(0, min(min(kTileQ, q_len - t.tile_q0), a.total_q_tokens - (t.q_begin + t.tile_q0)));
+  if (t.rows <= 0) return false;
+  t.pos0 = kv_len - q_len + t.tile_q0;
+  t.kv_begin = first_visible_token(t.pos0, a.window_tokens, a.chunk_tokens);
+  t.kv_end = min(kv_len, t.pos0 + t.rows);
+  return true;
+}
+
+/// grid = (ceil(total_q / 32) + batch, num_qo_heads), block = 128, dynamic smem = PrefillTraits::kSmemBytes.
+/// KV = T reads the pool as T; KV = Fp8E4M3 reads kVec e4m3 bytes per vector and dequantizes them (exact) into the
+/// fp32 shared tiles (k_scale folded into the prescaled q, v_scale applied to the output).
+template <KernelElement T, int HD, class KV = T>
+  requires KVStorageOf<KV, T>
+__global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel(const PrefillArgs a) {
+  using Tr = PrefillTraits<T, HD>;
+  extern __shared__ __align__(16) float smem_f[];
+  float* const qs = smem_f;                          // [kTileQ][kRowStride]
+  float* const ks = qs + Tr::kTileQ * Tr::kRowStride; // [kTileK][kRowStride]
+  float* const vs = ks + Tr::kTileK * Tr::kRowStride; // [kTileK][kRowStride]
+  float* const ps = vs + Tr::kTileK * Tr::kRowStride; // [kTileQ][kPStride]
+
+  PrefillTile pt;
+  if (!prefill_tile<Tr::kTileQ>(a, pt)) return;  // uniform across the CTA
+  const std::int32_t b = pt.b, q_begin = pt.q_begin, tile_q0 = pt.tile_q0, rows = pt.rows, pos0 = pt.pos0;
+  const std::int32_t kv_begin = pt.kv_begin, kv_end = pt.kv_end;
   const std::int32_t h = static_cast<std::int32_t>(blockIdx.y);
   const std::int32_t kv_head = h / a.group_size;
-  const std::int32_t tile_q0 = s_tile * Tr::kTileQ;
-  // Rows of this tile, clamped to [0, total_q_tokens): a qo_indptr that breaks its preconditions (device data the
-  // host cannot check: qo_indptr[0] != 0, qo_indptr[batch] != total_q_tokens) never makes a CTA touch q / o rows
-  // outside the tensors; those rows are simply not computed.
-  if (q_begin < 0) return;
-  const std::int32_t rows = max(0, min(min(Tr::kTileQ, q_len - tile_q0), a.total_q_tokens - (q_begin + tile_q0)));
-  if (rows <= 0) return;  // uniform across the CTA
-  // Position of the tile's first query. With q_len > kv_len (a precondition the reference checks and the launcher
-  // cannot: both lengths are device data) pos0 is negative for the leading queries: every key is masked for them
-  // (key >= 0 > qpos), so they get o = 0, lse = -inf, and kv_begin >= 0, kv_end <= kv_len keep every K/V load inside
-  // the sequence's pages: never an out-of-bounds read.
-  const std::int32_t pos0 = kv_len - q_len + tile_q0;
 
   // ---- Q tile (prescaled by sm_scale * log2 e), zero rows past the sequence ----
   constexpr int kVecsPerRow = HD / Tr::kVec;
@@ -150,12 +184,8 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   const int r = static_cast<int>(threadIdx.x) / 4;
   const int sub = static_cast<int>(threadIdx.x) % 4;
   const std::int32_t qpos = r < rows ? pos0 + r : -1;  // keys at positions <= qpos are visible
-  // ... and >= qlo (the window / chunk start of this row's query; first_visible_token is non-decreasing in the
-  // position, so the tile's first query has the smallest). KV tiles start at the tile's smallest qlo: keys before it
-  // are visible to no row, and their pages (maybe the null block 0) are never read.
+  // ... and >= qlo (the window / chunk start of this row's query; PrefillTile::kv_begin explains the range).
   const std::int32_t qlo = r < rows ? first_visible_token(qpos, a.window_tokens, a.chunk_tokens) : 0;
-  const std::int32_t kv_begin = rows > 0 ? first_visible_token(pos0, a.window_tokens, a.chunk_tokens) : 0;
-  const std::int32_t kv_end = min(kv_len, pos0 + rows);  // one past the last visible key of the tile
 
   const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
   const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(KV)};
@@ -270,6 +300,200 @@ __global__ void __launch_bounds__(PrefillTraits<T, HD>::kThreads) prefill_kernel
   }
 }
 
+// ---- tensor-core prefill (FlashAttention-2's tiling on mma.sync) ----------------------------------------------------
+
+/// Geometry of the tensor-core prefill kernel (fp16 / bf16 query and pool, head_dim 64 or 128): CTA = (64-query tile
+/// of one sequence, one qo head), 4 warps of 16 query rows each (the MMA's rows); K/V tiles of 64 keys staged by
+/// cp.async into swizzled shared memory, two stages (dynamic shared memory: 64 KiB at head_dim 128).
+template <KernelElement T, int HD>
+struct PrefillMmaTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kTileQ = 16 * kWarps;
+  static constexpr int kTileK = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kStageElems = kTileK * HD;  // one of K or V, one stage
+  static constexpr std::size_t kSmemBytes = std::size_t{kStages} * 2 * kStageElems * sizeof(T);
+  static_assert(HD == 64 || HD == 128, "PrefillMmaTraits: head_dim 64 or 128 (the fp32 output fragment is HD / 2 registers)");
+};
+
+/// Whether prefill uses the tensor-core kernel: fp16 / bf16 query and a pool of the same type, head_dim 64 or 128.
+template <KernelElement T, int HD, class KV>
+inline constexpr bool kPrefillUsesMma = !std::same_as<T, float> && std::same_as<KV, T> && (HD == 64 || HD == 128);
+
+/// Tensor-core prefill kernel (kPrefillUsesMma): same grid rule (tiles of PrefillMmaTraits::kTileQ), masks (causal,
+/// sliding window, chunked-local), outputs and edge cases as prefill_kernel. Per warp and 64-key tile: S (16 queries
+/// x 64 keys) = Q K^T in 8 x HD/16 MMAs, masked and scaled to base 2, an online softmax per row (4 lanes per row, 2
+/// shuffles), then O (16 x HD) += P V in 4 x HD/8 MMAs with P rounded to T; a warp whose queries see none of the
+/// tile's keys skips it. o = O / l (0 and lse = -inf for a row that sees no key).
+template <KernelElement T, int HD>
+__global__ void __launch_bounds__(PrefillMmaTraits<T, HD>::kThreads) prefill_mma_kernel(const PrefillArgs a) {
+  using Tr = PrefillMmaTraits<T, HD>;
+  extern __shared__ __align__(16) unsigned char prefill_mma_smem[];
+  T* const smem_kv = reinterpret_cast<T*>(prefill_mma_smem);
+
+  PrefillTile pt;
+  if (!prefill_tile<Tr::kTileQ>(a, pt)) return;  // uniform across the CTA
+  const std::int32_t h = static_cast<std::int32_t>(blockIdx.y);
+  const std::int32_t kv_head = h / a.group_size;
+  const char* const k_head = static_cast<const char*>(a.k) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  const char* const v_head = static_cast<const char*>(a.v) + kv_head * a.stride_head * std::int64_t{sizeof(T)};
+  auto load_tile = [&](std::int32_t kv0, int stage) {
+    T* const ks = smem_kv + stage * 2 * Tr::kStageElems;
+    load_kv_rows<T, HD, Tr::kTileK, Tr::kThreads, true>(a.pages, pt.b, a.block_size, a.stride_page, a.stride_token,
+                                                         k_head, v_head, kv0, min(Tr::kTileK, pt.kv_end - kv0), ks,
+                                                         ks + Tr::kStageElems);
+  };
+
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  // This lane's rows: r0 = 16 warp + g and r8 = r0 + 8 of the tile; qpos -1 (nothing visible) past the tile's rows.
+  const int r0 = 16 * warp + g, r8 = r0 + 8;
+  const std::int32_t qpos0 = r0 < pt.rows ? pt.pos0 + r0 : -1;
+  const std::int32_t qpos8 = r8 < pt.rows ? pt.pos0 + r8 : -1;
+  const std::int32_t qlo0 = r0 < pt.rows ? first_visible_token(qpos0, a.window_tokens, a.chunk_tokens) : 0;
+  const std::int32_t qlo8 = r8 < pt.rows ? first_visible_token(qpos8, a.window_tokens, a.chunk_tokens) : 0;
+  // The warp's visible key range: [qlo of its first row, qpos of its last row] (both non-decreasing in the row).
+  const int warp_last = min(16 * warp + 15, pt.rows - 1);
+  const std::int32_t warp_hi = 16 * warp < pt.rows ? pt.pos0 + warp_last : -1;
+  const std::int32_t warp_lo =
+      16 * warp < pt.rows ? first_visible_token(pt.pos0 + 16 * warp, a.window_tokens, a.chunk_tokens) : 0;
+
+  unsigned qa[HD / 16][4];
+  {
+    const auto qrow = [&](int r) {
+      return reinterpret_cast<const unsigned*>(
+          static_cast<const T*>(a.q) +
+          (static_cast<std::int64_t>(pt.q_begin + pt.tile_q0 + r) * a.num_qo_heads + h) * HD);
+    };
+    const bool has0 = r0 < pt.rows, has8 = r8 < pt.rows;
+    const unsigned* const q0 = qrow(has0 ? r0 : 0);
+    const unsigned* const q8 = qrow(has8 ? r8 : 0);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      qa[kk][0] = has0 ? __ldg(q0 + kk * 8 + t) : 0u;
+      qa[kk][1] = has8 ? __ldg(q8 + kk * 8 + t) : 0u;
+      qa[kk][2] = has0 ? __ldg(q0 + kk * 8 + 4 + t) : 0u;
+      qa[kk][3] = has8 ? __ldg(q8 + kk * 8 + 4 + t) : 0u;
+    }
+  }
+  float o[HD / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < HD / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+  float m0 = -INFINITY, m8 = -INFINITY;  // running max (base 2) of rows r0, r8
+  float l0 = 0.f, l8 = 0.f;              // this lane's part of their denominators
+
+  const std::int32_t num_tiles = pt.kv_end > pt.kv_begin ? (pt.kv_end - pt.kv_begin + Tr::kTileK - 1) / Tr::kTileK : 0;
+  if (num_tiles > 0) load_tile(pt.kv_begin, 0);
+  for (std::int32_t it = 0; it < num_tiles; ++it) {
+    const std::int32_t kv0 = pt.kv_begin + it * Tr::kTileK;
+    if (it + 1 < num_tiles) {
+      load_tile(kv0 + Tr::kTileK, (it + 1) % Tr::kStages);
+    } else {
+      cp_async_commit();  // empty group keeps the wait count uniform
+    }
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const std::int32_t kv_last = min(kv0 + Tr::kTileK, pt.kv_end) - 1;
+    if (warp_hi >= kv0 && warp_lo <= kv_last) {  // warp-uniform: some row of the warp sees some key of the tile
+      const T* const ks = smem_kv + (it % Tr::kStages) * 2 * Tr::kStageElems;
+      const T* const vs = ks + Tr::kStageElems;
+      float s[Tr::kTileK / 8][4];
+#pragma unroll
+      for (int j = 0; j < Tr::kTileK / 8; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const T* const krow = ks + (8 * j + g) * HD;  // row & 7 == g
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+          const unsigned b0 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk) ^ g) * 8) + 2 * t);
+          const unsigned b1 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk + 1) ^ g) * 8) + 2 * t);
+          mma_16816<T>(s[j], qa[kk], b0, b1);
+        }
+      }
+      float mx0 = m0, mx8 = m8;
+#pragma unroll
+      for (int j = 0; j < Tr::kTileK / 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const std::int32_t key = kv0 + 8 * j + 2 * t + c;  // <= kv_last is implied by key <= qpos (< kv_end)
+          s[j][c] = key <= qpos0 && key >= qlo0 ? s[j][c] * a.scale_log2 : -INFINITY;
+          s[j][2 + c] = key <= qpos8 && key >= qlo8 ? s[j][2 + c] * a.scale_log2 : -INFINITY;
+          mx0 = fmaxf(mx0, s[j][c]);
+          mx8 = fmaxf(mx8, s[j][2 + c]);
+        }
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 1));
+      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 2));
+      // A row that has seen no visible key yet keeps m = -inf: alpha 1, p 0 (never exp2(-inf - -inf)).
+      const float alpha0 = mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
+      const float alpha8 = mx8 == -INFINITY ? 1.f : exp2f(m8 - mx8);
+      m0 = mx0;
+      m8 = mx8;
+      l0 *= alpha0;
+      l8 *= alpha8;
+#pragma unroll
+      for (int nd = 0; nd < HD / 8; ++nd) {
+        o[nd][0] *= alpha0;
+        o[nd][1] *= alpha0;
+        o[nd][2] *= alpha8;
+        o[nd][3] *= alpha8;
+      }
+      const int vrow = (lane % 8) + 8 * ((lane / 8) & 1);  // ldmatrix row of this lane within a 16-key block
+#pragma unroll
+      for (int kb = 0; kb < Tr::kTileK / 16; ++kb) {
+        float p[2][4];
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * kb + jj;
+          p[jj][0] = mx0 == -INFINITY ? 0.f : exp2f(s[j][0] - m0);
+          p[jj][1] = mx0 == -INFINITY ? 0.f : exp2f(s[j][1] - m0);
+          p[jj][2] = mx8 == -INFINITY ? 0.f : exp2f(s[j][2] - m8);
+          p[jj][3] = mx8 == -INFINITY ? 0.f : exp2f(s[j][3] - m8);
+          l0 += p[jj][0] + p[jj][1];
+          l8 += p[jj][2] + p[jj][3];
+        }
+        const unsigned pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
+                                pack2<T>(p[1][2], p[1][3])};
+        const T* const vblk = vs + (16 * kb + vrow) * HD;  // (16 kb + vrow) & 7 == lane % 8
+#pragma unroll
+        for (int dn = 0; dn < HD / 16; ++dn) {
+          unsigned vb[4];
+          ldmatrix_x4_trans(vb, vblk + (((2 * dn + lane / 16) ^ (lane % 8)) * 8));
+          mma_16816<T>(o[2 * dn], pa, vb[0], vb[1]);
+          mma_16816<T>(o[2 * dn + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+    __syncthreads();  // the stage just read is refilled by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l8 += __shfl_xor_sync(0xffffffffu, l8, 1);
+  l8 += __shfl_xor_sync(0xffffffffu, l8, 2);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half == 0 ? r0 : r8;
+    if (r >= pt.rows) continue;
+    const float l = half == 0 ? l0 : l8;
+    const float m = half == 0 ? m0 : m8;
+    const std::int64_t row = static_cast<std::int64_t>(pt.q_begin + pt.tile_q0 + r) * a.num_qo_heads + h;
+    const float inv = l > 0.f ? a.v_scale / l : 0.f;
+    unsigned* const out = reinterpret_cast<unsigned*>(static_cast<T*>(a.o) + row * HD);
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; ++nd) {
+      out[nd * 4 + t] = pack2<T>(o[nd][2 * half] * inv, o[nd][2 * half + 1] * inv);
+    }
+    if (t == 0 && a.lse != nullptr) a.lse[row] = l > 0.f ? (m + log2f(l)) * 0.69314718055994530942f : -INFINITY;
+  }
+}
+
 /// Sets `kernel`'s cudaFuncAttributeMaxDynamicSharedMemorySize to `smem_bytes` once per (kernel, device) for the
 /// process: a kernel that needs more than the default 48 KiB of dynamic shared memory must opt in before its first
 /// launch on each device (the attribute belongs to the device's context). `done` is the kernel's per-device bitmask
@@ -301,6 +525,21 @@ Status ensure_max_dynamic_smem(Kernel* kernel, std::size_t smem_bytes, std::atom
 /// Host: launches prefill_kernel<T, HD, KV>. Arguments validated by the caller; total_q_tokens > 0, batch > 0.
 template <KernelElement T, int HD, class KV = T>
 Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStream_t stream) {
+  if constexpr (kPrefillUsesMma<T, HD, KV>) {  // tensor cores: fp16 / bf16, head_dim 64 / 128, no fp8 pool
+    using Tm = PrefillMmaTraits<T, HD>;
+    const std::int64_t tiles = ceil_div(total_q_tokens, Tm::kTileQ) + a.pages.batch_size;
+    if (tiles > 0x7fffffff) {
+      return pagedkv::detail::fail(Status::kInvalidValue, "total_q_tokens", " = %d: %lld query tiles exceed grid.x",
+                                   total_q_tokens, static_cast<long long>(tiles));
+    }
+    static std::atomic<std::uint64_t> mma_smem_set{0};
+    if (const Status s = ensure_max_dynamic_smem(prefill_mma_kernel<T, HD>, Tm::kSmemBytes, mma_smem_set);
+        s != Status::kSuccess) {
+      return s;
+    }
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_qo_heads));
+    return launch_kernel(prefill_mma_kernel<T, HD>, grid, dim3(Tm::kThreads), Tm::kSmemBytes, stream, a);
+  }
   using Tr = PrefillTraits<T, HD>;
   const std::int64_t tiles = ceil_div(total_q_tokens, Tr::kTileQ) + a.pages.batch_size;
   if (tiles > 0x7fffffff) {
