@@ -365,9 +365,7 @@ class KVCacheManager {
       if (!st.state_valid && q.num_built == q.num_known() && q.num_built > 0) {
         const Id src = st.table.blocks()[q.num_built / config_.block_size - 1];
         acquire_block(src);  // the copy's hold on its source
-        pending_copies_.push_back(copy_type{src, st.state, static_cast<std::uint32_t>(g)});
-        copy_owners_.push_back(&q);
-        ++q.num_pending_copies;
+        queue_copy(q, copy_type{src, st.state, static_cast<std::uint32_t>(g)});
         st.state_valid = true;
       }
     }
@@ -2093,9 +2091,7 @@ class KVCacheManager {
       (void)ok;
       if (copy) {
         copy->group = static_cast<std::uint32_t>(g);
-        pending_copies_.push_back(*copy);
-        copy_owners_.push_back(&q);
-        ++q.num_pending_copies;
+        queue_copy(q, *copy);
         ++stats_.cow_copies;
         if (g == 0) copy0 = copy;
       }
@@ -2293,9 +2289,7 @@ class KVCacheManager {
         st.last_pos = boundary;
         if (boundary == base + built) {  // the working state is the same state: a copy of the last checkpoint
           acquire_block(st.last_block);  // the copy's hold on its source
-          pending_copies_.push_back(copy_type{st.last_block, st.state, static_cast<std::uint32_t>(g)});
-          copy_owners_.push_back(&q);
-          ++q.num_pending_copies;
+          queue_copy(q, copy_type{st.last_block, st.state, static_cast<std::uint32_t>(g)});
           st.state_valid = true;
           copied = true;
         }
@@ -2418,10 +2412,17 @@ class KVCacheManager {
       release_block(src);
       return;
     }
-    pending_copies_.push_back(copy_type{src, st.state, static_cast<std::uint32_t>(g)});  // holds our reference on src
+    queue_copy(q, copy_type{src, st.state, static_cast<std::uint32_t>(g)});  // holds our reference on src
+    ++stats_.cow_copies;
+  }
+
+  /// Queues copy c into one of q's blocks: handed out with the next build that includes q (its owner), counted in
+  /// q.num_pending_copies. The hold on c.src is the caller's (acquired for the copy, or a reference handed over).
+  /// Room in pending_copies_ / copy_owners_ is reserved by the caller.
+  void queue_copy(sequence_type& q, const copy_type& c) {
+    pending_copies_.push_back(c);
     copy_owners_.push_back(&q);
     ++q.num_pending_copies;
-    ++stats_.cow_copies;
   }
 
   sequence_type& live(SeqId seq, const char* what) {
