@@ -3,7 +3,12 @@
 // Sources: PagedAttention (Kwon et al., SOSP'23) for the page indirection; FlashInfer's batch decode for the
 // thread layout (lanes along head_dim with 16-byte vectors, K/V tiles staged in shared memory by cp.async and
 // shared by all query heads of a group) and its plan/run split; Flash-Decoding (Dao et al., 2023) for split-KV +
-// log-sum-exp merge.
+// log-sum-exp merge; FlashInfer's tensor-core decode ("use_tensor_cores" for GQA) and FlashAttention-2 for the
+// tensor-core kernel (decode_mma_kernel, below: the group's query heads as the MMA's rows).
+//
+// Two attention kernels share the work resolution, tile staging and phase merge (device functions below):
+// decode_kernel (CUDA cores; described next) and decode_mma_kernel (mma.sync; fp16 / bf16, head_dim 64 / 128, tiles
+// of >= 2 query heads, same-type or fp8 pool). launch_decode picks one per launch; the grid is the same.
 //
 // CTA = one unit of work (sequence b, kv head, head tile, token range). Where the unit comes from:
 //   - work-list mode (DecodeArgs::items != null): CTA i runs work item i of a plan (pagedkv/decode_plan.hpp); the
