@@ -4,7 +4,8 @@
 #   scripts/gpu-check.sh [--seed N]
 #   scripts/gpu-check.sh --source-hash | --probe-source   (used by scripts/stage-gpu-deps.sh --bundle)
 #   environment: OUT, GPU_CHECK_DEADLINE_S (420), GPU_CHECK_SEED, CMAKE_CUDA_ARCHITECTURES, PAGEDKV_GPU_BUILD_DIR,
-#                JOBS, GPU_CHECK_SANITIZER (1), GPU_CHECK_CONTINUE_WITHOUT_DEVICE (0), GPU_CHECK_USE_BUNDLE (0)
+#                JOBS, GPU_CHECK_SANITIZER (1), GPU_CHECK_CONTINUE_WITHOUT_DEVICE (0), GPU_CHECK_USE_BUNDLE (0),
+#                GPU_CHECK_BASELINE_BENCH (unset)
 #
 # Needs (checked first, in this order; the check refuses to start and names what is missing):
 #   1. CMake >= 3.25 (cuda/CMakeLists.txt's minimum; `ctest --test-dir` needs 3.20, `--no-tests=error` 3.17);
@@ -31,7 +32,7 @@
 # into bench.json) -> compute-sanitizer memcheck, racecheck, then synccheck, initcheck on the reduced "[sanitize]"
 # grid (every kernel: write_kv, copy_blocks, swap_blocks, decode, prefill) -> verdict.
 #
-# Results in $OUT (default benchmarks/results/<date>-<device>/), at most 4 files, no folder: summary.json (rewritten
+# Results in $OUT (default benchmarks/results/<date>-<device>/), at most 4 files (6 with GPU_CHECK_BASELINE_BENCH), no folder: summary.json (rewritten
 # after every stage, so a run killed at its limit still returns what finished), summary.txt, bench.json (every
 # repetition of every row), logs.tar.gz (env, probe, nvidia-smi, configure/build/ptxas logs, ctest and per-test
 # output, sanitizer logs, bench.txt; also rewritten after every stage). The last line of stdout is the verdict:
@@ -39,6 +40,11 @@
 #   gpu-check: INCOMPLETE: <what did not finish>: N passed, 0 failed, 0 skipped (label gpu); ...
 #   gpu-check: FAIL: <reason>: N passed, M failed, K skipped (label gpu); ...
 #   gpu-check: REFUSED: missing: <what>: 0 passed, 0 failed, 0 skipped (label gpu)
+# Before / after (optional, never part of the verdict): GPU_CHECK_BASELINE_BENCH=PATH names another build's
+# bench_kernels (e.g. .gpu-deps/bundle/bench_kernels staged from the previous commit). After the sanitizers, with the
+# time left before the deadline, it runs that binary and then this build's, both --quick with the check's seed, one
+# right after the other (timings compare only within one call), writes ab-base.json and ab-new.json to $OUT (6 files
+# then) and the scripts/bench-compare.py table into summary.txt and logs (ab.txt); summary.json's "ab" says what ran.
 # Exit status: 0 PASS (build ok, every registered GPU test ran and passed, none skipped, host tests passed, the
 # benchmark ran, all four sanitizer tools ran clean); 1 FAIL; 2 REFUSED (preflight); 3 no CUDA device; 4 INCOMPLETE
 # (nothing failed, but a stage was cut by its cap or the deadline, or compute-sanitizer is missing or disabled).
@@ -250,6 +256,8 @@ write_summary() {
     printf '  "host_tests": {"label": "cuda_host", "passed": %d, "failed": %d},\n' "$host_passed" "$host_failed"
     printf '  "bench": {"file": "bench.json", "rows": %d, "unsupported_rows": %d, "skipped_rows": %d, "torch": "%s"},\n' \
       "$bench_rows" "$bench_unsupported" "$bench_skipped" "$(json_str "$torch_note")"
+    printf '  "ab": {"baseline": "%s", "status": "%s"},\n' "$(json_str "${GPU_CHECK_BASELINE_BENCH:-}")" \
+      "$(json_str "${ab_note:-not asked (GPU_CHECK_BASELINE_BENCH unset)}")"
     printf '  "stages": [\n'
     for s in "${stage_order[@]}"; do
       (( first )) || printf ',\n'
@@ -333,6 +341,8 @@ finish() {  # STATUS REASON EXIT
       echo "host-only launcher tests: $host_passed passed, $host_failed failed"
       [[ -f "$work/bench.txt" ]] && { echo; tail -n 80 "$work/bench.txt"; }
       [[ -n "$torch_note" ]] && echo "torch SDPA: $torch_note"
+      [[ -n "${ab_note:-}" ]] && echo "before / after (GPU_CHECK_BASELINE_BENCH): $ab_note"
+      [[ -s "$work/ab.txt" ]] && cat "$work/ab.txt"
       echo
       echo "$verdict_line"
     } > "$out/summary.txt"
@@ -446,7 +456,7 @@ if [[ -z "$out" ]]; then
   out="$root/benchmarks/results/$(date +%Y-%m-%d)-$(echo "$device" | tr -c 'A-Za-z0-9_.\n-' '-')"
 fi
 mkdir -p "$out"
-rm -f "$out/summary.json" "$out/summary.txt" "$out/bench.json" "$out/logs.tar.gz"
+rm -f "$out/summary.json" "$out/summary.txt" "$out/bench.json" "$out/logs.tar.gz" "$out/ab-base.json" "$out/ab-new.json"
 if command -v nvidia-smi >/dev/null 2>&1; then
   timeout 20 nvidia-smi > "$work/nvidia-smi.txt" 2>&1 || true
   driver_smi=$(timeout 20 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 || true)
@@ -667,7 +677,36 @@ for tool in memcheck racecheck synccheck initcheck; do
 done
 say "compute-sanitizer: memcheck ${st_status[memcheck]}; racecheck ${st_status[racecheck]}; synccheck ${st_status[synccheck]}; initcheck ${st_status[initcheck]}"
 
-# ---- 8. verdict ---------------------------------------------------------------------------------------------------
+# ---- 8. before / after (GPU_CHECK_BASELINE_BENCH; informative, never part of the verdict) --------------------------
+ab_note=""
+if [[ -n "${GPU_CHECK_BASELINE_BENCH:-}" ]]; then
+  ab_left=$(( $(remaining) - 5 ))
+  if (( probe_rc != 0 )); then
+    ab_note="not run (no device)"
+  elif [[ ! -x "$GPU_CHECK_BASELINE_BENCH" ]]; then
+    ab_note="not run: '$GPU_CHECK_BASELINE_BENCH' is not an executable file"
+  elif [[ ! -x "$bench_bin" ]]; then
+    ab_note="not run: this build has no bench_kernels"
+  elif (( ab_left < 20 )); then
+    ab_note="not run (deadline: ${ab_left}s left)"
+  else
+    timeout -k 5 $(( ab_left / 2 )) "$GPU_CHECK_BASELINE_BENCH" --quick --seed "$seed" --json "$out/ab-base.json" \
+      > "$work/ab-base.txt" 2>&1
+    ab_rc_base=$?
+    timeout -k 5 $(( ab_left / 2 )) "$bench_bin" --quick --seed "$seed" --json "$out/ab-new.json" > "$work/ab-new.txt" 2>&1
+    ab_rc_new=$?
+    if (( ab_rc_base == 0 && ab_rc_new == 0 )) && command -v python3 >/dev/null 2>&1 &&
+       python3 "$root/scripts/bench-compare.py" "$out/ab-base.json" "$out/ab-new.json" > "$work/ab.txt" 2>&1; then
+      ab_note="ran: baseline then this build, --quick, seed $seed (ab-base.json, ab-new.json)"
+    else
+      ab_note="failed: baseline rc $ab_rc_base, this build rc $ab_rc_new (ab-base.txt, ab-new.txt, ab.txt in logs)"
+    fi
+  fi
+  say "before / after: $ab_note"
+  write_summary
+fi
+
+# ---- 9. verdict ---------------------------------------------------------------------------------------------------
 reason=""
 if (( probe_rc != 0 )); then reason="no CUDA device ($probe_error)"
 elif (( registered == 0 || passed + failed == 0 )); then reason="no GPU test ran (tests ${st_status[tests]})"
