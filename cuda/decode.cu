@@ -100,13 +100,17 @@ Status decode_plan_config(int device, DType dtype, std::int32_t head_dim, std::i
   int ctas = 0;
   const std::int32_t hpt = decode_heads_per_tile(dtype, head_dim, num_qo_heads / num_kv_heads);
   const Status s = dispatch_dtype_head_dim(dtype, head_dim, [&]<class T, int HD>() -> Status {
-    cudaError_t e;
-    if constexpr (kDecodeUsesMma<T, HD, T>) {  // the kernel launch_decode picks for this tiling (fp16 / bf16 pool)
-      e = decode_mma_tile(hpt) ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                     &ctas, decode_mma_kernel<T, HD>, DecodeMmaTraits<T, HD>::kThreads, 0)
-                               : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_kernel<T, HD>,
-                                                                               DecodeTraits<T, HD>::kThreads, 0);
-    } else {
+    // The kernel launch_decode picks for this tiling (a same-type pool).
+    cudaError_t e = cudaSuccess;
+    bool mma = false;
+    if constexpr (kDecodeUsesMma<T, HD, T>) {
+      mma = decode_mma_tile(hpt);
+      if (mma) {
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_mma_kernel<T, HD>,
+                                                          DecodeMmaTraits<T, HD>::kThreads, 0);
+      }
+    }
+    if (!mma) {
       e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, decode_kernel<T, HD>, DecodeTraits<T, HD>::kThreads, 0);
     }
     return e == cudaSuccess ? Status::kSuccess : cuda_fail("cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);

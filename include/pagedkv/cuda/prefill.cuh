@@ -522,37 +522,38 @@ Status ensure_max_dynamic_smem(Kernel* kernel, std::size_t smem_bytes, std::atom
   return Status::kSuccess;
 }
 
-/// Host: launches prefill_kernel<T, HD, KV>. Arguments validated by the caller; total_q_tokens > 0, batch > 0.
-template <KernelElement T, int HD, class KV = T>
-Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStream_t stream) {
-  if constexpr (kPrefillUsesMma<T, HD, KV>) {  // tensor cores: fp16 / bf16, head_dim 64 / 128, no fp8 pool
-    using Tm = PrefillMmaTraits<T, HD>;
-    const std::int64_t tiles = ceil_div(total_q_tokens, Tm::kTileQ) + a.pages.batch_size;
-    if (tiles > 0x7fffffff) {
-      return pagedkv::detail::fail(Status::kInvalidValue, "total_q_tokens", " = %d: %lld query tiles exceed grid.x",
-                                   total_q_tokens, static_cast<long long>(tiles));
-    }
-    static std::atomic<std::uint64_t> mma_smem_set{0};
-    if (const Status s = ensure_max_dynamic_smem(prefill_mma_kernel<T, HD>, Tm::kSmemBytes, mma_smem_set);
-        s != Status::kSuccess) {
-      return s;
-    }
-    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_qo_heads));
-    return launch_kernel(prefill_mma_kernel<T, HD>, grid, dim3(Tm::kThreads), Tm::kSmemBytes, stream, a);
-  }
-  using Tr = PrefillTraits<T, HD>;
-  const std::int64_t tiles = ceil_div(total_q_tokens, Tr::kTileQ) + a.pages.batch_size;
+/// Host: launches kernel over grid (ceil(total_q_tokens / tile_q) + batch, num_qo_heads), block `threads`, `smem`
+/// bytes of dynamic shared memory (raised once per device through smem_set). kInvalidValue when the tile count
+/// exceeds grid.x.
+template <class Kernel>
+Status launch_prefill_kernel(Kernel* kernel, int tile_q, int threads, std::size_t smem,
+                             std::atomic<std::uint64_t>& smem_set, const PrefillArgs& a, std::int32_t total_q_tokens,
+                             cudaStream_t stream) {
+  const std::int64_t tiles = ceil_div(total_q_tokens, tile_q) + a.pages.batch_size;
   if (tiles > 0x7fffffff) {
     return pagedkv::detail::fail(Status::kInvalidValue, "total_q_tokens", " = %d: %lld query tiles exceed grid.x",
                                  total_q_tokens, static_cast<long long>(tiles));
   }
-  static std::atomic<std::uint64_t> smem_set{0};  // one per instantiation: devices whose attribute is set
-  if (const Status s = ensure_max_dynamic_smem(prefill_kernel<T, HD, KV>, Tr::kSmemBytes, smem_set);
-      s != Status::kSuccess) {
-    return s;
-  }
+  if (const Status s = ensure_max_dynamic_smem(kernel, smem, smem_set); s != Status::kSuccess) return s;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_qo_heads));
-  return launch_kernel(prefill_kernel<T, HD, KV>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, a);
+  return launch_kernel(kernel, grid, dim3(static_cast<unsigned>(threads)), smem, stream, a);
+}
+
+/// Host: launches the prefill kernel for (T, HD, KV): prefill_mma_kernel where kPrefillUsesMma (tensor cores: fp16 /
+/// bf16, head_dim 64 / 128, same-type pool), else prefill_kernel; only the kernel launched is instantiated.
+/// Arguments validated by the caller; total_q_tokens > 0, batch > 0.
+template <KernelElement T, int HD, class KV = T>
+Status launch_prefill(const PrefillArgs& a, std::int32_t total_q_tokens, cudaStream_t stream) {
+  static std::atomic<std::uint64_t> smem_set{0};  // one per instantiation: devices whose attribute is set
+  if constexpr (kPrefillUsesMma<T, HD, KV>) {
+    using Tm = PrefillMmaTraits<T, HD>;
+    return launch_prefill_kernel(prefill_mma_kernel<T, HD>, Tm::kTileQ, Tm::kThreads, Tm::kSmemBytes, smem_set, a,
+                                 total_q_tokens, stream);
+  } else {
+    using Tr = PrefillTraits<T, HD>;
+    return launch_prefill_kernel(prefill_kernel<T, HD, KV>, Tr::kTileQ, Tr::kThreads, Tr::kSmemBytes, smem_set, a,
+                                 total_q_tokens, stream);
+  }
 }
 
 }  // namespace detail
