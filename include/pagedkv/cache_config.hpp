@@ -71,8 +71,9 @@ namespace detail {
 /// `c` if it is a valid configuration with at most `max_groups` groups, else throws kInvalidArgument (num_blocks < 2,
 /// a block_size outside [1, kMaxBlockSize], num_host_blocks = 1, too many groups, a full group with window_tokens
 /// != 0, a windowed or recurrent group with window_tokens 0 or > 2^31 - 1, a recurrent group 0 or with a checkpoint
-/// interval not a multiple of block_size, state_bytes on a non-recurrent group, num_layers 0, pool bytes
-/// overflowing size_t) or
+/// interval not a multiple of block_size, state_bytes on a non-recurrent group, a group block_size other than 0 or
+/// block_size that is not a multiple of it, on group 0, on a non-full group or with a host tier, num_layers 0, pool
+/// bytes overflowing size_t) or
 /// kLimitExceeded (num_blocks > 2^31, max_tokens_per_seq > 2^31 - 1, num_host_blocks > 2^31: the int32 batch
 /// metadata; eviction_history > 2^30), each naming the field and value.
 [[nodiscard]] inline CacheConfig checked_cache_config(const CacheConfig& c, std::size_t max_groups) {
@@ -139,6 +140,29 @@ namespace detail {
       detail::raise(Errc::kInvalidArgument, who + (s.last_checkpoint ? ".last_checkpoint = true" : ".state_bytes = " +
                                                    std::to_string(s.state_bytes)) +
                                                 ": only a recurrent group has a state");
+    }
+    if (s.block_size != 0 && s.block_size != c.block_size) {  // a coarse page (docs/groups.md, "Coarse pages")
+      const std::string bad = who + ".block_size = " + std::to_string(s.block_size) + ": ";
+      if (s.kind != AttentionKind::kFull) {
+        detail::raise(Errc::kInvalidArgument, bad + "only a full-attention group may have pages coarser than the "
+                                                    "pool's block size " + std::to_string(c.block_size) +
+                                                    " (0 = the pool's)");
+      }
+      if (g == 0) {
+        detail::raise(Errc::kInvalidArgument, bad + "group 0 holds the pool's block size " +
+                                                    std::to_string(c.block_size) +
+                                                    " (the match unit); list the coarse groups after it");
+      }
+      if (s.block_size % c.block_size != 0 || s.block_size > kMaxBlockSize) {
+        detail::raise(Errc::kInvalidArgument, bad + "must be a multiple of the pool's block size " +
+                                                    std::to_string(c.block_size) + ", at most kMaxBlockSize = " +
+                                                    std::to_string(kMaxBlockSize));
+      }
+      if (c.num_host_blocks != 0) {
+        detail::raise(Errc::kInvalidArgument, bad + "a group with coarse pages does not yet work with the host tier "
+                                                    "(num_host_blocks = " + std::to_string(c.num_host_blocks) +
+                                                    "; issue 20)");
+      }
     }
     if (s.num_layers == 0) detail::raise(Errc::kInvalidArgument, who + ".num_layers = 0: must be positive");
     layers = std::max<std::size_t>(layers, s.num_layers);

@@ -47,12 +47,18 @@ enum class AttentionKind : std::uint8_t {
 /// end of its prompt, or of its answer): one more block per running sequence, rewritten in place whenever a build
 /// crosses a block boundary, registered as a checkpoint when the sequence is freed or preempted (vLLM's `align`
 /// mode keeps such a checkpoint, at its block size, and nothing else).
+/// `block_size`: tokens per block of this group's pages; 0 = the pool's CacheConfig::block_size (the match unit:
+/// block hashes, hits and registration stay at that unit). A coarser page (kFull only; a multiple of the match unit,
+/// e.g. a compressed or indexer group at 64 or 128 tokens beside attention at 16, DeepSeek-V4) keeps its own block
+/// table of ceil(tokens / block_size) blocks; its hits are still computed per match block (a partial coarse block
+/// is registered under the hash where its content ends: docs/groups.md, "Coarse pages"; vLLM RFC #45702's idea).
 struct KVCacheGroupSpec {
   AttentionKind kind = AttentionKind::kFull;
   std::uint32_t window_tokens = 0;
   std::uint32_t num_layers = 1;
   std::size_t state_bytes = 0;
   bool last_checkpoint = false;
+  std::uint32_t block_size = 0;
 
   /// Whether this is a recurrent-state group.
   [[nodiscard]] constexpr bool recurrent() const noexcept { return kind == AttentionKind::kRecurrent; }
@@ -111,35 +117,58 @@ namespace detail {
 /// same as the brute-force maximum (any k valid for all groups stays below every bound). Cost: one `cached` call
 /// per (group, block < max_blocks) plus O(groups x iterations). `run` is scratch (resized to groups x max_blocks:
 /// no allocation once it has grown); the overload without it allocates.
+///
+/// `coarse` (optional, [groups] or empty): group g's pages hold coarse[g] match blocks (KVCacheGroupSpec::block_size /
+/// block_size; 0 or 1 = one). A coarse full-attention group registers each of its blocks under the hash of the last
+/// match block it holds (a full block: its last; a partial one: where its content ends), so `cached(g, i)` means
+/// "group g holds a block whose content ends at match block i", and a hit of k blocks needs the full coarse blocks
+/// before block k - 1's one cached at their last match block, and block k - 1 cached: a downward search like a
+/// window's (docs/groups.md, "Coarse pages").
 template <class Cached>
 [[nodiscard]] std::size_t fixed_point_hit_blocks(std::span<const AttentionWindow> windows, std::uint32_t block_size,
                                                  std::size_t max_blocks, Cached&& cached,
-                                                 std::vector<std::uint32_t>& run_scratch) {
+                                                 std::vector<std::uint32_t>& run_scratch,
+                                                 std::span<const std::uint32_t> coarse = {}) {
   if (max_blocks == 0) return 0;
   std::size_t m = max_blocks;
-  // run(g, i): cached blocks ending at i (inclusive) in group g; full groups only need the run from block 0.
+  const auto factor = [&](std::size_t g) -> std::size_t { return g < coarse.size() && coarse[g] > 1 ? coarse[g] : 1; };
+  const auto searched = [&](std::size_t g) { return windows[g].enabled() || factor(g) > 1; };
+  // run(g, i): cached blocks ending at i (inclusive) in group g; full groups only need the run from block 0. A
+  // coarse group's run(g, 0) holds its count of leading full coarse blocks cached.
   run_scratch.resize(windows.size() * max_blocks);
   const auto run = [&](std::size_t g) { return run_scratch.data() + g * max_blocks; };
   for (std::size_t g = 0; g < windows.size(); ++g) {
-    if (!windows[g].enabled()) {
+    if (!searched(g)) {
       std::size_t k = 0;
       while (k < m && cached(g, k)) ++k;
       m = std::min(m, k);
     }
   }
-  for (std::size_t g = 0; g < windows.size(); ++g) {
-    if (!windows[g].enabled()) continue;
+  for (std::size_t g = 0; g < windows.size() && m > 0; ++g) {
+    if (!searched(g)) continue;
     std::uint32_t* r = run(g);
+    if (const std::size_t f = factor(g); f > 1) {
+      std::uint32_t c = 0;
+      while ((c + 1) * f - 1 < m && cached(g, (c + 1) * f - 1)) ++c;
+      r[0] = c;
+      continue;
+    }
     for (std::size_t i = 0; i < m; ++i) r[i] = cached(g, i) ? (i == 0 ? 1U : r[i - 1] + 1U) : 0U;
   }
   for (bool changed = true; changed && m > 0;) {
     changed = false;
     for (std::size_t g = 0; g < windows.size(); ++g) {
-      if (!windows[g].enabled()) continue;
+      if (!searched(g)) continue;
       std::size_t k = m;
-      for (; k > 0; --k) {  // valid: every block of [lo, k) cached, i.e. the run ending at k - 1 is long enough
-        const std::size_t lo = first_kept_block(windows[g], k * block_size, block_size);
-        if (lo >= k || run(g)[k - 1] >= k - lo) break;
+      if (const std::size_t f = factor(g); f > 1) {  // the full coarse blocks before block k - 1's, then k - 1
+        for (; k > 0; --k) {
+          if ((k - 1) / f <= run(g)[0] && cached(g, k - 1)) break;
+        }
+      } else {
+        for (; k > 0; --k) {  // valid: every block of [lo, k) cached, i.e. the run ending at k - 1 is long enough
+          const std::size_t lo = first_kept_block(windows[g], k * block_size, block_size);
+          if (lo >= k || run(g)[k - 1] >= k - lo) break;
+        }
       }
       if (k < m) {
         m = k;
@@ -153,9 +182,10 @@ template <class Cached>
 /// fixed_point_hit_blocks with its own scratch (allocates O(groups x max_blocks)).
 template <class Cached>
 [[nodiscard]] std::size_t fixed_point_hit_blocks(std::span<const AttentionWindow> windows, std::uint32_t block_size,
-                                                 std::size_t max_blocks, Cached&& cached) {
+                                                 std::size_t max_blocks, Cached&& cached,
+                                                 std::span<const std::uint32_t> coarse = {}) {
   std::vector<std::uint32_t> run;
-  return fixed_point_hit_blocks(windows, block_size, max_blocks, cached, run);
+  return fixed_point_hit_blocks(windows, block_size, max_blocks, cached, run, coarse);
 }
 
 }  // namespace detail

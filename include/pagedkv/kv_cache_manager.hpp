@@ -145,7 +145,11 @@ class KVCacheManager {
     for (const KVCacheGroupSpec& g : config_.groups) {
       windows_.push_back(g.hit_window());
       any_recurrent_ = any_recurrent_ || g.recurrent();
+      group_bs_.push_back(g.block_size != 0 ? g.block_size : config_.block_size);
+      any_coarse_ = any_coarse_ || group_bs_.back() != config_.block_size;
+      coarse_factors_.push_back(group_bs_.back() / config_.block_size);
     }
+    if (any_coarse_) coarse_indices_.assign(num_groups_, 0);
     if (num_groups_ > 1) {
       group_cached_.assign(num_groups_, 0);
       group_of_.assign(config_.num_blocks, 0);
@@ -167,6 +171,10 @@ class KVCacheManager {
 
   [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
   [[nodiscard]] std::uint32_t block_size() const noexcept { return config_.block_size; }
+  /// Tokens per block of group g's pages (KVCacheGroupSpec::block_size, or the pool's block_size): what group g's
+  /// block table, page table (last_page_len) and slot mapping count in. A multiple of block_size(), the match unit
+  /// of hashes and hits. Precondition: g < num_groups().
+  [[nodiscard]] std::uint32_t block_size(std::size_t g) const noexcept { return group_bs_[g]; }
   /// Per-sequence token limit in force (kMaxMetadataValue when none was configured). A prompt longer than the pool
   /// but within this limit is answered kNeverFits, not an error.
   [[nodiscard]] std::size_t max_tokens_per_seq() const noexcept { return max_tokens_per_seq_; }
@@ -398,7 +406,7 @@ class KVCacheManager {
         max_reg = std::max(max_reg, (old_known + a) / bs - std::min((old_known + a) / bs, q.registered_of(g)));
       }
     }
-    events_.reserve_more(max_reg * num_groups_);
+    events_.reserve_more(max_reg * num_groups_ * (any_coarse_ ? 4 : 1));  // a coarse page re-key: two events
     switched_scratch_.clear();
     switched_scratch_.reserve(max_reg);
     if (any_recurrent_) {  // a copy per recurrent group (resolve_drafts)
@@ -618,7 +626,7 @@ class KVCacheManager {
     const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
     if (to_fill + fresh > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill + fresh - available};
     // Commit. Reserve first.
-    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, num_groups_));
+    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, num_groups_, group_bs_));
     if (!inserted) {  // cannot happen: a swapped id is not live (admission refuses a swapped id)
       detail::raise(Errc::kDuplicateSequence, "try_resume: sequence " + std::to_string(seq) + " is live");
     }
@@ -736,10 +744,12 @@ class KVCacheManager {
     apply_retention(q, (keep_slotted + config_.block_size - 1) / config_.block_size);
     q.num_lookahead -= drop_lookahead;
     const std::size_t drop = q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead);
+    if (any_coarse_) events_.reserve_more(num_groups_);
     for (std::size_t g = 0; g < num_groups_; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
+      if (is_coarse(g)) unkey_rewound_page(q, g, len / config_.block_size);
       if (is_recurrent(g)) {
         null_partial_checkpoint(q, g);
         release_drafts(q.other_groups[g - 1], q.num_lookahead);  // the dropped lookahead slots' drafts
@@ -850,12 +860,24 @@ class KVCacheManager {
         tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
         if (run == i && tier[g * full + i] != 0) ++run;
       }
+      if (is_coarse(g)) {  // its full pages cached from block 0, then the longest entry inside the next page
+        const std::size_t f = coarse_factor(g);
+        std::size_t c = 0;
+        while ((c + 1) * f <= full && tier[g * full + (c + 1) * f - 1] != 0) ++c;
+        run = c * f;
+        for (std::size_t m = std::min(full, (c + 1) * f); m > c * f; --m) {
+          if (tier[g * full + m - 1] != 0) {
+            run = m;
+            break;
+          }
+        }
+      }
       x.group_cached_run_tokens[g] = run * bs;
     }
     const auto cached = [&](std::size_t g, std::size_t i) { return tier[g * full + i] != 0; };
     const auto hit_blocks = [&](std::size_t max_blocks) {
       if (simple_) return std::min(max_blocks, x.group_cached_run_tokens[0] / bs);
-      return detail::fixed_point_hit_blocks(windows_, config_.block_size, max_blocks, cached);
+      return detail::fixed_point_hit_blocks(windows_, config_.block_size, max_blocks, cached, coarse_factors());
     };
     const std::size_t walk = std::min(full, x.cap_tokens / bs);
     const std::size_t k = hit_blocks(walk);
@@ -1255,6 +1277,7 @@ class KVCacheManager {
     qlen_scratch_.reserve(batch.size());
     std::size_t num_indices = 0, num_new_tokens = 0;
     const std::size_t bs = config_.block_size;
+    if (any_coarse_) std::fill(coarse_indices_.begin(), coarse_indices_.end(), std::size_t{0});
     std::size_t max_registrations = 0, max_blocks = 0;
     const auto fail = [&](Errc c, std::string msg) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
@@ -1284,12 +1307,20 @@ class KVCacheManager {
         const std::size_t reg_end = std::min({seq_len, q.num_known()}) / bs;
         for (std::size_t g = 0; g < G; ++g) {
           const std::size_t registered = kOne ? q.num_registered : q.registered_of(g);
-          max_registrations += reg_end - std::min(reg_end, registered);
+          // a coarse group: at most one page per match block + 1, each BlockRemoved + BlockStored on a re-key
+          max_registrations += (reg_end - std::min(reg_end, registered)) * (!kOne && is_coarse(g) ? 4 : 1);
         }
       }
-      for (const BatchMetadataBuffers& buf : per_group) {
-        if (!buf.block_tables.empty() && blocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
-          fail(Errc::kBadShape, "sequence " + std::to_string(id) + " has " + std::to_string(blocks) +
+      for (std::size_t g = 0; g < per_group.size(); ++g) {
+        const BatchMetadataBuffers& buf = per_group[g];
+        std::size_t gblocks = blocks;
+        if (!kOne && is_coarse(g)) {
+          gblocks = (seq_len + group_bs_[g] - 1) / group_bs_[g];
+          coarse_indices_[g] += gblocks;
+        }
+        if (!buf.block_tables.empty() && gblocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
+          fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + "sequence " +
+                                    std::to_string(id) + " has " + std::to_string(gblocks) +
                                     " blocks > max_blocks_per_seq = " + std::to_string(buf.max_blocks_per_seq));
         }
       }
@@ -1335,7 +1366,8 @@ class KVCacheManager {
           group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
         }
       }
-      if (const auto bad = detail::buffer_shape_error(buf, B, num_indices, num_new_tokens, group_copies,
+      if (const auto bad = detail::buffer_shape_error(buf, B, is_coarse(g) ? coarse_indices_[g] : num_indices,
+                                                      num_new_tokens, group_copies,
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
         fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + *bad);
       }
@@ -1408,7 +1440,12 @@ class KVCacheManager {
         std::size_t& tok = sizes_out[g].num_new_tokens;
         switched_scratch_.clear();
         register_full_blocks_in<kOne>(q, g);
-        detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(nblocks), seq_len, bs, blk, tok);
+        std::size_t gb = bs, gn = nblocks;  // a coarse group counts in its pages
+        if (!kOne && is_coarse(g)) {
+          gb = group_bs_[g];
+          gn = (seq_len + gb - 1) / gb;
+        }
+        detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
         if constexpr (!kOne) {
           if (is_recurrent(g)) {
             write_state_row(q, g, b, first, seq_len, buf, sizes_out[g].num_checkpoints);
@@ -1470,7 +1507,11 @@ class KVCacheManager {
     KVCacheManager* m;
     std::uint32_t g = 0;
     [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
-    [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
+    // A coarse group's partial page is keyed by the match block where its registered content ends, never beyond the
+    // tokens of a table holding it: a hit takes a page only at its key, register_coarse moves the key only while one
+    // table holds the page, a rewind below the key drops it. So appending after that content keeps the key true:
+    // only sharing forces its copy-on-write.
+    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->alloc_.is_hashed(b); }
     [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->alloc_.num_available_blocks(); }
     template <class F>
     [[nodiscard]] std::optional<Id> try_allocate_one(F&& f) {
@@ -1505,15 +1546,16 @@ class KVCacheManager {
   // The allocator as capacity queries see it (read-only).
   struct ConstProxy {
     const KVCacheManager* m;
+    std::uint32_t g = 0;
     [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
-    [[nodiscard]] bool is_hashed(Id b) const { return m->alloc_.is_hashed(b); }
+    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->alloc_.is_hashed(b); }
   };
 
   // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
   // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
   template <bool kOne>
   [[nodiscard]] bool batch_writes(Id b, std::size_t g) const noexcept {
-    const std::size_t bs = config_.block_size;
+    const std::size_t bs = kOne ? config_.block_size : group_bs_[g];
     for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
       const sequence_type& q = *batch_scratch_[r];
       const std::size_t n = qlen_scratch_[r];
@@ -1682,7 +1724,8 @@ class KVCacheManager {
       return l;
     };
     const std::size_t k = detail::fixed_point_hit_blocks(
-        windows_, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run);
+        windows_, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run,
+        coarse_factors());
     sc.hits.assign(G * k, Id{0});
     sc.on_host.assign(G * k, false);
     std::size_t evictable = 0, held_hits = 0, host_hits = 0, host_hit_blocks = 0;
@@ -1690,6 +1733,7 @@ class KVCacheManager {
       bool any_host = false;
       for (std::size_t g = 0; g < G; ++g) {
         if (i < detail::first_kept_block(windows_[g], k * bs, config_.block_size)) continue;
+        if (is_coarse(g) && (i + 1) % coarse_factor(g) != 0 && i + 1 != k) continue;  // a page ends at i, or the hit
         const std::uint8_t l = look(g, i);
         sc.hits[g * k + i] = sc.found[g * walk + i];
         ++held_hits;
@@ -1707,6 +1751,13 @@ class KVCacheManager {
     const std::size_t new_per_group = (k * bs + reserved + bs - 1) / bs - k;
     std::size_t new_table_blocks = 0;  // a recurrent group: its state + the checkpoints the reservation completes
     for (std::size_t g = 0; g < G; ++g) {
+      if (is_coarse(g)) {  // its pages; + a copy of a hit page that ends inside and that a table holds
+        const std::size_t gb = group_bs_[g], held = (k * bs + gb - 1) / gb;
+        const Id tail = k * bs % gb != 0 ? sc.hits[g * k + k - 1] : Id{0};
+        new_table_blocks += (k * bs + reserved + gb - 1) / gb - held +
+                            (tail != Id{0} && reserved > 0 && table_refcount(tail) > 0 ? 1 : 0);
+        continue;
+      }
       new_table_blocks += is_recurrent(g) ? state_blocks(g) + checkpoints_between(g, k * bs, k * bs + reserved)
                                           : new_per_group;
     }
@@ -1714,7 +1765,8 @@ class KVCacheManager {
     const std::size_t usable = alloc_.num_usable_blocks();
     std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
     for (std::size_t g = 0; g < G; ++g) {
-      lower_bound += is_recurrent(g) ? state_blocks(g) : windows_[g].enabled() ? 1 : (prompt.size() + bs - 1) / bs;
+      const std::size_t gb = group_bs_[g];
+      lower_bound += is_recurrent(g) ? state_blocks(g) : windows_[g].enabled() ? 1 : (prompt.size() + gb - 1) / gb;
     }
     const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
     AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
@@ -1762,14 +1814,14 @@ class KVCacheManager {
     std::size_t full_miss = kNo, window_miss = kNo, window_block = k;
     bool any_full = false;
     for (std::size_t g = 0; g < num_groups_; ++g) {
-      const bool windowed = windows_[g].enabled();
+      const bool windowed = windows_[g].enabled() || is_coarse(g);  // a coarse group limits like a window
       any_full = any_full || !windowed;
       if (detail::first_kept_block(windows_[g], len, config_.block_size) > k || cached(g, k)) continue;
       if (!windowed && full_miss == kNo) full_miss = g;
       if (windowed && window_miss == kNo) window_miss = g;
     }
     for (std::size_t g = 0; g < num_groups_ && full_miss == kNo && window_miss == kNo; ++g) {
-      if (!windows_[g].enabled()) continue;
+      if (!windows_[g].enabled()) continue;  // (a coarse group needs no block below k that length k lacked)
       for (std::size_t i = detail::first_kept_block(windows_[g], len, config_.block_size); i < k; ++i) {
         if (!cached(g, i)) {
           window_miss = g;
@@ -1845,6 +1897,10 @@ class KVCacheManager {
     const std::size_t total_blocks = (k * bs + plan.num_reserved + bs - 1) / bs;
     for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);
+    if (any_coarse_) {  // a coarse group's copy of a shared hit page
+      if (pending_copies_.capacity() - pending_copies_.size() < G) detail::reserve_more(pending_copies_, G);
+      if (copy_owners_.capacity() - copy_owners_.size() < G) detail::reserve_more(copy_owners_, G);
+    }
     onboard_scratch_.assign(G * k, Id{0});
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
     sequence_type& q = seqs_.insert(std::move(node)).position->second;
@@ -1871,6 +1927,12 @@ class KVCacheManager {
     }
     for (std::size_t g = 0; g < G; ++g) {
       BlockTable<Id>& t = q.table_of(g);
+      if (is_coarse(g)) {  // page c is the hit's entry at the match block where page c (or the hit) ends
+        const std::size_t f = coarse_factor(g);
+        t.extend(k * bs, [&](std::size_t c) { return onboard_scratch_[g * k + std::min((c + 1) * f, k) - 1]; });
+        q.registered_of(g) = k;
+        continue;
+      }
       for (std::size_t i = 0; i < k; ++i) t.append_full_block(onboard_scratch_[g * k + i]);
       if (!simple_) q.released_of(g) = detail::first_kept_block(windows_[g], k * bs, config_.block_size);
       q.registered_of(g) = k;  // device hits are registered; onboarded blocks are registered when filled
@@ -1883,10 +1945,15 @@ class KVCacheManager {
         grow_recurrent(q, g, plan.num_reserved);
         continue;
       }
-      std::optional<copy_type> no_copy;
+      std::optional<copy_type> copy;
       Proxy pool{this, static_cast<std::uint32_t>(g)};
-      const bool ok = q.table_of(g).try_append(plan.num_reserved, pool, evictor(), nullptr, no_copy);
-      (void)ok;  // guaranteed by the capacity check; no copy (the table ends on a block boundary)
+      const bool ok = q.table_of(g).try_append(plan.num_reserved, pool, evictor(), nullptr, copy);
+      (void)ok;  // guaranteed by the capacity check; a copy only of a coarse group's shared hit page
+      if (copy) {
+        copy->group = static_cast<std::uint32_t>(g);
+        queue_copy(q, *copy);
+        ++stats_.cow_copies;
+      }
     }
     if (readmission) preempted_.erase(seq);
     note_peak();
@@ -1911,7 +1978,7 @@ class KVCacheManager {
   seq_node_type take_spare(SeqId seq) {
     if (spare_.empty()) {
       seq_map_type one;
-      one.try_emplace(seq, config_.block_size, num_groups_);
+      one.try_emplace(seq, config_.block_size, num_groups_, std::span<const std::uint32_t>(group_bs_));
       return one.extract(one.begin());
     }
     seq_node_type node = std::move(spare_.back());
@@ -2037,9 +2104,10 @@ class KVCacheManager {
           continue;
         }
       }
-      const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - nblocks;
-      const bool cow = t.last_block_needs_copy(ConstProxy{this});
-      const bool hashed_partial = cow && alloc_.is_hashed(t.blocks().back());
+      const std::size_t tb = kOne ? bs : t.block_size();  // a coarse group's pages
+      const std::size_t new_blocks = (q.num_slotted() + n + tb - 1) / tb - nblocks;
+      const bool cow = t.last_block_needs_copy(ConstProxy{this, static_cast<std::uint32_t>(g)});
+      const bool hashed_partial = cow && ConstProxy{this, static_cast<std::uint32_t>(g)}.is_hashed(t.blocks().back());
       needed += new_blocks + (cow ? 1 : 0);
       held_after += nblocks - (kOne ? 0 : q.released_of(g)) + new_blocks + (hashed_partial ? 1 : 0);
     }
@@ -2368,6 +2436,12 @@ class KVCacheManager {
     return n;
   }
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
+  // Whether group g's pages are coarser than the match unit, and by how many match blocks per page.
+  [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept {
+    return any_coarse_ ? std::span<const std::uint32_t>(coarse_factors_) : std::span<const std::uint32_t>();
+  }
+  [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return any_coarse_ && group_bs_[g] != config_.block_size; }
+  [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return group_bs_[g] / config_.block_size; }
   [[nodiscard]] std::size_t state_blocks(std::size_t g) const noexcept { return keeps_last(g) ? 2 : 1; }
   // Recurrent group g: the checkpoints that positions (from, to] complete (multiples of its interval), with prefix
   // caching on; 0 otherwise.
@@ -2475,13 +2549,16 @@ class KVCacheManager {
   // Retention: give every block of q from logical block `first` on the priority (and expiry, from the retention
   // clock) its RetentionConfig assigns, before a release that may cache it. Last table holder's release decides.
   // Only for a RetentionEvictionPolicy (compiled out otherwise). Cannot throw: blocks are held, priorities valid.
-  void apply_retention(const sequence_type& q, std::size_t first) {
-    for (std::size_t g = 0; g < num_groups_; ++g) apply_retention_group(q, g, first, q.table_of(g).num_blocks());
+  void apply_retention(const sequence_type& q, std::size_t first) {  // `first`: a match block
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      const std::size_t fg = is_coarse(g) ? first / coarse_factor(g) : first;  // the page holding it
+      apply_retention_group(q, g, fg, q.table_of(g).num_blocks());
+    }
   }
   void apply_retention_group(const sequence_type& q, std::size_t g, std::size_t first, std::size_t end) {
     if constexpr (RetentionEvictionPolicy<Evict, Id>) {
       const auto blocks = q.table_of(g).blocks();
-      const std::size_t bs = config_.block_size;
+      const std::size_t bs = group_bs_[g];
       for (std::size_t i = first; i < end; ++i) {
         if (blocks[i] == Id{0}) continue;
         BlockRetention r;
@@ -2597,6 +2674,9 @@ class KVCacheManager {
   template <bool kOne>
   void register_full_blocks_in(sequence_type& q, std::size_t g) {
     if (!config_.enable_prefix_caching) return;
+    if constexpr (!kOne) {
+      if (is_coarse(g)) return register_coarse(q, g);
+    }
     index_view index = kOne ? index_view(index_, 0, nullptr, nullptr) : ix(g);
     BlockTable<Id>& table = table_in<kOne>(q, g);
     std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
@@ -2625,6 +2705,63 @@ class KVCacheManager {
       switched_scratch_.push_back(i);
     }
     registered = std::max(registered, end);
+  }
+
+  // Coarse group g (docs/groups.md, "Coarse pages"): key each page of `q` that holds registrable match blocks beyond
+  // the registered cursor by the hash of the last of them: a full page by its last match block, the page being
+  // filled by where its registrable content ends (a partial entry), re-keyed as it fills (one key per page: the
+  // old one goes, BlockRemoved then BlockStored). A page whose new key another page holds keeps its old key: no
+  // switch to the other (their contents after the key differ); so does a page another table holds (a lost entry,
+  // never a wrong one). Room for two events per page reserved by the build.
+  [[gnu::noinline]] void register_coarse(sequence_type& q, std::size_t g) {
+    std::size_t& registered = q.registered_of(g);
+    const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
+    if (end <= registered) return;
+    index_view index = ix(g);
+    const auto blocks = q.table_of(g).blocks();
+    const std::size_t f = coarse_factor(g);
+    for (std::size_t c = registered / f; c * f < end; ++c) {
+      const std::size_t j = std::min((c + 1) * f, end) - 1;
+      const BlockHash& h = q.hashes[j];
+      const Id own = blocks[c];
+      const std::optional<BlockHash> old = index.hash_of(own);
+      if (old == h || index.find(h)) continue;
+      // A page another table holds keeps its key: that table may end where the key ends now (it took the page by
+      // a hit there), and its appends go in place once it is the page's only holder (Proxy::is_hashed).
+      if (table_refcount(own) > 1) continue;
+      if (old) unregister_page(own, g, false);
+      index.insert(h, own);
+      alloc_.set_hashed(own, true);
+      if (events_.enabled()) record_stored(q, j, h, g);
+    }
+    registered = end;
+  }
+  // After a rewind of `q` to `kept` known match blocks: coarse group g's last page, left partial, loses a key beyond
+  // those blocks (its content there may be overwritten in place: only sharing forces a copy of a coarse page; a
+  // sharer's copy of that content then goes unregistered too, a lost entry, never a wrong one).
+  void unkey_rewound_page(sequence_type& q, std::size_t g, std::size_t kept) {
+    BlockTable<Id>& t = q.table_of(g);
+    if (t.num_tokens() % t.block_size() == 0) return;
+    const Id last = t.blocks().back();
+    const std::optional<BlockHash> key = ix(g).hash_of(last);
+    if (!key) return;
+    const std::size_t f = coarse_factor(g), c = t.num_blocks() - 1;
+    for (std::size_t j = c * f; j < std::min(kept, (c + 1) * f); ++j) {
+      if (q.hashes[j] == *key) return;
+    }
+    unregister_page(last, g, true);
+  }
+  // Drop coarse group g's key of page b (a re-key, or a rewind below its key), reporting BlockRemoved.
+  // `forget`: also clear its hashed bit (the page stays unregistered).
+  void unregister_page(Id b, std::size_t g, bool forget) {
+    const std::optional<BlockHash> h = ix(g).erase_block(b);
+    if (!h) return;
+    if (forget) alloc_.set_hashed(b, false);
+    if (events_.enabled()) {
+      KVEvent& e = events_.push(KVEventType::kBlockRemoved);
+      e.hash = *h;
+      e.group = static_cast<std::uint32_t>(g);
+    }
   }
 
   // Recurrent group g's outputs of batch row b (sequence q computing positions [first, seq_len)): the block its
@@ -2702,7 +2839,7 @@ class KVCacheManager {
   template <bool kOne>
   void write_slots(const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
                    std::span<std::int64_t> out) const {
-    const std::size_t bs = config_.block_size;
+    const std::size_t bs = kOne ? config_.block_size : group_bs_[g];
     const auto blocks = table_in<kOne>(q, g).blocks();
     std::int64_t* w = out.data();
     std::size_t k = 0;  // next switched block to consider (ascending)
@@ -2736,6 +2873,10 @@ class KVCacheManager {
   index_type index_;                                   // the prefix index, shared by the groups (keys: group_block_key)
   std::vector<std::size_t> group_cached_;              // [G] when G > 1: blocks registered per group
   std::vector<AttentionWindow> windows_;               // [G] the hit rule's window (KVCacheGroupSpec::hit_window)
+  std::vector<std::uint32_t> group_bs_;                // [G] tokens per block of each group's pages
+  bool any_coarse_ = false;                            // a group's pages are coarser than block_size
+  std::vector<std::uint32_t> coarse_factors_;          // [G] block_size(g) / block_size
+  std::vector<std::size_t> coarse_indices_;            // [G] a build's page-table entries per coarse group
   bool any_recurrent_ = false;                         // a recurrent-state group exists (no swap, lookahead)
   std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
   std::vector<std::uint8_t> host_group_of_;            // [num_host_blocks] when G > 1 with a host tier

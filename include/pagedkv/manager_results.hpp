@@ -122,8 +122,8 @@ enum class MissCause : std::uint8_t {
                           ///< the eviction history remembers (CacheConfig::eviction_history; 0 = no history).
   kKeyMismatch = 5,       ///< Not cached under this request's extra keys, but the same tokens are cached without
                           ///< them: the salt, adapter or multimodal items differ from the requests that stored them.
-  kLimitedByGroup = 6,    ///< The full-attention groups could serve more; group `limiting_group` (a window) lacks a
-                          ///< block its window needs at the next length.
+  kLimitedByGroup = 6,    ///< The full-attention groups could serve more; group `limiting_group` (a window, a
+                          ///< recurrent group, or a coarse-page group) lacks a block it needs at the next length.
   kEvicted = 7,           ///< Block `first_miss_block` was cached and has been evicted (the eviction history has it:
                           ///< AdmitExplanation::eviction says from which tier and how long ago).
 };

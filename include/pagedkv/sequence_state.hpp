@@ -67,11 +67,17 @@ struct GroupTableState {
 /// are invalidated by any change to the sequence.
 template <BlockIdType Id = std::uint32_t>
 struct SequenceState {
-  /// An empty sequence with `num_groups` >= 1 block tables of `block_size` tokens per block.
-  explicit SequenceState(std::uint32_t block_size, std::size_t num_groups = 1) : table(block_size) {
+  /// An empty sequence with `num_groups` >= 1 block tables of `block_size` tokens per block (group 0's always;
+  /// group g's `group_block_sizes[g]` when that span has an entry for it that is not 0: a coarse-page group,
+  /// KVCacheGroupSpec::block_size).
+  explicit SequenceState(std::uint32_t block_size, std::size_t num_groups = 1,
+                         std::span<const std::uint32_t> group_block_sizes = {})
+      : table(block_size) {
     other_groups.reserve(num_groups - 1);
     for (std::size_t g = 1; g < num_groups; ++g) {
-      other_groups.push_back({BlockTable<Id>(block_size), 0, 0, Id{0}, false, Id{0}, 0, {}});
+      const std::uint32_t b = g < group_block_sizes.size() && group_block_sizes[g] != 0 ? group_block_sizes[g]
+                                                                                        : block_size;
+      other_groups.push_back({BlockTable<Id>(b), 0, 0, Id{0}, false, Id{0}, 0, {}});
     }
   }
 
