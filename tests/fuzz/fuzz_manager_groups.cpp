@@ -1,7 +1,7 @@
 // tests/fuzz/fuzz_manager_groups.cpp: libFuzzer target driving KVCacheManager with KV-cache groups (full, sliding-
-// window and chunked-local, decoded from the input) together with the host tier (swap preemption, try_resume,
-// complete_transfers in any order, write-back and write-through offload, host hits), lookahead slots and prepared
-// prompts. Unlike fuzz_manager (which predicts every outcome of the one-group manager from a shadow model), this
+// window and chunked-local, decoded from the input; full groups after group 0 with coarse pages of 2 or 4 match
+// blocks when there is no host tier) together with the host tier (swap preemption, try_resume, complete_transfers in
+// any order, write-back and write-through offload, host hits), lookahead slots and prepared prompts. Unlike fuzz_manager (which predicts every outcome of the one-group manager from a shadow model), this
 // target checks invariants after every operation, plus a K/V content model:
 //  - refcounts: every device block's refcount = references from the block tables of every group of every live
 //    sequence + pending copy-on-write sources + pins of queued or in-flight host -> device copies; every host
@@ -9,18 +9,26 @@
 //  - held_blocks(g) = distinct referenced blocks whose group_of is g, summing to stats().blocks_used;
 //  - prefix indexes: a registered block of prefix_index(g) belongs to group g, is hashed, is found under its hash,
 //    and is registered in no other group; hashed <=> registered; the host index likewise; a table's registered
-//    block carries the sequence's own chain hash (an independent PrefixHashIndex::hash_block chain);
+//    block carries the sequence's own chain hash (an independent PrefixHashIndex::hash_block chain); a coarse
+//    page (KVCacheGroupSpec::block_size) is keyed by the hash of a match block inside it, and the prefix that hash
+//    names agrees with the ids of every position the table slots under the key; every registered block holds the
+//    content of the prefix its hash names (a coarse page from its start to the end of the keyed match block);
+//  - hits (no host tier, prefix caching on, unless kNeverFits): query_admit's cached tokens are the brute-force
+//    maximum over lengths every group serves (a windowed group the blocks its first query sees, a coarse group each
+//    page of the hit keyed where the hit's content in it ends);
 //  - block tables: null entries only lead a windowed group's table, exactly num_null_blocks(seq, g) of them; a
 //    windowed group holds no block wholly before first_kept_block(num_built) and every block from there on (what
 //    the next query sees); cursors and token ids agree with the driver's model of each sequence;
-//  - builds: indptr / indices / block_tables / seq_lens / qo_indptr / last_page_len against the tables, slot
-//    mapping inside the row's own block of the group or -1, no slot written twice, no write into a block that
-//    another table holds or that was registered before the build, the transfer token and swap lists against the
-//    transfer queue;
-//  - content: a shadow device pool and a shadow host pool of fingerprints, one per slot. A build runs the step as an
-//    engine does (swap_out, swap_in, copy_blocks, then write_kv of every group's slot mapping), a write storing the
-//    fingerprint of (the sequence's token prefix up to the position, its adapter, the group). After every
-//    operation every built position of every live sequence in a non-null block reads back its own fingerprint
+//  - builds: indptr / indices / block_tables / seq_lens / qo_indptr / last_page_len against the tables (in each
+//    group's page size), slot mapping inside the row's own block of the group or -1, no slot written twice, no
+//    write into a block that another table holds (a coarse page a hit took partial: before where that table ends)
+//    or that was registered before the build (a coarse page: under its key), the transfer token and swap lists
+//    against the transfer queue;
+//  - content: a shadow device pool (a block is as many slots as the largest page of any group) and a shadow host
+//    pool of fingerprints, one per slot. A build runs the step as an engine does (swap_out, swap_in, copy_blocks,
+//    then write_kv of every group's slot mapping), a write storing the fingerprint of (the sequence's token prefix
+//    up to the position, its adapter, the group). After every operation every built position of every live
+//    sequence in a non-null block reads back its own fingerprint
 //    (through a pending copy into the block, or a queued fill from the host), and so does every position of a
 //    swapped sequence in its host blocks; after every build every position a query of the step can see reads back
 //    its own fingerprint through the page table the build wrote;
@@ -44,6 +52,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include <pagedkv/eviction_slru.hpp>
@@ -92,9 +101,14 @@ class GroupsDriver {
         G_(m_->num_groups()),
         caching_(c.enable_prefix_caching),
         root_(pagedkv::PrefixHashIndex<typename Mgr::hasher_type, Id>::root_for_seed(c.hash_seed)),
-        kv_(c.num_blocks * c.block_size, kPoison),
+        stride_(max_page(c)),
+        kv_(c.num_blocks * stride_, kPoison),
         hkv_(c.num_host_blocks * c.block_size, kPoison) {
-    for (std::size_t g = 0; g < G_; ++g) windows_.push_back(m_->window(g));
+    for (std::size_t g = 0; g < G_; ++g) {
+      windows_.push_back(m_->window(g));
+      hit_windows_.push_back(g < c.groups.size() ? c.groups[g].hit_window() : AttentionWindow{});
+      page_.push_back(m_->block_size(g));
+    }
   }
 
   void run(ByteReader& r) {
@@ -124,6 +138,35 @@ class GroupsDriver {
   static std::string S(std::uint64_t v) { return std::to_string(v); }
 
   std::size_t blocks_for(std::size_t tokens) const { return (tokens + bs_ - 1) / bs_; }
+  /// Group g's pages of `tokens` positions (its block table, page table row).
+  std::size_t pages_for(std::size_t g, std::size_t tokens) const { return (tokens + page_[g] - 1) / page_[g]; }
+  bool coarse(std::size_t g) const { return page_[g] != bs_; }
+  static std::size_t max_page(const pagedkv::CacheConfig& c) {
+    std::size_t s = c.block_size;
+    for (const auto& g : c.groups) s = std::max<std::size_t>(s, g.block_size);
+    return s;
+  }
+  /// The shadow pool's slot of position p in group g's page `blk`.
+  std::size_t kv_at(std::size_t g, std::size_t blk, std::size_t p) const { return blk * stride_ + p % page_[g]; }
+  /// Remember the prefix (token ids, keys) every full block hash of `s` names.
+  void learn(const MSeq& s, const std::vector<BlockHash>& hs) {
+    for (std::size_t i = 0; i < hs.size(); ++i) {
+      if (known_.contains(hs[i])) continue;
+      known_.emplace(hs[i], MSeq{Toks(s.tokens.begin(), s.tokens.begin() + static_cast<std::ptrdiff_t>((i + 1) * bs_)),
+                                 {}, s.keys, false});
+    }
+  }
+  /// Whether a hit of k match blocks of a prompt with chain hashes `hs` can be served by group g from the device
+  /// index: a windowed group's blocks [first_kept_block(k * bs), k), a coarse group's page ends and the hit's end.
+  bool servable(std::size_t g, std::size_t k, const std::vector<BlockHash>& hs) {
+    const std::size_t f = page_[g] / bs_;
+    const std::size_t lo = pagedkv::detail::first_kept_block(hit_windows_[g], k * bs_, bs_);
+    for (std::size_t i = lo; i < k; ++i) {
+      if (f > 1 && (i + 1) % f != 0 && i + 1 != k) continue;
+      if (!m().prefix_index(g).find(hs[i])) return false;
+    }
+    return true;
+  }
 
   /// Fingerprints of every position of `s` (tokens, then drafts) before the group mix: a chain over the token ids
   /// and the adapter (the salt isolates hashes, not K/V content).
@@ -405,6 +448,19 @@ class GroupsDriver {
     }
     attempt(before, true, [&] { looked = m().lookup(prompt, keys.get(), o.max_cached_tokens); });
     expect_unchanged(before, "query_admit / lookup / prepare_prompt (pure)");
+    if (caching_ && nh_ == 0 && q.status != CapacityStatus::kNeverFits) {  // the hit: the brute-force maximum
+      const MSeq ps{prompt, {}, keys, false};
+      const auto hs = ref_hashes(ps);
+      const std::size_t cap = std::min(o.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
+      std::size_t k = std::min(hs.size(), cap / bs_);
+      for (; k > 0; --k) {
+        bool all = true;
+        for (std::size_t g = 0; g < G_ && all; ++g) all = servable(g, k, hs);
+        if (all) break;
+      }
+      expect(q.num_cached_tokens == k * bs_, "query_admit hits " + S(q.num_cached_tokens) + " tokens, the oracle " +
+                                                 S(k * bs_));
+    }
     pagedkv::AdmitResult res;
     if (!attempt(before, !dup, [&] { res = p ? m().try_admit(id, *p, o) : m().try_admit(id, prompt, keys.get(), o); })) {
       return;
@@ -711,25 +767,43 @@ class GroupsDriver {
     log_.add(text + "})");
     // Pre-build state of the batch: first position, q_len, tables.
     std::vector<std::size_t> first(B), qlen(B);
-    std::size_t total_blocks = 0, total_tokens = 0, max_row = 1;
+    std::vector<std::size_t> total_blocks(G_, 0), max_row(G_, 1);  // per group: its pages
+    std::size_t total_tokens = 0;
     for (std::size_t b = 0; b < B; ++b) {
       first[b] = m().num_built(batch[b]);
       qlen[b] = qlens.empty() ? m().sequence(batch[b]).num_pending() : qlens[b];
-      const std::size_t rows = blocks_for(first[b] + qlen[b]);
-      total_blocks += rows;
+      for (std::size_t g = 0; g < G_; ++g) {
+        const std::size_t rows = pages_for(g, first[b] + qlen[b]);
+        total_blocks[g] += rows;
+        max_row[g] = std::max(max_row[g], rows);
+      }
       total_tokens += qlen[b];
-      max_row = std::max(max_row, rows);
     }
     // Table holders and hash marks before the build (a write may go only into a block one table holds, unhashed).
+    // A coarse page that a hit took partial may be held by tables ending inside it, while the table that filled it
+    // still writes its pending positions after theirs: a write may go into a page other tables hold only past
+    // where they end (held_to: per block, the slotted lengths of its holders).
     std::vector<std::uint32_t> holders(nb_, 0);
+    std::vector<std::vector<std::pair<SeqId, std::size_t>>> held_to(nb_);
     std::vector<bool> hashed_before(nb_, false);
+    std::vector<std::size_t> key_end(nb_, 0);  // a registered coarse page: the end of the prefix its key names
     for (const auto& [id, s] : seqs_) {
       if (s.swapped) continue;
       for (std::size_t g = 0; g < G_; ++g) {
-        for (Id b : m().block_ids(id, g)) holders[b] += b != 0 ? 1 : 0;
+        for (Id b : m().block_ids(id, g)) {
+          holders[b] += b != 0 ? 1 : 0;
+          if (b != 0 && coarse(g)) held_to[b].emplace_back(id, m().num_tokens(id));
+        }
       }
     }
-    for (std::size_t b = 1; b < nb_; ++b) hashed_before[b] = m().allocator().is_hashed(static_cast<Id>(b));
+    for (std::size_t b = 1; b < nb_; ++b) {
+      hashed_before[b] = m().allocator().is_hashed(static_cast<Id>(b));
+      const std::size_t g = G_ == 1 ? 0 : m().group_of(static_cast<Id>(b));
+      if (!hashed_before[b] || !coarse(g)) continue;
+      const auto key = m().prefix_index(g).hash_of(static_cast<Id>(b));
+      const auto it = key ? known_.find(*key) : known_.end();
+      key_end[b] = it != known_.end() ? it->second.tokens.size() : ~std::size_t{0};
+    }
     std::size_t queued_out = 0, queued_in = 0;
     for (const auto& t : m().transfers().queued()) ++(pagedkv::is_device_to_host(t.kind) ? queued_out : queued_in);
     const std::size_t pad = (shape >> 1) & 3;
@@ -739,9 +813,9 @@ class GroupsDriver {
     for (std::size_t g = 0; g < G_; ++g) {
       GroupBuf& gb = bufs[g];
       gb.indptr.assign(B + 1 + pad, kS);
-      gb.indices.assign(total_blocks + pad, kS);
+      gb.indices.assign(total_blocks[g] + pad, kS);
       gb.last_page_len.assign(B + pad, kS);
-      gb.row = static_cast<std::int32_t>(max_row + (pad & 1));
+      gb.row = static_cast<std::int32_t>(max_row[g] + (pad & 1));
       if (!(shape & 8)) gb.block_tables.assign((B + pad) * static_cast<std::size_t>(gb.row), kS);
       gb.seq_lens.assign(B + pad, kS);
       gb.qo_indptr.assign(B + 1 + pad, kS);
@@ -779,7 +853,8 @@ class GroupsDriver {
     }
     for (std::size_t g = 0; g < G_; ++g) {
       expect(sz[g].batch_size == B && sz[g].transfer_token == token, "sizes of group " + S(g));
-      expect(sz[g].num_indices == total_blocks && sz[g].num_new_tokens == total_tokens, "num_indices / num_new_tokens");
+      expect(sz[g].num_indices == total_blocks[g] && sz[g].num_new_tokens == total_tokens,
+             "num_indices / num_new_tokens of group " + S(g));
     }
 
     // The step on the shadow pools: swap_out, swap_in, copy_blocks (every read before any write), write_kv.
@@ -788,12 +863,12 @@ class GroupsDriver {
       for (std::size_t i = 0; i < sz[0].num_swap_out; ++i) {
         const auto d = static_cast<std::size_t>(g0.swap_out[2 * i]), h = static_cast<std::size_t>(g0.swap_out[2 * i + 1]);
         expect(d > 0 && d < nb_ && h > 0 && h < nh_, "a swap_out pair out of range");
-        std::copy_n(kv_.begin() + static_cast<std::ptrdiff_t>(d * bs_), bs_, hkv_.begin() + static_cast<std::ptrdiff_t>(h * bs_));
+        std::copy_n(kv_.begin() + static_cast<std::ptrdiff_t>(d * stride_), bs_, hkv_.begin() + static_cast<std::ptrdiff_t>(h * bs_));
       }
       for (std::size_t i = 0; i < sz[0].num_swap_in; ++i) {
         const auto h = static_cast<std::size_t>(g0.swap_in[2 * i]), d = static_cast<std::size_t>(g0.swap_in[2 * i + 1]);
         expect(d > 0 && d < nb_ && h > 0 && h < nh_, "a swap_in pair out of range");
-        std::copy_n(hkv_.begin() + static_cast<std::ptrdiff_t>(h * bs_), bs_, kv_.begin() + static_cast<std::ptrdiff_t>(d * bs_));
+        std::copy_n(hkv_.begin() + static_cast<std::ptrdiff_t>(h * bs_), bs_, kv_.begin() + static_cast<std::ptrdiff_t>(d * stride_));
       }
       for (std::size_t i = 2 * sz[0].num_swap_out; i < g0.swap_out.size(); ++i) expect(g0.swap_out[i] == -1, "swap_out padding");
       for (std::size_t i = 2 * sz[0].num_swap_in; i < g0.swap_in.size(); ++i) expect(g0.swap_in[i] == -1, "swap_in padding");
@@ -809,30 +884,30 @@ class GroupsDriver {
                "copy " + S(s) + "->" + S(d) + " in group " + S(g) + "'s list is not that group's");
         srcs.insert(s);
         expect(dsts.insert(d).second, "two copies into block " + S(d));
-        reads.emplace_back(d, std::vector<std::uint64_t>(kv_.begin() + static_cast<std::ptrdiff_t>(s * bs_),
-                                                         kv_.begin() + static_cast<std::ptrdiff_t>((s + 1) * bs_)));
+        reads.emplace_back(d, std::vector<std::uint64_t>(kv_.begin() + static_cast<std::ptrdiff_t>(s * stride_),
+                                                         kv_.begin() + static_cast<std::ptrdiff_t>((s + 1) * stride_)));
       }
       for (std::size_t i = 2 * sz[g].num_copies; i < gb.copies.size(); ++i) expect(gb.copies[i] == -1, "copies padding");
     }
     for (std::size_t d : dsts) expect(!srcs.contains(d), "block " + S(d) + " is both a copy source and destination");
-    for (auto& [d, v] : reads) std::copy(v.begin(), v.end(), kv_.begin() + static_cast<std::ptrdiff_t>(d * bs_));
+    for (auto& [d, v] : reads) std::copy(v.begin(), v.end(), kv_.begin() + static_cast<std::ptrdiff_t>(d * stride_));
 
-    std::set<std::int64_t> written;
+    std::set<std::size_t> written;  // shadow slots (slot numbers repeat across groups of other page sizes)
     for (std::size_t b = 0; b < B; ++b) {
       const SeqId id = batch[b];
       const MSeq& ms = seqs_.at(id);
       const auto ch = chain(ms);
       const std::size_t seq_len = first[b] + qlen[b];
-      const std::size_t rows = blocks_for(seq_len);
       expect(m().num_built(id) == seq_len, "num_built after the build of " + S(id));
       for (std::size_t g = 0; g < G_; ++g) {
         const GroupBuf& gb = bufs[g];
+        const std::size_t rows = pages_for(g, seq_len), pg = page_[g];
         const std::string who = "build row " + S(b) + " (sequence " + S(id) + ") group " + S(g);
         const auto tab = m().block_ids(id, g);
         expect(gb.seq_lens[b] == static_cast<std::int32_t>(seq_len), who + ": seq_lens");
         expect(gb.indptr[b + 1] - gb.indptr[b] == static_cast<std::int32_t>(rows), who + ": indptr");
         expect(gb.qo_indptr[b + 1] - gb.qo_indptr[b] == static_cast<std::int32_t>(qlen[b]), who + ": qo_indptr");
-        expect(gb.last_page_len[b] == static_cast<std::int32_t>(seq_len - (rows - 1) * bs_), who + ": last_page_len");
+        expect(gb.last_page_len[b] == static_cast<std::int32_t>(seq_len - (rows - 1) * pg), who + ": last_page_len");
         const std::int32_t* row = gb.indices.data() + gb.indptr[b];
         for (std::size_t i = 0; i < rows; ++i) {
           if (!gb.block_tables.empty()) {
@@ -857,15 +932,26 @@ class GroupsDriver {
           const std::size_t p = first[b] + k;
           const std::int64_t sl = gb.slot_mapping[static_cast<std::size_t>(gb.qo_indptr[b]) + k];
           if (sl == -1) continue;
-          const auto blk = static_cast<std::size_t>(sl) / bs_;
-          expect(blk == static_cast<std::size_t>(row[p / bs_]) && static_cast<std::size_t>(sl) % bs_ == p % bs_ && blk != 0,
+          const auto blk = static_cast<std::size_t>(sl) / pg;
+          expect(blk == static_cast<std::size_t>(row[p / pg]) && static_cast<std::size_t>(sl) % pg == p % pg && blk != 0,
                  who + ": slot " + S(static_cast<std::uint64_t>(sl)) + " of position " + S(p) + " is not in its page-table block " +
-                     S(row[p / bs_]));
-          expect(holders[blk] == 1 && !hashed_before[blk],
-                 who + ": writes block " + S(blk) + " held by " + S(holders[blk]) + " tables" +
-                     (hashed_before[blk] ? ", registered before the build" : ""));
-          expect(written.insert(sl).second, "two tokens of one build write slot " + S(static_cast<std::uint64_t>(sl)));
-          kv_[static_cast<std::size_t>(sl)] = fp(ch, p, g);
+                     S(row[p / pg]));
+          // A coarse page registered before the build may be appended to after the content its key names.
+          const bool under_key = hashed_before[blk] && (!coarse(g) || p < key_end[blk]);
+          bool shared = holders[blk] != 1;
+          if (shared && coarse(g)) {  // only tables ending at or before p besides the writer
+            shared = false;
+            for (const auto& [other, end] : held_to[blk]) shared = shared || (other != id && end > p);
+          }
+          expect(!shared && !under_key,
+                 who + ": writes position " + S(p) + " into block " + S(blk) + " held by " + S(holders[blk]) +
+                     " tables" +
+                     (under_key ? ", registered before the build" +
+                                      (coarse(g) ? " under a key naming " + S(key_end[blk]) + " tokens" : std::string())
+                                : std::string()));
+          expect(written.insert(kv_at(g, blk, p)).second,
+                 "two tokens of one build write slot " + S(static_cast<std::uint64_t>(sl)) + " of group " + S(g));
+          kv_[kv_at(g, blk, p)] = fp(ch, p, g);
         }
       }
     }
@@ -873,7 +959,7 @@ class GroupsDriver {
       const GroupBuf& gb = bufs[g];
       for (std::size_t i = total_tokens; i < gb.slot_mapping.size(); ++i) expect(gb.slot_mapping[i] == -1, "slot_mapping padding");
       for (std::size_t i = B + 1; i < gb.indptr.size(); ++i) {
-        expect(gb.indptr[i] == static_cast<std::int32_t>(total_blocks) &&
+        expect(gb.indptr[i] == static_cast<std::int32_t>(total_blocks[g]) &&
                    gb.qo_indptr[i] == static_cast<std::int32_t>(total_tokens),
                "indptr / qo_indptr padding");
       }
@@ -900,10 +986,10 @@ class GroupsDriver {
         const std::int32_t* row = gb.indices.data() + gb.indptr[b];
         const auto lo = static_cast<std::size_t>(windows_[g].first_visible(static_cast<std::int64_t>(first[b])));
         for (std::size_t p = lo; p < seq_len; ++p) {
-          const auto blk = static_cast<std::size_t>(row[p / bs_]);
+          const auto blk = static_cast<std::size_t>(row[p / page_[g]]);
           expect(blk != 0, "build row " + S(b) + " (sequence " + S(id) + ") group " + S(g) + ": position " + S(p) +
                                " is visible to the step's queries but its page is the null block");
-          const std::uint64_t got = kv_[blk * bs_ + p % bs_];
+          const std::uint64_t got = kv_[kv_at(g, blk, p)];
           expect(got == fp(ch, p, g), "build row " + S(b) + " (sequence " + S(id) + ") group " + S(g) + ": position " +
                                           S(p) + " reads block " + S(blk) + (got == kPoison ? ", never written" : ", another prefix's K/V"));
         }
@@ -1067,7 +1153,7 @@ class GroupsDriver {
             if (hb == 0) continue;
             for (std::size_t p = i * bs_; p < std::min(s.tokens.size(), (i + 1) * bs_); ++p) {
               const auto it = out_src.find(hb);
-              const std::uint64_t got = it != out_src.end() ? kv_[it->second * bs_ + p % bs_] : hkv_[hb * bs_ + p % bs_];
+              const std::uint64_t got = it != out_src.end() ? kv_[it->second * stride_ + p % bs_] : hkv_[hb * bs_ + p % bs_];
               expect(got == fp(ch, p, g), "swapped sequence " + S(id) + " group " + S(g) + " position " + S(p) +
                                               " in host block " + S(hb) + (got == kPoison ? ": never written" : ": another prefix's K/V") + ctx);
             }
@@ -1083,11 +1169,12 @@ class GroupsDriver {
       expect(built <= slotted && slotted <= s.tokens.size() + s.drafts.size(), "sequence " + S(id) + "'s cursors" + ctx);
       expect(s.drafts.empty() || slotted == s.tokens.size() + s.drafts.size(), "lookahead without every token slotted" + ctx);
       const auto ref_h = caching_ ? ref_hashes(s) : std::vector<BlockHash>{};
+      learn(s, ref_h);
       for (std::size_t g = 0; g < G_; ++g) {
         const auto tab = m().block_ids(id, g);
-        const std::size_t nulls = m().num_null_blocks(id, g);
+        const std::size_t nulls = m().num_null_blocks(id, g), pg = page_[g];
         const std::string who = "sequence " + S(id) + " group " + S(g);
-        expect(tab.size() == blocks_for(slotted), who + ": " + S(tab.size()) + " blocks for " + S(slotted) + " slots" + ctx);
+        expect(tab.size() == pages_for(g, slotted), who + ": " + S(tab.size()) + " blocks for " + S(slotted) + " slots" + ctx);
         expect(windows_[g].enabled() || nulls == 0, who + ": a full-attention group with null blocks" + ctx);
         for (std::size_t i = 0; i < tab.size(); ++i) {
           expect((tab[i] == 0) == (i < nulls), who + ": block " + S(i) + " is " + S(tab[i]) + " with " + S(nulls) +
@@ -1103,19 +1190,56 @@ class GroupsDriver {
         for (std::size_t i = 0; i < tab.size(); ++i) {
           if (tab[i] == 0) continue;
           const auto hh = m().prefix_index(g).hash_of(tab[i]);
-          if (hh && i < ref_h.size()) {
+          if (hh && coarse(g)) {
+            // Keyed by a match block inside the page (this chain's, or the longer chain of a sequence it shares the
+            // page with), naming the ids (and adapter) of every position this table slots under the key.
+            const auto it = known_.find(*hh);
+            expect(it != known_.end(), who + ": page " + S(i) + " (" + S(tab[i]) + ") is registered under a hash no sequence had" + ctx);
+            const MSeq& k = it->second;
+            expect((k.tokens.size() - 1) / pg == i, who + ": page " + S(i) + " (" + S(tab[i]) + ") is keyed by the " +
+                                                        S(k.tokens.size()) + "-token prefix, outside the page" + ctx);
+            const std::size_t n = std::min(k.tokens.size(), slotted);
+            std::size_t p = i * pg;
+            const MSeq& ms = s;  // (a structured binding: not capturable by clang 14)
+            const auto id_at = [&ms](std::size_t q) {
+              return q < ms.tokens.size() ? ms.tokens[q] : ms.drafts[q - ms.tokens.size()];
+            };
+            while (p < n && k.tokens[p] == id_at(p)) ++p;
+            const bool same_adapter = (k.keys ? k.keys->adapter_id : 0) == (s.keys ? s.keys->adapter_id : 0);
+            expect(p == n && (n <= i * pg || same_adapter),
+                   who + ": page " + S(i) + " (" + S(tab[i]) + ") is keyed by the " + S(k.tokens.size()) +
+                       "-token prefix, but the table slots position " + S(p) + " (of " + S(slotted) +
+                       ") with other ids: its writes change registered content" + ctx);
+          } else if (hh && i < ref_h.size()) {
             expect(*hh == ref_h[i], who + ": block " + S(i) + " (" + S(tab[i]) + ") is registered under another chain's hash" + ctx);
           }
           // Content of the built positions of the block (through a pending copy into it, or a queued fill).
           std::uint64_t src = tab[i];
           if (const auto c = copy_of.find(src); c != copy_of.end()) src = c->second;
-          for (std::size_t p = i * bs_; p < std::min(built, (i + 1) * bs_); ++p) {
-            const std::uint64_t got = fill_src[src] != 0 ? hkv_[(fill_src[src] - 1) * bs_ + p % bs_] : kv_[src * bs_ + p % bs_];
+          for (std::size_t p = i * pg; p < std::min(built, (i + 1) * pg); ++p) {
+            const std::uint64_t got = fill_src[src] != 0 ? hkv_[(fill_src[src] - 1) * bs_ + p % bs_] : kv_[kv_at(g, src, p)];
             expect(got == fp(ch, p, g), who + ": built position " + S(p) + " in block " + S(tab[i]) +
                                             (src != tab[i] ? " (via copy from " + S(src) + ")" : "") +
                                             (got == kPoison ? " was never written" : " holds another prefix's K/V") + ctx);
           }
         }
+      }
+    }
+    // Every registered device block holds the prefix its hash names: a block of the match unit its last bs
+    // positions, a coarse page the positions from its start to the prefix's end (through a queued fill).
+    for (std::size_t b = 1; b < nb_; ++b) {
+      const Id bid = static_cast<Id>(b);
+      const std::size_t g = G_ == 1 ? 0 : m().group_of(bid);
+      const auto hh = m().prefix_index(g).hash_of(bid);
+      if (!hh) continue;
+      const auto it = known_.find(*hh);
+      expect(it != known_.end(), "block " + S(b) + " (group " + S(g) + ") is registered under a hash no sequence had" + ctx);
+      const auto ch = chain(it->second);
+      const std::size_t end = it->second.tokens.size(), start = (end - 1) / page_[g] * page_[g];
+      for (std::size_t p = start; p < end; ++p) {
+        const std::uint64_t got = fill_src[b] != 0 ? hkv_[(fill_src[b] - 1) * bs_ + p % bs_] : kv_[kv_at(g, b, p)];
+        expect(got == fp(ch, p, g), "registered block " + S(b) + " (group " + S(g) + ", " + S(end) + "-token prefix) " +
+                                        "position " + S(p) + (got == kPoison ? " was never written" : " holds another prefix's K/V") + ctx);
       }
     }
   }
@@ -1126,8 +1250,12 @@ class GroupsDriver {
   std::size_t nb_, nh_, G_;
   bool caching_;
   BlockHash root_;
+  std::size_t stride_;                       // shadow slots per device block: the largest page of any group
   std::vector<AttentionWindow> windows_;
+  std::vector<AttentionWindow> hit_windows_;  // the hit rule's (KVCacheGroupSpec::hit_window)
+  std::vector<std::size_t> page_;            // [G] tokens per page (m.block_size(g))
   std::vector<std::uint64_t> kv_, hkv_;
+  std::unordered_map<BlockHash, MSeq, pagedkv::BlockHashHasher> known_;  // hash -> the prefix it names
   std::map<SeqId, MSeq> seqs_;
   std::vector<std::uint64_t> tokens_;       // transfer tokens in flight
   std::vector<std::uint64_t> done_tokens_;  // completed ones
@@ -1158,6 +1286,11 @@ inline pagedkv::CacheConfig decode_config(ByteReader& r, std::uint8_t& kind) {
       s.window_tokens = w < 200 ? 1 + w % (3 * c.block_size + 5) : c.block_size * (1 + (w - 200) % 4);
     }
     s.num_layers = 1 + (k >> 2) % 4;
+    // A full group after group 0 without a host tier: a window byte >= 224 (full groups ignore it otherwise) gives
+    // it coarse pages of 2 (even) or 4 (odd) match blocks.
+    if (s.kind == AttentionKind::kFull && g > 0 && c.num_host_blocks == 0 && w >= 224) {
+      s.block_size = c.block_size * ((w & 1) != 0 ? 4 : 2);
+    }
     c.groups.push_back(s);
   }
   return c;
@@ -1169,7 +1302,10 @@ inline std::string config_text(const pagedkv::CacheConfig& c, std::uint8_t kind)
                   ", prefix caching " + std::to_string(c.enable_prefix_caching) + ", events " +
                   std::to_string(c.enable_events) + ", num_host_blocks " + std::to_string(c.num_host_blocks) +
                   ", offload " + std::to_string(static_cast<int>(c.offload)) + ", groups {";
-  for (const auto& g : c.groups) t += std::string(pagedkv::to_string(g.kind)) + " " + std::to_string(g.window_tokens) + "; ";
+  for (const auto& g : c.groups) {
+    t += std::string(pagedkv::to_string(g.kind)) + " " + std::to_string(g.window_tokens) +
+         (g.block_size != 0 ? " pages of " + std::to_string(g.block_size) : std::string()) + "; ";
+  }
   return t + "}})";
 }
 

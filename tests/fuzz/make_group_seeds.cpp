@@ -25,6 +25,8 @@ constexpr std::uint8_t kSlru = 0x80;  // in the host byte
 // Group kinds (the window byte: < 200 tokens 1 + w % (3 * bs + 5); >= 200 whole blocks).
 constexpr std::uint8_t kFull = 0, kSliding = 1, kChunked = 2;
 constexpr std::uint8_t kBlocks1 = 200, kBlocks2 = 201;
+// A full group's window byte, after group 0 and without a host tier: coarse pages of 2 or 4 blocks.
+constexpr std::uint8_t kPages2 = 224, kPages4 = 225;
 constexpr std::uint8_t kNoReserve = 200;
 
 /// An id as a `pick` argument (>= 224: the id itself).
@@ -139,6 +141,27 @@ std::vector<std::pair<std::string, GSeed>> seeds() {
   add("caching_off",
       GSeed(kBs4 | kCachingOff, 20, 10, {{kSliding, 5}, {kFull, 0}}).admit(0, 0, 10).step().append(0, 3).step()
           .swap(0).step().complete().resume(0).step().complete().drain());
+  // Coarse pages (KVCacheGroupSpec::block_size): partial-page hits of live and freed sequences, chunked prefill
+  // re-keying partial entries, fork and the copy-on-write of a shared partial page, rewind below a key, lookahead.
+  add("coarse_partial_hits",
+      GSeed(kBs4 | kNoHost | kEvents, 40, 0, {{kFull, 0}, {kFull, kPages2}, {kSliding, 6}})
+          .admit(0, 0, 21, 0, 0, 9).step().reserve(0, 240).sched({5}).admit(1, 0, 13, 0, 0, 0).step().admit(2, 0, 17)
+          .step().reserve(1, 240).step().free(0).admit(3, 0, 23).step().append(3, 3).step().lookup(0, 22).drain());
+  add("coarse_fork_rewind_lookahead",
+      GSeed(kBs4 | kNoHost, 48, 0, {{kFull, 0}, {kFull, kPages4}, {kChunked, kBlocks2}})
+          .admit(0, 1, 25).step().fork(0, 1).append(1, 3, 1).append(0, 2).step().rewind(0, 128 + 5).append(0, 1, 1)
+          .step().lookahead(1, 5).step().commit(1, 2).append(1, 1).step().preempt(0).admit(0, 1, 25).step()
+          .rewind(1, 3).append(1, 4, 2).step().drain(1));
+  add("coarse_bs1_and_bs16",
+      GSeed(kBs1 | kNoHost, 40, 0, {{kFull, 0}, {kFull, kPages4}, {kSliding, 3}, {kFull, kPages2}})
+          .admit(0, 0, 12).sched({6}).admit(1, 0, 8, 0, 0, 0).step().reserve(1, 240).append(0, 3).step().free(0)
+          .admit(2, 0, 13).step().drain());
+  // Regression: a hit without a reservation held a partial page another sequence was still filling; that sequence
+  // re-keyed the page past the hit and left it; the first, now its sole holder, appended in place under the key.
+  add("coarse_rekey_shared_page",
+      GSeed(kBs4 | kNoHost, 40, 0, {{kFull, 0}, {kFull, kPages2}})
+          .admit(0, 0, 15, 0, 0, 16).sched({11}).op(GOp::kAdmit).raw({1, 12, 11, 3, 3, 3, 0, 0, 0}).sched({239})
+          .free(0).reserve(1, 240).step().admit(2, 0, 16).step().drain());
   add("no_capacity_then_preempt",
       GSeed(kBs4, 8, 6, {{kFull, 0}, {kSliding, 5}}).admit(0, 0, 12).admit(1, 1, 12).step().append(0, 5).preempt(0)
           .append(1, 5).step().admit(2, 3, 255).swap(1).admit(2, 3, 20).step().complete().resume(1).drain());

@@ -9,7 +9,9 @@
 //           u8 seed    hash_seed
 //           u8 groups  b % 5 groups (0: the default one full-attention group), each: u8 kind (% 3: full, sliding
 //                      window, chunked local; (k >> 2) % 4 + 1 layers), u8 window (< 200: 1 + w % (3 * block_size
-//                      + 5) tokens; else block_size * (1 + (w - 200) % 4)); full groups ignore it
+//                      + 5) tokens; else block_size * (1 + (w - 200) % 4)); a full group ignores it, except that a
+//                      full group after the first with no host tier (flags bit 7) and w >= 224 has coarse pages
+//                      (KVCacheGroupSpec::block_size) of 2 (w even) or 4 (w odd) blocks
 //   op      u8         GOp (modulo kCount), then its arguments:
 //   id      u8         b % 8 (an admission's id); `pick` u8: b < 224: the (b % n)-th model sequence (live or
 //                      swapped, id order), else id b % 8

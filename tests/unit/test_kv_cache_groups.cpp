@@ -21,6 +21,15 @@
 //                    index) holds the content of the token prefix its hash names, every swapped sequence's host
 //                    blocks hold its positions; [retention] runs the same under PriorityLruEviction with retention
 //                    configs: every block a free leaves cached has the priority its config gives its position;
+//  - [model_coarse]  the same harness with full groups of coarse pages (KVCacheGroupSpec::block_size 2-4x the
+//                    pool's) beside full, sliding-window and chunked-local groups: the shadow pool stores per slot
+//                    (page * page size + offset), a registered coarse page keyed at match block j holds its
+//                    prefix's positions from its page's start to the end of block j, no table slots a position
+//                    under a key that names other ids, hits equal an oracle of coarse hits (every full page keyed
+//                    at its last match block, the hit's last page at the hit's), explain_admit's coarse runs and
+//                    kLimitedByGroup agree with it, the events replay to each group's index; [retention] runs it
+//                    under PriorityLruEviction (a page's priority is its first position's); plus the regression
+//                    test of a coarse page re-keyed by one holder and written in place by another ([cow]);
 //  - [e2e]           CPU reference decode with an AttentionWindow over the sliding-window group's page table (null
 //                    entries before the window) equals the float64 result over the full-attention group's table.
 #include <catch2/catch.hpp>
@@ -38,6 +47,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -70,6 +80,12 @@ using Toks = std::vector<TokenId>;
 KVCacheGroupSpec full(std::uint32_t layers = 1) { return {AttentionKind::kFull, 0, layers}; }
 KVCacheGroupSpec swa(std::uint32_t w, std::uint32_t layers = 1) { return {AttentionKind::kSlidingWindow, w, layers}; }
 KVCacheGroupSpec chunked(std::uint32_t c, std::uint32_t layers = 1) { return {AttentionKind::kChunkedLocal, c, layers}; }
+/// A full-attention group with pages of `page` tokens (a multiple of the pool's block size: coarse pages).
+KVCacheGroupSpec full_pages(std::uint32_t page) {
+  KVCacheGroupSpec s = full();
+  s.block_size = page;
+  return s;
+}
 
 HybridCacheConfig make_config(std::size_t num_blocks, std::uint32_t bs, std::vector<KVCacheGroupSpec> groups,
                               bool events = false) {
@@ -897,9 +913,10 @@ class GroupsHarness {
                 HarnessOptions opt = {})
       : m_(config(num_blocks, bs, groups, opt)),
         bs_(bs),
+        stride_(max_page(bs, groups)),
         opt_(opt),
         rng_(seed),
-        shadow_(num_blocks * bs, kUnwritten),
+        shadow_(num_blocks * stride_, kUnwritten),
         host_shadow_(opt.host_blocks * bs, kUnwritten) {
     for (int i = 0; i < 4; ++i) {
       prefixes_.push_back(pagedkv_test::toks(static_cast<TokenId>(i * 100000 + 1), 4 + rng_() % (40 + 4 * bs)));
@@ -960,6 +977,12 @@ class GroupsHarness {
               prepared = 0, swaps = 0, swaps_refused = 0, resumes = 0, transfer_pending = 0, swap_ins = 0,
               swap_outs = 0, onboarded_tokens = 0, completions = 0, host_content_checks = 0,
               registered_content_checks = 0, retention_checks = 0, retention_admits = 0;
+  // Coarse-page groups: admissions whose hit ends inside a coarse page, copies handed out in coarse groups,
+  // registered coarse pages checked, explain_admit checks (of which kLimitedByGroup by a coarse group), device
+  // events checked against the indexes, BlockRemoved events of coarse groups (re-keys, evictions, rewinds below a
+  // key), forks, rewinds that dropped a coarse page's key.
+  std::size_t partial_hits = 0, coarse_copies = 0, coarse_registered_checks = 0, explain_checks = 0,
+              explain_limited = 0, event_checks = 0, rekeys = 0, forks = 0, coarse_unkeys = 0;
 
  private:
   static constexpr std::uint64_t kUnwritten = 0xdeadbeefULL;
@@ -974,6 +997,30 @@ class GroupsHarness {
   std::size_t G() const { return m_.num_groups(); }
   std::size_t first_kept(std::size_t g, std::size_t pos) const {
     return pagedkv::detail::first_kept_block(m_.window(g), pos, bs_);
+  }
+  static std::uint32_t max_page(std::uint32_t bs, const std::vector<KVCacheGroupSpec>& groups) {
+    std::uint32_t s = bs;
+    for (const KVCacheGroupSpec& g : groups) s = std::max(s, g.block_size);
+    return s;
+  }
+  // Group g's tokens per page (its block table, page table and slot mapping), and match blocks per page.
+  std::size_t page(std::size_t g) const { return m_.block_size(g); }
+  std::size_t factor(std::size_t g) const { return page(g) / bs_; }
+  bool coarse(std::size_t g) const { return factor(g) > 1; }
+  bool any_coarse() const {
+    for (std::size_t g = 0; g < G(); ++g) {
+      if (coarse(g)) return true;
+    }
+    return false;
+  }
+  // The shadow pool's index of group g's slot (page * page(g) + offset, as the slot mapping writes it): a block is
+  // stride_ shadow slots whatever group holds it.
+  std::size_t shadow_index(std::size_t g, std::size_t slot) const {
+    return slot / page(g) * stride_ + slot % page(g);
+  }
+  // The shadow pool's index of position p in group g's page `blk`.
+  std::size_t shadow_of(std::size_t g, std::uint32_t blk, std::size_t p) const {
+    return std::size_t{blk} * stride_ + p % page(g);
   }
   // Content of position p of a sequence with ids `t` in group g: a hash of (g, t[0..p]); fps(g, t)[p], computed
   // for every position at once.
@@ -1011,36 +1058,79 @@ class GroupsHarness {
   bool on_host(const BlockHash& h, std::size_t g) const {
     return m_.host_tier() != nullptr && m_.host_tier()->find_ready(host_key(h, g)).has_value();
   }
-  // The brute-force hit oracle over both tiers: the largest k <= (len - 1) / bs such that every group g holds every
-  // block of [lo_g(k), k), on the device or ready on the host; also the logical blocks of the hit that some group
-  // takes from the host tier (onboarded).
+  // Whether a hit of k match blocks needs group g's entry keyed by the hash of match block i (i < k): a windowed
+  // group the blocks of [lo_g(k), k), lo_g from the definition of visibility (the first key the query at k * bs
+  // sees); a coarse group (pages of f match blocks) each page of the hit keyed where its content the hit takes
+  // ends: block i when a page ends there ((i + 1) % f == 0) or the hit does (i + 1 == k).
+  bool hit_needs(std::size_t g, std::size_t k, std::size_t i) const {
+    if (coarse(g)) return (i + 1) % factor(g) == 0 || i + 1 == k;
+    const KVCacheGroupSpec& spec = m_.config().groups[g];
+    std::size_t lo = k;
+    for (std::size_t t = 0; t < k * bs_; ++t) {
+      if (visible(spec, k * bs_, t)) {
+        lo = t / bs_;
+        break;
+      }
+    }
+    return i >= lo;
+  }
+  // Whether group g alone can serve a hit of k match blocks of a prompt with chain hashes h (device, or ready on the
+  // host).
+  bool servable(std::size_t g, std::size_t k, const std::vector<BlockHash>& h) const {
+    for (std::size_t i = 0; i < k; ++i) {
+      if (hit_needs(g, k, i) && !m_.prefix_index(g).find(h[i]) && !on_host(h[i], g)) return false;
+    }
+    return true;
+  }
+  // The brute-force hit oracle over both tiers: the largest k <= (len - 1) / bs that every group can serve; also the
+  // logical blocks of the hit that some group takes from the host tier (onboarded).
   std::pair<std::size_t, std::size_t> oracle_hit(const Toks& prompt) const {
     const auto h = chain(m_, prompt);
     const std::size_t cap = std::min(h.size(), (prompt.size() - 1) / bs_);
-    const auto lo = [&](std::size_t g, std::size_t k) {
-      const KVCacheGroupSpec& spec = m_.config().groups[g];
-      for (std::size_t t = 0; t < k * bs_; ++t) {
-        if (visible(spec, k * bs_, t)) return t / bs_;
-      }
-      return k;
-    };
     for (std::size_t k = cap; k > 0; --k) {
       bool ok = true;
-      for (std::size_t g = 0; g < G() && ok; ++g) {
-        for (std::size_t i = lo(g, k); i < k && ok; ++i) {
-          ok = m_.prefix_index(g).find(h[i]).has_value() || on_host(h[i], g);
-        }
-      }
+      for (std::size_t g = 0; g < G() && ok; ++g) ok = servable(g, k, h);
       if (!ok) continue;
       std::size_t host_blocks = 0;
       for (std::size_t i = 0; i < k; ++i) {
         bool any = false;
-        for (std::size_t g = 0; g < G(); ++g) any = any || (i >= lo(g, k) && !m_.prefix_index(g).find(h[i]));
+        for (std::size_t g = 0; g < G(); ++g) any = any || (hit_needs(g, k, i) && !m_.prefix_index(g).find(h[i]));
         host_blocks += any ? 1 : 0;
       }
       return {k, host_blocks};
     }
     return {0, 0};
+  }
+  // explain_admit of `prompt` against the oracle (h: its chain hashes, k: the oracle's hit): the hit, each coarse
+  // group's run (its own longest servable hit over the prompt's full blocks, uncapped), and a hit that only coarse
+  // groups stop at k + 1 while the cap allows more is kLimitedByGroup naming the first of them.
+  void check_explain(const Toks& prompt, std::size_t k) {
+    const auto h = chain(m_, prompt);
+    const pagedkv::AdmitExplanation x = m_.explain_admit(prompt);
+    REQUIRE(x.hit_tokens == k * bs_);
+    for (std::size_t g = 0; g < G(); ++g) {
+      if (!coarse(g)) continue;
+      std::size_t run = h.size();
+      while (run > 0 && !servable(g, run, h)) --run;
+      CAPTURE(g, run);
+      REQUIRE(x.group_cached_run_tokens[g] == run * bs_);
+    }
+    const std::size_t walk = std::min(h.size(), (prompt.size() - 1) / bs_);
+    if (k >= walk) return;
+    std::vector<std::size_t> lacking;
+    for (std::size_t g = 0; g < G(); ++g) {
+      if (!servable(g, k + 1, h)) lacking.push_back(g);
+    }
+    REQUIRE_FALSE(lacking.empty());  // else the oracle would have taken k + 1
+    const bool only_coarse = std::all_of(lacking.begin(), lacking.end(), [&](std::size_t g) { return coarse(g); });
+    if (only_coarse) {
+      CAPTURE(k, lacking.front());
+      REQUIRE(x.cause == pagedkv::MissCause::kLimitedByGroup);
+      REQUIRE(x.limiting_group == lacking.front());
+      REQUIRE(x.first_miss_block == k);
+      ++explain_limited;
+    }
+    ++explain_checks;
   }
 
   std::shared_ptr<const pagedkv::RetentionConfig> random_retention(std::size_t len) {
@@ -1055,13 +1145,21 @@ class GroupsHarness {
 
   void admit() {
     Toks p = prefixes_[rng_() % prefixes_.size()];
+    if (any_coarse() && !seqs_.empty() && rng_() % 2 == 0) {
+      // A request continuing a live sequence's built tokens (a next turn, a branch): its hit ends in pages that
+      // sequence holds, often inside one (a partial entry it registered).
+      const ModelSeq& s = seqs_.at(pick());
+      p.assign(s.tokens.begin(), s.tokens.begin() + static_cast<std::ptrdiff_t>(std::min(s.built, s.tokens.size())));
+    }
     p.resize(std::min(p.size(), static_cast<std::size_t>(rng_() % (p.size() + 3))));
     const Toks tail = random_tokens(1 + rng_() % 24);
     p.insert(p.end(), tail.begin(), tail.end());
     const auto [want_blocks, want_host_blocks] = oracle_hit(p);
     const std::size_t want = want_blocks * bs_;
+    if (any_coarse()) check_explain(p, want_blocks);
     pagedkv::AdmitOptions o;
     if (rng_() % 3 == 0) o.num_reserved_tokens = rng_() % (p.size() + 1);
+    if (any_coarse() && rng_() % 3 == 0) o.num_reserved_tokens = 0;  // a hit's partial page held, not appended to
     if (opt_.retention && rng_() % 2 == 0) o.retention = random_retention(p.size());
     const bool use_prepared = opt_.prepared && rng_() % 2 == 0;
     std::optional<pagedkv::PreparedPrompt> pp;
@@ -1078,6 +1176,12 @@ class GroupsHarness {
       return;
     }
     ++admitted;
+    for (std::size_t g = 0; g < G(); ++g) {
+      if (coarse(g) && want % page(g) != 0) {
+        ++partial_hits;
+        break;
+      }
+    }
     prepared += use_prepared ? 1 : 0;
     retention_admits += o.retention ? 1 : 0;
     hits += want > 0;
@@ -1199,6 +1303,7 @@ class GroupsHarness {
     }
     m_.fork(id, child);
     seqs_[child] = s;
+    ++forks;
   }
   // Fork and swap need a settled sequence: no unbuilt slot, no unslotted prompt token, no lookahead, no copy into
   // its tables pending (copy-on-write, or a host -> device fill not completed).
@@ -1242,11 +1347,11 @@ class GroupsHarness {
   // Free (or preempt by recompute) `id`; under retention, every block this release leaves cached carries the
   // priority its RetentionConfig (or the default) gives its logical block.
   void free_seq(SeqId id, bool preempt) {
-    std::vector<std::pair<std::uint32_t, std::size_t>> blocks;  // (block, logical index)
+    std::vector<std::tuple<std::uint32_t, std::size_t, std::size_t>> blocks;  // (block, logical index, page size)
     for (std::size_t g = 0; g < G(); ++g) {
       const auto t = m_.block_ids(id, g);
       for (std::size_t i = 0; i < t.size(); ++i) {
-        if (t[i] != 0) blocks.emplace_back(t[i], i);
+        if (t[i] != 0) blocks.emplace_back(t[i], i, page(g));
       }
     }
     if (preempt) {
@@ -1258,10 +1363,10 @@ class GroupsHarness {
     seqs_.erase(id);
     if constexpr (requires { m_.allocator().eviction_policy().priority(std::uint32_t{1}); }) {
       const auto& a = m_.allocator();
-      for (const auto& [b, i] : blocks) {
+      for (const auto& [b, i, pg] : blocks) {
         if (a.refcount(b) != 0 || !a.is_cached(b)) continue;
         const std::uint8_t want = s.retention
-                                      ? pagedkv::block_retention(*s.retention, i * bs_, bs_, s.prompt_len).priority
+                                      ? pagedkv::block_retention(*s.retention, i * pg, pg, s.prompt_len).priority
                                       : pagedkv::kDefaultRetentionPriority;
         CAPTURE(b, i, s.prompt_len);
         REQUIRE(a.eviction_policy().priority(b) == want);
@@ -1291,7 +1396,18 @@ class GroupsHarness {
       REQUIRE(snapshot(m_) == before);
       return;
     }
+    std::vector<std::uint32_t> keyed_last(G(), 0);  // coarse groups: the last page, when keyed
+    for (std::size_t g = 0; g < G(); ++g) {
+      const auto t = m_.block_ids(id, g);
+      if (coarse(g) && !t.empty() && m_.prefix_index(g).hash_of(t.back())) keyed_last[g] = t.back();
+    }
     m_.rewind(id, n);
+    for (std::size_t g = 0; g < G(); ++g) {
+      const auto t = m_.block_ids(id, g);
+      if (keyed_last[g] != 0 && !t.empty() && t.back() == keyed_last[g] && !m_.prefix_index(g).hash_of(t.back())) {
+        ++coarse_unkeys;
+      }
+    }
     s.tokens.resize(new_known);
     s.drafts.resize(new_la);
     s.slotted = new_slotted;
@@ -1414,7 +1530,9 @@ class GroupsHarness {
       if (pending == 0) continue;  // a build refuses a row with nothing to compute
       if (rng_() % 5 == 0) continue;  // left out (prefill and decode built apart): its copies stay pending
       batch.push_back(id);
-      sched.push_back(static_cast<std::uint32_t>(rng_() % 4 != 0 ? pending : 1 + rng_() % pending));
+      // (with coarse pages, chunks half the time: partial entries re-keyed as pages fill, pages shared meanwhile)
+      const bool whole = any_coarse() ? rng_() % 2 != 0 : rng_() % 4 != 0;
+      sched.push_back(static_cast<std::uint32_t>(whole ? pending : 1 + rng_() % pending));
     }
     // The copies this build must hand out, per the rule: into a batch sequence's table or an idle sequence's, or
     // reading a block the build writes; the others stay pending, in order.
@@ -1430,7 +1548,9 @@ class GroupsHarness {
       const ModelSeq& s = seqs_[batch[b]];
       for (std::size_t g = 0; g < G(); ++g) {
         const auto t = m_.block_ids(batch[b], g);
-        for (std::size_t p = s.built; p < s.built + sched[b]; ++p) written.insert({static_cast<std::uint32_t>(g), t[p / bs_]});
+        for (std::size_t p = s.built; p < s.built + sched[b]; ++p) {
+          written.insert({static_cast<std::uint32_t>(g), t[p / page(g)]});
+        }
       }
     }
     std::vector<std::tuple<std::uint32_t, std::uint32_t, std::uint32_t>> kept;
@@ -1460,7 +1580,7 @@ class GroupsHarness {
     for (std::size_t c = 0; c < sizes[0].num_swap_out; ++c) {
       const auto dev = static_cast<std::size_t>(buf.swap_out[2 * c]);
       const auto host = static_cast<std::size_t>(buf.swap_out[2 * c + 1]);
-      std::copy_n(shadow_.begin() + static_cast<std::ptrdiff_t>(dev * bs_), bs_,
+      std::copy_n(shadow_.begin() + static_cast<std::ptrdiff_t>(dev * stride_), bs_,
                   host_shadow_.begin() + static_cast<std::ptrdiff_t>(host * bs_));
       ++swap_outs;
     }
@@ -1468,7 +1588,7 @@ class GroupsHarness {
       const auto host = static_cast<std::size_t>(buf.swap_in[2 * c]);
       const auto dev = static_cast<std::uint32_t>(buf.swap_in[2 * c + 1]);
       std::copy_n(host_shadow_.begin() + static_cast<std::ptrdiff_t>(host * bs_), bs_,
-                  shadow_.begin() + static_cast<std::ptrdiff_t>(std::size_t{dev} * bs_));
+                  shadow_.begin() + static_cast<std::ptrdiff_t>(std::size_t{dev} * stride_));
       filling_.emplace_back(dev, sizes[0].transfer_token);
       ++swap_ins;
     }
@@ -1479,12 +1599,13 @@ class GroupsHarness {
         dsts.insert(buf.copies[g][2 * c + 1]);
       }
       for (auto d : dsts) REQUIRE_FALSE(srcs.contains(d));
-      for (std::size_t c = 0; c < sizes[g].num_copies; ++c) {
+      for (std::size_t c = 0; c < sizes[g].num_copies; ++c) {  // a whole block (every group's page of it)
         const auto src = static_cast<std::size_t>(buf.copies[g][2 * c]);
         const auto dst = static_cast<std::size_t>(buf.copies[g][2 * c + 1]);
-        std::copy_n(shadow_.begin() + static_cast<std::ptrdiff_t>(src * bs_), bs_,
-                    shadow_.begin() + static_cast<std::ptrdiff_t>(dst * bs_));
+        std::copy_n(shadow_.begin() + static_cast<std::ptrdiff_t>(src * stride_), stride_,
+                    shadow_.begin() + static_cast<std::ptrdiff_t>(dst * stride_));
       }
+      if (coarse(g)) coarse_copies += sizes[g].num_copies;
     }
     for (std::size_t g = 0; g < G(); ++g) {
       std::size_t tok = 0;
@@ -1493,18 +1614,33 @@ class GroupsHarness {
         const auto fp = fps(g, s.ids());
         REQUIRE(buf.qo_indptr[g][b] == static_cast<std::int32_t>(tok));
         REQUIRE(buf.seq_lens[g][b] == static_cast<std::int32_t>(s.built + sched[b]));
+        const auto tbl = m_.block_ids(batch[b], g);
         for (std::size_t j = 0; j < sched[b]; ++j) {
           const std::int64_t slot = buf.slots[g][tok + j];
-          if (slot < 0) continue;  // deduplicated: the registered block holds the same content
-          shadow_[static_cast<std::size_t>(slot)] = fp[s.built + j];
+          if (slot < 0) {  // deduplicated: the registered block holds the same content (never a coarse page)
+            if (coarse(g)) FAIL("group " << g << " slot -1 at position " << s.built + j);
+            continue;
+          }
+          if (coarse(g)) {  // the coarse page table's slot: page * page(g) + offset
+            const std::size_t p = s.built + j;
+            const auto want = static_cast<std::int64_t>(std::size_t{tbl[p / page(g)]} * page(g) + p % page(g));
+            if (slot != want) FAIL("group " << g << " position " << p << " slot " << slot << " != " << want);
+          }
+          shadow_[shadow_index(g, static_cast<std::size_t>(slot))] = fp[s.built + j];
         }
-        // The step's page table: every page from first_needed_token on is a real block (no query: none read).
+        // The step's page table: every page from first_needed_token on is a real block (no query: none read);
+        // ceil(len / page(g)) pages, the last holding the rest; a coarse group's pages are its table's.
         const std::size_t len = sched[b] == 0 ? 0 : s.built + sched[b];
+        const std::size_t pages = (len + page(g) - 1) / page(g);
+        const auto row = static_cast<std::size_t>(buf.indptr[g][b]);
+        REQUIRE(static_cast<std::size_t>(buf.indptr[g][b + 1]) - row == pages);
+        REQUIRE(static_cast<std::size_t>(buf.last_page_len[g][b]) == (pages == 0 ? 0 : len - (pages - 1) * page(g)));
         const auto first = static_cast<std::size_t>(
             m_.window(g).first_needed_token(static_cast<std::int64_t>(len), static_cast<std::int64_t>(sched[b])));
-        for (std::size_t i = first / bs_; i * bs_ < len; ++i) {
+        for (std::size_t i = first / page(g); i * page(g) < len; ++i) {
           CAPTURE(batch[b], g, i, first, len);
-          REQUIRE(buf.indices[g][static_cast<std::size_t>(buf.indptr[g][b]) + i] != 0);
+          REQUIRE(buf.indices[g][row + i] != 0);
+          if (coarse(g)) REQUIRE(buf.indices[g][row + i] == static_cast<std::int32_t>(tbl[i]));
         }
         tok += sched[b];
       }
@@ -1534,28 +1670,34 @@ class GroupsHarness {
         const auto fp = fps(g, s.ids());
         const auto t = m_.block_ids(id, g);
         for (std::size_t p = s.released[g] * bs_; p < s.built; ++p) {
-          std::uint32_t blk = t[p / bs_];
+          std::uint32_t blk = t[p / page(g)];
           for (auto it = copy_src.find({g, blk}); it != copy_src.end(); it = copy_src.find({g, blk})) blk = it->second;
-          const std::size_t slot = static_cast<std::size_t>(blk) * bs_ + p % bs_;
-          if (shadow_[slot] != fp[p]) {  // (no REQUIRE per position: Catch's bookkeeping would dominate the run)
-            FAIL("content of sequence " << id << " group " << g << " position " << p << " in block " << t[p / bs_]
-                                        << " (read from " << blk << ")");
+          if (shadow_[shadow_of(g, blk, p)] != fp[p]) {  // (no REQUIRE per position: Catch's bookkeeping would dominate)
+            FAIL("content of sequence " << id << " group " << g << " position " << p << " in block "
+                                        << t[p / page(g)] << " (read from " << blk << ")");
           }
           ++content_checks;
         }
       }
     }
+    // A block registered under the hash of match block j of a prefix holds that prefix's positions from the start
+    // of its page to the end of block j: a fine block [j * bs, (j + 1) * bs), a coarse page c = j / f the positions
+    // [c * page, (j + 1) * bs) at offsets [0, (j + 1) * bs - c * page) (a full page, or a partial entry).
     const auto check_block = [&](const std::vector<std::uint64_t>& pool, std::size_t blk, std::size_t g,
                                  const BlockHash& key) {
       const auto it = prefix_of_.find(key);
       REQUIRE(it != prefix_of_.end());  // every registered hash is one the model has seen
       const Toks& prefix = it->second;
-      const std::size_t base = prefix.size() - bs_;
+      const bool on_device = &pool == &shadow_;
+      const std::size_t pg = on_device ? page(g) : bs_;
+      const std::size_t base = (prefix.size() - 1) / pg * pg;
+      const std::size_t stride = on_device ? stride_ : bs_;
       const auto fp = fps(g, prefix);
-      for (std::size_t j = 0; j < bs_; ++j) {
-        if (pool[blk * bs_ + j] != fp[base + j]) {
-          FAIL("content of registered block " << blk << " (" << (&pool == &shadow_ ? "device" : "host") << ", group "
-                                              << g << ") at position " << base + j);
+      for (std::size_t p = base; p < prefix.size(); ++p) {
+        if (pool[blk * stride + p - base] != fp[p]) {
+          FAIL("content of registered block " << blk << " (" << (on_device ? "device" : "host") << ", group " << g
+                                              << ", page of " << pg << " tokens, key of the " << prefix.size()
+                                              << "-token prefix) at position " << p);
         }
       }
     };
@@ -1564,6 +1706,7 @@ class GroupsHarness {
         if (const auto h = m_.prefix_index(g).hash_of(b)) {
           check_block(shadow_, b, g, host_key(*h, g));
           ++registered_content_checks;
+          coarse_registered_checks += coarse(g) ? 1 : 0;
         }
       }
     }
@@ -1603,7 +1746,47 @@ class GroupsHarness {
     }
   }
 
+  // The device events since the last check replayed into a router's view (per group: hashes stored, not removed):
+  // every BlockStored names a block the model has seen (its bs token ids, parent, start, the pool's block size),
+  // a BlockRemoved a stored one, and the view equals each group's index (a coarse re-key: BlockRemoved of the old
+  // key, then BlockStored of the new).
+  void check_events() {
+    std::vector<pagedkv::KVEvent> events;
+    m_.drain_events(events);
+    if (stored_.size() < G()) stored_.resize(G());
+    for (const pagedkv::KVEvent& e : events) {
+      if (e.medium != pagedkv::Medium::kGpu) continue;
+      REQUIRE(e.group < G());
+      auto& view = stored_[e.group];
+      if (e.type == pagedkv::KVEventType::kAllCleared) {
+        for (auto& v : stored_) v.clear();
+      } else if (e.type == pagedkv::KVEventType::kBlockRemoved) {
+        if (view.erase(e.hash) != 1) FAIL("BlockRemoved of a hash not stored, group " << e.group);
+        if (coarse(e.group)) ++rekeys;  // (a re-key, an eviction or a rewind below the key of a coarse page)
+      } else {
+        const auto it = prefix_of_.find(host_key(e.hash, e.group));
+        REQUIRE(it != prefix_of_.end());
+        const Toks& t = it->second;
+        REQUIRE(e.block_size == bs_);
+        REQUIRE(e.block_start == t.size() - bs_);
+        REQUIRE(Toks(t.end() - static_cast<std::ptrdiff_t>(bs_), t.end()) == e.token_ids);
+        const auto h = chain(m_, t);
+        REQUIRE(e.parent_hash.has_value() == (h.size() > 1));
+        if (e.parent_hash) REQUIRE(*e.parent_hash == h[h.size() - 2]);
+        if (!view.insert(e.hash).second) FAIL("BlockStored twice of a hash in group " << e.group);
+      }
+      ++event_checks;
+    }
+    for (std::size_t g = 0; g < G(); ++g) {
+      REQUIRE(stored_[g].size() == m_.prefix_index(g).size());
+      for (const BlockHash& h : stored_[g]) {
+        if (!m_.prefix_index(g).find(h)) FAIL("group " << g << ": a stored hash the index lacks");
+      }
+    }
+  }
+
   void check() {
+    check_events();
     const auto& a = m_.allocator();
     std::map<std::uint32_t, std::uint32_t> holders;
     REQUIRE(m_.num_sequences() == seqs_.size());
@@ -1617,7 +1800,7 @@ class GroupsHarness {
       const auto h = chain(m_, s.tokens);
       for (std::size_t g = 0; g < G(); ++g) {
         const auto tbl = m_.block_ids(id, g);
-        REQUIRE(tbl.size() == (s.slotted + bs_ - 1) / bs_);
+        REQUIRE(tbl.size() == (s.slotted + page(g) - 1) / page(g));
         REQUIRE(m_.num_null_blocks(id, g) == s.released[g]);
         for (std::size_t i = 0; i < tbl.size(); ++i) {
           if ((tbl[i] == 0) != (i < s.released[g])) FAIL("seq " << id << " group " << g << " null entry " << i);
@@ -1625,9 +1808,32 @@ class GroupsHarness {
           ++holders[tbl[i]];
           if (m_.group_of(tbl[i]) != g) FAIL("block " << tbl[i] << " of group " << g << " tagged otherwise");
           if (const auto reg = m_.prefix_index(g).hash_of(tbl[i])) {
-            // Registered under the chain hash of this sequence's own tokens (a block left partial by a rewind
-            // keeps its registration: its content is still that of the longer sequence).
-            if (i < h.size() && !(*reg == h[i])) FAIL("seq " << id << " group " << g << " block " << i << " hash");
+            if (coarse(g)) {
+              // Keyed by the hash of a match block inside this page: of this sequence's chain, or (a page shared
+              // with a sequence that went on) of a prefix that agrees with this sequence's slotted positions up to
+              // the key: a slot under the key that this sequence would write with other ids is a write into
+              // registered content (check_content checks the content itself).
+              const auto it = prefix_of_.find(host_key(*reg, g));
+              REQUIRE(it != prefix_of_.end());
+              const Toks& t = it->second;
+              if ((t.size() - 1) / page(g) != i) {
+                FAIL("seq " << id << " group " << g << " page " << i << " keyed by the " << t.size()
+                            << "-token prefix");
+              }
+              const Toks ids = s.ids();
+              const std::size_t n = std::min(t.size(), s.slotted);
+              const auto diff = std::mismatch(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(n), ids.begin());
+              if (diff.first != t.begin() + static_cast<std::ptrdiff_t>(n)) {
+                FAIL("seq " << id << " group " << g << " page " << i << " (block " << tbl[i] << ") is keyed by the "
+                            << t.size() << "-token prefix, which differs from the sequence's slotted ids at position "
+                            << (diff.first - t.begin()) << " (the sequence has " << s.slotted << " slotted, "
+                            << s.built << " built): its writes would change registered content");
+              }
+            } else if (i < h.size() && !(*reg == h[i])) {
+              // Registered under the chain hash of this sequence's own tokens (a block left partial by a rewind
+              // keeps its registration: its content is still that of the longer sequence).
+              FAIL("seq " << id << " group " << g << " block " << i << " hash");
+            }
           }
         }
       }
@@ -1691,6 +1897,7 @@ class GroupsHarness {
 
   M m_;
   std::uint32_t bs_;
+  std::uint32_t stride_;  // shadow slots per block: the largest page of any group (a block is one page in every group)
   HarnessOptions opt_;
   std::mt19937_64 rng_;
   std::vector<std::uint64_t> shadow_;       // [num_blocks x bs] device pool content
@@ -1701,6 +1908,7 @@ class GroupsHarness {
   std::vector<std::uint64_t> in_flight_;                       // transfer tokens issued, not completed
   std::vector<std::pair<std::uint32_t, std::uint64_t>> filling_;  // (device block, token) of issued fills
   std::unordered_map<BlockHash, Toks, pagedkv::BlockHashHasher> prefix_of_;  // host key -> token prefix
+  std::vector<std::unordered_set<BlockHash, pagedkv::BlockHashHasher>> stored_;  // [G] the events' device view
   SeqId next_id_ = 1;
 };
 
@@ -1827,6 +2035,129 @@ TEST_CASE("HybridKVCacheManager: randomized groups under PriorityLruEviction - r
     o.lookahead = true;
     o.retention = true;
     GroupsHarness<PrioMgr> h(4, 80, {full(), swa(6), chunked(8)}, seed, o);
+    h.run(1500);
+    INFO("admitted " << h.admitted << " with retention " << h.retention_admits << " priority checks "
+                     << h.retention_checks << " content " << h.content_checks);
+    CHECK(h.retention_admits > 30);
+    CHECK(h.retention_checks > 100);
+    CHECK(h.content_checks > 1000);
+  }
+}
+
+TEST_CASE("HybridKVCacheManager: a coarse page re-keyed by one holder is not written in place by another",
+          "[kv_cache_groups][model_coarse][cow]") {
+  // Found by the coarse model test below (bs4 full+full16+chunk8, seed 60 of a longer run): a hit without a
+  // reservation holds a partial page another sequence is still filling; that sequence re-keys the page past the
+  // hit, then leaves it (free here; a copy-on-write of its own next append does the same); the hit's sequence, now
+  // the sole holder, appended in place into positions the new key names.
+  Mgr m(make_config(64, 4, {full(), full_pages(8)}));
+  const Toks x = pagedkv_test::toks(100, 16);
+  Toks n(x.begin(), x.begin() + 12);
+  for (TokenId t : {7, 8, 9}) n.push_back(t);
+  pagedkv::AdmitOptions all;
+  all.num_reserved_tokens = 16;
+  REQUIRE(m.try_admit(1, x, nullptr, all).admitted());
+  (void)build(m, {1}, {12});  // group 1: page 0 keyed at block 1, page 1 a partial entry at block 2; 12..15 slotted
+  pagedkv::AdmitOptions none;
+  none.num_reserved_tokens = 0;
+  REQUIRE(m.try_admit(2, n, nullptr, none).num_cached_tokens == 12);
+  const std::uint32_t shared = m.block_ids(2, 1)[1];
+  REQUIRE(shared == m.block_ids(1, 1)[1]);
+  (void)build(m, {1}, {4});  // sequence 1 fills page 1: keyed at block 3, its tokens 12..15 at offsets 4..7
+  const auto h = chain(m, x);
+  m.free(1);
+  REQUIRE(m.try_reserve(2, 3).ok());  // sequence 2's positions 12..14: offsets 4..6 of its page 1
+  if (m.block_ids(2, 1)[1] == shared) {
+    CHECK_FALSE(m.prefix_index(1).hash_of(shared) == h[3]);  // written in place: the key must not name them
+  }
+  (void)build(m, {2}, {3});
+  Toks z = x;
+  z.push_back(1);
+  const auto r = m.try_admit(3, z);  // x's 16 tokens hit page 1 only where it holds x's positions 12..15
+  REQUIRE(r.admitted());
+  if (r.num_cached_tokens == 16) CHECK(m.block_ids(3, 1)[1] != m.block_ids(2, 1)[1]);
+}
+
+TEST_CASE("HybridKVCacheManager: randomized coarse-page groups against a shadow model and a shadow pool",
+          "[kv_cache_groups][model][model_coarse]") {
+  // Full groups with pages of 2-4 match blocks beside full, sliding-window and chunked-local groups at the pool's
+  // block size: partial-page hits (half the admissions continue a live sequence's built tokens, a third hold the
+  // hit without a reservation), forks and the copy-on-write of a shared partial page, chunked prefill (partial
+  // entries re-keyed as pages fill, pages shared meanwhile), decode appends, rewinds below a partial page's key,
+  // preemption, lookahead; every build's copies and slot mappings run on the shadow pool, every registered page
+  // holds the prefix its key names, no table slots a position under a key that names other ids, the events replay
+  // to each group's index, explain_admit agrees with the oracle.
+  struct Cfg {
+    const char* name;
+    std::uint32_t bs;
+    std::size_t blocks;
+    std::vector<KVCacheGroupSpec> groups;
+  };
+  const std::vector<Cfg> cfgs = {
+      {"bs4 full+full8+swa6", 4, 100, {full(), full_pages(8), swa(6)}},
+      {"bs4 full+full16+chunk8", 4, 100, {full(), full_pages(16), chunked(8)}},
+      {"bs2 full+full4+full8", 2, 140, {full(), full_pages(4), full_pages(8)}},
+      {"bs1 full+full2+swa3", 1, 200, {full(), full_pages(2), swa(3)}},
+      {"bs16 full+full64+swa20", 16, 60, {full(), full_pages(64), swa(20)}},
+  };
+  std::size_t hits = 0, partial_hits = 0, coarse_copies = 0, explain_limited = 0, rekeys = 0, unkeys = 0, forks = 0,
+              lookaheads = 0, kept = 0;
+  for (const Cfg& c : cfgs) {
+    for (std::uint64_t seed = 31; seed <= 42; ++seed) {
+      CAPTURE(c.name, seed);
+      HarnessOptions o;
+      o.lookahead = seed % 2 == 1;  // half the runs with lookahead drafts and prepared prompts
+      o.prepared = seed % 2 == 1;
+      LruHarness h(c.bs, c.blocks, c.groups, seed * 1000 + c.bs, o);
+      h.run(1500);
+      INFO("builds " << h.builds << " admitted " << h.admitted << " hits " << h.hits << " partial-page hits "
+                     << h.partial_hits << " no_capacity " << h.no_capacity << " content " << h.content_checks
+                     << " registered content " << h.registered_content_checks << " (coarse "
+                     << h.coarse_registered_checks << ") copies " << h.copies << " (coarse " << h.coarse_copies
+                     << ") kept copies " << h.kept_copies << " explain " << h.explain_checks
+                     << " (limited by a coarse group " << h.explain_limited << ") events " << h.event_checks
+                     << " coarse removals " << h.rekeys << " rewinds unkeying " << h.coarse_unkeys << " forks "
+                     << h.forks << " lookaheads " << h.lookaheads << " releases " << h.releases);
+      CHECK(h.builds > 100);
+      CHECK(h.admitted > 30);
+      CHECK(h.content_checks > 1000);
+      CHECK(h.coarse_registered_checks > 100);
+      CHECK(h.explain_checks > 30);
+      CHECK(h.event_checks > 50);
+      hits += h.hits;
+      partial_hits += h.partial_hits;
+      coarse_copies += h.coarse_copies;
+      explain_limited += h.explain_limited;
+      rekeys += h.rekeys;
+      unkeys += h.coarse_unkeys;
+      forks += h.forks;
+      lookaheads += h.lookaheads;
+      kept += h.kept_copies;
+    }
+  }
+  INFO("hits " << hits << " partial-page hits " << partial_hits << " coarse copies " << coarse_copies
+               << " limited by a coarse group " << explain_limited << " coarse removals " << rekeys
+               << " rewinds unkeying " << unkeys << " forks " << forks << " lookaheads " << lookaheads
+               << " kept copies " << kept);
+  CHECK(hits > 500);
+  CHECK(partial_hits > 300);
+  CHECK(coarse_copies > 300);
+  CHECK(explain_limited > 100);
+  CHECK(rekeys > 1000);
+  CHECK(unkeys > 50);
+  CHECK(forks > 300);
+  CHECK(lookaheads > 300);
+  CHECK(kept > 50);
+}
+
+TEST_CASE("HybridKVCacheManager: randomized coarse-page groups under PriorityLruEviction - retention per page",
+          "[kv_cache_groups][model][model_coarse][retention]") {
+  for (std::uint64_t seed : {41ULL, 42ULL}) {
+    CAPTURE(seed);
+    HarnessOptions o;
+    o.lookahead = true;
+    o.retention = true;
+    GroupsHarness<PrioMgr> h(4, 100, {full(), full_pages(8), swa(6)}, seed, o);
     h.run(1500);
     INFO("admitted " << h.admitted << " with retention " << h.retention_admits << " priority checks "
                      << h.retention_checks << " content " << h.content_checks);
