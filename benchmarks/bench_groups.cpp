@@ -4,6 +4,8 @@
 //     "Splitwise", ISCA '24) through one full-attention group and through a hybrid model's groups
 //     (full:12,swa4096:24 = one full group and two sliding-window groups of 12 layers, as pagedkv-replay
 //     --model-layers splits it): CPU ns per prompt block and per pool block, target mixed <= 1.3x one group;
+//     config 2 is a coarse-page pair (full:12 at 16 tokens + full:12 with 64-token pages, DeepSeek-V4's shape;
+//     issue 20 sec. 2), the same counters;
 //   - heap allocations per admission, per kNoCapacity admission retried, per build and per append after warm-up
 //     (a counting global operator new): target 0 for the allocation-free calls.
 //
@@ -93,10 +95,16 @@ constexpr TokenId kVocab = 128'000;
 constexpr double kCapacityTokens = 1e6;  // per group, as pagedkv-replay --capacity-tokens 1e6
 constexpr std::size_t kPoolTokens = std::size_t{1} << 20;  // the random token pool prompts are cut from
 
-enum Config : int { kOneGroup = 0, kMixed = 1 };
+enum Config : int { kOneGroup = 0, kMixed = 1, kCoarse = 2 };
 enum TraceName : int { kCode = 0, kConv = 1 };
 
-const char* config_name(int c) { return c == kOneGroup ? "one group (groups empty)" : "full:12,swa4096:24 (3 groups)"; }
+const char* config_name(int c) {
+  return c == kOneGroup ? "one group (groups empty)"
+         : c == kMixed  ? "full:12,swa4096:24 (3 groups)"
+                        : "full:12 + full:12 with 64-token pages (2 groups)";
+}
+/// Groups of a config.
+std::size_t num_groups_of(int c) { return c == kOneGroup ? 1 : c == kMixed ? 3 : 2; }
 
 /// ContextTokens of every request of an Azure trace (CSV: TIMESTAMP,ContextTokens,GeneratedTokens).
 std::vector<std::uint32_t> load_azure(int trace) {
@@ -133,6 +141,14 @@ pagedkv::CacheConfig make_config(int config, std::size_t blocks_per_group, std::
     swa.num_layers = 12;
     c.groups = {full, swa, swa};
     c.num_blocks = blocks_per_group * 3 + 1;
+  }
+  if (config == kCoarse) {  // a compressed group whose pages hold 4 match blocks (docs/groups.md "Coarse pages")
+    pagedkv::KVCacheGroupSpec full, coarse;
+    full.num_layers = 12;
+    coarse.num_layers = 12;
+    coarse.block_size = 4 * kBlockSize;
+    c.groups = {full, coarse};
+    c.num_blocks = blocks_per_group + blocks_per_group / 4 + 1;
   }
 #else
   if (config != kOneGroup) throw std::logic_error("no KV-cache groups in this build");
@@ -214,7 +230,7 @@ void BM_AzureAdmitBuild(benchmark::State& state) {
   const std::size_t max_len = *std::max_element(lens.begin(), lens.end());
   const std::size_t blocks_per_group = static_cast<std::size_t>(kCapacityTokens / kBlockSize);
   pagedkv::KVCacheManager<Hasher, Id> m(make_config(config, blocks_per_group, max_len));
-  const std::size_t G = config == kOneGroup ? 1 : 3;
+  const std::size_t G = num_groups_of(config);
   const std::vector<TokenId> pool = token_pool(0x5eed'a2c0'0000'0017ULL);
   Buffers buf(G, 1, max_len, max_len);
   constexpr std::size_t kChunk = 16;
@@ -325,7 +341,7 @@ void BM_AdmitRetry(benchmark::State& state) {
   const bool prepared = state.range(1) != 0;
   constexpr std::size_t kPromptTokens = 2048;
   pagedkv::KVCacheManager<Hasher, Id> m(make_config(config, 4096, 8192));
-  const std::size_t G = config == kOneGroup ? 1 : 3;
+  const std::size_t G = num_groups_of(config);
   const std::vector<TokenId> pool = token_pool(0x5eed'0000'0e71'0017ULL);
   Buffers buf(G, 1, 8192, 8192);
   // The waiting prompt: its first half is held by a running sequence (admitted, built).
@@ -396,7 +412,7 @@ void BM_DecodeBuild(benchmark::State& state) {
     peak += (n + kReset + kBlockSize - 1) / kBlockSize;
   }
   pagedkv::KVCacheManager<Hasher, Id> m(make_config(config, peak + 4 * kBatch, 8192));
-  const std::size_t G = config == kOneGroup ? 1 : 3;
+  const std::size_t G = num_groups_of(config);
   Buffers prefill(G, kBatch, 8192, kBatch * 4000);
   Buffers step(G, kBatch, 8192, kBatch);
   std::uint64_t token_state = 0x9e3779b97f4a7c15ULL;
@@ -473,7 +489,7 @@ void BM_DecodeBuild(benchmark::State& state) {
 }
 
 #if PAGEDKV_BENCH_GROUPS
-#define PAGEDKV_BENCH_CONFIGS {kOneGroup, kMixed}
+#define PAGEDKV_BENCH_CONFIGS {kOneGroup, kMixed, kCoarse}
 #else
 #define PAGEDKV_BENCH_CONFIGS {kOneGroup}
 #endif

@@ -616,20 +616,23 @@ NB_MODULE(_pagedkv, m) {
                                "`window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval "
                                "for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for "
                                "RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the "
-                               "state at each sequence's last block boundary). Checked by KVCacheManager.")
+                               "state at each sequence's last block boundary), `block_size` (tokens per block of "
+                               "this group's pages: 0 = the pool's; a coarser page, a multiple of it, for a FULL "
+                               "group after group 0: docs/groups.md \"Coarse pages\"). Checked by KVCacheManager.")
       .def(
           "__init__",
           [](KVCacheGroupSpec* g, AttentionKind kind, std::uint32_t window_tokens, std::uint32_t num_layers,
-             std::size_t state_bytes, bool last_checkpoint) {
-            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers, state_bytes, last_checkpoint};
+             std::size_t state_bytes, bool last_checkpoint, std::uint32_t block_size) {
+            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers, state_bytes, last_checkpoint, block_size};
           },
           "kind"_a = AttentionKind::kFull, "window_tokens"_a = 0, "num_layers"_a = 1, "state_bytes"_a = 0,
-          "last_checkpoint"_a = false)
+          "last_checkpoint"_a = false, "block_size"_a = 0)
       .def_rw("kind", &KVCacheGroupSpec::kind)
       .def_rw("window_tokens", &KVCacheGroupSpec::window_tokens)
       .def_rw("num_layers", &KVCacheGroupSpec::num_layers)
       .def_rw("state_bytes", &KVCacheGroupSpec::state_bytes)
       .def_rw("last_checkpoint", &KVCacheGroupSpec::last_checkpoint)
+      .def_rw("block_size", &KVCacheGroupSpec::block_size)
       .def(
           "window",
           [](const KVCacheGroupSpec& g) {
@@ -642,7 +645,8 @@ NB_MODULE(_pagedkv, m) {
           "The kernels' AttentionWindow of this group (off for FULL).")
       .def("__eq__", [](const KVCacheGroupSpec& a, const KVCacheGroupSpec& b) {
         return a.kind == b.kind && a.window_tokens == b.window_tokens && a.num_layers == b.num_layers &&
-               a.state_bytes == b.state_bytes && a.last_checkpoint == b.last_checkpoint;
+               a.state_bytes == b.state_bytes && a.last_checkpoint == b.last_checkpoint &&
+               a.block_size == b.block_size;
       })
       .def("__repr__", [](const KVCacheGroupSpec& g) {
         return std::string("KVCacheGroupSpec(kind=AttentionKind.") +
@@ -654,7 +658,7 @@ NB_MODULE(_pagedkv, m) {
                (g.recurrent() ? ", state_bytes=" + std::to_string(g.state_bytes) +
                                     ", last_checkpoint=" + (g.last_checkpoint ? "True" : "False")
                               : std::string()) +
-               ")";
+               (g.block_size != 0 ? ", block_size=" + std::to_string(g.block_size) : std::string()) + ")";
       });
 
   nb::class_<CacheConfig>(m, "CacheConfig", "Configuration of one KV pool (kv_cache_manager.hpp CacheConfig).")
@@ -1017,6 +1021,18 @@ NB_MODULE(_pagedkv, m) {
       .def_prop_ro("eviction", &Manager::eviction)
       .def_prop_ro("config", [](Manager& s) { return s.peek([](auto& mm) { return mm.config(); }); })
       .def_prop_ro("block_size", [](Manager& s) { return s.peek([](auto& mm) { return mm.block_size(); }); })
+      .def(
+          "group_block_size",
+          [](Manager& s, std::size_t g) {
+            return s.peek([&](auto& mm) {
+              if (g >= mm.num_groups()) {
+                invalid("group_block_size: group " + std::to_string(g) + " >= " + std::to_string(mm.num_groups()) +
+                        " groups");
+              }
+              return mm.block_size(g);
+            });
+          },
+          "g"_a, "Tokens per block of group g's pages (its block table, page table and slot mapping count in them).")
       .def_prop_ro("max_tokens_per_seq",
                    [](Manager& s) { return s.peek([](auto& mm) { return mm.max_tokens_per_seq(); }); })
       .def(
