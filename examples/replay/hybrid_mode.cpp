@@ -28,7 +28,7 @@ std::string group_label(const pagedkv::KVCacheGroupSpec& g) {
     case pagedkv::AttentionKind::kRecurrent: return "mamba";
     case pagedkv::AttentionKind::kFull: break;
   }
-  return "full";
+  return g.block_size != 0 ? "full@" + std::to_string(g.block_size) : "full";
 }
 
 std::string describe(const ModelLayers& m) {
@@ -84,13 +84,19 @@ class GroupBuffers {
 };
 
 pagedkv::HybridCacheConfig make_config(const ModelLayers& model, const HybridOptions& opt, std::size_t max_len) {
-  const double per_group = std::floor(opt.capacity_tokens / opt.block_size);
-  if (!(per_group >= 1.0) || per_group * static_cast<double>(model.groups.size()) >= 2147483647.0) {
+  // Each group gets `capacity_tokens` tokens in its own pages (a coarse group's page holds block_size tokens).
+  double blocks = 1.0;
+  for (const auto& g : model.groups) {
+    const double per_group = std::floor(opt.capacity_tokens / (g.block_size != 0 ? g.block_size : opt.block_size));
+    if (!(per_group >= 1.0)) blocks = 0.0;
+    blocks += per_group;
+  }
+  if (!(blocks >= 2.0) || blocks >= 2147483647.0) {
     throw std::invalid_argument("hybrid: capacity " + std::to_string(opt.capacity_tokens) +
                                 " tokens gives no block per group or more than 2^31 blocks");
   }
   pagedkv::HybridCacheConfig c;
-  c.num_blocks = static_cast<std::size_t>(per_group) * model.groups.size() + 1;
+  c.num_blocks = static_cast<std::size_t>(blocks);
   c.block_size = opt.block_size;
   c.groups = model.groups;
   c.max_tokens_per_seq = max_len;
@@ -368,7 +374,7 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
   LibraryTimer timer;
   std::uint64_t past_queries = 0, past_hits = 0, hits_beyond_window = 0;
   const std::uint64_t rejected = one_at_a_time(
-      trace, m, opt.block_size, timer,
+      trace, m, opt.block_size, timer,  // (a coarse group's page table is shorter than the buffers sized here)
       [&](const pagedkv::AdmitResult& r, std::size_t prompt_len) {
         if (past > 0 && prompt_len > past) {
           past_queries += prompt_len;
@@ -532,6 +538,9 @@ ModelLayers parse_model_layers(std::string_view spec) {
     pagedkv::KVCacheGroupSpec g;
     if (kind == "full") {
       g.kind = pagedkv::AttentionKind::kFull;
+    } else if (kind.starts_with("full@")) {  // a full group with coarse pages of that many tokens
+      g.kind = pagedkv::AttentionKind::kFull;
+      g.block_size = number(item, kind.substr(5), "page size");
     } else if (kind.starts_with("swa")) {
       g.kind = pagedkv::AttentionKind::kSlidingWindow;
       g.window_tokens = number(item, kind.substr(3), "window");
@@ -545,7 +554,7 @@ ModelLayers parse_model_layers(std::string_view spec) {
     }
     const std::uint32_t layers = number(item, item.substr(colon + 1), "layer count");
     auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) {
-      return k.first.kind == g.kind && k.first.window_tokens == g.window_tokens;
+      return k.first.kind == g.kind && k.first.window_tokens == g.window_tokens && k.first.block_size == g.block_size;
     });
     if (it == kinds.end()) {
       kinds.emplace_back(g, layers);
@@ -565,9 +574,14 @@ ModelLayers parse_model_layers(std::string_view spec) {
     bad(spec, "splits into " + std::to_string(total / gcd) + " groups of " + std::to_string(gcd) + " layers (at most " +
                   std::to_string(pagedkv::HybridKVCacheManager<>::kMaxGroups) + ")");
   }
-  // Attention kinds first: group 0 of a manager is an attention group (the recurrent groups follow it).
+  // Attention kinds at the match unit first, then coarse pages, then recurrent groups: group 0 of a manager is an
+  // attention group at the pool's block size.
   std::stable_partition(kinds.begin(), kinds.end(), [](const auto& k) { return !k.first.recurrent(); });
+  std::stable_partition(kinds.begin(), kinds.end(), [](const auto& k) { return !k.first.recurrent() && k.first.block_size == 0; });
   if (!kinds.empty() && kinds.front().first.recurrent()) bad(spec, "has no attention layers (a recurrent group needs one)");
+  if (!kinds.empty() && kinds.front().first.block_size != 0) {
+    bad(spec, "has only coarse-page attention layers (group 0 holds the pool's block size: add a full or window kind)");
+  }
   m.layers_per_group = static_cast<std::uint32_t>(gcd);
   m.num_layers = static_cast<std::uint32_t>(total);
   for (const auto& [g, layers] : kinds) {
@@ -585,7 +599,15 @@ ModelLayers all_full(const ModelLayers& model) {
   for (auto& g : m.groups) {
     g.kind = pagedkv::AttentionKind::kFull;
     g.window_tokens = 0;
+    g.block_size = 0;  // at the pool's block size
   }
+  return m;
+}
+
+/// The model with every page at the pool's block size (coarse pages dropped).
+ModelLayers at_match_unit(const ModelLayers& model) {
+  ModelLayers m = model;
+  for (auto& g : m.groups) g.block_size = 0;
   return m;
 }
 
@@ -601,6 +623,9 @@ int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream&
       rows = recurrent_rows<H>(trace, opt, model);
       return;
     }
+    std::uint32_t page = 0;  // the largest coarse page (0: none)
+    for (const auto& g : model.groups) page = std::max(page, g.block_size);
+    if (page != 0 && opt.mode != "prefix") throw std::invalid_argument("hybrid: a model with coarse pages (full@P) replays in --mode prefix");
     if (opt.mode == "prefix") {
       // "Past the window": prompts longer than the hybrid model's smallest window (the same subset for both rows).
       std::size_t past = 0;
@@ -609,6 +634,11 @@ int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream&
       }
       rows.push_back(prefix_row<H>(trace, opt, model, "hybrid", past));
       rows.push_back(prefix_row<H>(trace, opt, baseline, "all-full", past));
+      if (page != 0) {  // the common-multiple rule (vLLM's): every group's block raised to the largest page
+        HybridOptions lcm = opt;
+        lcm.block_size = std::lcm(opt.block_size, page);
+        rows.push_back(prefix_row<H>(trace, lcm, at_match_unit(model), "lcm-pages", past));
+      }
       return;
     }
     if (opt.mode != "serve") throw std::invalid_argument("hybrid: mode \"" + opt.mode + "\" (serve or prefix)");

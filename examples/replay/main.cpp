@@ -502,7 +502,9 @@ int main(int argc, char** argv) {
                  "serve / prefix: a hybrid model's layers as KV-cache groups, e.g. \"full:12,swa4096:24\" (kinds "
                  "full, swa<W>, chunk<C>): replays the manager with those groups against the same layers all full attention "
                  "on the same pool, one row each; with mamba layers (e.g. \"full:12,mamba:36\", prefix mode): all "
-                 "attention vs vLLM's align mode vs checkpoints every --checkpoint-intervals (docs/groups.md)");
+                 "attention vs vLLM's align mode vs checkpoints every --checkpoint-intervals; with coarse pages "
+                 "(full@P, e.g. \"full:12,full@64:12\", prefix mode): also every group at the common multiple of "
+                 "the page sizes, vLLM's rule (docs/groups.md)");
   replay::HybridOptions recurrent_opt;
   std::string checkpoint_intervals;
   app.add_option("--state-bytes", recurrent_opt.state_bytes,
