@@ -1439,7 +1439,11 @@ class KVCacheManager {
         std::size_t& blk = sizes_out[g].num_indices;
         std::size_t& tok = sizes_out[g].num_new_tokens;
         switched_scratch_.clear();
-        register_full_blocks_in<kOne>(q, g);
+        if (!kOne && is_coarse(g)) {  // (the dispatch here keeps register_full_blocks_in inlined)
+          register_coarse(q, g);
+        } else {
+          register_full_blocks_in<kOne>(q, g);
+        }
         std::size_t gb = bs, gn = nblocks;  // a coarse group counts in its pages
         if (!kOne && is_coarse(g)) {
           gb = group_bs_[g];
@@ -2526,7 +2530,7 @@ class KVCacheManager {
   auto evictor() {
     return [this](Id b) {
       const std::uint32_t g = group_of_block(b);
-      const auto key = index_.erase_block(b);  // one erase site, so that it inlines (the view's adds no work here)
+      const auto key = index_.erase_block(b);  // inlined (always_inline; the view's would add no work here)
       if (!key) return;
       const BlockHash h = num_groups_ > 1 ? unregistered_from_group(*key, g) : *key;
       if (history_.enabled()) record_eviction(*key, EvictedTier::kDevice, g);
@@ -2667,16 +2671,17 @@ class KVCacheManager {
   void register_full_blocks(sequence_type& q, std::size_t g) {
     if (simple_) {
       register_full_blocks_in<true>(q, g);
+    } else if (is_coarse(g)) {
+      register_coarse(q, g);
     } else {
       register_full_blocks_in<false>(q, g);
     }
   }
+  // Always inlined into its two callers (the build's per-row loop, where it is hot, and register_full_blocks): out
+  // of line, the view's hash_of below is no longer inlined either and computes the unmixed hash it discards.
   template <bool kOne>
-  void register_full_blocks_in(sequence_type& q, std::size_t g) {
+  [[gnu::always_inline]] void register_full_blocks_in(sequence_type& q, std::size_t g) {
     if (!config_.enable_prefix_caching) return;
-    if constexpr (!kOne) {
-      if (is_coarse(g)) return register_coarse(q, g);
-    }
     index_view index = kOne ? index_view(index_, 0, nullptr, nullptr) : ix(g);
     BlockTable<Id>& table = table_in<kOne>(q, g);
     std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
@@ -2714,18 +2719,21 @@ class KVCacheManager {
   // switch to the other (their contents after the key differ); so does a page another table holds (a lost entry,
   // never a wrong one). Room for two events per page reserved by the build.
   [[gnu::noinline]] void register_coarse(sequence_type& q, std::size_t g) {
+    if (!config_.enable_prefix_caching) return;
     std::size_t& registered = q.registered_of(g);
     const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
     if (end <= registered) return;
     index_view index = ix(g);
     const auto blocks = q.table_of(g).blocks();
     const std::size_t f = coarse_factor(g);
+    const auto gk = static_cast<std::uint32_t>(g);
     for (std::size_t c = registered / f; c * f < end; ++c) {
       const std::size_t j = std::min((c + 1) * f, end) - 1;
       const BlockHash& h = q.hashes[j];
       const Id own = blocks[c];
-      const std::optional<BlockHash> old = index.hash_of(own);
-      if (old == h || index.find(h)) continue;
+      // Keys as the shared index holds them (group-mixed): the view's hash_of stays with its hot caller, inlined.
+      const std::optional<BlockHash> old = index_.hash_of(own);
+      if (old == group_block_key(h, gk) || index_.find(group_block_key(h, gk))) continue;
       // A page another table holds keeps its key: that table may end where the key ends now (it took the page by
       // a hit there), and its appends go in place once it is the page's only holder (Proxy::is_hashed).
       if (table_refcount(own) > 1) continue;
@@ -2743,23 +2751,24 @@ class KVCacheManager {
     BlockTable<Id>& t = q.table_of(g);
     if (t.num_tokens() % t.block_size() == 0) return;
     const Id last = t.blocks().back();
-    const std::optional<BlockHash> key = ix(g).hash_of(last);
+    const std::optional<BlockHash> key = index_.hash_of(last);  // group-mixed
     if (!key) return;
     const std::size_t f = coarse_factor(g), c = t.num_blocks() - 1;
     for (std::size_t j = c * f; j < std::min(kept, (c + 1) * f); ++j) {
-      if (q.hashes[j] == *key) return;
+      if (group_block_key(q.hashes[j], static_cast<std::uint32_t>(g)) == *key) return;
     }
     unregister_page(last, g, true);
   }
   // Drop coarse group g's key of page b (a re-key, or a rewind below its key), reporting BlockRemoved.
   // `forget`: also clear its hashed bit (the page stays unregistered).
   void unregister_page(Id b, std::size_t g, bool forget) {
-    const std::optional<BlockHash> h = ix(g).erase_block(b);
-    if (!h) return;
+    const std::optional<BlockHash> key = index_.erase_block(b);
+    if (!key) return;
+    const BlockHash h = unregistered_from_group(*key, static_cast<std::uint32_t>(g));  // (a coarse pool has G > 1)
     if (forget) alloc_.set_hashed(b, false);
     if (events_.enabled()) {
       KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-      e.hash = *h;
+      e.hash = h;
       e.group = static_cast<std::uint32_t>(g);
     }
   }

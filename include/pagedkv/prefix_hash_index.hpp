@@ -204,8 +204,9 @@ class PrefixHashIndex {
   }
 
   /// Unregister block `b` (eviction): one probe sequence, keyed by the hash the index keeps for `b`. Returns its
-  /// hash, or nullopt if it was not registered.
-  std::optional<BlockHash> erase_block(Id b) {
+  /// hash, or nullopt if it was not registered. Always inlined: it sits in the manager's eviction path, which has
+  /// more than one caller of it.
+  [[gnu::always_inline]] std::optional<BlockHash> erase_block(Id b) {
     if (b >= block_hash_.size() || !is_registered(b)) return std::nullopt;
     registered_[b / 64] &= ~(std::uint64_t{1} << (b % 64));
     table_.erase(block_hash_[b], b);
@@ -311,7 +312,8 @@ class GroupPrefixIndexView {
   /// Prefetch what `find(h)` will touch.
   void prefetch(const BlockHash& h) const noexcept { index_->prefetch(key(h)); }
   /// Whether block `b` is registered by this group; its hash if so (nullopt for another group's block).
-  [[nodiscard]] std::optional<BlockHash> hash_of(id_type b) const {
+  /// (Always inlined: the manager's registration only tests the result, and inlined the unmixing is dropped.)
+  [[nodiscard, gnu::always_inline]] std::optional<BlockHash> hash_of(id_type b) const {
     if (group_of_ != nullptr && b < index_->num_blocks() && group_of_[b] != g_) return std::nullopt;
     const auto k = index_->hash_of(b);
     if (!k) return std::nullopt;
