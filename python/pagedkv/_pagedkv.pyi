@@ -267,10 +267,10 @@ class AttentionWindow:
 
 class KVCacheGroupSpec:
     """
-    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the state at each sequence's last block boundary). Checked by KVCacheManager.
+    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the state at each sequence's last block boundary), `block_size` (tokens per block of this group's pages: 0 = the pool's; a coarser page, a multiple of it, for a FULL group after group 0: docs/groups.md "Coarse pages"). Checked by KVCacheManager.
     """
 
-    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1, state_bytes: int = 0, last_checkpoint: bool = False) -> None: ...
+    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1, state_bytes: int = 0, last_checkpoint: bool = False, block_size: int = 0) -> None: ...
 
     @property
     def kind(self) -> AttentionKind: ...
@@ -301,6 +301,12 @@ class KVCacheGroupSpec:
 
     @last_checkpoint.setter
     def last_checkpoint(self, arg: bool, /) -> None: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @block_size.setter
+    def block_size(self, arg: int, /) -> None: ...
 
     def window(self) -> AttentionWindow:
         """The kernels' AttentionWindow of this group (off for FULL)."""
@@ -946,6 +952,11 @@ class KVCacheManager:
 
     @property
     def block_size(self) -> int: ...
+
+    def group_block_size(self, g: int) -> int:
+        """
+        Tokens per block of group g's pages (its block table, page table and slot mapping count in them).
+        """
 
     @property
     def max_tokens_per_seq(self) -> int: ...
