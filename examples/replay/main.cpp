@@ -206,10 +206,10 @@ std::string flag_rules_help() {
       "  --capacity-tokens        one value in serve and fork modes (a list in prefix mode)\n"
       "  --host-capacity-tokens   > 0: prefix or serve mode; with --model-layers, serve mode only\n"
       "  --preempt swap           with a host tier\n"
-      "  --eviction               other than lru: prefix or serve mode (with --model-layers: no mamba layers)\n"
+      "  --eviction               other than lru: prefix or serve mode (--model-layers: no mamba, no full@P)\n"
       "  --head-priority          with --eviction priority (as --decode-priority)\n"
       "  --host-eviction          other than --eviction's: with --hash sha256\n"
-      "  --publish-events         runs without mamba layers in --model-layers\n"
+      "  --publish-events         runs without mamba layers or coarse pages (full@P) in --model-layers\n"
       "  --model-layers           --mode serve or prefix; mamba layers or coarse pages (full@P): prefix mode,\n"
       "                           LRU, no host tier, no published events\n\n";
   return text;
