@@ -46,7 +46,10 @@ std::size_t blocks_for(std::size_t tokens, std::uint32_t bs) { return (tokens + 
 class GroupBuffers {
  public:
   explicit GroupBuffers(std::size_t groups) : g_(groups), views_(groups) {}
-  std::span<const pagedkv::BatchMetadataBuffers> view(std::size_t batch, std::size_t indices, std::size_t tokens) {
+  /// Views for a step of `batch` sequences, `indices` page-table entries and `tokens` new slots per group, and
+  /// `swap_out` / `swap_in` pairs of the host tier's copies (group 0's lists).
+  std::span<const pagedkv::BatchMetadataBuffers> view(std::size_t batch, std::size_t indices, std::size_t tokens,
+                                                      std::size_t swap_out = 0, std::size_t swap_in = 0) {
     const auto grow = [](auto& v, std::size_t n) {
       if (v.size() < n) v.resize(std::max(n, 2 * v.size()));
     };
@@ -59,6 +62,8 @@ class GroupBuffers {
     grow(state_, g_ * 2 * std::max<std::size_t>(batch, 1));
     grow(ck_indptr_, g_ * (batch + 1));
     grow(ck_, g_ * 2 * std::max<std::size_t>(tokens, 1));
+    grow(swap_out_, 2 * swap_out);
+    grow(swap_in_, 2 * swap_in);
     for (std::size_t g = 0; g < g_; ++g) {
       pagedkv::BatchMetadataBuffers& v = views_[g];
       v.indptr = std::span(indptr_).subspan(g * (batch + 1), batch + 1);
@@ -74,13 +79,15 @@ class GroupBuffers {
       v.checkpoint_indptr = std::span(ck_indptr_).subspan(g * (batch + 1), batch + 1);
       v.checkpoint_positions = std::span(ck_).subspan(g * cb, tokens);
       v.checkpoint_blocks = std::span(ck_).subspan(g * cb + tokens, tokens);
+      v.swap_out = g == 0 ? std::span(swap_out_).first(2 * swap_out) : std::span<std::int32_t>();
+      v.swap_in = g == 0 ? std::span(swap_in_).first(2 * swap_in) : std::span<std::int32_t>();
     }
     return views_;
   }
 
  private:
   std::size_t g_;
-  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_, state_, ck_indptr_, ck_;
+  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_, state_, ck_indptr_, ck_, swap_out_, swap_in_;
   std::vector<std::int64_t> slots_;
   std::vector<pagedkv::BatchMetadataBuffers> views_;
 };
@@ -121,14 +128,18 @@ Row serve_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& m
 }
 
 /// The trace's requests one at a time, as --mode prefix: admit (`admitted(result, prompt_len)` sees each admitted
-/// one), build its prefill step, free it (`freed(i)` runs after, with the request's index). Library calls timed by
-/// `timer`. Returns the requests refused.
+/// one), build its prefill step, free it (`freed(i)` runs after, with the request's index). With a host tier the
+/// build carries the tier's copies (`opt`'s offload policy), acknowledged after it. Library calls timed by `timer`.
+/// Returns the requests refused.
 template <class Manager, class Admitted, class Freed>
 std::uint64_t one_at_a_time(const Trace& trace, Manager& m, std::uint32_t block_size, LibraryTimer& timer,
-                            const pagedkv::AdmitOptions& admit_options, Admitted&& admitted, Freed&& freed) {
+                            const Options& opt, const pagedkv::AdmitOptions& admit_options, Admitted&& admitted,
+                            Freed&& freed) {
   GroupBuffers buffers(m.num_groups());
+  std::vector<pagedkv::BatchMetadataSizes> sizes(m.num_groups());
   std::vector<pagedkv::TokenId> prompt;
   std::uint64_t rejected = 0;
+  std::size_t last_blocks = 0;  // blocks of the last build, every group (bounds write-through's offloads)
   for (std::size_t i = 0; i < trace.requests.size(); ++i) {
     synthesize_prompt(trace, i, prompt);
     const auto r = timer.measure([&] { return m.try_admit(i, prompt, nullptr, admit_options); });
@@ -139,9 +150,14 @@ std::uint64_t one_at_a_time(const Trace& trace, Manager& m, std::uint32_t block_
     admitted(r, prompt.size());
     const pagedkv::SeqId id = i;
     const std::uint32_t n = static_cast<std::uint32_t>(prompt.size() - r.num_cached_tokens);
-    const auto views = buffers.view(1, blocks_for(prompt.size(), block_size), n);
+    const std::size_t blocks = blocks_for(prompt.size(), block_size);
+    const auto [swap_out, swap_in] = swap_extents(m, opt, last_blocks);
+    const auto views = buffers.view(1, blocks, n, swap_out, swap_in);
+    last_blocks = blocks * m.num_groups();
     timer.measure([&] {
-      (void)m.build_batch_metadata(std::span(&id, 1), views);
+      m.build_batch_metadata(std::span(&id, 1), views, {}, sizes);
+      // The engine runs the step (its copies first) and acknowledges them.
+      if (sizes[0].transfer_token != 0) m.complete_transfers(sizes[0].transfer_token);
       m.free(id);
     });
     freed(i);
@@ -155,6 +171,12 @@ template <class Manager>
 Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager,
                std::size_t past, bool publish) {
   pagedkv::CacheConfig c = make_config(model, opt, 0);
+  const bool host = opt.base.host_capacity_tokens > 0;
+  if (host) {  // as the device pool: the tokens the all-full model holds, that many blocks per group
+    c.num_host_blocks =
+        usable_blocks_for(opt.base.host_capacity_tokens, opt.block_size, "--host-capacity-tokens") * model.groups.size() + 1;
+    c.offload = opt.base.offload;
+  }
   EventPublishing events(publish ? opt.base.publish_events : std::string(), opt.base.publish_wait_ms, model.groups);
   events.configure(c);
   Manager m(c);
@@ -165,7 +187,7 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
   std::uint64_t past_queries = 0, past_hits = 0, hits_beyond_window = 0;
   const std::uint64_t rejected = one_at_a_time(
       trace, m, opt.block_size, timer,  // (a coarse group's page table is shorter than the buffers sized here)
-      admit_options, [&](const pagedkv::AdmitResult& r, std::size_t prompt_len) {
+      opt.base, admit_options, [&](const pagedkv::AdmitResult& r, std::size_t prompt_len) {
         if (past > 0 && prompt_len > past) {
           past_queries += prompt_len;
           past_hits += r.num_cached_tokens;
@@ -195,6 +217,15 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
            past_queries == 0 ? 0.0 : static_cast<double>(past_hits) / static_cast<double>(past_queries), 4)
       .add("hits_longer_than_window", hits_beyond_window)
       .add("evictions", s.evictions);
+  if (host) {
+    Options per_block = opt.base;  // a block holds one group's layers: 1 / groups of the bytes per token
+    per_block.block_size = opt.block_size;
+    per_block.kv_bytes_per_token = opt.base.kv_bytes_per_token / model.groups.size();
+    row.add("host_capacity_tokens", static_cast<std::int64_t>(opt.base.host_capacity_tokens))
+        .add("host_pool_blocks", s.host_num_usable_blocks)
+        .add("offload", to_string(opt.base.offload));
+    add_tier_fields(row, s, per_block);
+  }
   if (events.enabled_at_start()) {
     std::vector<std::string> kinds;
     for (const auto& g : model.groups) kinds.push_back(group_label(g));
@@ -227,7 +258,7 @@ Row recurrent_row(const Trace& trace, const HybridOptions& opt, const ModelLayer
   LibraryTimer timer;
   std::size_t peak_checkpoints = 0;
   const std::uint64_t rejected = one_at_a_time(
-      trace, m, block_size, timer, pagedkv::AdmitOptions{}, [](const pagedkv::AdmitResult&, std::size_t) {},
+      trace, m, block_size, timer, Options{}, pagedkv::AdmitOptions{}, [](const pagedkv::AdmitResult&, std::size_t) {},
       [&](std::size_t) {
         std::size_t checkpoints = 0;
         for (std::size_t g = 0; g < c.groups.size(); ++g) checkpoints += m.is_recurrent(g) ? m.prefix_index(g).size() : 0;

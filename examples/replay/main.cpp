@@ -75,8 +75,8 @@ Hybrid models (--model-layers, e.g. full:12,swa4096:24): the layers as KV-cache 
 against the same layers all full attention on the same pool, one row each (docs/groups.md). serve runs the serve
 scheduler above with its flags (--host-capacity-tokens and --preempt swap, --spec-tokens, --eviction and
 retention priorities, --publish-events: the hybrid row's pool, its full-attention groups' events), each prefill
-chunk reserved just before its step unless --reserve prompt; prefix takes --eviction, retention priorities and
---publish-events. Mamba layers and coarse pages (full@P) replay in prefix mode on LRU pools.
+chunk reserved just before its step unless --reserve prompt; prefix takes --host-capacity-tokens (the rows with
+the tier), --eviction, retention priorities and --publish-events. Mamba layers and coarse pages (full@P) replay in prefix mode on LRU pools.
 
 Every mode reports manager_seconds (steady_clock time inside library calls only), block_ops and
 ns_per_block_op; serve also ns_per_seq_step (library time per running sequence per step), admit_seconds
@@ -204,11 +204,11 @@ std::string flag_rules_help() {
   }
   text +=
       "  --capacity-tokens        one value in serve and fork modes (a list in prefix mode)\n"
-      "  --host-capacity-tokens   > 0: prefix or serve mode; with --model-layers, serve mode only\n"
+      "  --host-capacity-tokens   > 0: prefix or serve mode (--model-layers: no mamba, no full@P)\n"
       "  --preempt swap           with a host tier\n"
       "  --eviction               other than lru: prefix or serve mode (--model-layers: no mamba, no full@P)\n"
       "  --head-priority          with --eviction priority (as --decode-priority)\n"
-      "  --host-eviction          other than --eviction's: with --hash sha256\n"
+      "  --host-eviction          other than --eviction's: with --hash sha256; --model-layers: serve mode\n"
       "  --publish-events         runs without mamba layers or coarse pages (full@P) in --model-layers\n"
       "  --model-layers           --mode serve or prefix; mamba layers or coarse pages (full@P): prefix mode,\n"
       "                           LRU, no host tier, no published events\n\n";
@@ -659,9 +659,13 @@ int main(int argc, char** argv) {
         throw CLI::ValidationError("--model-layers", "a group with coarse pages does not yet work with the host tier "
                                                      "(--host-capacity-tokens; the manager refuses it, issue 20)");
       }
-      if (opt.host_capacity_tokens > 0 && mode != Mode::kServe) {
-        throw CLI::ValidationError("--host-capacity-tokens", "with --model-layers the host tier is replayed in "
-                                                             "--mode serve only (the hybrid prefix replay has none)");
+      if (recurrent && opt.host_capacity_tokens > 0) {
+        throw CLI::ValidationError("--host-capacity-tokens", "with mamba layers the replay compares checkpoint "
+                                                             "policies on pools without a host tier");
+      }
+      if (mode == Mode::kPrefix && opt.host_eviction != opt.eviction) {
+        throw CLI::ValidationError("--host-eviction", "the hybrid prefix replay's host tier takes --eviction's "
+                                                      "policy (a different one: --mode serve)");
       }
     }
     // Every capacity must hold a block and fit 32-bit block ids (the hybrid pool: one block per group per

@@ -113,8 +113,10 @@ expect_refusal $usage "--capacity-tokens: serve and fork modes take a single cap
 expect_refusal $usage "--model-layers: --model-layers \"full:12,bogus\": item \"bogus\" has no ':'" "$trace" \
   --model-layers full:12,bogus
 expect_refusal $usage "--model-layers: takes --mode serve or prefix" "$trace" --mode fork --model-layers full:12
-expect_refusal $usage "--host-capacity-tokens: with --model-layers the host tier is replayed in --mode serve only" \
-  "$trace" --model-layers full:12,swa4096:24 --host-capacity-tokens 1e6
+expect_refusal $usage "--host-eviction: the hybrid prefix replay's host tier takes --eviction's policy" "$trace" \
+  --model-layers full:12,swa4096:24 --host-capacity-tokens 1e6 --host-eviction slru
+expect_refusal $usage "--host-capacity-tokens: with mamba layers the replay compares checkpoint policies" "$trace" \
+  --model-layers full:12,mamba:36 --host-capacity-tokens 1e6
 expect_refusal $usage "--model-layers: a group with coarse pages does not yet work with the host tier" "$trace" \
   --model-layers full:12,full@64:12 --host-capacity-tokens 1e6
 expect_refusal $usage "--model-layers: with mamba layers compares pools side by side on LRU" "$trace" \
@@ -191,7 +193,8 @@ expect_ok "$azure" --mode serve --model-layers full:12,swa4096:24 --host-capacit
 expect_ok "$azure" --mode serve --model-layers full:6,swa1024:30 --capacity-tokens 2e4 --eviction priority \
   --decode-priority 10 --host-capacity-tokens 1e5 --offload write-through --preempt swap --reserve prompt \
   --max-model-len 16384 --limit 100
-expect_ok "$trace" --mode prefix --model-layers full:12,swa4096:24 --capacity-tokens 1e5 --eviction slru --limit 50
+expect_ok "$trace" --mode prefix --model-layers full:12,swa4096:24 --capacity-tokens 1e5 --eviction slru \
+  --host-capacity-tokens 5e5 --offload write-through --limit 50
 
 if [ "$failed" -ne 0 ]; then
   echo "check_replay_args: FAILED"
