@@ -86,6 +86,10 @@ $replay data/traces/mooncake-fast25/synthetic_trace.jsonl --mode prefix --capaci
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --capacity-tokens 2e4 \
         --host-capacity-tokens 1e6 --offload none --preempt swap --limit 300
 $replay data/traces/azure-llm-2023/AzureLLMInferenceTrace_code.csv --mode serve --model-layers full:12,swa4096:24 --limit 300
+# Groups with the host tier, swap and speculation; and one full group replays exactly as the one-group pool.
+f="data/traces/azure-llm-2023/AzureLLMInferenceTrace_conv.csv --mode serve --capacity-tokens 2e4 --host-capacity-tokens 1e6 --preempt swap --spec-tokens 3 --limit 300"
+$replay $f --model-layers full:12,swa4096:24
+python3 -c 'import json,sys; k="steps kv_utilization preemptions swap_preemptions resumes hit_ratio evictions swap_outs swap_ins offloads drafts_accepted".split(); a,b=(json.loads(open(p).readline()) for p in sys.argv[1:]); assert [a[x] for x in k]==[b[x] for x in k], (a,b)' <($replay $f --reserve chunk --json) <($replay $f --reserve chunk --json --model-layers full:12)
 stage "decode_loop (manager + CPU reference kernels, checked against float64 every step)"
 build-ci/examples/decode_loop --block-size 16
 build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3

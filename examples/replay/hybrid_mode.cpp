@@ -16,6 +16,8 @@
 
 #include <pagedkv/hash.hpp>
 
+#include "modes.hpp"
+#include "publish.hpp"
 #include "report.hpp"
 
 namespace replay {
@@ -44,7 +46,10 @@ std::size_t blocks_for(std::size_t tokens, std::uint32_t bs) { return (tokens + 
 class GroupBuffers {
  public:
   explicit GroupBuffers(std::size_t groups) : g_(groups), views_(groups) {}
-  std::span<const pagedkv::BatchMetadataBuffers> view(std::size_t batch, std::size_t indices, std::size_t tokens) {
+  /// Views for a step of `batch` sequences, `indices` page-table entries and `tokens` new slots per group, and
+  /// `swap_out` / `swap_in` pairs of the host tier's copies (group 0's lists).
+  std::span<const pagedkv::BatchMetadataBuffers> view(std::size_t batch, std::size_t indices, std::size_t tokens,
+                                                      std::size_t swap_out = 0, std::size_t swap_in = 0) {
     const auto grow = [](auto& v, std::size_t n) {
       if (v.size() < n) v.resize(std::max(n, 2 * v.size()));
     };
@@ -57,6 +62,8 @@ class GroupBuffers {
     grow(state_, g_ * 2 * std::max<std::size_t>(batch, 1));
     grow(ck_indptr_, g_ * (batch + 1));
     grow(ck_, g_ * 2 * std::max<std::size_t>(tokens, 1));
+    grow(swap_out_, 2 * swap_out);
+    grow(swap_in_, 2 * swap_in);
     for (std::size_t g = 0; g < g_; ++g) {
       pagedkv::BatchMetadataBuffers& v = views_[g];
       v.indptr = std::span(indptr_).subspan(g * (batch + 1), batch + 1);
@@ -72,13 +79,15 @@ class GroupBuffers {
       v.checkpoint_indptr = std::span(ck_indptr_).subspan(g * (batch + 1), batch + 1);
       v.checkpoint_positions = std::span(ck_).subspan(g * cb, tokens);
       v.checkpoint_blocks = std::span(ck_).subspan(g * cb + tokens, tokens);
+      v.swap_out = g == 0 ? std::span(swap_out_).first(2 * swap_out) : std::span<std::int32_t>();
+      v.swap_in = g == 0 ? std::span(swap_in_).first(2 * swap_in) : std::span<std::int32_t>();
     }
     return views_;
   }
 
  private:
   std::size_t g_;
-  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_, state_, ck_indptr_, ck_;
+  std::vector<std::int32_t> indptr_, qo_, lpl_, lens_, indices_, state_, ck_indptr_, ck_, swap_out_, swap_in_;
   std::vector<std::int64_t> slots_;
   std::vector<pagedkv::BatchMetadataBuffers> views_;
 };
@@ -103,253 +112,37 @@ pagedkv::HybridCacheConfig make_config(const ModelLayers& model, const HybridOpt
   return c;
 }
 
-/// Continuous batching over a HybridKVCacheManager (the serve mode's scheduler, reduced to what groups change:
-/// chunks are reserved just before their step, so sliding-window groups never hold more than the window and a chunk).
-template <class Hasher>
-class HybridServe {
- public:
-  HybridServe(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, std::size_t max_len)
-      : trace_(trace),
-        opt_(opt),
-        model_(model),
-        max_len_(max_len),
-        budget_(opt.max_num_batched_tokens != 0 ? opt.max_num_batched_tokens : std::numeric_limits<std::size_t>::max()),
-        m_(make_config(model, opt, max_len)),
-        buffers_(model.groups.size()),
-        sum_held_(model.groups.size(), 0.0) {}
-
-  void enqueue(std::size_t request) {
-    const Request& r = trace_.requests[request];
-    const std::size_t total = std::size_t{r.input_tokens} + r.output_tokens;
-    if (total > max_len_ || blocks_for(total, opt_.block_size) * model_.groups.size() > m_.allocator().num_usable_blocks()) {
-      ++rejected_;
-      return;
-    }
-    waiting_.push_back({request});
-  }
-  [[nodiscard]] bool idle() const noexcept { return waiting_.empty() && running_.empty(); }
-
-  void step() {
-    left_ = budget_;
-    batch_.clear();
-    sched_.clear();
-    if (!schedule_running()) admit();
-    if (running_.empty()) return;
-    build();
-    sample();
-    free_finished();
-  }
-
-  void add_fields(Row& row) const {
-    const pagedkv::CacheStats s = m_.stats();
-    const double steps = static_cast<double>(std::max<std::uint64_t>(busy_steps_, 1));
-    row.add("rejected", rejected_)
-        .add("steps", busy_steps_)
-        .add("sim_seconds", static_cast<double>(busy_steps_) * opt_.step_ms / 1000.0, 1)
-        .add("kv_utilization", util_sum_ / steps, 4)
-        .add("mean_running", static_cast<double>(seq_steps_) / steps, 1)
-        .add("peak_running", peak_running_)
-        .add("preemptions", s.preemptions)
-        .add("hit_ratio", s.prefix_query_tokens == 0 ? 0.0
-                                                     : static_cast<double>(s.prefix_hit_tokens) /
-                                                           static_cast<double>(s.prefix_query_tokens), 4)
-        .add("peak_blocks", m_.peak_used_blocks())
-        .add("mean_blocks", mean_used_ / steps, 0)
-        .add("blocks_per_token", sum_tokens_ == 0 ? 0.0 : sum_used_ / sum_tokens_, 5);
-    std::map<std::string, std::pair<std::size_t, double>> per_kind;  // peak and mean blocks per group kind
-    for (std::size_t g = 0; g < model_.groups.size(); ++g) {
-      auto& k = per_kind[group_label(model_.groups[g])];
-      k.first = std::max(k.first, m_.peak_held_blocks(g));
-      k.second = std::max(k.second, sum_held_[g] / steps);
-    }
-    for (const auto& [label, v] : per_kind) {
-      row.add("peak_blocks_" + label, v.first).add("mean_blocks_" + label, v.second, 0);
-    }
-    row.add("manager_seconds", timer_.seconds(), 3);
-  }
-  [[nodiscard]] double blocks_per_token() const { return sum_tokens_ == 0 ? 0.0 : sum_used_ / sum_tokens_; }
-
- private:
-  struct Seq {
-    std::size_t request = 0;
-    std::uint32_t generated = 0;
-    std::size_t prompt = 0;    // prompt of this admission (input + tokens generated before a preemption)
-    std::size_t computed = 0;  // positions with slots (= scheduled; reserved just before their step)
-    [[nodiscard]] bool prefilling() const { return computed < prompt; }
-  };
-
-  void schedule(std::size_t k, std::size_t n) {
-    batch_.push_back(running_[k].request);
-    sched_.push_back(static_cast<std::uint32_t>(n));
-    left_ -= n;
-  }
-
-  // Running sequences take their tokens (prompt chunk or one decode token); a reservation without blocks preempts
-  // the newest sequence (possibly itself). Returns whether a sequence was preempted.
-  bool schedule_running() {
-    bool preempted = false;
-    for (std::size_t k = 0; k < running_.size() && left_ > 0;) {
-      Seq& s = running_[k];
-      const std::size_t n = s.prefilling() ? std::min(s.prompt - s.computed, left_) : 1;
-      bool ok;
-      if (s.prefilling()) {
-        ok = timer_.measure([&] { return m_.try_reserve(s.request, n).ok(); });
-      } else {
-        const pagedkv::TokenId t = generated_token(s.request, 0, s.generated);
-        ok = timer_.measure([&] { return m_.try_append(s.request, {&t, 1}).ok(); });
-      }
-      if (!ok) {
-        preempt_newest();
-        preempted = true;
-        continue;
-      }
-      if (!s.prefilling()) ++s.generated;
-      s.computed += n;
-      schedule(k, n);
-      ++k;
-    }
-    return preempted;
-  }
-
-  void preempt_newest() {
-    Seq victim = running_.back();
-    running_.pop_back();
-    timer_.measure([&] { m_.preempt(victim.request); });
-    // Drop the victim's entries from this step's batch (it may have been scheduled already).
-    for (std::size_t i = 0; i < batch_.size(); ++i) {
-      if (batch_[i] == victim.request) {
-        left_ += sched_[i];
-        batch_.erase(batch_.begin() + static_cast<std::ptrdiff_t>(i));
-        sched_.erase(sched_.begin() + static_cast<std::ptrdiff_t>(i));
-        break;
-      }
-    }
-    victim.computed = victim.prompt = 0;
-    waiting_.push_front(victim);
-  }
-
-  void admit() {
-    while (!waiting_.empty() && running_.size() < opt_.max_num_seqs && left_ > 0) {
-      Seq& head = waiting_.front();
-      synthesize_prompt(trace_, head.request, prompt_);
-      for (std::uint32_t g = 0; g < head.generated; ++g) prompt_.push_back(generated_token(head.request, 0, g));
-      pagedkv::AdmitOptions o;
-      o.num_reserved_tokens = left_;  // the first chunk (clamped to the uncached tokens)
-      const auto r = timer_.measure([&] { return m_.try_admit(head.request, prompt_, nullptr, o); });
-      if (!r.admitted()) {
-        if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
-          throw std::logic_error("hybrid serve: request " + std::to_string(head.request) +
-                                 " cannot be admitted into an idle pool");
-        }
-        break;
-      }
-      head.prompt = prompt_.size();
-      const std::size_t first = std::min(left_, head.prompt - r.num_cached_tokens);
-      head.computed = r.num_cached_tokens + first;
-      running_.push_back(head);
-      waiting_.pop_front();
-      schedule(running_.size() - 1, first);
-    }
-  }
-
-  void build() {
-    std::size_t indices = 0, tokens = 0;
-    for (std::size_t b = 0; b < batch_.size(); ++b) {
-      indices += blocks_for(m_.num_built(batch_[b]) + sched_[b], opt_.block_size);
-      tokens += sched_[b];
-    }
-    const auto views = buffers_.view(batch_.size(), indices, tokens);
-    timer_.measure([&] { (void)m_.build_batch_metadata(batch_, views, sched_); });
-  }
-
-  void sample() {
-    const std::size_t bs = opt_.block_size;
-    const std::size_t G = model_.groups.size();
-    std::size_t empty = 0, tokens = 0;
-    for (const Seq& s : running_) {
-      empty += G * ((bs - s.computed % bs) % bs);
-      tokens += s.computed;
-    }
-    const std::size_t used = m_.stats().blocks_used;
-    ++busy_steps_;
-    seq_steps_ += running_.size();
-    peak_running_ = std::max(peak_running_, running_.size());
-    util_sum_ += used == 0 ? 1.0 : 1.0 - static_cast<double>(empty) / static_cast<double>(used * bs);
-    mean_used_ += static_cast<double>(used);
-    sum_used_ += static_cast<double>(used);
-    sum_tokens_ += static_cast<double>(tokens);
-    for (std::size_t g = 0; g < G; ++g) sum_held_[g] += static_cast<double>(m_.held_blocks(g));
-  }
-
-  void free_finished() {
-    const auto finished = [&](const Seq& s) {
-      return !s.prefilling() && s.generated >= trace_.requests[s.request].output_tokens;
-    };
-    for (const Seq& s : running_) {
-      if (finished(s)) timer_.measure([&] { m_.free(s.request); });
-    }
-    std::erase_if(running_, finished);
-  }
-
-  const Trace& trace_;
-  const HybridOptions& opt_;
-  const ModelLayers& model_;
-  std::size_t max_len_;
-  std::size_t budget_;
-  pagedkv::HybridKVCacheManager<Hasher> m_;
-  GroupBuffers buffers_;
-  LibraryTimer timer_;
-  std::deque<Seq> waiting_;
-  std::vector<Seq> running_;
-  std::size_t rejected_ = 0, left_ = 0, peak_running_ = 0;
-  std::uint64_t busy_steps_ = 0, seq_steps_ = 0;
-  double util_sum_ = 0, mean_used_ = 0, sum_used_ = 0, sum_tokens_ = 0;
-  std::vector<double> sum_held_;
-  std::vector<pagedkv::TokenId> prompt_;
-  std::vector<pagedkv::SeqId> batch_;
-  std::vector<std::uint32_t> sched_;
-};
-
-template <class Hasher>
-Row serve_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager) {
-  const std::size_t max_len = trace.max_total_tokens();
-  HybridServe<Hasher> s(trace, opt, model, max_len);
-  const auto& requests = trace.requests;
-  std::size_t next = 0;
-  std::uint64_t step = 0;
-  while (next < requests.size() || !s.idle()) {
-    if (s.idle()) step = std::max(step, static_cast<std::uint64_t>(std::ceil(requests[next].arrival_ms / opt.step_ms)));
-    const double start_ms = static_cast<double>(step) * opt.step_ms;
-    for (; next < requests.size() && requests[next].arrival_ms <= start_ms; ++next) s.enqueue(next);
-    ++step;
-    s.step();
-  }
-  Row row;
-  row.add("trace", trace.path.stem().string())
-      .add("mode", "hybrid-serve")
-      .add("manager", manager)
-      .add("groups", describe(model))
-      .add("block_size", opt.block_size)
-      .add("capacity_tokens", static_cast<std::int64_t>(opt.capacity_tokens))
-      .add("pool_blocks", static_cast<std::int64_t>(std::floor(opt.capacity_tokens / opt.block_size)) *
-                              static_cast<std::int64_t>(model.groups.size()))
-      .add("requests", requests.size());
-  s.add_fields(row);
-  return row;
+/// The hybrid replay's serve row: the serve mode's scheduler (serve_mode.cpp, run_serve_groups) on a pool with
+/// the model's groups.
+Row serve_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager,
+              bool publish) {
+  Options o = opt.base;
+  o.capacity_tokens = {opt.capacity_tokens};
+  o.groups = model.groups;
+  GroupRunLabels labels;
+  labels.manager = manager;
+  labels.groups = describe(model);
+  for (const auto& g : model.groups) labels.group_kinds.push_back(group_label(g));
+  labels.publish = publish;
+  return run_serve_groups(trace, o, labels);
 }
 
 /// The trace's requests one at a time, as --mode prefix: admit (`admitted(result, prompt_len)` sees each admitted
-/// one), build its prefill step, free it (`freed()` runs after). Library calls timed by `timer`. Returns the
-/// requests refused.
+/// one), build its prefill step, free it (`freed(i)` runs after, with the request's index). With a host tier the
+/// build carries the tier's copies (`opt`'s offload policy), acknowledged after it. Library calls timed by `timer`.
+/// Returns the requests refused.
 template <class Manager, class Admitted, class Freed>
 std::uint64_t one_at_a_time(const Trace& trace, Manager& m, std::uint32_t block_size, LibraryTimer& timer,
-                            Admitted&& admitted, Freed&& freed) {
+                            const Options& opt, const pagedkv::AdmitOptions& admit_options, Admitted&& admitted,
+                            Freed&& freed) {
   GroupBuffers buffers(m.num_groups());
+  std::vector<pagedkv::BatchMetadataSizes> sizes(m.num_groups());
   std::vector<pagedkv::TokenId> prompt;
   std::uint64_t rejected = 0;
+  std::size_t last_blocks = 0;  // blocks of the last build, every group (bounds write-through's offloads)
   for (std::size_t i = 0; i < trace.requests.size(); ++i) {
     synthesize_prompt(trace, i, prompt);
-    const auto r = timer.measure([&] { return m.try_admit(i, prompt); });
+    const auto r = timer.measure([&] { return m.try_admit(i, prompt, nullptr, admit_options); });
     if (!r.admitted()) {
       ++rejected;
       continue;
@@ -357,32 +150,52 @@ std::uint64_t one_at_a_time(const Trace& trace, Manager& m, std::uint32_t block_
     admitted(r, prompt.size());
     const pagedkv::SeqId id = i;
     const std::uint32_t n = static_cast<std::uint32_t>(prompt.size() - r.num_cached_tokens);
-    const auto views = buffers.view(1, blocks_for(prompt.size(), block_size), n);
+    const std::size_t blocks = blocks_for(prompt.size(), block_size);
+    const auto [swap_out, swap_in] = swap_extents(m, opt, last_blocks);
+    const auto views = buffers.view(1, blocks, n, swap_out, swap_in);
+    last_blocks = blocks * m.num_groups();
     timer.measure([&] {
-      (void)m.build_batch_metadata(std::span(&id, 1), views);
+      m.build_batch_metadata(std::span(&id, 1), views, {}, sizes);
+      // The engine runs the step (its copies first) and acknowledges them.
+      if (sizes[0].transfer_token != 0) m.complete_transfers(sizes[0].transfer_token);
       m.free(id);
     });
-    freed();
+    freed(i);
   }
   return rejected;
 }
 
-template <class Hasher>
+/// One row of the hybrid prefix replay: `model`'s groups on a Manager (opt.base's eviction policies), requests one
+/// at a time with opt.base's retention; publishes its events when `publish` (--publish-events).
+template <class Manager>
 Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& model, const char* manager,
-               std::size_t past) {
-  pagedkv::HybridKVCacheManager<Hasher> m(make_config(model, opt, 0));
+               std::size_t past, bool publish) {
+  pagedkv::CacheConfig c = make_config(model, opt, 0);
+  const bool host = opt.base.host_capacity_tokens > 0;
+  if (host) {  // as the device pool: the tokens the all-full model holds, that many blocks per group
+    c.num_host_blocks =
+        usable_blocks_for(opt.base.host_capacity_tokens, opt.block_size, "--host-capacity-tokens") * model.groups.size() + 1;
+    c.offload = opt.base.offload;
+  }
+  EventPublishing events(publish ? opt.base.publish_events : std::string(), opt.base.publish_wait_ms, model.groups);
+  events.configure(c);
+  Manager m(c);
+  events.attach(m);
+  pagedkv::AdmitOptions admit_options;
+  admit_options.retention = opt.base.retention;  // applied when the request frees its blocks
   LibraryTimer timer;
   std::uint64_t past_queries = 0, past_hits = 0, hits_beyond_window = 0;
   const std::uint64_t rejected = one_at_a_time(
       trace, m, opt.block_size, timer,  // (a coarse group's page table is shorter than the buffers sized here)
-      [&](const pagedkv::AdmitResult& r, std::size_t prompt_len) {
+      opt.base, admit_options, [&](const pagedkv::AdmitResult& r, std::size_t prompt_len) {
         if (past > 0 && prompt_len > past) {
           past_queries += prompt_len;
           past_hits += r.num_cached_tokens;
         }
         if (past > 0 && r.num_cached_tokens > past) ++hits_beyond_window;
       },
-      [] {});
+      [&](std::size_t i) { events.step(m, trace.requests[i].arrival_ms / 1000.0); });
+  events.finish();
   const pagedkv::CacheStats s = m.stats();
   Row row;
   row.add("trace", trace.path.stem().string())
@@ -390,8 +203,11 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
       .add("manager", manager)
       .add("groups", describe(model))
       .add("block_size", opt.block_size)
-      .add("capacity_tokens", static_cast<std::int64_t>(opt.capacity_tokens))
-      .add("requests", trace.requests.size())
+      .add("capacity_tokens", static_cast<std::int64_t>(opt.capacity_tokens));
+  if (opt.base.eviction != EvictionKind::kLru) {
+    row.add("eviction", to_string(opt.base.eviction)).add("retention", opt.base.retention_label);
+  }
+  row.add("requests", trace.requests.size())
       .add("rejected", rejected)
       .add("hit_ratio", s.prefix_query_tokens == 0 ? 0.0
                                                    : static_cast<double>(s.prefix_hit_tokens) /
@@ -400,8 +216,22 @@ Row prefix_row(const Trace& trace, const HybridOptions& opt, const ModelLayers& 
       .add("hit_ratio_prompts_past_window",
            past_queries == 0 ? 0.0 : static_cast<double>(past_hits) / static_cast<double>(past_queries), 4)
       .add("hits_longer_than_window", hits_beyond_window)
-      .add("evictions", s.evictions)
-      .add("manager_seconds", timer.seconds(), 3);
+      .add("evictions", s.evictions);
+  if (host) {
+    Options per_block = opt.base;  // a block holds one group's layers: 1 / groups of the bytes per token
+    per_block.block_size = opt.block_size;
+    per_block.kv_bytes_per_token = opt.base.kv_bytes_per_token / model.groups.size();
+    row.add("host_capacity_tokens", static_cast<std::int64_t>(opt.base.host_capacity_tokens))
+        .add("host_pool_blocks", s.host_num_usable_blocks)
+        .add("offload", to_string(opt.base.offload));
+    add_tier_fields(row, s, per_block);
+  }
+  if (events.enabled_at_start()) {
+    std::vector<std::string> kinds;
+    for (const auto& g : model.groups) kinds.push_back(group_label(g));
+    events.add_fields(row, kinds);
+  }
+  row.add("manager_seconds", timer.seconds(), 3);
   return row;
 }
 
@@ -428,8 +258,8 @@ Row recurrent_row(const Trace& trace, const HybridOptions& opt, const ModelLayer
   LibraryTimer timer;
   std::size_t peak_checkpoints = 0;
   const std::uint64_t rejected = one_at_a_time(
-      trace, m, block_size, timer, [](const pagedkv::AdmitResult&, std::size_t) {},
-      [&] {
+      trace, m, block_size, timer, Options{}, pagedkv::AdmitOptions{}, [](const pagedkv::AdmitResult&, std::size_t) {},
+      [&](std::size_t) {
         std::size_t checkpoints = 0;
         for (std::size_t g = 0; g < c.groups.size(); ++g) checkpoints += m.is_recurrent(g) ? m.prefix_index(g).size() : 0;
         peak_checkpoints = std::max(peak_checkpoints, checkpoints);
@@ -632,18 +462,22 @@ int run_hybrid_serve(const Trace& trace, const HybridOptions& opt, std::ostream&
       for (const auto& g : model.groups) {
         if (g.kind != pagedkv::AttentionKind::kFull) past = past == 0 ? g.window_tokens : std::min<std::size_t>(past, g.window_tokens);
       }
-      rows.push_back(prefix_row<H>(trace, opt, model, "hybrid", past));
-      rows.push_back(prefix_row<H>(trace, opt, baseline, "all-full", past));
-      if (page != 0) {  // the common-multiple rule (vLLM's): every group's block raised to the largest page
-        HybridOptions lcm = opt;
-        lcm.block_size = std::lcm(opt.block_size, page);
-        rows.push_back(prefix_row<H>(trace, lcm, at_match_unit(model), "lcm-pages", past));
-      }
+      // The eviction policy (no host tier here: its policy is the device pool's, 6 manager types, not 12).
+      with_policy(opt.base.eviction, [&]<class E>(std::type_identity<E>) {
+        using M = pagedkv::KVCacheManager<H, std::uint32_t, E, E>;
+        rows.push_back(prefix_row<M>(trace, opt, model, "hybrid", past, true));
+        rows.push_back(prefix_row<M>(trace, opt, baseline, "all-full", past, false));
+        if (page != 0) {  // the common-multiple rule (vLLM's): every group's block raised to the largest page
+          HybridOptions lcm = opt;
+          lcm.block_size = std::lcm(opt.block_size, page);
+          rows.push_back(prefix_row<M>(trace, lcm, at_match_unit(model), "lcm-pages", past, false));
+        }
+      });
       return;
     }
     if (opt.mode != "serve") throw std::invalid_argument("hybrid: mode \"" + opt.mode + "\" (serve or prefix)");
-    rows.push_back(serve_row<H>(trace, opt, model, "hybrid"));
-    rows.push_back(serve_row<H>(trace, opt, baseline, "all-full"));
+    rows.push_back(serve_row(trace, opt, model, "hybrid", true));
+    rows.push_back(serve_row(trace, opt, baseline, "all-full", false));
     const auto bpt = [](const Row& r) {
       for (const Field& f : r.fields()) {
         if (f.name == "blocks_per_token") return std::get<double>(f.value);

@@ -12,6 +12,7 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/kv_cache_groups.hpp>
 
+#include "modes.hpp"
 #include "trace.hpp"
 
 namespace replay {
@@ -45,26 +46,31 @@ struct HybridOptions {
   bool xxh3 = false;                          ///< Xxh3Hasher instead of Sha256Hasher.
   /// "serve": continuous batching (as --mode serve); "prefix": one request at a time, hit ratio (as --mode prefix).
   std::string mode = "serve";
-  double step_ms = 25.0;                      ///< serve: simulated time per engine step.
-  std::size_t max_num_seqs = 256;             ///< serve: most sequences running at once.
-  std::size_t max_num_batched_tokens = 8192;  ///< serve: token budget per step (prefill chunks); 0 = none.
   bool json = false;                          ///< JSON lines instead of a table.
   // A model with mamba (recurrent) layers (prefix mode; docs/groups.md "Measured: recurrent groups"):
   std::size_t state_bytes = std::size_t{1} << 20;  ///< One recurrent layer's state (Qwen3-Next's GDN: 1 MiB bf16).
   std::size_t layer_kv_bytes = 2048;  ///< K + V bytes of one token in one attention layer (Qwen3-Next: 2 KiB).
   std::vector<std::uint32_t> checkpoint_intervals = {512, 1024, 2048};  ///< Tokens; rounded up to the block size.
+  /// The one-group replay's options this replay shares (main.cpp's): serve mode runs the serve scheduler with them
+  /// (run_serve_groups: host tier, --preempt, --spec-tokens, --eviction, retention, --reserve, --max-model-len,
+  /// --publish-events); prefix mode takes the eviction policies, retention and --publish-events (the hybrid row's
+  /// pool). Its capacity and groups are set per run.
+  Options base;
 };
 
 /// Replay `trace` through a HybridKVCacheManager for the model of `opt.model_layers` and through the all-full model
 /// on the same pool, and print one row per manager to `out`.
 ///
-/// serve (vLLM V1-style continuous batching in simulated time, as --mode serve: FIFO admission, chunked prefill under
-/// the token budget with each chunk reserved just before its step, one decode token per running sequence,
-/// recompute preemption of the newest sequence when a reservation finds no block): kv_utilization (time-averaged
-/// fraction of the slots of held blocks that hold a token), peak and time-averaged blocks per group, blocks per
-/// held token, memory_saved = 1 - blocks per held token / the all-full figure, preemptions, peak running, steps,
-/// simulated seconds, hit ratio, library seconds.
-/// prefix (as --mode prefix at one capacity: admit, build the prefill step, free, request after request): hit ratio,
+/// serve (the --mode serve scheduler, run_serve_groups, with opt.base's flags: FIFO admission, chunked prefill under
+/// the token budget with each chunk reserved just before its step unless opt.base.reserve says otherwise, decode
+/// tokens with optional speculation, recompute or swap preemption of the newest sequence when a reservation finds
+/// no block, an optional host tier, any eviction policy, published events of the hybrid row's pool):
+/// kv_utilization (time-averaged fraction of the slots of held blocks that hold a token), peak and time-averaged
+/// blocks per group, blocks per held token, memory_saved = 1 - blocks per held token / the all-full figure,
+/// preemptions, peak running, steps, simulated seconds, hit ratio, library seconds; with a host tier, speculation
+/// or events their columns (run_serve_groups).
+/// prefix (as --mode prefix at one capacity, with opt.base's eviction policies, retention and published events:
+/// admit, build the prefill step, free, request after request): hit ratio,
 /// and the hit ratio over the prompts longer than the smallest window (must not fall to zero past the window),
 /// evictions, library seconds.
 /// With mamba layers (prefix mode only): on pools of the same bytes (the all-attention model's KV for

@@ -71,6 +71,13 @@ Host tier (--host-capacity-tokens N): prefix replays each capacity without and w
 (--offload), GPU misses found in the tier are onboarded; the build's copies are acknowledged after it. Reports
 gpu_hit_ratio / host_hit_ratio, copies and their GB (--kv-bytes-per-token).
 
+Hybrid models (--model-layers, e.g. full:12,swa4096:24): the layers as KV-cache groups on one pool, replayed
+against the same layers all full attention on the same pool, one row each (docs/groups.md). serve runs the serve
+scheduler above with its flags (--host-capacity-tokens and --preempt swap, --spec-tokens, --eviction and
+retention priorities, --publish-events: the hybrid row's pool, its full-attention groups' events), each prefill
+chunk reserved just before its step unless --reserve prompt; prefix takes --host-capacity-tokens (the rows with
+the tier), --eviction, retention priorities and --publish-events. Mamba layers and coarse pages (full@P) replay in prefix mode on LRU pools.
+
 Every mode reports manager_seconds (steady_clock time inside library calls only), block_ops and
 ns_per_block_op; serve also ns_per_seq_step (library time per running sequence per step), admit_seconds
 (try_admit alone) and decode_ns_per_seq_step (try_append + build_batch_metadata per sequence per step).
@@ -131,12 +138,6 @@ std::string unless_mode(const RunShape& r, Mode wanted) {
   return r.mode == wanted ? std::string() : std::string("this is --mode ") + mode_name_of(r.mode);
 }
 
-/// Why `r` is not a serve run without --model-layers, or "".
-std::string serve_without_hybrid(const RunShape& r) {
-  if (r.mode != Mode::kServe) return unless_mode(r, Mode::kServe);
-  return r.hybrid ? "the hybrid replay (--model-layers) does not use it" : "";
-}
-
 /// Why `r` has no host tier, or "".
 std::string needs_host_tier(const RunShape& r) {
   return r.host_tier ? "" : "there is no host tier (--host-capacity-tokens is 0 or not given)";
@@ -146,14 +147,15 @@ constexpr FlagRule kFlagRules[] = {
     {"--step-ms", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
     {"--max-num-seqs", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
     {"--max-num-batched-tokens", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
-    {"--max-model-len", "--mode serve without --model-layers", serve_without_hybrid},
-    {"--spec-tokens", "--mode serve without --model-layers", serve_without_hybrid},
+    {"--max-model-len", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
+    {"--spec-tokens", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
     {"--spec-accept", "--mode serve with --spec-tokens > 0",
      [](const RunShape& r) {
-       const std::string s = serve_without_hybrid(r);
+       const std::string s = unless_mode(r, Mode::kServe);
        return !s.empty() || r.speculation ? s : std::string("--spec-tokens is 0 (no speculation)");
      }},
-    {"--preempt", "--mode serve without --model-layers", serve_without_hybrid},
+    {"--preempt", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
+    {"--reserve", "--mode serve", [](const RunShape& r) { return unless_mode(r, Mode::kServe); }},
     {"--decode-priority", "--mode serve (blocks of generated tokens)",
      [](const RunShape& r) {
        return r.mode == Mode::kServe ? std::string()
@@ -202,13 +204,14 @@ std::string flag_rules_help() {
   }
   text +=
       "  --capacity-tokens        one value in serve and fork modes (a list in prefix mode)\n"
-      "  --host-capacity-tokens   > 0: prefix or serve mode without --model-layers\n"
+      "  --host-capacity-tokens   > 0: prefix or serve mode (--model-layers: no mamba, no full@P)\n"
       "  --preempt swap           with a host tier\n"
-      "  --eviction               other than lru: prefix or serve mode without --model-layers\n"
+      "  --eviction               other than lru: prefix or serve mode (--model-layers: no mamba, no full@P)\n"
       "  --head-priority          with --eviction priority (as --decode-priority)\n"
-      "  --host-eviction          other than --eviction's: with --hash sha256\n"
-      "  --publish-events         runs without --model-layers\n"
-      "  --model-layers           --mode serve or prefix, LRU, no host tier, no --spec-tokens\n\n";
+      "  --host-eviction          other than --eviction's: with --hash sha256; --model-layers: serve mode\n"
+      "  --publish-events         runs without mamba layers or coarse pages (full@P) in --model-layers\n"
+      "  --model-layers           --mode serve or prefix; mamba layers or coarse pages (full@P): prefix mode,\n"
+      "                           LRU, no host tier, no published events\n\n";
   return text;
 }
 
@@ -471,6 +474,12 @@ int main(int argc, char** argv) {
       ->check(whole_number())
       ->check(CLI::Range(std::uint64_t{1}, std::uint64_t{1} << 32))
       ->capture_default_str();
+  std::string reserve_name;
+  app.add_option("--reserve", reserve_name,
+                 "serve: when a prompt's slots are reserved: prompt (all of them at admission, the default without "
+                 "--model-layers) or chunk (each prefill chunk just before its step, as vLLM V1 allocates; the "
+                 "default with --model-layers, where a sliding-window group then holds its window and a chunk)")
+      ->check(CLI::IsMember({"prompt", "chunk"}));
   app.add_option("--preempt", preempt_name,
                  "serve: how a running sequence is preempted when a block is missing: recompute (free it; "
                  "re-admitted later, its KV recomputed) or swap (copy its blocks to the host tier and resume it by "
@@ -564,6 +573,8 @@ int main(int argc, char** argv) {
                 : offload_name == "write-through" ? pagedkv::OffloadPolicy::kWriteThrough
                                                   : pagedkv::OffloadPolicy::kWriteBack;
   opt.preempt = preempt_name == "swap" ? pagedkv::PreemptMode::kSwap : pagedkv::PreemptMode::kRecompute;
+  opt.reserve = reserve_name == "chunk" || (reserve_name.empty() && !model_layers.empty()) ? replay::ReserveKind::kChunk
+                                                                                          : replay::ReserveKind::kPrompt;
   try {
     if (opt.host_eviction != opt.eviction && opt.hash != replay::HashKind::kSha256) {
       throw CLI::ValidationError("--host-eviction", host_eviction_name + " differs from --eviction " + eviction_name +
@@ -624,20 +635,37 @@ int main(int argc, char** argv) {
     bool recurrent = false;
     if (!model_layers.empty()) {
       if (mode == Mode::kFork) throw CLI::ValidationError("--model-layers", "takes --mode serve or prefix");
-      if (opt.host_capacity_tokens > 0 || opt.eviction != replay::EvictionKind::kLru || opt.spec_tokens != 0 ||
-          !opt.publish_events.empty()) {
-        throw CLI::ValidationError("--model-layers", "replays an LRU pool without a host tier, speculation or "
-                                                     "published events (the hybrid replay's scheduler drives none of them; the manager has them)");
-      }
+      bool coarse = false;
       try {
         const replay::ModelLayers parsed = replay::parse_model_layers(model_layers);
         num_groups = parsed.groups.size();
         recurrent = std::any_of(parsed.groups.begin(), parsed.groups.end(), [](const auto& g) { return g.recurrent(); });
+        coarse = std::any_of(parsed.groups.begin(), parsed.groups.end(), [](const auto& g) { return g.block_size != 0; });
       } catch (const std::invalid_argument& e) {
         throw CLI::ValidationError("--model-layers", e.what());
       }
       if (recurrent && mode != Mode::kPrefix) {
         throw CLI::ValidationError("--model-layers", "with mamba layers replays --mode prefix (hit ratios)");
+      }
+      if (coarse && mode != Mode::kPrefix) {
+        throw CLI::ValidationError("--model-layers", "with coarse pages (full@P) replays --mode prefix (hit ratios)");
+      }
+      if ((recurrent || coarse) && (opt.eviction != replay::EvictionKind::kLru || !opt.publish_events.empty())) {
+        throw CLI::ValidationError("--model-layers", std::string("with ") + (recurrent ? "mamba layers" : "coarse pages") +
+                                                         " compares pools side by side on LRU without published "
+                                                         "events (--eviction lru, no --publish-events)");
+      }
+      if (coarse && opt.host_capacity_tokens > 0) {  // the manager's own refusal (cache_config.hpp), said early
+        throw CLI::ValidationError("--model-layers", "a group with coarse pages does not yet work with the host tier "
+                                                     "(--host-capacity-tokens; the manager refuses it, issue 20)");
+      }
+      if (recurrent && opt.host_capacity_tokens > 0) {
+        throw CLI::ValidationError("--host-capacity-tokens", "with mamba layers the replay compares checkpoint "
+                                                             "policies on pools without a host tier");
+      }
+      if (mode == Mode::kPrefix && opt.host_eviction != opt.eviction) {
+        throw CLI::ValidationError("--host-eviction", "the hybrid prefix replay's host tier takes --eviction's "
+                                                      "policy (a different one: --mode serve)");
       }
     }
     // Every capacity must hold a block and fit 32-bit block ids (the hybrid pool: one block per group per
@@ -668,6 +696,7 @@ int main(int argc, char** argv) {
     replay::Options sized = opt;
     if (num_groups > 1) {
       for (double& c : sized.capacity_tokens) c *= static_cast<double>(num_groups * num_groups);
+      sized.host_capacity_tokens *= static_cast<double>(num_groups * num_groups);
     }
     const std::uint64_t pool_bytes = check_pool_memory(sized, mode, available);
     const std::filesystem::path path = trace_arg.empty() ? default_trace_path() : std::filesystem::path(trace_arg);
@@ -679,9 +708,8 @@ int main(int argc, char** argv) {
       h.block_size = opt.block_size;
       h.xxh3 = opt.hash == replay::HashKind::kXxh3;
       h.mode = mode == Mode::kServe ? "serve" : "prefix";
-      h.step_ms = opt.step_ms;
-      h.max_num_seqs = opt.max_num_seqs;
-      h.max_num_batched_tokens = opt.max_num_batched_tokens;
+      h.base = opt;
+      h.base.progress = false;  // (--progress is refused with --model-layers)
       h.json = json;
       h.state_bytes = recurrent_opt.state_bytes;
       h.layer_kv_bytes = recurrent_opt.layer_kv_bytes;

@@ -34,6 +34,14 @@ const char* to_string(EvictionKind eviction) noexcept {
   return "unknown";
 }
 
+const char* to_string(ReserveKind reserve) noexcept {
+  switch (reserve) {
+    case ReserveKind::kPrompt: return "prompt";
+    case ReserveKind::kChunk: return "chunk";
+  }
+  return "unknown";
+}
+
 const char* to_string(pagedkv::OffloadPolicy offload) noexcept {
   switch (offload) {
     case pagedkv::OffloadPolicy::kNone: return "none";

@@ -26,6 +26,13 @@ enum class HashKind { kSha256, kXxh3 };
 /// The eviction policy of the manager (its `Evict` template parameter): LRU, segmented LRU, retention-priority LRU.
 enum class EvictionKind { kLru, kSlru, kPriority };
 
+/// When serve mode reserves a prompt's slots (--reserve).
+enum class ReserveKind {
+  kPrompt,  ///< The whole prompt at admission (the admission gate: a prompt that does not fit waits).
+  kChunk,   ///< Each prefill chunk just before its step (vLLM V1's allocate_slots per step): a sliding-window
+            ///< group then holds its window and one chunk of a long prompt, never the whole prompt at once.
+};
+
 /// Command-line options shared by the modes (see main.cpp for their documentation and defaults).
 struct Options {
   std::vector<double> capacity_tokens;  ///< KV pool capacities in tokens (prefix: one row each; others: one).
@@ -55,6 +62,10 @@ struct Options {
   /// null = every block at the default priority.
   std::shared_ptr<const pagedkv::RetentionConfig> retention;
   std::string retention_label = "-";  ///< How the command line set it, for the `retention` column.
+  ReserveKind reserve = ReserveKind::kPrompt;  ///< serve: when a prompt's slots are reserved (--reserve).
+  /// serve: the pool's KV-cache groups (--model-layers; hybrid_mode.hpp's parse_model_layers); empty = one
+  /// full-attention group. Each group gets usable_blocks_for(capacity) blocks of the pool.
+  std::vector<pagedkv::KVCacheGroupSpec> groups;
 };
 
 /// Prefix-cache replay (Mooncake FAST '25, Fig. 9): requests one at a time in file order, prompt only; each is
@@ -76,6 +87,25 @@ struct Options {
 /// allocation) and decode_ns_per_seq_step (the step path: appends, lookahead, build, commits, per running
 /// sequence per step).
 [[nodiscard]] Row run_serve(const Trace& trace, const Options& opt);
+
+/// How a serve run of a pool with KV-cache groups (the hybrid replay) names itself in its row.
+struct GroupRunLabels {
+  std::string manager;                  ///< The `manager` column: "hybrid" or "all-full".
+  std::string groups;                   ///< The `groups` column, e.g. "full,swa4096,swa4096 x12".
+  std::vector<std::string> group_kinds; ///< Per group: its kind's column label ("full", "swa4096", "chunk8192").
+  bool publish = false;                 ///< This run publishes --publish-events (one run per process does).
+};
+
+/// The serve replay of a pool with the KV-cache groups `opt.groups` (--model-layers; run_hybrid_serve calls it
+/// for the model and for its all-full-attention baseline): the scheduler of run_serve (same admission, chunked
+/// prefill, speculation, recompute or swap preemption, host tier, eviction policies, published events), with one
+/// page table per group and usable_blocks_for(capacity) blocks per group, without the contiguous baseline. One
+/// row, mode "hybrid-serve": kv_utilization, mean and peak running, preemptions, hit ratio, peak and mean blocks
+/// held (all groups, and per group kind: the largest group of that kind), blocks per held token; with a host tier
+/// the tier's columns (add_tier_fields) and the swaps; with --spec-tokens the drafts; with --publish-events
+/// (`labels.publish`) the blocks stored and removed per group kind and how many of them were published; library
+/// seconds. Throws as run_serve.
+[[nodiscard]] Row run_serve_groups(const Trace& trace, const Options& opt, const GroupRunLabels& labels);
 
 /// Parallel-sampling replay (Kwon et al., SOSP '23, sec. 6.3): each request is admitted, forked into
 /// opt.num_branches branches after its prompt, every branch decodes its own tokens for output_length steps, then
@@ -102,6 +132,8 @@ decltype(auto) with_hasher(HashKind hash, F&& f) {
 
 /// Name of an eviction policy as the command line spells it.
 [[nodiscard]] const char* to_string(EvictionKind eviction) noexcept;
+/// Name of a reservation policy as the command line spells it.
+[[nodiscard]] const char* to_string(ReserveKind reserve) noexcept;
 /// Name of an offload policy as the command line spells it.
 [[nodiscard]] const char* to_string(pagedkv::OffloadPolicy offload) noexcept;
 /// Name of a preemption mode as the command line spells it.

@@ -8,8 +8,11 @@
 #include <stdexcept>
 #include <utility>
 
+#include <map>
+
 #if PAGEDKV_REPLAY_WITH_EVENTS_ZMQ
 #include <pagedkv/error.hpp>
+#include <pagedkv/events_zmq/group_specs.hpp>
 #include <pagedkv/events_zmq/publisher.hpp>
 #endif
 
@@ -22,6 +25,25 @@ PublishFlags& publish_flags() noexcept {
   return flags;
 }
 
+void EventPublishing::add_fields(Row& row, const std::vector<std::string>& group_kinds) const {
+  row.add("event_batches", batches_);
+  std::map<std::string, GroupCounts> per_kind;  // summed over the groups of a kind
+  std::vector<std::string> order;               // kinds in group order
+  for (std::size_t g = 0; g < blocks_.size() && g < group_kinds.size(); ++g) {
+    auto [it, fresh] = per_kind.try_emplace(group_kinds[g]);
+    if (fresh) order.push_back(group_kinds[g]);
+    it->second.stored += blocks_[g].stored;
+    it->second.removed += blocks_[g].removed;
+    it->second.published = blocks_[g].published;
+  }
+  for (const std::string& k : order) {
+    const GroupCounts& c = per_kind[k];
+    row.add("events_stored_" + k, c.stored)
+        .add("events_removed_" + k, c.removed)
+        .add("events_published_" + k, c.published ? "yes" : "no");
+  }
+}
+
 #if PAGEDKV_REPLAY_WITH_EVENTS_ZMQ
 
 struct EventPublishing::Impl {
@@ -29,10 +51,20 @@ struct EventPublishing::Impl {
   explicit Impl(pagedkv::events::PublisherOptions o) : pub(std::move(o)) {}
 };
 
-EventPublishing::EventPublishing(const std::string& endpoint, int wait_ms) {
+EventPublishing::EventPublishing(const std::string& endpoint, int wait_ms,
+                                 const std::vector<pagedkv::KVCacheGroupSpec>& groups) {
   if (endpoint.empty()) return;
   const PublishFlags& f = publish_flags();
   pagedkv::events::PublisherOptions o;
+  if (!groups.empty()) {  // vLLM's kv_cache_spec_kind per group; main-attention groups only (main_groups_only)
+    pagedkv::CacheConfig c;
+    c.groups = groups;
+    o.encoding.group_specs = pagedkv::events::group_specs(c);
+  }
+  blocks_.resize(std::max<std::size_t>(groups.size(), 1));
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    blocks_[g].published = pagedkv::events::is_main_attention(o.encoding.group_specs[g].kind);
+  }
   o.endpoint = endpoint;
   o.mode = f.connect ? pagedkv::events::SocketMode::kConnect : pagedkv::events::SocketMode::kBind;
   o.replay_endpoint = "tcp://127.0.0.1:*";
@@ -60,7 +92,15 @@ void EventPublishing::set_snapshot_source(std::function<pagedkv::KVEventSnapshot
   impl_->pub.set_snapshot_source(std::move(source));
 }
 
-void EventPublishing::publish(const pagedkv::KVEventBatch& batch) { impl_->pub.publish(batch); }
+void EventPublishing::publish(const pagedkv::KVEventBatch& batch) {
+  for (const pagedkv::KVEvent& e : batch.events) {
+    if (e.group >= blocks_.size()) continue;
+    if (e.type == pagedkv::KVEventType::kBlockStored) ++blocks_[e.group].stored;
+    if (e.type == pagedkv::KVEventType::kBlockRemoved) ++blocks_[e.group].removed;
+  }
+  ++batches_;
+  impl_->pub.publish(batch);
+}
 
 void EventPublishing::finish() {
   if (!enabled()) return;
@@ -87,7 +127,8 @@ void EventPublishing::finish() {
 
 struct EventPublishing::Impl {};
 
-EventPublishing::EventPublishing(const std::string& endpoint, int /*wait_ms*/) {
+EventPublishing::EventPublishing(const std::string& endpoint, int /*wait_ms*/,
+                                 const std::vector<pagedkv::KVCacheGroupSpec>& /*groups*/) {
   if (!endpoint.empty()) {
     throw OptionError("--publish-events " + endpoint + ": this pagedkv-replay was built without the "
                                 "events_zmq component (install libzmq3-dev cppzmq-dev libmsgpack-cxx-dev and "

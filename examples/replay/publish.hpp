@@ -3,13 +3,17 @@
 // KV router, llm-d) can watch a real trace's cache evolve.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+
+#include "report.hpp"
 
 namespace replay {
 
@@ -41,18 +45,30 @@ PublishFlags& publish_flags() noexcept;
 /// simulated time in seconds. Topic from publish_flags() ("kv-events" by default, llm-d's kv@<pod>@<model> with
 /// --model-name); the PUB socket binds, or connects with --publish-connect; a replay (ROUTER) socket with snapshots
 /// is bound on a free loopback port and announced on stderr with the endpoint. Recording events adds to the manager's library time.
+/// A pool with KV-cache groups (`groups` non-empty, --model-layers) publishes its events with vLLM's
+/// kv_cache_spec_kind per group, and only those of its full-attention groups (EncodeOptions::main_groups_only:
+/// Dynamo indexes only those, and llm-d's index has no group, so a sliding-window group's removal of a block the
+/// full group still holds would erase it there); every group's stored and removed blocks are counted.
 /// Thread safety: none (the replay's thread).
 class EventPublishing {
  public:
   /// Binds `endpoint` (e.g. tcp://127.0.0.1:5557) unless it is empty, then waits `wait_ms` so subscribers can
-  /// connect before the first batch. Throws OptionError (trace.hpp) naming the endpoint when it cannot be bound, or
-  /// when this pagedkv-replay was built without the events_zmq component.
-  EventPublishing(const std::string& endpoint, int wait_ms);
+  /// connect before the first batch. `groups`: the published manager's KV-cache groups (CacheConfig::groups;
+  /// empty = one full-attention group). Throws OptionError (trace.hpp) naming the endpoint when it cannot be bound,
+  /// or when this pagedkv-replay was built without the events_zmq component.
+  EventPublishing(const std::string& endpoint, int wait_ms, const std::vector<pagedkv::KVCacheGroupSpec>& groups = {});
   ~EventPublishing();
   EventPublishing(const EventPublishing&) = delete;
   EventPublishing& operator=(const EventPublishing&) = delete;
 
   [[nodiscard]] bool enabled() const noexcept { return impl_ != nullptr; }
+  /// Whether this object published (an endpoint was given), before and after finish().
+  [[nodiscard]] bool enabled_at_start() const noexcept { return !blocks_.empty(); }
+
+  /// Append the published counts to `row`: event_batches, and per group kind (`group_kinds[g]` labels group g)
+  /// the blocks stored and removed (both tiers; events_stored_<kind>, events_removed_<kind>, summed over the
+  /// groups of that kind) and whether that kind's events were published (events_published_<kind>: yes / no).
+  void add_fields(Row& row, const std::vector<std::string>& group_kinds) const;
 
   /// Turns event recording on in the published manager's configuration.
   void configure(pagedkv::CacheConfig& config) const noexcept {
@@ -82,6 +98,12 @@ class EventPublishing {
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  struct GroupCounts {
+    std::uint64_t stored = 0, removed = 0;  // blocks, both tiers
+    bool published = true;                  // a main-attention group (written on the wire)
+  };
+  std::vector<GroupCounts> blocks_;  // per group; empty = not publishing
+  std::uint64_t batches_ = 0;
 };
 
 }  // namespace replay

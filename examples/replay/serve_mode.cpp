@@ -26,11 +26,17 @@
 // once the step ran. With --preempt swap a decoding victim is swapped out instead (preempt(seq, kSwap)) and, at the
 // front of the waiting queue, resumed by try_resume when admission reaches it (no recomputation; it decodes from
 // the next step on); a victim still prefilling, or one the host tier has no room for, is preempted by recompute.
+// With --reserve chunk, admission reserves only the first chunk and each later chunk is reserved just before its
+// step (try_reserve; a refusal preempts the newest sequence, as a decode's does).
+// The same scheduler replays a pool with KV-cache groups (--model-layers, run_serve_groups): one page table per
+// group in every build (the swap lists in group 0's buffers), the blocks held counted per group.
 #include <algorithm>
 #include <cmath>
 #include <deque>
 #include <limits>
+#include <map>
 #include <memory>
+#include <string>
 #include <random>
 #include <stdexcept>
 #include <unordered_map>
@@ -62,26 +68,36 @@ struct Occupancy {
   }
 };
 
-/// The paged scheduler: a KVCacheManager pool, FIFO admission, chunked prefill under a token budget, optional
-/// speculative decoding with lookahead slots, recompute preemption.
+/// The paged scheduler: a KVCacheManager pool (one group, or the groups of opt.groups), FIFO admission, chunked
+/// prefill under a token budget, optional speculative decoding with lookahead slots, recompute or swap preemption.
 template <class Manager>
 class PagedScheduler {
  public:
+  /// `usable_blocks`: blocks per group (the pool has that many per group + the null block).
   PagedScheduler(const Trace& trace, const Options& opt, std::size_t usable_blocks, std::size_t max_model_len)
       : trace_(trace),
         opt_(opt),
         usable_blocks_(usable_blocks),
         max_model_len_(max_model_len),
+        num_groups_(std::max<std::size_t>(opt.groups.size(), 1)),
         budget_(opt.max_num_batched_tokens != 0 ? opt.max_num_batched_tokens : std::numeric_limits<std::size_t>::max()),
         manager_(config(opt, usable_blocks, max_model_len)),
-        buffers_(opt.max_num_seqs, opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len)),
-                 usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs,
-                 // swaps of one build: every device block at most once each way, + write-through's offloads of the
-                 // blocks the previous build registered (<= its indices)
-                 opt.host_capacity_tokens > 0
-                     ? usable_blocks + opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len))
-                     : 0),
+        views_(num_groups_),
+        sizes_(num_groups_),
+        sum_held_(num_groups_, 0.0),
+        swapped_blocks_(num_groups_, 0),
         rng_(0x5bec) {
+    buffers_.reserve(num_groups_);
+    for (std::size_t g = 0; g < num_groups_; ++g) {
+      buffers_.emplace_back(opt.max_num_seqs, opt.max_num_seqs * std::min(usable_blocks, blocks(max_model_len)),
+                            usable_blocks * opt.block_size + opt.max_num_seqs, opt.max_num_seqs,
+                            // swaps of one build (group 0's lists): every device block at most once each way, +
+                            // write-through's offloads of the blocks the previous build registered (<= its indices)
+                            g == 0 && opt.host_capacity_tokens > 0
+                                ? num_groups_ * (usable_blocks + opt.max_num_seqs *
+                                                                     std::min(usable_blocks, blocks(max_model_len)))
+                                : 0);
+    }
     admit_options_.retention = opt.retention;  // applied when a sequence releases its blocks
   }
 
@@ -103,6 +119,7 @@ class PagedScheduler {
 
   /// The paged manager (for --publish-events).
   [[nodiscard]] auto& manager() noexcept { return manager_; }
+  [[nodiscard]] const auto& manager() const noexcept { return manager_; }
 
   /// Run one engine step ending at simulated time `step_end_ms`.
   void step(double step_end_ms) {
@@ -122,31 +139,21 @@ class PagedScheduler {
     free_finished();
   }
 
-  /// Append this scheduler's columns to `row`.
+  /// Append this scheduler's columns to `row` (one group: run_serve's row).
   void add_fields(Row& row) const {
     const pagedkv::CacheStats s = manager_.stats();
     row.add("eviction", to_string(opt_.eviction)).add("retention", opt_.retention_label);
-    if (opt_.host_capacity_tokens > 0) {
-      row.add("host_capacity_tokens", static_cast<std::int64_t>(opt_.host_capacity_tokens))
-          .add("host_pool_blocks", s.host_num_usable_blocks)
-          .add("host_eviction", to_string(opt_.host_eviction))
-          .add("offload", to_string(opt_.offload));
-    }
+    if (opt_.host_capacity_tokens > 0) add_host_config_fields(row, s);
+    if (opt_.reserve != ReserveKind::kPrompt) row.add("reserve", to_string(opt_.reserve));
     row.add("preempt", to_string(opt_.preempt))
         .add("rejected", rejected_)
         .add("steps", occupancy_.busy_steps)
         .add("sim_seconds", occupancy_.last_busy_end_ms / 1000.0, 1)
         .add("kv_utilization", occupancy_.mean_utilization(), 4)
         .add("peak_running", occupancy_.peak_running)
-        .add("preemptions", s.preemptions)
-        .add("swap_preemptions", swap_preemptions_)
-        .add("recompute_preemptions", s.preemptions - swap_preemptions_)
-        .add("resumes", resumes_)
-        // Tokens the re-admissions after recompute preemption had to compute again (their prompt + generated
-        // tokens not found in the prefix cache, either tier).
-        .add("recomputed_tokens", s.readmitted_query_tokens - s.readmitted_hit_tokens)
-        .add("hit_ratio", hit_ratio(s), 4)
-        .add("evictions", s.evictions);
+        .add("preemptions", s.preemptions);
+    add_preemption_fields(row, s);
+    row.add("hit_ratio", hit_ratio(s), 4).add("evictions", s.evictions);
     if (opt_.host_capacity_tokens > 0) add_tier_fields(row, s, opt_);
     row
         .add("max_num_batched_tokens", opt_.max_num_batched_tokens)
@@ -154,16 +161,58 @@ class PagedScheduler {
              prefills_ == 0 ? 0.0 : static_cast<double>(prefill_chunks_) / static_cast<double>(prefills_), 3)
         .add("max_prefill_chunks", max_chunks_)
         .add("spec_tokens", opt_.spec_tokens);
-    if (opt_.spec_tokens > 0) {
-      row.add("spec_accept", opt_.spec_accept, 2)
-          .add("drafts", drafts_)
-          .add("drafts_accepted", accepted_)
-          .add("wasted_slot_steps", drafts_ - accepted_)
-          .add("tokens_per_decode_step", decode_steps_ == 0 ? 0.0
-                                                            : static_cast<double>(decode_tokens_) /
-                                                                  static_cast<double>(decode_steps_), 3);
+    if (opt_.spec_tokens > 0) add_spec_fields(row);
+  }
+
+  /// Append the columns of a pool with groups to `row` (run_serve_groups: the hybrid replay's row; the columns of
+  /// the host tier, swaps and speculation only when they are on, so a run without them reads as before).
+  /// `group_kinds`: a column label per group.
+  void add_group_fields(Row& row, const std::vector<std::string>& group_kinds) const {
+    const pagedkv::CacheStats s = manager_.stats();
+    const double steps = static_cast<double>(std::max<std::uint64_t>(occupancy_.busy_steps, 1));
+    const bool host = opt_.host_capacity_tokens > 0;
+    if (opt_.eviction != EvictionKind::kLru || host) {
+      row.add("eviction", to_string(opt_.eviction)).add("retention", opt_.retention_label);
+    }
+    if (host) add_host_config_fields(row, s);
+    if (opt_.reserve != ReserveKind::kChunk) row.add("reserve", to_string(opt_.reserve));
+    row.add("rejected", rejected_)
+        .add("steps", occupancy_.busy_steps)
+        .add("sim_seconds", static_cast<double>(occupancy_.busy_steps) * opt_.step_ms / 1000.0, 1)
+        .add("kv_utilization", occupancy_.utilization_sum / steps, 4)
+        .add("mean_running", static_cast<double>(occupancy_.seq_steps) / steps, 1)
+        .add("peak_running", occupancy_.peak_running)
+        .add("preemptions", s.preemptions);
+    if (host) row.add("preempt", to_string(opt_.preempt));
+    if (host) add_preemption_fields(row, s);
+    row.add("hit_ratio", hit_ratio(s), 4);
+    if (host) {
+      row.add("evictions", s.evictions);
+      Options per_block = opt_;  // a block holds one group's layers: 1 / groups of --kv-bytes-per-token per token
+      per_block.kv_bytes_per_token = opt_.kv_bytes_per_token / num_groups_;
+      add_tier_fields(row, s, per_block);
+    }
+    if (opt_.spec_tokens > 0) add_spec_fields(row);
+    row.add("peak_blocks", manager_.peak_used_blocks())
+        .add("mean_blocks", sum_used_ / steps, 0)
+        .add("blocks_per_token", blocks_per_token(), 5);
+    std::map<std::string, std::pair<std::size_t, double>> per_kind;  // peak and mean blocks of a group, per kind
+    std::map<std::string, std::uint64_t> swapped;                      // blocks swapped out, all groups of a kind
+    for (std::size_t g = 0; g < group_kinds.size() && g < num_groups_; ++g) {
+      auto& k = per_kind[group_kinds[g]];
+      k.first = std::max(k.first, manager_.peak_held_blocks(g));
+      k.second = std::max(k.second, sum_held_[g] / steps);
+      swapped[group_kinds[g]] += swapped_blocks_[g];
+    }
+    for (const auto& [label, v] : per_kind) {
+      row.add("peak_blocks_" + label, v.first).add("mean_blocks_" + label, v.second, 0);
+    }
+    if (opt_.preempt == pagedkv::PreemptMode::kSwap && num_groups_ > 1) {
+      for (const auto& [label, n] : swapped) row.add("swapped_blocks_" + label, n);
     }
   }
+  /// Time-averaged blocks used per token held by a running sequence (0 before any step).
+  [[nodiscard]] double blocks_per_token() const noexcept { return sum_tokens_ == 0 ? 0.0 : sum_used_ / sum_tokens_; }
   /// Library time: all calls; admissions (try_admit); the step path (appends, lookahead, build, commits).
   [[nodiscard]] double manager_seconds() const noexcept {
     return admit_timer_.seconds() + decode_timer_.seconds() + release_timer_.seconds();
@@ -191,14 +240,44 @@ class PagedScheduler {
     [[nodiscard]] bool prefilling() const { return computed < prompt; }
   };
 
+  void add_host_config_fields(Row& row, const pagedkv::CacheStats& s) const {
+    row.add("host_capacity_tokens", static_cast<std::int64_t>(opt_.host_capacity_tokens))
+        .add("host_pool_blocks", s.host_num_usable_blocks)
+        .add("host_eviction", to_string(opt_.host_eviction))
+        .add("offload", to_string(opt_.offload));
+  }
+
+  void add_preemption_fields(Row& row, const pagedkv::CacheStats& s) const {
+    row.add("swap_preemptions", swap_preemptions_)
+        .add("recompute_preemptions", s.preemptions - swap_preemptions_)
+        .add("resumes", resumes_)
+        // Tokens the re-admissions after recompute preemption had to compute again (their prompt + generated
+        // tokens not found in the prefix cache, either tier).
+        .add("recomputed_tokens", s.readmitted_query_tokens - s.readmitted_hit_tokens);
+  }
+
+  void add_spec_fields(Row& row) const {
+    row.add("spec_accept", opt_.spec_accept, 2)
+        .add("drafts", drafts_)
+        .add("drafts_accepted", accepted_)
+        .add("wasted_slot_steps", drafts_ - accepted_)
+        .add("tokens_per_decode_step", decode_steps_ == 0 ? 0.0
+                                                          : static_cast<double>(decode_tokens_) /
+                                                                static_cast<double>(decode_steps_), 3);
+  }
+
   static pagedkv::CacheConfig config(const Options& opt, std::size_t usable_blocks, std::size_t max_model_len) {
     pagedkv::CacheConfig c;
-    c.num_blocks = usable_blocks + 1;  // + the null block
+    const std::size_t groups = std::max<std::size_t>(opt.groups.size(), 1);
+    c.num_blocks = usable_blocks * groups + 1;  // + the null block
     c.block_size = opt.block_size;
+    c.groups = opt.groups;
     c.max_tokens_per_seq = max_model_len;
     c.enable_events = !opt.publish_events.empty();  // --publish-events (publish.hpp)
     if (opt.host_capacity_tokens > 0) {
-      c.num_host_blocks = usable_blocks_for(opt.host_capacity_tokens, opt.block_size, "--host-capacity-tokens") + 1;
+      // As the device pool: the tokens the all-full model holds, i.e. that many blocks per group.
+      c.num_host_blocks =
+          usable_blocks_for(opt.host_capacity_tokens, opt.block_size, "--host-capacity-tokens") * groups + 1;
       c.offload = opt.offload;
     }
     return c;
@@ -235,6 +314,18 @@ class PagedScheduler {
     for (std::size_t k = 0; k < running_.size() && left_ > 0;) {
       Seq& s = running_[k];
       if (s.prefilling()) {
+        if (opt_.reserve == ReserveKind::kChunk) {  // this chunk's slots, reserved now
+          const std::size_t n = std::min(s.prompt - s.computed, left_);
+          decode_timer_.start();
+          const bool ok = manager_.try_reserve(s.request, n).ok();
+          decode_timer_.stop();
+          if (!ok) {  // preempt the newest (possibly this one) and retry
+            preempt_newest();
+            preempted = true;
+            continue;
+          }
+          s.tokens += n;
+        }
         schedule_prompt_chunk(k++);
         continue;
       }
@@ -281,6 +372,11 @@ class PagedScheduler {
     }
     if (swapped) {
       ++swap_preemptions_;
+      if (num_groups_ > 1) {  // its host blocks per group ([groups x blocks], 0 = a null entry of a window)
+        const auto hb = manager_.swapped_host_blocks(victim.request);
+        const std::size_t nb = hb.size() / num_groups_;
+        for (std::size_t i = 0; i < hb.size(); ++i) swapped_blocks_[i / nb] += hb[i] != 0 ? 1 : 0;
+      }
       victim.swapped = true;  // keeps its positions: resumed as it was
     } else {
       release_timer_.measure([&] { manager_.preempt(victim.request); });
@@ -297,7 +393,9 @@ class PagedScheduler {
       Seq& head = waiting_.front();
       // Nothing was released since this request last failed: blocks only went down, so it would fail again
       // (and re-hashing its prompt every step would dominate the library time; an engine caches the verdict).
-      if (head.failed_at == releases_) break;
+      // Not with --reserve chunk: the first chunk follows the step's budget, and a build releases the blocks that
+      // leave a sliding window, so a refused admission may fit the next step without a release.
+      if (opt_.reserve == ReserveKind::kPrompt && head.failed_at == releases_) break;
       if (head.swapped) {  // resume: its blocks come back by swap_in (this step's build issues the copies)
         const auto r = admit_timer_.measure([&] { return manager_.try_resume(head.request); });
         if (!r.admitted()) {
@@ -321,6 +419,8 @@ class PagedScheduler {
         head.prepared = std::make_shared<pagedkv::PreparedPrompt>(
             admit_timer_.measure([&] { return manager_.prepare_prompt(prompt_); }));
       }
+      // --reserve chunk: the first chunk only (the budget left; the manager clamps it to the uncached tokens).
+      if (opt_.reserve == ReserveKind::kChunk) admit_options_.num_reserved_tokens = left_;
       const auto r = admit_timer_.measure([&] { return manager_.try_admit(head.request, *head.prepared, admit_options_); });
       if (!r.admitted()) {
         if (r.status == pagedkv::AdmitStatus::kNeverFits || running_.empty()) {
@@ -332,6 +432,7 @@ class PagedScheduler {
       }
       head.tokens = head.prompt = head.prepared->tokens.size();
       head.computed = r.num_cached_tokens;
+      if (opt_.reserve == ReserveKind::kChunk) head.tokens = head.computed + std::min(left_, head.prompt - head.computed);
       head.prepared.reset();
       ++admissions_;
       running_.push_back(head);
@@ -344,17 +445,18 @@ class PagedScheduler {
     std::size_t num_indices = 0;
     std::size_t num_new_tokens = 0;
     for (std::size_t b = 0; b < batch_.size(); ++b) {
-      const auto& q = manager_.sequence(batch_[b]);
-      num_indices += blocks(q.num_built + sched_[b]);
+      num_indices += blocks(manager_.num_built(batch_[b]) + sched_[b]);  // every group: one entry per logical block
       num_new_tokens += sched_[b];
     }
-    const auto [swap_out, swap_in] = swap_extents(manager_, opt_, last_indices_);
-    const pagedkv::BatchMetadataBuffers view = buffers_.view(num_indices, num_new_tokens, swap_out, swap_in);
+    const auto [swap_out, swap_in] = swap_extents(manager_, opt_, num_groups_ * last_indices_);
+    for (std::size_t g = 0; g < num_groups_; ++g) {  // the swap lists are group 0's
+      views_[g] = buffers_[g].view(num_indices, num_new_tokens, g == 0 ? swap_out : 0, g == 0 ? swap_in : 0);
+    }
     last_indices_ = num_indices;
     decode_timer_.measure([&] {
-      const pagedkv::BatchMetadataSizes sz = manager_.build_batch_metadata(batch_, view, sched_);
+      manager_.build_batch_metadata(batch_, views_, sched_, sizes_);
       // The engine runs the step (swap_out, swap_in, then the kernels) and acknowledges its copies.
-      if (sz.transfer_token != 0) manager_.complete_transfers(sz.transfer_token);
+      if (sizes_[0].transfer_token != 0) manager_.complete_transfers(sizes_[0].transfer_token);
     });
   }
 
@@ -381,14 +483,23 @@ class PagedScheduler {
   // Slots of held blocks = blocks_used * block_size (a shared block counted once). Without fork, only full blocks
   // are shared, so the empty slots are exactly the unfilled tail of each running sequence's last block. Slots
   // reserved for prompt tokens not yet computed count as holding their token (they are assigned to it).
+  // With groups, every group's last block of a sequence has the same empty tail.
   void sample(double step_end_ms) {
     const std::size_t bs = opt_.block_size;
-    std::size_t empty_slots = 0;
-    for (const Seq& s : running_) empty_slots += (bs - s.tokens % bs) % bs;
-    const std::size_t slots = manager_.stats().blocks_used * bs;
+    std::size_t empty_slots = 0, tokens = 0;
+    for (const Seq& s : running_) {
+      empty_slots += (bs - s.tokens % bs) % bs;
+      tokens += s.computed;
+    }
+    empty_slots *= num_groups_;
+    const std::size_t used = manager_.stats().blocks_used;
+    const std::size_t slots = used * bs;
     if (opt_.check) check_slots(slots, empty_slots);
-    occupancy_.sample(1.0 - static_cast<double>(empty_slots) / static_cast<double>(slots), running_.size(),
-                      step_end_ms);
+    occupancy_.sample(slots == 0 ? 1.0 : 1.0 - static_cast<double>(empty_slots) / static_cast<double>(slots),
+                      running_.size(), step_end_ms);
+    sum_used_ += static_cast<double>(used);
+    sum_tokens_ += static_cast<double>(tokens);
+    for (std::size_t g = 0; g < num_groups_; ++g) sum_held_[g] += static_cast<double>(manager_.held_blocks(g));
   }
 
   // --check: recount held blocks and their filled slots from the block tables, each distinct block once.
@@ -429,11 +540,14 @@ class PagedScheduler {
 
   const Trace& trace_;
   const Options& opt_;
-  std::size_t usable_blocks_;
+  std::size_t usable_blocks_;  // per group
   std::size_t max_model_len_;
+  std::size_t num_groups_;
   std::size_t budget_;  // tokens per step
   Manager manager_;
-  MetadataBuffers buffers_;
+  std::vector<MetadataBuffers> buffers_;               // one per group (the swap lists in group 0's)
+  std::vector<pagedkv::BatchMetadataBuffers> views_;   // this step's, per group
+  std::vector<pagedkv::BatchMetadataSizes> sizes_;     // the build's, per group
   LibraryTimer admit_timer_;    // try_admit
   LibraryTimer decode_timer_;   // query_append, try_append, try_reserve_lookahead, build_batch_metadata, commits
   LibraryTimer release_timer_;  // free, preempt
@@ -450,6 +564,9 @@ class PagedScheduler {
   std::uint64_t drafts_ = 0, accepted_ = 0, decode_steps_ = 0, decode_tokens_ = 0;
   std::uint64_t swap_preemptions_ = 0, resumes_ = 0;
   std::size_t last_indices_ = 0;
+  double sum_used_ = 0.0, sum_tokens_ = 0.0;  // over busy steps: blocks used, tokens of running sequences
+  std::vector<double> sum_held_;              // over busy steps: blocks held per group
+  std::vector<std::uint64_t> swapped_blocks_; // device blocks swapped out per group (with several groups)
   pagedkv::AdmitOptions admit_options_;  // block ids of the previous build (bounds write-through's offloads)
   std::mt19937_64 rng_;
   std::uniform_real_distribution<double> unit_{0.0, 1.0};
@@ -576,10 +693,55 @@ Row run_serve_with(const Trace& trace, const Options& opt) {
   return row;
 }
 
+/// run_serve_groups for one manager type: the paged scheduler alone (no contiguous baseline), published when
+/// `labels.publish`.
+template <class Manager>
+Row run_serve_groups_with(const Trace& trace, const Options& all, const GroupRunLabels& labels) {
+  Options opt = all;  // (the scheduler keeps a reference: it lives as long as this copy)
+  if (!labels.publish) opt.publish_events.clear();  // records no events that nobody takes
+  const double capacity = opt.capacity_tokens.front();
+  const std::size_t per_group = usable_blocks_for(capacity, opt.block_size);
+  const std::size_t max_model_len = opt.max_model_len != 0 ? opt.max_model_len : trace.max_total_tokens();
+  PagedScheduler<Manager> paged(trace, opt, per_group, max_model_len);
+  EventPublishing events(labels.publish ? opt.publish_events : std::string(), opt.publish_wait_ms, opt.groups);
+  events.attach(paged.manager());
+  const auto& requests = trace.requests;
+  std::size_t next = 0;
+  std::uint64_t step = 0;
+  while (next < requests.size() || !paged.idle()) {
+    if (paged.idle()) step = std::max(step, static_cast<std::uint64_t>(std::ceil(requests[next].arrival_ms / opt.step_ms)));
+    const double start_ms = static_cast<double>(step) * opt.step_ms;
+    for (; next < requests.size() && requests[next].arrival_ms <= start_ms; ++next) paged.enqueue(next);
+    ++step;
+    paged.step(static_cast<double>(step) * opt.step_ms);
+    events.step(paged.manager(), static_cast<double>(step) * opt.step_ms / 1000.0);
+  }
+  events.finish();
+
+  const std::size_t groups = std::max<std::size_t>(opt.groups.size(), 1);
+  Row row;
+  row.add("trace", trace_name(trace))
+      .add("mode", "hybrid-serve")
+      .add("manager", labels.manager)
+      .add("groups", labels.groups)
+      .add("block_size", opt.block_size)
+      .add("capacity_tokens", static_cast<std::int64_t>(capacity))
+      .add("pool_blocks", per_group * groups)
+      .add("requests", requests.size());
+  paged.add_group_fields(row, labels.group_kinds);
+  if (events.enabled_at_start()) events.add_fields(row, labels.group_kinds);
+  row.add("manager_seconds", paged.manager_seconds(), 3);
+  return row;
+}
+
 }  // namespace
 
 Row run_serve(const Trace& trace, const Options& opt) {
   return with_manager(opt, [&]<class M>(std::type_identity<M>) { return run_serve_with<M>(trace, opt); });
+}
+
+Row run_serve_groups(const Trace& trace, const Options& opt, const GroupRunLabels& labels) {
+  return with_manager(opt, [&]<class M>(std::type_identity<M>) { return run_serve_groups_with<M>(trace, opt, labels); });
 }
 
 }  // namespace replay

@@ -113,8 +113,16 @@ expect_refusal $usage "--capacity-tokens: serve and fork modes take a single cap
 expect_refusal $usage "--model-layers: --model-layers \"full:12,bogus\": item \"bogus\" has no ':'" "$trace" \
   --model-layers full:12,bogus
 expect_refusal $usage "--model-layers: takes --mode serve or prefix" "$trace" --mode fork --model-layers full:12
-expect_refusal $usage "--model-layers: replays an LRU pool without a host tier" "$trace" \
-  --model-layers full:12,swa4096:24 --host-capacity-tokens 1e6
+expect_refusal $usage "--host-eviction: the hybrid prefix replay's host tier takes --eviction's policy" "$trace" \
+  --model-layers full:12,swa4096:24 --host-capacity-tokens 1e6 --host-eviction slru
+expect_refusal $usage "--host-capacity-tokens: with mamba layers the replay compares checkpoint policies" "$trace" \
+  --model-layers full:12,mamba:36 --host-capacity-tokens 1e6
+expect_refusal $usage "--model-layers: a group with coarse pages does not yet work with the host tier" "$trace" \
+  --model-layers full:12,full@64:12 --host-capacity-tokens 1e6
+expect_refusal $usage "--model-layers: with mamba layers compares pools side by side on LRU" "$trace" \
+  --model-layers full:12,mamba:36 --eviction slru
+expect_refusal $usage "--model-layers: with coarse pages (full@P) replays --mode prefix" "$trace" --mode serve \
+  --model-layers full:12,full@64:12
 
 # ---- flags that do not apply to the run: refused, naming the flag and why (they used to be ignored)
 expect_refusal $usage "--step-ms: applies only to --mode serve, but this is --mode prefix" "$trace" --step-ms 10
@@ -122,15 +130,16 @@ expect_refusal $usage "--max-num-seqs: applies only to --mode serve, but this is
   --max-num-seqs 8
 expect_refusal $usage "--max-num-batched-tokens: applies only to --mode serve, but this is --mode prefix" "$trace" \
   --max-num-batched-tokens 0
-expect_refusal $usage "--max-model-len: applies only to --mode serve without --model-layers, but the hybrid replay" \
-  "$trace" --mode serve --model-layers full:12,swa4096:24 --max-model-len 4096
-expect_refusal $usage "--spec-tokens: applies only to --mode serve without --model-layers, but this is --mode prefix" \
+expect_refusal $usage "--max-model-len: applies only to --mode serve, but this is --mode prefix" \
+  "$trace" --model-layers full:12,swa4096:24 --max-model-len 4096
+expect_refusal $usage "--spec-tokens: applies only to --mode serve, but this is --mode prefix" \
   "$trace" --spec-tokens 3
+expect_refusal $usage "--reserve: applies only to --mode serve, but this is --mode prefix" "$trace" --reserve chunk
 expect_refusal $usage "--spec-accept: applies only to --mode serve with --spec-tokens > 0, but --spec-tokens is 0" \
   "$trace" --mode serve --spec-accept 0.7
 expect_refusal $usage "--spec-accept: applies only to --mode serve with --spec-tokens > 0, but this is --mode fork" \
   "$trace" --mode fork --spec-accept 0.7
-expect_refusal $usage "--preempt: applies only to --mode serve without --model-layers, but this is --mode prefix" \
+expect_refusal $usage "--preempt: applies only to --mode serve, but this is --mode prefix" \
   "$trace" --preempt recompute
 expect_refusal $usage \
   "--decode-priority: applies only to --mode serve (blocks of generated tokens), but this is --mode prefix, whose" \
@@ -179,6 +188,13 @@ expect_ok "$azure" --mode serve --eviction priority --decode-priority 10 --preem
 expect_ok "$azure" --mode fork --n 4 --limit 50 --eviction lru --check
 expect_ok "$azure" --mode serve --model-layers full:12,swa4096:24 --step-ms 25 --max-num-seqs 64 \
   --max-num-batched-tokens 8192 --limit 100
+expect_ok "$azure" --mode serve --model-layers full:12,swa4096:24 --host-capacity-tokens 1e6 --preempt swap \
+  --spec-tokens 3 --limit 100
+expect_ok "$azure" --mode serve --model-layers full:6,swa1024:30 --capacity-tokens 2e4 --eviction priority \
+  --decode-priority 10 --host-capacity-tokens 1e5 --offload write-through --preempt swap --reserve prompt \
+  --max-model-len 16384 --limit 100
+expect_ok "$trace" --mode prefix --model-layers full:12,swa4096:24 --capacity-tokens 1e5 --eviction slru \
+  --host-capacity-tokens 5e5 --offload write-through --limit 50
 
 if [ "$failed" -ne 0 ]; then
   echo "check_replay_args: FAILED"
