@@ -2,7 +2,8 @@
 // ("decode"), each with one NIXL agent and a DRAM pool of N blocks; they exchange metadata over pipes; the consumer
 // pulls a block-table scatter (N/2 .. N remote blocks into other local block ids) with ONE READ through prepared
 // descriptor lists, verifies every byte and that the blocks it did not read are untouched, and the producer checks
-// the read-done notification. Then both time the same bytes moved by pagedkv's submit (a new request per hand-off,
+// the read-done notification. A second pool laid out per layer (K and V regions with gaps) takes one READ and one
+// WRITE back, each verified on the receiving side. Then both time the same bytes moved by pagedkv's submit (a new request per hand-off,
 // as an engine does) and by one raw NIXL request created once and re-posted, alternately, and print the medians.
 // The timing is reported, never asserted (speed targets live in benchmarks).
 //
@@ -81,6 +82,30 @@ std::byte pattern(std::uint32_t block, std::size_t off) {
   return static_cast<std::byte>((x >> (8 * (off % 8))) & 0xff);
 }
 
+// A second pool laid out per layer as vLLM registers K and V: two regions (K, V) of 4 KiB blocks with 1 KiB gaps
+// between blocks, so a descriptor index off by one region or block, or a copy past a block, shows.
+constexpr std::uint32_t kKvBlocks = 16;
+constexpr std::size_t kKvBlockBytes = 4096, kKvStride = 5120;
+struct KvPool {
+  std::vector<std::byte> mem;
+  tx::PoolDesc desc;
+  explicit KvPool(std::byte fill) : mem(2 * kKvBlocks * kKvStride, fill) {
+    const auto base = reinterpret_cast<std::uintptr_t>(mem.data());
+    desc = {{{base, kKvBlockBytes, kKvStride}, {base + kKvBlocks * kKvStride, kKvBlockBytes, kKvStride}},
+            kKvBlocks, tx::MemoryKind::kDram, 0};
+  }
+  std::byte* block(std::size_t region, tx::BlockId b) {
+    return mem.data() + region * kKvBlocks * kKvStride + b * kKvStride;
+  }
+};
+// Contents of K/V block `b` of the producer (salt 1000) or of what the consumer writes into the producer's block b
+// (salt 5000), per region.
+std::byte kv_pattern(std::uint32_t salt, std::size_t region, tx::BlockId b, std::size_t off) {
+  return pattern(salt + static_cast<std::uint32_t>(100 * region) + b, off);
+}
+const std::vector<tx::BlockId> kKvReadRemote{3, 7, 11, 15, 0}, kKvReadLocal{10, 2, 5, 1, 8};
+const std::vector<tx::BlockId> kKvWriteLocal{4, 6}, kKvWriteRemote{9, 12};
+
 int producer(const Args& a, int rd, int wr) {
   try {
     tx::NixlAgent agent("prefill");
@@ -89,12 +114,17 @@ int producer(const Args& a, int rd, int wr) {
       for (std::size_t o = 0; o < a.block_bytes; ++o) pool[b * a.block_bytes + o] = pattern(b, o);
     agent.register_pool({{{reinterpret_cast<std::uintptr_t>(pool.data()), a.block_bytes, a.block_bytes}},
                          a.blocks, tx::MemoryKind::kDram, 0});
+    KvPool kv(std::byte{0x77});
+    for (std::size_t r = 0; r < 2; ++r)
+      for (tx::BlockId b = 0; b < kKvBlocks; ++b)
+        for (std::size_t o = 0; o < kKvBlockBytes; ++o) kv.block(r, b)[o] = kv_pattern(1000, r, b, o);
+    agent.register_pool(kv.desc);
     if (!send_blob(wr, agent.export_metadata())) return 1;
     const std::vector<std::byte> peer = recv_blob(rd);
     if (peer.empty()) return 1;
     agent.load_remote(peer);
     // Serve (drive progress and read notifications) until the consumer says goodbye.
-    bool got_read_done = false;
+    bool got_read_done = false, got_write_done = false, got_bye = false;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
     while (std::chrono::steady_clock::now() < deadline) {
       for (const tx::Notification& n : agent.take_notifications()) {
@@ -108,14 +138,33 @@ int producer(const Args& a, int rd, int wr) {
             return 1;
           }
           got_read_done = true;
+        } else if (n.message == "write-done:kv") {
+          // The consumer's WRITE landed in K and V of the target blocks; nothing else changed (gaps included).
+          got_write_done = true;
+          std::size_t bad = 0;
+          for (std::size_t r = 0; r < 2; ++r)
+            for (tx::BlockId b = 0; b < kKvBlocks; ++b) {
+              const bool target = std::count(kKvWriteRemote.begin(), kKvWriteRemote.end(), b) != 0;
+              for (std::size_t o = 0; o < kKvStride; ++o) {
+                const std::byte want = o >= kKvBlockBytes ? std::byte{0x77}
+                                       : target           ? kv_pattern(5000, r, b, o)
+                                                          : kv_pattern(1000, r, b, o);
+                if (kv.block(r, b)[o] != want) ++bad;
+              }
+            }
+          if (bad != 0) {
+            std::fprintf(stderr, "producer: %zu K/V bytes differ after the consumer's WRITE\n", bad);
+            return 1;
+          }
         } else if (n.message == "bye") {
-          if (!got_read_done) std::fprintf(stderr, "producer: no read-done notification before bye\n");
-          return got_read_done ? 0 : 1;
+          got_bye = true;
         }
       }
+      if (got_bye && got_read_done && got_write_done) return 0;
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
-    std::fprintf(stderr, "producer: timed out waiting for the consumer\n");
+    std::fprintf(stderr, "producer: timed out (read-done %d, write-done %d, bye %d)\n", got_read_done,
+                 got_write_done, got_bye);
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "producer: %s\n", e.what());
@@ -135,6 +184,8 @@ int consumer(const Args& a, int rd, int wr) {
   std::vector<std::byte> pool(a.blocks * a.block_bytes, std::byte{0xEE});
   const auto base = reinterpret_cast<std::uintptr_t>(pool.data());
   agent.register_pool({{{base, a.block_bytes, a.block_bytes}}, a.blocks, tx::MemoryKind::kDram, 0});
+  KvPool kv(std::byte{0xEE});
+  agent.register_pool(kv.desc);
   const std::vector<std::byte> peer = recv_blob(rd);
   if (peer.empty()) {
     std::fprintf(stderr, "consumer: no metadata from the producer\n");
@@ -142,7 +193,7 @@ int consumer(const Args& a, int rd, int wr) {
   }
   if (!send_blob(wr, agent.export_metadata())) return 1;
   const std::string name = agent.load_remote(peer);
-  if (name != "prefill" || agent.remote_pools(name).size() != 1) {
+  if (name != "prefill" || agent.remote_pools(name).size() != 2) {
     std::fprintf(stderr, "consumer: loaded '%s' with %zu pools\n", name.c_str(), agent.remote_pools(name).size());
     return 1;
   }
@@ -192,6 +243,41 @@ int consumer(const Args& a, int rd, int wr) {
   }
   std::printf("nixl: one READ of %zu scattered blocks x %zu bytes: every byte verified, unread blocks untouched\n",
               n, a.block_bytes);
+
+  // The per-layer K/V pool: one READ of 5 blocks (both regions), then one WRITE of 2 blocks back to the producer.
+  const tx::RequestId kr = agent.submit({tx::TransferOp::kRead, 1, kKvReadLocal, "prefill", 1, kKvReadRemote, ""});
+  if (const tx::RequestState ks = wait(kr); ks.status != tx::TransferStatus::kDone) {
+    std::fprintf(stderr, "consumer: K/V READ ended %s (%s)\n", tx::to_string(ks.reason), agent.last_error().c_str());
+    return 1;
+  }
+  agent.release(kr);
+  for (std::size_t r = 0; r < 2; ++r)
+    for (tx::BlockId b = 0; b < kKvBlocks; ++b) {
+      const auto it = std::find(kKvReadLocal.begin(), kKvReadLocal.end(), b);
+      for (std::size_t o = 0; o < kKvStride; ++o) {
+        const std::byte want = (it == kKvReadLocal.end() || o >= kKvBlockBytes)
+                                   ? std::byte{0xEE}
+                                   : kv_pattern(1000, r, kKvReadRemote[it - kKvReadLocal.begin()], o);
+        if (kv.block(r, b)[o] != want) ++bad;
+      }
+    }
+  if (bad != 0) {
+    std::fprintf(stderr, "consumer: %zu K/V bytes differ after the K/V READ\n", bad);
+    return 1;
+  }
+  for (std::size_t i = 0; i < kKvWriteLocal.size(); ++i)
+    for (std::size_t r = 0; r < 2; ++r)
+      for (std::size_t o = 0; o < kKvBlockBytes; ++o)
+        kv.block(r, kKvWriteLocal[i])[o] = kv_pattern(5000, r, kKvWriteRemote[i], o);
+  const tx::RequestId kw =
+      agent.submit({tx::TransferOp::kWrite, 1, kKvWriteLocal, "prefill", 1, kKvWriteRemote, "write-done:kv"});
+  if (const tx::RequestState ks = wait(kw); ks.status != tx::TransferStatus::kDone) {
+    std::fprintf(stderr, "consumer: K/V WRITE ended %s (%s)\n", tx::to_string(ks.reason), agent.last_error().c_str());
+    return 1;
+  }
+  agent.release(kw);
+  std::printf("nixl: K/V pool (2 regions, gaps between blocks): one READ of 5 blocks verified; one WRITE of 2 "
+              "blocks sent (the producer verifies it)\n");
 
   // Timing: pagedkv submit (new request per hand-off) vs a raw NIXL request of the same descriptors, re-posted.
   const capi::Api& api = capi::load().api;
