@@ -187,7 +187,8 @@ class TransferAgent {
   /// `load_remote` out of band (a side channel: vLLM's NixlConnector uses a ZMQ handshake). Opaque bytes.
   [[nodiscard]] virtual std::vector<std::byte> export_metadata() const = 0;
 
-  /// Load a peer's metadata; returns its name. Loading the same peer again replaces its pools (a restarted peer).
+  /// Load a peer's metadata; returns its name. Loading a peer that is already loaded first invalidates it (its
+  /// requests in flight end kFailed / kPeerInvalidated), then loads the new metadata (a restarted peer).
   /// Throws kInvalidArgument when the bytes are not metadata of this implementation, or name this agent itself.
   virtual std::string load_remote(std::span<const std::byte> metadata) = 0;
 

@@ -374,7 +374,8 @@ inline std::string InProcAgent::load_remote(std::span<const std::byte> metadata)
   if (md.name == name_)
     pagedkv::detail::raise(Errc::kInvalidArgument, "transfer load_remote: '" + md.name + "' is this agent itself");
   fabric_->agent_named(md.name, "load_remote");  // must be an agent of this fabric
-  remotes_.insert_or_assign(md.name, std::move(md.pools));
+  if (remotes_.count(md.name)) invalidate_remote(md.name);  // a restarted peer: its old requests end now
+  remotes_.emplace(md.name, std::move(md.pools));
   return md.name;
 }
 

@@ -187,6 +187,7 @@ TEST_CASE("transfer: one READ of a block-table scatter moves every region of eve
 struct RunResult {
   std::vector<std::byte> memory;  // every agent's pool, concatenated
   std::vector<std::tuple<std::string, tx::RequestId, int, int, std::uint64_t>> log;
+  tx::FabricCounters counters;
 };
 
 RunResult random_run(std::uint64_t seed, bool verify) {
@@ -373,7 +374,7 @@ RunResult random_run(std::uint64_t seed, bool verify) {
           CHECK(st.reason == tx::FailReason::kPeerInvalidated);
         }
       agents[i]->load_remote(agents[j]->export_metadata());
-    } else if (dead.empty() && pick(3) == 0) {  // kill a peer: its requests in flight fail now
+    } else if (dead.empty() && step > 2 * steps / 3 && pick(2) == 0) {  // kill a peer: its in-flight requests fail
       const std::size_t k = pick(3);
       fab.kill(names[k]);
       dead.insert(k);
@@ -428,15 +429,37 @@ RunResult random_run(std::uint64_t seed, bool verify) {
   for (auto& p : pools) out.memory.insert(out.memory.end(), p->mem.begin(), p->mem.end());
   for (const tx::CompletionRecord& r : fab.completions())
     out.log.emplace_back(r.agent, r.id, static_cast<int>(r.state.status), static_cast<int>(r.state.reason), r.tick);
+  out.counters = fab.counters();
   return out;
 }
 
 TEST_CASE("transfer: randomized fault plans keep every pool equal to its shadow copy and every request ends once",
           "[transfer][inproc][faults]") {
-  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+  tx::FabricCounters sum;
+  for (std::uint64_t seed = 1; seed <= 200; ++seed) {
     INFO("seed " << seed);
-    (void)random_run(seed, true);
+    const tx::FabricCounters c = random_run(seed, true).counters;
+    sum.done += c.done;
+    sum.failed_blocks += c.failed_blocks;
+    sum.failed_peer_dead += c.failed_peer_dead;
+    sum.failed_invalidated += c.failed_invalidated;
+    sum.failed_timed_out += c.failed_timed_out;
+    sum.notifications_dropped += c.notifications_dropped;
+    sum.notifications_duplicated += c.notifications_duplicated;
+    sum.notifications_to_dead += c.notifications_to_dead;
   }
+  // Every fault actually happened somewhere in these runs (otherwise the checks above could not fail on it).
+  CHECK(sum.done > 1000);
+  CHECK(sum.failed_blocks > 0);
+  CHECK(sum.failed_peer_dead > 0);
+  CHECK(sum.failed_invalidated > 0);
+  CHECK(sum.failed_timed_out > 0);
+  CHECK(sum.notifications_dropped > 0);
+  CHECK(sum.notifications_duplicated > 0);
+  CHECK(sum.notifications_to_dead > 0);
+  UNSCOPED_INFO("done " << sum.done << ", failed: blocks " << sum.failed_blocks << ", peer dead "
+                        << sum.failed_peer_dead << ", invalidated " << sum.failed_invalidated << ", timed out "
+                        << sum.failed_timed_out);
 }
 
 TEST_CASE("transfer: a fault plan's seed reproduces its run exactly", "[transfer][inproc][faults]") {
@@ -497,6 +520,33 @@ TEST_CASE("transfer: killing the prefill peer mid-transfer fails the decode side
   const tx::RequestId later = d.submit({tx::TransferOp::kRead, 0, ids, "prefill", 0, ids, ""});
   CHECK(d.poll(later).reason == tx::FailReason::kPeerDead);
   CHECK(fab.counters().failed_peer_dead == 2);
+}
+
+}  // namespace
+
+namespace {
+
+TEST_CASE("transfer: reloading a peer (a restart) ends its requests in flight, later ones run against the new pools",
+          "[transfer][inproc]") {
+  tx::InProcFabric fab(latency_plan(9, 4));
+  tx::InProcAgent& p = fab.make_agent("prefill");
+  tx::InProcAgent& d = fab.make_agent("decode");
+  HostPool pp(4, 16, 16), pd(4, 16, 16);
+  std::fill(pp.mem.begin(), pp.mem.end(), std::byte{0x21});
+  p.register_pool(pp.desc);
+  d.register_pool(pd.desc);
+  d.load_remote(p.export_metadata());
+  const std::vector<tx::BlockId> ids{0, 1};
+  const tx::RequestId old_id = d.submit({tx::TransferOp::kRead, 0, ids, "prefill", 0, ids, ""});
+  fab.tick();
+  d.load_remote(p.export_metadata());
+  CHECK(d.poll(old_id).reason == tx::FailReason::kPeerInvalidated);
+  const tx::RequestId new_id = d.submit({tx::TransferOp::kRead, 0, ids, "prefill", 0, ids, ""});
+  fab.drain();
+  CHECK(d.poll(new_id).status == tx::TransferStatus::kDone);
+  CHECK(pd.mem[0] == std::byte{0x21});
+  CHECK(fab.counters().failed_invalidated == 1);
+  CHECK(fab.counters().done == 1);
 }
 
 }  // namespace
