@@ -45,6 +45,24 @@ tx::FaultPlan latency_plan(std::uint64_t seed, std::uint32_t latency_ticks) {
   return plan;
 }
 
+// A fabric with a producer ("prefill") and a consumer ("decode") of equal pools, each loading the other; the
+// producer's pool is filled with `fill`, the consumer's with zeros.
+struct PrefillDecode {
+  tx::InProcFabric fab;
+  tx::InProcAgent& p;
+  tx::InProcAgent& d;
+  HostPool pp, pd;
+  PrefillDecode(tx::FaultPlan plan, std::uint32_t blocks, std::size_t k_bytes, std::size_t v_bytes, std::byte fill)
+      : fab(std::move(plan)), p(fab.make_agent("prefill")), d(fab.make_agent("decode")),
+        pp(blocks, k_bytes, v_bytes), pd(blocks, k_bytes, v_bytes) {
+    std::fill(pp.mem.begin(), pp.mem.end(), fill);
+    p.register_pool(pp.desc);
+    d.register_pool(pd.desc);
+    d.load_remote(p.export_metadata());
+    p.load_remote(d.export_metadata());
+  }
+};
+
 template <class Fn>
 void require_errc(Errc code, Fn&& fn) {
   try {
@@ -145,17 +163,11 @@ TEST_CASE("transfer: metadata round-trips and garbage is refused", "[transfer][m
 
 TEST_CASE("transfer: one READ of a block-table scatter moves every region of every block, then notifies",
           "[transfer][inproc]") {
-  tx::InProcFabric fab(latency_plan(1, 3));
-  tx::InProcAgent& p = fab.make_agent("prefill");
-  tx::InProcAgent& d = fab.make_agent("decode");
-  HostPool pp(32, 96, 40), pd(32, 96, 40);
+  PrefillDecode pair(latency_plan(1, 3), 32, 96, 40, std::byte{0});
+  auto& [fab, p, d, pp, pd] = pair;
   std::mt19937_64 rng(7);
   for (std::byte& x : pp.mem) x = static_cast<std::byte>(rng());
   std::fill(pd.mem.begin(), pd.mem.end(), std::byte{0xEE});
-  p.register_pool(pp.desc);
-  d.register_pool(pd.desc);
-  d.load_remote(p.export_metadata());
-  p.load_remote(d.export_metadata());
   const std::vector<tx::BlockId> remote{5, 17, 3, 30, 11}, local{2, 9, 31, 0, 20};
   const tx::RequestId id = d.submit({tx::TransferOp::kRead, 0, local, "prefill", 0, remote, "read-done:req-1"});
   fab.tick(2);
@@ -475,14 +487,8 @@ TEST_CASE("transfer: a fault plan's seed reproduces its run exactly", "[transfer
 TEST_CASE("transfer: chosen blocks fail, the others arrive, and the request reports which", "[transfer][inproc]") {
   tx::FaultPlan plan;
   plan.fail_blocks = {{"prefill", 0, 4}};
-  tx::InProcFabric fab(plan);
-  tx::InProcAgent& p = fab.make_agent("prefill");
-  tx::InProcAgent& d = fab.make_agent("decode");
-  HostPool pp(8, 32, 16), pd(8, 32, 16);
-  std::fill(pp.mem.begin(), pp.mem.end(), std::byte{0x11});
-  p.register_pool(pp.desc);
-  d.register_pool(pd.desc);
-  d.load_remote(p.export_metadata());
+  PrefillDecode pair(plan, 8, 32, 16, std::byte{0x11});
+  auto& [fab, p, d, pp, pd] = pair;
   const std::vector<tx::BlockId> remote{3, 4, 5}, local{0, 1, 2};
   const tx::RequestId id = d.submit({tx::TransferOp::kRead, 0, local, "prefill", 0, remote, "done"});
   fab.drain();
@@ -500,15 +506,8 @@ TEST_CASE("transfer: chosen blocks fail, the others arrive, and the request repo
 
 TEST_CASE("transfer: killing the prefill peer mid-transfer fails the decode side's read and nothing is copied",
           "[transfer][inproc][faults]") {
-  tx::InProcFabric fab(latency_plan(5, 10));
-  tx::InProcAgent& p = fab.make_agent("prefill");
-  tx::InProcAgent& d = fab.make_agent("decode");
-  HostPool pp(4, 16, 16), pd(4, 16, 16);
-  std::fill(pp.mem.begin(), pp.mem.end(), std::byte{0x5A});
-  p.register_pool(pp.desc);
-  d.register_pool(pd.desc);
-  d.load_remote(p.export_metadata());
-  p.load_remote(d.export_metadata());
+  PrefillDecode pair(latency_plan(5, 10), 4, 16, 16, std::byte{0x5A});
+  auto& [fab, p, d, pp, pd] = pair;
   const std::vector<tx::BlockId> ids{0, 1, 2, 3};
   const tx::RequestId id = d.submit({tx::TransferOp::kRead, 0, ids, "prefill", 0, ids, "done"});
   fab.tick(5);
@@ -528,14 +527,8 @@ namespace {
 
 TEST_CASE("transfer: reloading a peer (a restart) ends its requests in flight, later ones run against the new pools",
           "[transfer][inproc]") {
-  tx::InProcFabric fab(latency_plan(9, 4));
-  tx::InProcAgent& p = fab.make_agent("prefill");
-  tx::InProcAgent& d = fab.make_agent("decode");
-  HostPool pp(4, 16, 16), pd(4, 16, 16);
-  std::fill(pp.mem.begin(), pp.mem.end(), std::byte{0x21});
-  p.register_pool(pp.desc);
-  d.register_pool(pd.desc);
-  d.load_remote(p.export_metadata());
+  PrefillDecode pair(latency_plan(9, 4), 4, 16, 16, std::byte{0x21});
+  auto& [fab, p, d, pp, pd] = pair;
   const std::vector<tx::BlockId> ids{0, 1};
   const tx::RequestId old_id = d.submit({tx::TransferOp::kRead, 0, ids, "prefill", 0, ids, ""});
   fab.tick();
