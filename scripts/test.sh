@@ -2,6 +2,8 @@
 # The test command: installs dependencies, then (each stage prints its name, then its seconds when it ends)
 #  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest, with the
 #     concurrency test also built and run under ThreadSanitizer
+#  1b. pagedkv::nixl: two processes on loopback move KV blocks through NIXL (CTest label nixl; needs the wheel
+#      nixl-cu12==1.5.1 that install-deps.sh installs: without it the stage FAILS with the install command)
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package, whose code is the
 #     README's snippet: scripts/check-readme-snippet.sh), and the CUDA and events_zmq component consumers
@@ -38,14 +40,23 @@ stage "1/4 Release build + tests"
 cmake -S . -B build-ci -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" -DPAGEDKV_TSAN_TESTS=ON \
       -DCMAKE_INSTALL_PREFIX="$root/build-ci/install" >/dev/null
 cmake --build build-ci -j "$jobs"
-ctest --test-dir build-ci -j "$jobs" --output-on-failure
+ctest --test-dir build-ci -j "$jobs" --output-on-failure -LE nixl
+
+stage "1b NIXL transfer: two processes on loopback, one READ of a block-table scatter (docs/disaggregation.md)"
+# UCX_MODULES=^ib: with Debian's libucx0 / rdma providers present every NIXL process segfaults at exit;
+# UCX_NET_DEVICES=lo: stay on loopback; NIXL's progress thread is off (pagedkv's default), so no core spins.
+if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("nixl-cu12"))' 2>/dev/null)" != "1.5.1" ]; then
+  echo "NIXL 1.5.1 is not installed for python3; install it: python3 -m pip install --no-deps nixl-cu12==1.5.1"
+  exit 1
+fi
+UCX_MODULES='^ib' UCX_NET_DEVICES=lo ctest --test-dir build-ci -L nixl --output-on-failure
 
 stage "2/4 ASan + UBSan build + tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPAGEDKV_SANITIZE=ON -DPAGEDKV_ENABLE_CUDA=OFF \
       -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" >/dev/null
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan -j "$jobs" --output-on-failure
+  ctest --test-dir build-asan -j "$jobs" --output-on-failure -LE nixl   # NIXL's own leaks are not ours: stage 1b
 
 stage "3/4 installed package consumer (find_package(pagedkv))"
 rm -rf build-ci/install build-package
