@@ -733,6 +733,16 @@ TEST_CASE("reference::decode matches the float64 oracle, bf16", "[reference][dec
   decode_grid(DType::kBFloat16);
 }
 
+TEST_CASE("reference::decode with block sizes 512-2048 (coarse pages) matches the float64 oracle",
+          "[reference][decode][block_size]") {
+  // The coarse pages of KV-cache groups (docs/groups.md) reach the kernels at 512-2048 tokens per block; the grid
+  // above stops at 64. Lengths: 0, 1, one whole block, 200-300 and 2-100 tokens (partial pages), every mode of
+  // run_decode_case (CSR / padded, split off / on, a random plan). The GPU test family block_sizes runs them too.
+  const DType dtype = GENERATE(DType::kFloat32, DType::kFloat16, DType::kBFloat16);
+  const int block_size = GENERATE(512, 1024, 2048);
+  run_decode_case({dtype, 4, 128, block_size, Layout::kNhd});
+}
+
 TEST_CASE("reference::decode is bit-identical for every thread count", "[reference][decode][threads]") {
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
