@@ -205,7 +205,7 @@ void one_token_case(DType dt, int n) {
     }
   }
   const ref::AttentionRowBound probe_bound = ref::attention_row_bound(want[0], {dt, 0x1p-24}, kDim);
-  // by_lse: a missing or duplicated token, which the probe's lse alone must reject (the guarantee, n <= 2^17);
+  // by_lse: a missing or duplicated token, which the probe's lse alone must reject (the guarantee, n <= 2^16);
   // the others change o only.
   const auto rejected = [&](const char* what, const DecodeOut& bad, bool by_lse) {
     INFO(what << ": the probe must reject it");
@@ -246,7 +246,7 @@ TEST_CASE("attention_row_ok rejects one wrong token at lengths up to 32k (CPU re
 
 TEST_CASE("attention_row_bound: the uniform probe's lse bound stays below one token's move up to kProbeMaxKeys",
           "[reference][one_token]") {
-  // The file comment's inequality, evaluated: for every n in [1, 2^17], the lse bound of a uniform row is below
+  // The file comment's inequality, evaluated: for every n in [1, 2^16], the lse bound of a uniform row is below
   // log((n + 1) / n), the smallest move of one missing or duplicated token (log(n / (n - 1)) is larger).
   for (std::int64_t n = 1; n <= ref::kProbeMaxKeys; n = n < 64 ? n + 1 : n + n / 16) {
     ref::AttentionOracleRow row;

@@ -12,7 +12,7 @@
 //                                                                  every logit of the row is equal (p = 1 exactly)
 //                    + (8 * u32 + 2 * e_s) * A_i                   exp, division, split-merge roundings; logit error
 //                    + kSigmas * u32 * (sqrt(n) * |o_i| + A_i)     fp32 accumulation of sum_t p_t v_t
-//   |lse_got - lse| <= 8 * u32 * max(1, |lse|) + 2 * e_s          log, max-add and split-merge roundings; logit error
+//   |lse_got - lse| <= 16 * u32 * max(1, |lse|) + 2 * e_s         log, max-add and split-merge roundings; logit error
 //                    + (uniform ? 0 : kSigmas * u32 * sqrt(n))     fp32 accumulation of sum_t p_t
 //
 // with u32 = 2^-24, u_out the unit roundoff of o's dtype (2^-24 / 2^-11 / 2^-8 for fp32 / fp16 / bf16),
@@ -25,9 +25,10 @@
 //
 // The uniform probe. A row whose query is 0 has every logit exactly 0 in any precision: p_t = exp(0) = 1 exactly,
 // sum_t p_t = n exactly in fp32 for n < 2^24, so lse = log(n) up to the log's rounding and the bound on lse is
-// 8 * u32 * max(1, log n). One token missing or duplicated moves lse by log(n / (n - 1)) > 1 / n or
-// log((n + 1) / n) > 1 / (n + 1), which exceeds that bound for every n <= kProbeMaxKeys (2^17 = 131072 keys:
-// log(1 + 2^-17) = 7.6e-6 > 8 * 2^-24 * log(2^17) = 5.6e-6). A wrong page (a page's tokens replaced by another
+// 16 * u32 * max(1, log n). One token missing or duplicated moves lse by log(n / (n - 1)) > 1 / n or
+// log((n + 1) / n) > 1 / (n + 1), which exceeds that bound for every n <= kProbeMaxKeys (2^16 = 65536 keys:
+// log(1 + 2^-16) = 1.5e-5 > 16 * 2^-24 * log(2^16) = 1.06e-5; 16 u32 leaves a GPU's split merge of ~100 partials
+// with approximate exp2 / log2 room: the CPU reference's 8-chunk merge measured 4.5e-7 at 32k). A wrong page (a page's tokens replaced by another
 // page's, the count unchanged) leaves lse alone and moves o by sum over the page of (v' - v) / n, about 16x one
 // token's move at block size 16 and random V, against a bound that has no P term for the probe: at 32k keys, bf16,
 // about 1e-4 against 2^-8 * |o_i| + 5e-7 (|o_i| ~ 3e-3). A token replaced by a wrong token moves o by
@@ -56,7 +57,7 @@ namespace pagedkv::reference {
 }
 
 /// Longest row (keys) for which the uniform probe's lse check rejects one missing or duplicated token.
-inline constexpr std::int64_t kProbeMaxKeys = std::int64_t{1} << 17;
+inline constexpr std::int64_t kProbeMaxKeys = std::int64_t{1} << 16;
 
 /// Standard deviations allowed by the bound's statistical terms.
 inline constexpr double kSigmas = 6.0;
@@ -145,7 +146,7 @@ struct AttentionRowBound {
     b.o[i] = u_out * oi + p_term * row.rms_wv[i] + (8.0 * u32 + 2.0 * e_s) * row.abs_wv[i] +
              kSigmas * u32 * (sqrt_n * oi + row.abs_wv[i]);
   }
-  b.lse = 8.0 * u32 * std::max(1.0, std::abs(row.lse)) + 2.0 * e_s + (row.uniform ? 0.0 : kSigmas * u32 * sqrt_n);
+  b.lse = 16.0 * u32 * std::max(1.0, std::abs(row.lse)) + 2.0 * e_s + (row.uniform ? 0.0 : kSigmas * u32 * sqrt_n);
   return b;
 }
 
