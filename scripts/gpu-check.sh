@@ -16,12 +16,15 @@
 #      `.gpu-deps` is git-ignored: carry it explicitly with the work tree. Nothing else comes from outside the
 #      repository: no Debian packages, no network, no Google Benchmark. ninja is used when present; python3 with
 #      torch is used when present (the SDPA comparison rows), skipped with a note otherwise.
+#   5. for the consumers stage only (else it is "not run" and the verdict INCOMPLETE): .gpu-deps/prefix (OpenSSL
+#      headers + static libcrypto, xxhash.h, CLI11, nlohmann_json), staged by scripts/stage-gpu-deps.sh.
 #
 # One deadline for the whole script (GPU_CHECK_DEADLINE_S, default 420 s: a 15-minute device lease minus start-up,
 # transfers and a margin). Every stage runs under `timeout` with a cap: its share of (deadline - 15 s) plus whatever
-# the stages before it left unused, never past the deadline. Shares: build (configure + build) 34%, GPU tests 27%,
-# benchmark 11%, torch SDPA 5%, memcheck 8%, racecheck 8%, synccheck 3.5%, initcheck 3.5% (the caps at 420 s:
-# 137/109/44/20/32/32/14/14 s, sum 405 s). A stage cut at its cap is reported as "timed out", a stage the deadline
+# the stages before it left unused, never past the deadline. Shares: build (configure + build) 25%, GPU tests 24%,
+# benchmark 8%, torch SDPA 5%, consumers 15%, memcheck 8%, racecheck 8%, synccheck 3.5%, initcheck 3.5% (the caps
+# at 420 s: 101/97/32/20/60/32/32/14/14 s, sum 402 s; the H100 / H200 runs of 2026-11-27 took 24-29 s to build, 15-17
+# s of tests, 1 s of benchmark). A stage cut at its cap is reported as "timed out", a stage the deadline
 # leaves no time for as "not run (deadline)"; neither is ever a pass.
 #
 # Steps: preflight -> device probe (a 20-line program compiled with nvcc; "no CUDA device" stops here, exit 3) ->
@@ -29,7 +32,9 @@
 # fresh random inputs from one seed: PAGEDKV_GPU_SEED) + the host-only launcher tests -> benchmark
 # (bench_kernels --quick --seed: every row the GPU issue asks for, with the copy bandwidth of the same run, every
 # repetition) -> torch scaled_dot_product_attention on the same shapes (benchmarks/cuda/bench_torch_sdpa.py, merged
-# into bench.json) -> compute-sanitizer memcheck, racecheck, then synccheck, initcheck on the reduced "[sanitize]"
+# into bench.json) -> consumers: the top-level project (host library + kernels, against .gpu-deps/prefix), then
+# `examples/decode_loop --device cuda` (two runs, every step checked against float64) and tests/package/cuda built
+# against the installed package and run -> compute-sanitizer memcheck, racecheck, then synccheck, initcheck on the reduced "[sanitize]"
 # grid (every kernel: write_kv, copy_blocks, swap_blocks, decode, prefill) -> verdict.
 #
 # Results in $OUT (default benchmarks/results/<date>-<device>/), at most 4 files (6 with GPU_CHECK_BASELINE_BENCH), no folder: summary.json (rewritten
@@ -46,7 +51,7 @@
 # right after the other (timings compare only within one call), writes ab-base.json and ab-new.json to $OUT (6 files
 # then) and the scripts/bench-compare.py table into summary.txt and logs (ab.txt); summary.json's "ab" says what ran.
 # Exit status: 0 PASS (build ok, every registered GPU test ran and passed, none skipped, host tests passed, the
-# benchmark ran, all four sanitizer tools ran clean); 1 FAIL; 2 REFUSED (preflight); 3 no CUDA device; 4 INCOMPLETE
+# benchmark ran, decode_loop --device cuda and the installed CUDA consumer passed, all four sanitizer tools ran clean); 1 FAIL; 2 REFUSED (preflight); 3 no CUDA device; 4 INCOMPLETE
 # (nothing failed, but a stage was cut by its cap or the deadline, or compute-sanitizer is missing or disabled).
 #
 # Dry run on a machine without a GPU: GPU_CHECK_CONTINUE_WITHOUT_DEVICE=1 goes on past the failed probe to build and
@@ -140,9 +145,9 @@ reserve_s=15  # preflight, probe and the summary (a quarter of a deadline under 
 remaining() { echo $(( deadline_at - $(now) )); }
 
 # Stage table: name, share of (deadline - reserve) in tenths of a percent.
-stage_order=(build tests bench torch memcheck racecheck synccheck initcheck)
-declare -A share=([build]=340 [tests]=270 [bench]=110 [torch]=50 [memcheck]=80 [racecheck]=80 [synccheck]=35
-                  [initcheck]=35)
+stage_order=(build tests bench torch consumers memcheck racecheck synccheck initcheck)
+declare -A share=([build]=250 [tests]=240 [bench]=80 [torch]=50 [consumers]=150 [memcheck]=80 [racecheck]=80
+                  [synccheck]=35 [initcheck]=35)
 declare -A st_cap st_share st_secs st_status st_rc
 for s in "${stage_order[@]}"; do
   st_share[$s]=$(( (deadline_s - reserve_s) * ${share[$s]} / 1000 ))  # fixed: the shares sum to <= deadline - reserve
@@ -341,6 +346,7 @@ finish() {  # STATUS REASON EXIT
       echo "host-only launcher tests: $host_passed passed, $host_failed failed"
       [[ -f "$work/bench.txt" ]] && { echo; tail -n 80 "$work/bench.txt"; }
       [[ -n "$torch_note" ]] && echo "torch SDPA: $torch_note"
+      [[ -n "${consumers_note:-}" ]] && echo "consumers (decode_loop --device cuda, installed CUDA consumer): $consumers_note"
       [[ -n "${ab_note:-}" ]] && echo "before / after (GPU_CHECK_BASELINE_BENCH): $ab_note"
       [[ -s "$work/ab.txt" ]] && cat "$work/ab.txt"
       echo
@@ -505,7 +511,7 @@ if [[ "$mode" == build ]]; then
       GC_ARCH=$arch
     else
       no_bundle
-      for s in tests bench torch memcheck racecheck synccheck initcheck; do st_status[$s]="not run (no build)"; done
+      for s in tests bench torch consumers memcheck racecheck synccheck initcheck; do st_status[$s]="not run (no build)"; done
       finish FAIL "$why" 1
     fi
   else
@@ -650,6 +656,71 @@ fi
 [[ -s "$work/bench.json" ]] && cp -f "$work/bench.json" "$out/bench.json"
 write_summary
 
+# ---- 6b. what the README claims runs: examples/decode_loop --device cuda and the installed CUDA consumer ------------
+# The top-level project (host library + kernels), configured against .gpu-deps/prefix (OpenSSL, xxHash, CLI11,
+# nlohmann_json, staged by scripts/stage-gpu-deps.sh): build decode_loop and run it on the device (every step
+# checked against float64, exit 0), install, then configure / build / run tests/package/cuda against the install
+# (find_package(pagedkv COMPONENTS cuda); exit 0 with a device). Logs: consumers.log.
+consumers_note=""
+deps_prefix="$root/.gpu-deps/prefix"
+if [[ "$mode" == bundle ]]; then
+  skip_stage consumers "not run (prebuilt bundle: no toolchain build)"
+elif [[ ! -f "$deps_prefix/include/openssl/evp.h" || ! -f "$deps_prefix/lib/libcrypto.a" ]]; then
+  skip_stage consumers "not run (missing .gpu-deps/prefix: re-run scripts/stage-gpu-deps.sh)"
+else
+  export GC_PREFIX="$deps_prefix" GC_TOP="$build-top" GC_NODEV=$(( probe_rc != 0 ))
+  run_stage consumers bash -c '
+    set -o pipefail
+    log="$GC_WORK/consumers.log"
+    step() { echo "== $*" >> "$log"; }
+    step "configure the top-level project (tests and benchmarks off)"
+    cmake -S "$GC_ROOT" -B "$GC_TOP" $GC_GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$GC_ARCH" \
+      -DCMAKE_PREFIX_PATH="$GC_PREFIX" -DOPENSSL_ROOT_DIR="$GC_PREFIX" -DOPENSSL_USE_STATIC_LIBS=TRUE \
+      -DPAGEDKV_XXHASH_INCLUDE_DIR="$GC_PREFIX/include" -DPAGEDKV_BUILD_TESTS=OFF -DPAGEDKV_BUILD_BENCHMARKS=OFF \
+      -DPAGEDKV_BUILD_EXAMPLES=ON -DPAGEDKV_ENABLE_EVENTS_ZMQ=OFF -DPAGEDKV_BUILD_PYTHON=OFF \
+      -DCMAKE_INSTALL_PREFIX="$GC_TOP/install" >> "$log" 2>&1 || exit 11
+    step "build decode_loop"
+    cmake --build "$GC_TOP" -j "$GC_JOBS" --target decode_loop >> "$log" 2>&1 || exit 12
+    if (( GC_NODEV )); then
+      step "no CUDA device: decode_loop --device cuda not run"
+    else
+      step "decode_loop --device cuda"
+      "$GC_TOP/examples/decode_loop" --device cuda >> "$log" 2>&1 || exit 13
+      step "decode_loop --device cuda --dtype bf16 --block-size 1 --forks 3"
+      "$GC_TOP/examples/decode_loop" --device cuda --dtype bf16 --block-size 1 --forks 3 >> "$log" 2>&1 || exit 13
+    fi
+    step "install, then tests/package/cuda against the install"
+    cmake --build "$GC_TOP" -j "$GC_JOBS" >> "$log" 2>&1 || exit 14
+    rm -rf "$GC_TOP/install" "$GC_TOP-consumer"
+    cmake --install "$GC_TOP" >> "$log" 2>&1 || exit 14
+    # The installed config calls find_dependency(OpenSSL): the same staged static libcrypto.
+    cmake -S "$GC_ROOT/tests/package/cuda" -B "$GC_TOP-consumer" $GC_GEN -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_PREFIX_PATH="$GC_TOP/install" -DCMAKE_CUDA_ARCHITECTURES="$GC_ARCH" \
+      -DOPENSSL_ROOT_DIR="$GC_PREFIX" -DOPENSSL_USE_STATIC_LIBS=TRUE >> "$log" 2>&1 || exit 15
+    cmake --build "$GC_TOP-consumer" >> "$log" 2>&1 || exit 15
+    rc=0
+    "$GC_TOP-consumer/pagedkv_cuda_consumer" >> "$log" 2>&1 || rc=$?
+    echo "pagedkv_cuda_consumer exit $rc" >> "$log"
+    if (( GC_NODEV )); then [[ $rc == 77 ]] || exit 16; else [[ $rc == 0 ]] || exit 16; fi'
+  rc=$?
+  case $rc in
+    0) consumers_note="decode_loop --device cuda: passed (2 runs); installed CUDA consumer: passed"
+       (( probe_rc != 0 )) && consumers_note="built (no device: decode_loop not run; the consumer exited 77)" ;;
+    11) consumers_note="top-level configure failed (consumers.log)" ;;
+    12) consumers_note="decode_loop did not build (consumers.log)" ;;
+    13) consumers_note="decode_loop --device cuda failed (consumers.log)" ;;
+    14) consumers_note="build or install of the top-level project failed (consumers.log)" ;;
+    15) consumers_note="tests/package/cuda did not configure or build against the install (consumers.log)" ;;
+    16) consumers_note="the installed CUDA consumer failed (consumers.log)" ;;
+    124) consumers_note="cut at its cap (${st_cap[consumers]} s)" ;;
+    125) consumers_note="not run (deadline)" ;;
+    *) consumers_note="failed (rc $rc, consumers.log)" ;;
+  esac
+  (( rc != 0 && rc != 124 && rc != 125 )) && st_status[consumers]="failed: $consumers_note"
+  write_summary
+fi
+say "consumers: ${st_status[consumers]}${consumers_note:+: $consumers_note}"
+
 # ---- 7. compute-sanitizer on the reduced grid ("[sanitize]": every kernel), memcheck and racecheck first ----------
 san=$(command -v compute-sanitizer || true)
 [[ -z "$san" && -x /usr/local/cuda/bin/compute-sanitizer ]] && san=/usr/local/cuda/bin/compute-sanitizer
@@ -718,10 +789,12 @@ elif (( tests_rc != 0 )); then reason="ctest exited $tests_rc (host-only tests: 
 elif (( host_failed > 0 )); then reason="host-only launcher tests failed"
 elif [[ -n "$san_errors" ]]; then reason="compute-sanitizer reported errors: $san_errors(sanitizer_*.log in logs.tar.gz)"
 elif (( bench_rc != 0 && bench_rc != 124 && bench_rc != 125 )); then reason="bench_kernels exited $bench_rc"
+elif [[ "${st_status[consumers]}" == failed* ]]; then reason="consumers stage: $consumers_note"
 fi
 if [[ -n "$reason" ]]; then finish FAIL "$reason" 1; fi
 incomplete=""
 [[ "${st_status[bench]}" == ok ]] || incomplete+="bench ${st_status[bench]}; "
+[[ "${st_status[consumers]}" == ok ]] || incomplete+="consumers ${st_status[consumers]}; "
 for tool in memcheck racecheck synccheck initcheck; do
   [[ "${st_status[$tool]}" == clean* ]] || incomplete+="$tool ${st_status[$tool]}; "
 done

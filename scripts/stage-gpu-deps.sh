@@ -5,11 +5,13 @@
 # repository:
 #  - .gpu-deps/catch2/catch.hpp: the Catch2 2.13 single header (tests/cuda/CMakeLists.txt looks there when
 #    find_package(Catch2) fails);
+#  - .gpu-deps/prefix/: OpenSSL headers + static libcrypto, xxhash.h, CLI11, nlohmann_json, for gpu-check.sh's
+#    consumers stage (the top-level project: examples/decode_loop --device cuda, the installed CUDA consumer);
 #  - .gpu-deps/REVISION: the source revision of the work tree being sent (`git rev-parse HEAD`, the number of
 #    changed or untracked paths from `git status --porcelain`, and the time of staging), because `.git` does not
 #    travel; gpu-check.sh copies it into summary.json. Re-run this script right before every GPU call.
 # That is the whole list: the kernels, the CPU reference and the kernel benchmark need only the repository's headers
-# and the CUDA toolkit (with its CCCL). Carry `.gpu-deps` with the work tree: it is git-ignored, so a copy of
+# and the CUDA toolkit (with its CCCL); the prefix is for the consumers stage only. Carry `.gpu-deps` with the work tree: it is git-ignored, so a copy of
 # "tracked + untracked-not-ignored files" leaves it behind unless named.
 #
 # --bundle (opt-in) also builds here the prebuilt fallback gpu-check.sh runs when the GPU machine's toolchain fails
@@ -49,6 +51,29 @@ printf '*\n' > "$root/.gpu-deps/.gitignore"
 cp "$src" "$root/.gpu-deps/catch2/catch.hpp"
 version=$(grep -m1 -o 'Catch v[0-9.]*' "$src" || echo Catch2)
 printf 'catch2/catch.hpp: %s (from %s)\n' "$version" "$src" > "$root/.gpu-deps/MANIFEST"
+# The consumers stage of gpu-check.sh (examples/decode_loop --device cuda, and tests/package/cuda against an
+# installed pagedkv) configures the top-level project, which needs the host library's dependencies: a prefix with
+# OpenSSL's headers and static libcrypto, xxhash.h, CLI11 and nlohmann_json (headers and CMake configs, which find
+# their prefix relative to themselves). From Debian's libssl-dev, libxxhash-dev, libcli11-dev, nlohmann-json3-dev.
+prefix="$root/.gpu-deps/prefix"
+rm -rf "$prefix"
+mkdir -p "$prefix/include/openssl" "$prefix/lib" "$prefix/share/cmake"
+multiarch=$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)
+for need in /usr/include/openssl/evp.h "/usr/include/$multiarch/openssl/configuration.h" \
+            "/usr/lib/$multiarch/libcrypto.a" /usr/include/xxhash.h /usr/include/CLI/CLI.hpp \
+            /usr/share/cmake/CLI11/CLI11Config.cmake /usr/include/nlohmann/json.hpp \
+            /usr/share/cmake/nlohmann_json/nlohmann_jsonConfig.cmake; do
+  [[ -f "$need" ]] || { echo "stage-gpu-deps: $need not found (apt-get install libssl-dev libxxhash-dev" \
+                             "libcli11-dev nlohmann-json3-dev)" >&2; exit 1; }
+done
+cp /usr/include/openssl/*.h "$prefix/include/openssl/"
+cp "/usr/include/$multiarch/openssl/"*.h "$prefix/include/openssl/"
+cp "/usr/lib/$multiarch/libcrypto.a" "$prefix/lib/"
+cp /usr/include/xxhash.h "$prefix/include/"
+cp -r /usr/include/CLI /usr/include/nlohmann "$prefix/include/"
+cp -r /usr/share/cmake/CLI11 /usr/share/cmake/nlohmann_json "$prefix/share/cmake/"
+printf 'prefix/: OpenSSL %s headers + libcrypto.a, xxhash.h, CLI11, nlohmann_json (the consumers stage)\n' \
+  "$(dpkg-query -W -f='${Version}' libssl-dev 2>/dev/null || echo '?')" >> "$root/.gpu-deps/MANIFEST"
 rev=$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)
 branch=$(git -C "$root" rev-parse --abbrev-ref HEAD 2>/dev/null || echo unknown)
 dirty=$(git -C "$root" status --porcelain 2>/dev/null | grep -vc '^?? \.gpu-deps' || true)

@@ -27,7 +27,10 @@
 //   --quick: the rows the GPU issue asks for (decode grid b 1/64/256 x 4k/32k x heads 32/32, 32/8, 64/8; ragged vs
 //   uniform; block sizes 8-64; fp8 vs bf16 at 4k and 32k; prefill; write_kv; copy_blocks; the copy bandwidth),
 //   5 repetitions; without it also the unsplit / chunk-rule / graph / window rows and the 256-sequence ragged batch.
-// Exit: 0 ran, 2 a CUDA or pagedkv error, 77 no CUDA device.
+// Every decode row checks three sampled output rows (first / middle / last sequence and qo head) of its last timed
+// launch against float64 (pagedkv/reference/attention_check.hpp) before its time is reported: a row that fails is
+// recorded as "wrong_output" with the failed check, never as a number, and the run exits 1.
+// Exit: 0 ran, 1 a sampled output was wrong, 2 a CUDA or pagedkv error, 77 no CUDA device.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -46,6 +49,8 @@
 #include <pagedkv/cuda/launch.hpp>
 #include <pagedkv/decode_plan.hpp>
 #include <pagedkv/kernel_params.hpp>
+#include <pagedkv/reference/attention_check.hpp>
+#include <pagedkv/reference/dtype.hpp>
 
 namespace {
 
@@ -203,7 +208,67 @@ struct Result {
   std::string plan;         // plan summary (decode rows)
   std::string skipped;      // non-empty: not run, why
   std::string unsupported;  // non-empty: the launcher returned kUnsupported (no number)
+  std::string wrong;        // non-empty: a sampled output row failed its float64 check (no number; exit 1)
 };
+
+/// Checks sampled rows of a decode output against float64 before the row's time is reported: rows (sequence,
+/// qo head) = first, middle and last, each recomputed on the host from the device's q, page table and pool
+/// (downloaded page by page: only the row's kv head is used) and held to pagedkv::reference::attention_row_ok
+/// (bf16 output, P rounded to bf16: the tensor-core kernels' precision). Returns "" or the first failure.
+std::string check_decode_sample(const pagedkv::DecodeParams& p, const std::vector<int>& lens,
+                                const std::vector<std::int32_t>& indptr, const std::vector<std::int32_t>& ids,
+                                bool fp8) {
+  BENCH_CUDA(cudaDeviceSynchronize());
+  const int batch = static_cast<int>(lens.size()), hq = p.num_qo_heads, hd = p.kv.head_dim;
+  const int group = hq / p.kv.num_kv_heads, bs = p.kv.block_size;
+  const std::int64_t page = std::int64_t{bs} * p.kv.num_kv_heads * hd;  // elements of K (or V) of one block
+  const std::size_t elem = fp8 ? 1 : 2;
+  const auto value = [&](const std::vector<unsigned char>& raw, std::int64_t i) -> double {
+    if (fp8) return pagedkv::reference::fp8_e4m3_bits_to_float(raw[static_cast<std::size_t>(i)]);
+    std::uint16_t b;
+    std::memcpy(&b, raw.data() + i * 2, 2);
+    return pagedkv::reference::bf16_bits_to_float(b);
+  };
+  const std::pair<int, int> rows[] = {{0, 0}, {batch / 2, hq / 2}, {batch - 1, hq - 1}};
+  for (const auto& [b, h] : rows) {
+    const int len = lens[static_cast<std::size_t>(b)];
+    const auto first = static_cast<int>(p.window.first_needed_token(len, 1));
+    const int n = len - first;
+    std::vector<std::uint16_t> qraw(static_cast<std::size_t>(hd)), oraw(static_cast<std::size_t>(hd));
+    const std::size_t row = static_cast<std::size_t>(b) * hq + h;
+    BENCH_CUDA(cudaMemcpy(qraw.data(), static_cast<const std::uint16_t*>(p.q) + row * hd, hd * 2, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(cudaMemcpy(oraw.data(), static_cast<const std::uint16_t*>(p.o) + row * hd, hd * 2, cudaMemcpyDeviceToHost));
+    float lse = 0;
+    BENCH_CUDA(cudaMemcpy(&lse, p.lse + row, 4, cudaMemcpyDeviceToHost));
+    std::vector<double> q(static_cast<std::size_t>(hd)), k(static_cast<std::size_t>(n) * hd), v(k.size());
+    std::vector<float> o(static_cast<std::size_t>(hd));
+    for (int d = 0; d < hd; ++d) {
+      q[static_cast<std::size_t>(d)] = pagedkv::reference::bf16_bits_to_float(qraw[static_cast<std::size_t>(d)]);
+      o[static_cast<std::size_t>(d)] = pagedkv::reference::bf16_bits_to_float(oraw[static_cast<std::size_t>(d)]);
+    }
+    std::vector<unsigned char> kv(static_cast<std::size_t>(2 * page) * elem);
+    int cur_page = -1;
+    for (int t = first; t < len; ++t) {
+      if (t / bs != cur_page) {
+        cur_page = t / bs;
+        const std::int64_t block = ids[static_cast<std::size_t>(indptr[static_cast<std::size_t>(b)] + cur_page)];
+        BENCH_CUDA(cudaMemcpy(kv.data(), static_cast<const unsigned char*>(p.kv.k) + block * 2 * page * elem,
+                              kv.size(), cudaMemcpyDeviceToHost));
+      }
+      const std::int64_t off = (std::int64_t{t % bs} * p.kv.num_kv_heads + h / group) * hd;  // NHD, K then V
+      for (int d = 0; d < hd; ++d) {
+        k[static_cast<std::size_t>(t - first) * hd + d] = value(kv, off + d);
+        v[static_cast<std::size_t>(t - first) * hd + d] = value(kv, page + off + d);
+      }
+    }
+    const auto want = pagedkv::reference::attention_oracle_row(q.data(), k.data(), v.data(), n, hd, p.sm_scale);
+    std::string why;
+    if (!pagedkv::reference::attention_row_ok(o.data(), lse, true, want, {DType::kBFloat16, 0x1p-8}, hd, &why)) {
+      return "sequence " + std::to_string(b) + ", qo head " + std::to_string(h) + ": " + why;
+    }
+  }
+  return "";
+}
 
 double g_copy_gbps = 0, g_spec_gbps = 0;
 std::vector<double> g_copy_reps_ms;  // every repetition of the device-to-device copy
@@ -360,6 +425,13 @@ Result bench_decode(const DecodeShape& s) {
       2.0 * static_cast<double>(total_tokens) * s.kv_heads * s.head_dim * kv_elem_bytes + 2.0 * q_elems * 2;
   Result r = finish(s.name, t, bytes, s.graph);
   r.plan = plan;
+  // The last timed launch's output, sampled, against float64: a wrong kernel reports no time.
+  if (std::string wrong = check_decode_sample(p, s.lens, indptr, ids, s.fp8); !wrong.empty()) {
+    Result w;
+    w.name = s.name;
+    w.wrong = "sampled output failed its float64 check: " + wrong;
+    r = w;
+  }
   delete d_indptr;
   delete d_ids;
   delete d_last;
@@ -514,7 +586,9 @@ int main(int argc, char** argv) {
   }
   if (!quick) {
     shapes.push_back({"decode b64 kv4096 qo32/kv8 d128 bs16 unsplit", uniform(64, 4096), 32, 8, 128, 16, Split::kUnsplit});
-    shapes.push_back({"decode b64 kv4096 qo32/kv8 d128 bs16", uniform(64, 4096), 32, 8, 128, 16, Split::kPlan, true});
+    // Every row's name is unique (scripts/bench-compare.py keys rows by name and refuses duplicates): the graph
+    // row of the contract shape says so in its name, not only in its mode.
+    shapes.push_back({"decode b64 kv4096 qo32/kv8 d128 bs16 graph", uniform(64, 4096), 32, 8, 128, 16, Split::kPlan, true});
     shapes.push_back({"decode ragged 63x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged, 32, 8, 128, 16, Split::kUnsplit});
     shapes.push_back({"decode b1 kv32768 qo32/kv8 d128 bs16 chunk rule", uniform(1, 32768), 32, 8, 128, 16,
                       Split::kChunkRule});
@@ -529,6 +603,15 @@ int main(int argc, char** argv) {
     shapes.push_back({"decode ragged 255x4096+1x32768 qo32/kv8 d128 bs16", ragged256, 32, 8, 128, 16});
     shapes.push_back({"decode ragged 255x4096+1x32768 qo32/kv8 d128 bs16 unsplit", ragged256, 32, 8, 128, 16,
                       Split::kUnsplit});
+  }
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (shapes[i].name == shapes[j].name) {
+        std::fprintf(stderr, "bench_kernels: rows %zu and %zu are both named \"%s\" (row names must be unique)\n", j,
+                     i, shapes[i].name.c_str());
+        return 2;
+      }
+    }
   }
   const auto want = [&](const std::string& name) { return only.empty() || name.find(only) != std::string::npos; };
   for (const auto& s : shapes) {
@@ -618,6 +701,10 @@ int main(int argc, char** argv) {
       std::printf("%-60s unsupported: %s\n", r.name.c_str(), r.unsupported.c_str());
       continue;
     }
+    if (!r.wrong.empty()) {
+      std::printf("%-60s WRONG OUTPUT: %s\n", r.name.c_str(), r.wrong.c_str());
+      continue;
+    }
     std::printf("%-60s %6s %5d %10.1f %9.1f %6.1f%% %6.1f%%  %s\n", r.name.c_str(), r.mode.c_str(), r.per_event,
                 r.ms * 1e3, r.gbps, 100 * r.frac_copy, 100 * r.frac_spec, r.plan.c_str());
   }
@@ -652,6 +739,9 @@ int main(int argc, char** argv) {
       } else if (!r.unsupported.empty()) {
         std::fprintf(f, "    {\"name\": \"%s\", \"unsupported\": \"%s\"}", json_escape(r.name).c_str(),
                      json_escape(r.unsupported).c_str());
+      } else if (!r.wrong.empty()) {
+        std::fprintf(f, "    {\"name\": \"%s\", \"wrong_output\": \"%s\"}", json_escape(r.name).c_str(),
+                     json_escape(r.wrong).c_str());
       } else {
         std::string reps;
         for (std::size_t k = 0; k < r.reps_ms.size(); ++k) {
@@ -673,5 +763,11 @@ int main(int argc, char** argv) {
     std::fclose(f);
   }
   BENCH_CUDA(cudaStreamDestroy(g_stream));
+  for (const auto& r : results) {
+    if (!r.wrong.empty()) {
+      std::fprintf(stderr, "bench_kernels: %s: wrong output (%s)\n", r.name.c_str(), r.wrong.c_str());
+      return 1;
+    }
+  }
   return 0;
 }

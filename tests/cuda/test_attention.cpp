@@ -6,6 +6,7 @@
 // reference executing the very same list.
 #include "gpu_test_util.hpp"
 
+#include <pagedkv/reference/attention_check.hpp>
 #include <pagedkv/reference/decode.hpp>
 #include <pagedkv/reference/prefill.hpp>
 
@@ -80,6 +81,11 @@ struct DecodeCase {
   int plan_min_chunk = 256;
   int plan_heads_per_tile = 0;  // 0 = cuda::decode_heads_per_tile
   float q_scale = 1.f;          // q drawn from [-q_scale, q_scale): large values put the logits near fp32's exp range
+  // The one-wrong-token check (pagedkv/reference/attention_check.hpp): probe = the first query head of every group
+  // has q = 0 (uniform attention; every row is then also held to attention_row_ok); plant = an error planted in the
+  // launch's page table (CSR only), which the probe rows of sequence 0 must reject.
+  bool probe = false;
+  enum class Plant { kNone, kWrongPage, kLastTokenMissing } plant = Plant::kNone;
 };
 
 std::string describe(const DecodeCase& c) {
@@ -142,6 +148,13 @@ void run_decode(const DecodeCase& c) {
   Tensor q(c.dt, std::int64_t{batch} * hq * c.head_dim);
   q.randomize(r);
   scale_tensor(q, c.q_scale);
+  if (c.probe) {
+    for (std::int64_t row = 0; row < std::int64_t{batch} * hq; ++row) {
+      if ((row % hq) % c.group != 0) continue;
+      for (int d = 0; d < c.head_dim; ++d) store_elem(q.host.data(), row * c.head_dim + d, c.dt, 0.f);
+    }
+    q.dev.upload(q.host.data(), q.host.size());
+  }
   Tensor o(c.dt, q.n);
   o.dev.poison();
   DevBuf lse(static_cast<std::size_t>(batch) * hq * sizeof(float));
@@ -155,10 +168,32 @@ void run_decode(const DecodeCase& c) {
   p.pages = bt.dev_table(c.fmt);
   p.num_qo_heads = hq;
   p.sm_scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  // A planted error: the launch reads a page table that differs from the batch's in one entry of sequence 0.
+  std::vector<std::int32_t> bad_indices = bt.indices, bad_last = bt.last_page_len;
+  std::vector<int> launch_lens = c.lens;
+  DevBuf d_bad_indices, d_bad_last;
+  if (c.plant != DecodeCase::Plant::kNone) {
+    REQUIRE(c.fmt == PageTableFormat::kCsr);
+    REQUIRE(batch >= 2);
+    REQUIRE(c.lens[0] >= 2 * c.block_size);
+    REQUIRE(c.lens[1] >= c.lens[0]);
+    if (c.plant == DecodeCase::Plant::kWrongPage) {
+      const int j = static_cast<int>(bt.pages[0].size()) / 2;  // a middle page of sequence 0 -> sequence 1's page j
+      bad_indices[static_cast<std::size_t>(bt.indptr[0] + j)] = bt.pages[1][static_cast<std::size_t>(j)];
+    } else {
+      REQUIRE(c.lens[0] % c.block_size != 1);  // the last page keeps >= 1 token
+      bad_last[0] -= 1;
+      launch_lens[0] -= 1;
+    }
+    d_bad_indices = DevBuf::from(bad_indices);
+    d_bad_last = DevBuf::from(bad_last);
+    p.pages = PageTable::csr(batch, bt.d_indptr.as<std::int32_t>(), d_bad_indices.as<std::int32_t>(),
+                             d_bad_last.as<std::int32_t>());
+  }
   DevBuf ws;
   DevicePlan dplan;
   if (c.plan) {
-    dplan = make_device_plan(c.lens, plan_config(c, hq));
+    dplan = make_device_plan(launch_lens, plan_config(c, hq));
     INFO("plan: " << dplan.info.num_items << " items, " << dplan.info.num_merges << " merges, T = "
                   << dplan.info.chunk_target_tokens);
     p.workspace_bytes = std::max<std::size_t>(dplan.info.workspace_bytes, 16);
@@ -207,6 +242,49 @@ void run_decode(const DecodeCase& c) {
     attend(hv, bt, b, h / c.group, qf.data() + row * c.head_dim, c.lens[b], p.sm_scale,
            ref.o.data() + row * c.head_dim, &ref.lse[row]);
   });
+  if (c.probe || c.plant != DecodeCase::Plant::kNone) {
+    // Every row against the bound of attention_check.hpp (P rounded to T in the tensor-core kernel: the model's
+    // p_roundoff is T's unit roundoff for fp16 / bf16, whichever kernel ran; fp32 for fp32).
+    const pagedkv::reference::AttentionPrecision prec{
+        c.dt, c.dt == DType::kFloat32 ? 0x1p-24 : pagedkv::reference::unit_roundoff(c.dt)};
+    std::vector<int> bad_rows(static_cast<std::size_t>(batch) * hq, 0);
+    std::vector<std::string> whys(bad_rows.size());
+    parallel_for(std::int64_t{batch} * hq, [&](std::int64_t row) {
+      const int b = static_cast<int>(row / hq), h = static_cast<int>(row % hq);
+      const int n = c.lens[b], hd = c.head_dim;
+      std::vector<double> kd(static_cast<std::size_t>(n) * hd), vd(kd.size()), qd(static_cast<std::size_t>(hd));
+      for (int t = 0; t < n; ++t) {
+        const std::int64_t off = hv.offset(bt.pages[b][t / hv.block_size], t % hv.block_size, h / c.group);
+        for (int d = 0; d < hd; ++d) {
+          kd[static_cast<std::size_t>(t) * hd + d] = load_elem(hv.k, off + d, hv.dtype);
+          vd[static_cast<std::size_t>(t) * hd + d] = load_elem(hv.v, off + d, hv.dtype);
+        }
+      }
+      for (int d = 0; d < hd; ++d) qd[static_cast<std::size_t>(d)] = qf[static_cast<std::size_t>(row * hd + d)];
+      const auto orow = pagedkv::reference::attention_oracle_row(qd.data(), kd.data(), vd.data(), n, hd, p.sm_scale);
+      bad_rows[static_cast<std::size_t>(row)] =
+          pagedkv::reference::attention_row_ok(got.data() + row * hd, got_lse[static_cast<std::size_t>(row)], true,
+                                               orow, prec, hd, &whys[static_cast<std::size_t>(row)])
+              ? 0
+              : 1;
+    });
+    if (c.plant != DecodeCase::Plant::kNone) {
+      // The probe rows of sequence 0 (head 0 of each group) must reject the planted error.
+      int rejected = 0;
+      for (int h = 0; h < hq; h += c.group) rejected += bad_rows[static_cast<std::size_t>(h)];
+      INFO("probe rows of sequence 0 that rejected the planted error: " << rejected << " of " << hq / c.group
+                                                                        << "; first: " << whys[0]);
+      CHECK(rejected == hq / c.group);
+      return;  // the output is wrong on purpose: the checks below do not apply
+    }
+    for (std::size_t row = 0; row < bad_rows.size(); ++row) {
+      if (bad_rows[row] == 0) continue;
+      INFO("row " << row << " (sequence " << row / static_cast<std::size_t>(hq) << ", head "
+                  << row % static_cast<std::size_t>(hq) << "): " << whys[row]);
+      CHECK(bad_rows[row] == 0);
+      break;
+    }
+  }
   const double err = row_rel_error(got, ref.o, c.head_dim);
   INFO("max row-relative error vs float64 oracle: " << err);
   CHECK(err <= o_tolerance(c.dt, c.q_scale));
@@ -336,6 +414,51 @@ TEST_CASE("decode with the real device's plan: batch 1 x 32k, and a ragged batch
     DecodeCase c{DType::kBFloat16, 128, 4, 16, PageTableFormat::kPadded, false, Layout::kNhd, lens};
     c.kv_heads = 2;
     c.plan = true;
+    run_decode(c);
+  }
+}
+
+// The one-wrong-token check on the device kernels (pagedkv/reference/attention_check.hpp; its CPU proof is
+// tests/unit/test_reference_one_token.cpp): every row within the per-element bound, and a planted wrong page or
+// missing last token of a 32k-token sequence rejected by the uniform probe (q = 0) rows. Tensor-core decode (group
+// 4, fp16 / bf16, head_dim 64 / 128) and the CUDA-core kernel (fp32; bf16 at head_dim 256), real device plans; the
+// planted errors on bf16 x 128 and fp16 x 64.
+TEST_CASE("decode: the one-wrong-token check passes correct output and rejects a planted wrong page or missing token",
+          "[decode][plan][long]") {
+  for (const auto& [dt, hd] : {std::pair{DType::kBFloat16, 128}, std::pair{DType::kFloat16, 64},
+                               std::pair{DType::kBFloat16, 64}, std::pair{DType::kFloat16, 128},
+                               std::pair{DType::kFloat32, 128}, std::pair{DType::kBFloat16, 256}}) {
+    for (const auto plant : {DecodeCase::Plant::kNone, DecodeCase::Plant::kWrongPage,
+                             DecodeCase::Plant::kLastTokenMissing}) {
+      // Planted errors on the two tensor-core cases only (host time: each run is a 64k-token float64 oracle).
+      const bool tc_case = (dt == DType::kBFloat16 && hd == 128) || (dt == DType::kFloat16 && hd == 64);
+      if (plant != DecodeCase::Plant::kNone && !tc_case) continue;
+      DecodeCase c{dt, hd, 4, 16, PageTableFormat::kCsr, false, Layout::kNhd, {32768 - 5, 32768}};
+      c.kv_heads = 2;
+      c.plan = true;
+      c.probe = true;
+      c.plant = plant;
+      c.seed = 36;
+      INFO("plant " << static_cast<int>(plant));
+      run_decode(c);
+    }
+  }
+}
+
+// Batch above 64 (the benchmark's b256 rows, timed but never checked before): 256 ragged sequences with the real
+// device's plan, tensor-core (bf16 x 128, fp16 x 64, group 4) and CUDA-core (fp32, group 8) decode.
+TEST_CASE("decode with the real device's plan at batch 256", "[decode][plan]") {
+  std::uint64_t seed = 256000;
+  for (const auto& [dt, hd, group] : {std::tuple{DType::kBFloat16, 128, 4}, std::tuple{DType::kFloat16, 64, 4},
+                                      std::tuple{DType::kFloat32, 128, 8}}) {
+    Rng lr(seed);
+    std::vector<int> lens(256);
+    for (int& len : lens) len = lr.range(1, 600);
+    lens[7] = 0;
+    lens[100] = 2048;
+    DecodeCase c{dt, hd, group, 16, PageTableFormat::kCsr, false, Layout::kNhd, lens};
+    c.plan = true;
+    c.seed = seed++;
     run_decode(c);
   }
 }
@@ -505,10 +628,12 @@ TEST_CASE("prefill with GQA group 8 for every dtype and head dim", "[prefill]") 
 // Block sizes that are not powers of two (12, 24, 48) and above 64 (128, 256): the kernels divide by the block size
 // (no shift or mask), so every one must work. Decode through the chunk rule and a work list, prefill over a cached
 // prefix, both page-table forms.
-TEST_CASE("decode and prefill with block sizes that are not powers of two, and above 64", "[decode][prefill][block_size]") {
+TEST_CASE("decode and prefill with block sizes that are not powers of two, and above 64 (up to 2048)",
+          "[decode][prefill][block_size]") {
   std::uint64_t seed = 12000;
   int li = 0;
-  for (int bs : {12, 24, 48, 128, 256}) {
+  // 512-2048: the coarse pages of KV-cache groups (docs/groups.md) reach the kernels at these block sizes.
+  for (int bs : {12, 24, 48, 128, 256, 512, 1024, 2048}) {
     for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
       Rng lr(seed);
       const std::vector<int> lens{lr.range(1, bs - 1), bs, lr.range(3 * bs + 1, 5 * bs), 0, lr.range(200, 700)};

@@ -143,13 +143,15 @@ struct Pages {
 /// Runs one fp8 decode (chunk rule with max_num_chunks `chunks`, or a plan when `plan`) and one prefill on the GPU
 /// and checks them against the float64 oracle. Returns nothing; CHECKs inside.
 void check_attention(DType dt, int hd, int bs, int group, bool hnd, int chunks, bool plan, std::uint64_t seed,
-                     bool small) {
+                     bool small, bool long_seqs = false) {
   INFO(dtype_name(dt) << " hd=" << hd << " bs=" << bs << " group=" << group << (hnd ? " HND" : " NHD")
                       << " chunks=" << chunks << (plan ? " plan" : " chunk-rule"));
   Rng r(seed);
   const int kv_heads = 2;
   const int hq = kv_heads * group;
-  const std::vector<int> lens = small ? std::vector<int>{5, 17} : std::vector<int>{1, 40, 0, 129, 77};
+  const std::vector<int> lens = small       ? std::vector<int>{5, 17}
+                                : long_seqs ? std::vector<int>{1, 40, 0, 129, 700, 1500, 4100}
+                                            : std::vector<int>{1, 40, 0, 129, 77};
   const int batch = static_cast<int>(lens.size());
   int total_pages = 0;
   for (int len : lens) total_pages += (len + bs - 1) / bs;
@@ -410,6 +412,21 @@ TEST_CASE("fp8 decode and prefill match float64 on the dequantized K/V within 1e
         check_attention(dt, hd, bs, group, (seed & 1) != 0, 0, true, seed, false);
         ++seed;
       }
+    }
+  }
+}
+
+// Above 129 tokens (the grid above stops there): 700 / 1500 / 4100-token sequences, chunk rule and the real plan,
+// tensor-core (fp16 / bf16 x 64 / 128) and CUDA-core (fp32, head_dim 256) decode over fp8 pools.
+TEST_CASE("fp8 decode and prefill above 129 tokens", "[fp8][decode][prefill]") {
+  std::uint64_t seed = 1300;
+  for (DType dt : kFp8DTypes) {
+    for (int hd : {64, 128, 256}) {
+      const int bs = hd == 64 ? 32 : 16;
+      check_attention(dt, hd, bs, 4, (seed & 1) != 0, 4, false, seed, false, true);
+      ++seed;
+      check_attention(dt, hd, bs, 4, (seed & 1) != 0, 0, true, seed, false, true);
+      ++seed;
     }
   }
 }

@@ -102,10 +102,10 @@ std::vector<WindowCase> window_cases(int bs) {
 }
 
 /// Decode lengths around the window edges (0, 1, W - 1, W, W + 1, W + k bs, W + k bs + r, C, C + 1, 2C + r, long).
-std::vector<int> decode_lengths(Rng& r, int bs, const AttentionWindow& w) {
+std::vector<int> decode_lengths(Rng& r, int bs, const AttentionWindow& w, int max_len = 700) {
   std::vector<int> lens = {0, 1, r.range(150, 400)};
   const auto add = [&](long v) {
-    if (v >= 1 && v <= 700) lens.push_back(static_cast<int>(v));
+    if (v >= 1 && v <= max_len) lens.push_back(static_cast<int>(v));
   };
   const int W = w.sliding_window_tokens, C = w.attention_chunk_tokens;
   if (W > 0) {
@@ -144,6 +144,7 @@ struct WindowDecodeCase {
   DecodeMode mode;
   std::uint64_t seed;
   int kv_heads = 2;
+  int max_len = 700;  // longest sequence decode_lengths may add (windows above 700 tokens need longer ones)
 };
 
 void run_window_decode(const WindowDecodeCase& c) {
@@ -153,7 +154,7 @@ void run_window_decode(const WindowDecodeCase& c) {
                         << c.wc.w.attention_chunk_tokens << ") " << mode_name(c.mode) << " seed " << c.seed);
   Rng r(c.seed);
   const int hq = c.kv_heads * c.group;
-  const std::vector<int> lens = decode_lengths(r, c.block_size, c.wc.w);
+  const std::vector<int> lens = decode_lengths(r, c.block_size, c.wc.w, c.max_len);
   INFO("lengths " << Catch::Detail::stringify(lens));
   const int batch = static_cast<int>(lens.size());
   int need = 1;
@@ -399,6 +400,29 @@ TEST_CASE("decode with sliding windows and chunked-local attention: null pages n
             ++i;
           }
         }
+      }
+    }
+  }
+}
+
+// Windows above 700 tokens (the grid above stays under 700): sliding windows of 1000 and 4096 tokens,
+// chunked-local 8192, and both, on sequences up to 2C + r tokens, tensor-core (fp16 / bf16 x 128, group 4) and
+// CUDA-core (fp32) decode, every decode mode.
+TEST_CASE("decode with windows above 700 tokens: null pages never read, float64 oracle", "[window]") {
+  std::uint64_t seed = 21000;
+  int i = 0;
+  const WindowCase long_cases[] = {{"W = 1000", {1000, 0}},
+                                   {"W = 4096", {4096, 0}},
+                                   {"C = 8192", {0, 8192}},
+                                   {"W = 1500 with C = 4096", {1500, 4096}}};
+  for (DType dt : kDTypes) {
+    for (const WindowCase& wc : long_cases) {
+      for (DecodeMode mode : kModes) {
+        WindowDecodeCase c{dt, 128, 4, 16, i % 2 ? PageTableFormat::kCsr : PageTableFormat::kPadded, kLayouts[i % 5],
+                           wc, mode, seed++};
+        c.max_len = 20000;
+        run_window_decode(c);
+        ++i;
       }
     }
   }

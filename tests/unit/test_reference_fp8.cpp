@@ -371,11 +371,14 @@ const char* dt_name(DType dt) { return dt == DType::kFloat32 ? "fp32" : dt == DT
 
 constexpr int kKvHeads = 2;
 
-void decode_run(std::mt19937_64& rng, DType dt, int group, int dim, int bs, int layout, Stats& st) {
+/// One decode check over 4 sequences (0, 1, 2-100, 150-300 tokens) plus one of extra_len tokens when > 0.
+void decode_run_extra(std::mt19937_64& rng, DType dt, int group, int dim, int bs, int layout, Stats& st,
+                      int extra_len) {
   const int hq = kKvHeads * group;
   const int long_len = std::uniform_int_distribution<int>(150, 300)(rng);
   const int mid_len = std::uniform_int_distribution<int>(2, 100)(rng);
   std::vector<int> lens = {mid_len, 0, 1, long_len};
+  if (extra_len > 0) lens.push_back(extra_len);
   std::shuffle(lens.begin(), lens.end(), rng);
   Setup s = make_setup(rng, lens, dt, layout, bs, kKvHeads, dim);
   const int batch = static_cast<int>(lens.size());
@@ -423,7 +426,8 @@ void decode_run(std::mt19937_64& rng, DType dt, int group, int dim, int bs, int 
       std::vector<float> ws;
       if (split) {
         p.kv_chunk_size_tokens = std::uniform_int_distribution<int>(5, 80)(rng);
-        p.max_num_chunks = static_cast<std::int32_t>(ref::num_kv_chunks(long_len, p.kv_chunk_size_tokens));
+        p.max_num_chunks =
+            static_cast<std::int32_t>(ref::num_kv_chunks(std::max(long_len, extra_len), p.kv_chunk_size_tokens));
         ws.resize(pagedkv::decode_workspace_bytes(batch, p.max_num_chunks, hq, dim) / sizeof(float));
         p.workspace = ws.data();
         p.workspace_bytes = ws.size() * sizeof(float);
@@ -439,6 +443,10 @@ void decode_run(std::mt19937_64& rng, DType dt, int group, int dim, int bs, int 
       st.add(e_deq, e_unq);
     }
   }
+}
+
+void decode_run(std::mt19937_64& rng, DType dt, int group, int dim, int bs, int layout, Stats& st) {
+  decode_run_extra(rng, dt, group, dim, bs, layout, st, 0);
 }
 
 void prefill_run(std::mt19937_64& rng, DType dt, int group, int dim, int bs, int layout, Stats& st) {
@@ -535,6 +543,23 @@ void grid(const char* op, Run run) {
 
 TEST_CASE("reference::decode over an fp8 e4m3 pool matches the float64 oracle", "[reference][fp8][decode]") {
   grid("decode", decode_run);
+}
+
+TEST_CASE("reference::decode over an fp8 e4m3 pool with 1500- and 4100-token sequences", "[reference][fp8][decode]") {
+  // The grid above stops at 300 tokens; the GPU test family fp8 now runs 700 / 1500 / 4100 (issue 36).
+  const std::uint64_t seed = std::random_device{}();
+  std::mt19937_64 rng(seed);
+  Stats st;
+  int layout = 0;
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    for (int dim : {64, 128}) {
+      for (int extra : {1500, 4100}) {
+        CAPTURE(seed, dt_name(dt), dim, extra, layout);
+        decode_run_extra(rng, dt, 4, dim, 16, layout, st, extra);
+        layout = (layout + 1) % 4;
+      }
+    }
+  }
 }
 
 TEST_CASE("reference::prefill over an fp8 e4m3 pool matches the float64 oracle", "[reference][fp8][prefill]") {

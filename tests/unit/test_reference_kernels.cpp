@@ -733,6 +733,16 @@ TEST_CASE("reference::decode matches the float64 oracle, bf16", "[reference][dec
   decode_grid(DType::kBFloat16);
 }
 
+TEST_CASE("reference::decode with block sizes 512-2048 (coarse pages) matches the float64 oracle",
+          "[reference][decode][block_size]") {
+  // The coarse pages of KV-cache groups (docs/groups.md) reach the kernels at 512-2048 tokens per block; the grid
+  // above stops at 64. Lengths: 0, 1, one whole block, 200-300 and 2-100 tokens (partial pages), every mode of
+  // run_decode_case (CSR / padded, split off / on, a random plan). The GPU test family block_sizes runs them too.
+  const DType dtype = GENERATE(DType::kFloat32, DType::kFloat16, DType::kBFloat16);
+  const int block_size = GENERATE(512, 1024, 2048);
+  run_decode_case({dtype, 4, 128, block_size, Layout::kNhd});
+}
+
 TEST_CASE("reference::decode is bit-identical for every thread count", "[reference][decode][threads]") {
   const std::uint64_t seed = fresh_seed();
   CAPTURE(seed);
@@ -1333,10 +1343,10 @@ constexpr int kNumWindowCases = 7;
 /// Decode lengths that put the window edge everywhere that matters: padding (0), 1 token, W - 1, W, W + 1 (all of
 /// the sequence visible, exactly W, one token masked), W + k*bs (first visible token on a block boundary), W + k*bs
 /// + r (inside a block), C and C + 1 (the query at the end / the start of a chunk), 2C + r, 3C, and a long one.
-std::vector<int> window_decode_lengths(Rng& rng, int bs, const AttentionWindow& w) {
+std::vector<int> window_decode_lengths(Rng& rng, int bs, const AttentionWindow& w, int max_len = 600) {
   std::vector<int> lens = {0, 1, uniform(rng, 150, 300)};
   const auto add = [&](std::int64_t v) {
-    if (v >= 1 && v <= 600) lens.push_back(static_cast<int>(v));
+    if (v >= 1 && v <= max_len) lens.push_back(static_cast<int>(v));
   };
   const int W = w.sliding_window_tokens, C = w.attention_chunk_tokens;
   if (W > 0) {
@@ -1394,6 +1404,7 @@ struct WindowRun {
   int group, head_dim, block_size;
   Layout layout;
   WindowCase wc;
+  int max_len = 600;  // longest sequence window_decode_lengths may add
 };
 
 void run_window_decode_case(const WindowRun& c, WindowStats& stats) {
@@ -1403,7 +1414,7 @@ void run_window_decode_case(const WindowRun& c, WindowStats& stats) {
   Rng rng(seed);
   const AttentionWindow w{c.wc.window, c.wc.chunk};
   const int hq = kNumKvHeads * c.group, dim = c.head_dim;
-  const PagedBatch pb = make_batch(rng, window_decode_lengths(rng, c.block_size, w), c.block_size);
+  const PagedBatch pb = make_batch(rng, window_decode_lengths(rng, c.block_size, w, c.max_len), c.block_size);
   const int batch = pb.batch();
   CAPTURE(pb.kv_lens);
   TestPool pool(c.layout, c.dtype, pb.num_blocks, c.block_size, kNumKvHeads, dim);
@@ -1534,6 +1545,20 @@ void window_decode_grid(DType dtype, WindowStats& stats) {
 }
 
 }  // namespace
+
+TEST_CASE("reference::decode with windows above 700 tokens matches the float64 oracle", "[reference][decode][window]") {
+  // The grid below keeps sequences under 600 tokens; these windows need longer ones (up to 3C): W = 1000, W = 4096,
+  // C = 8192, W = 1500 with C = 4096, block size 16, every decode mode of run_window_decode_case. The GPU family
+  // cuda.window runs the same window cases.
+  static WindowStats stats;
+  const DType dtype = GENERATE(DType::kFloat32, DType::kFloat16, DType::kBFloat16);
+  const int case_i = GENERATE(0, 1, 2, 3);
+  const WindowCase cases[] = {{"W = 1000", 1000, 0}, {"W = 4096", 4096, 0}, {"C = 8192", 0, 8192},
+                              {"W = 1500 with C = 4096", 1500, 4096}};
+  WindowRun run{dtype, 4, 64, 16, kAllLayouts[sz(case_i) % 5], cases[case_i]};
+  run.max_len = 30000;
+  run_window_decode_case(run, stats);
+}
 
 TEST_CASE("reference::decode with sliding windows and chunked-local attention matches the float64 oracle",
           "[reference][decode][window]") {
