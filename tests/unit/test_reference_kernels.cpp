@@ -20,6 +20,8 @@
 //    max_num_chunks = needed + 0..2) and with a random length-aware plan (plan_decode on a small random "device",
 //    random head tile, executed through decode(p, work_list)), against the oracle and split against no split. The layout is cycled over the
 //    runs (each layout meets every value of every other axis); fp16 / group 1 / head_dim 64 runs all 5 layouts.
+//  - decode at batch 65 and 256 (fp16 / bf16): ragged lengths through plan_decode's plan for a 132-SM device, every
+//    row element by element against the float64 bound of attention_check.hpp, CSR and padded.
 //  - prefill: dtype x group x block_size = 45 runs, head_dim and layout cycled. 5 sequences: prefix 0 (q_len =
 //    kv_len in 1..24), prefix > 0 with one query (kv 25..100), prefix > 0 with q_len 1..min(kv - 1, 24) (kv
 //    2..100), kv 1..60 with no query, and an empty one; CSR and padded tables.
@@ -54,6 +56,7 @@
 #include <vector>
 
 #include <pagedkv/reference/all.hpp>
+#include <pagedkv/reference/attention_check.hpp>
 
 namespace {
 
@@ -741,6 +744,92 @@ TEST_CASE("reference::decode with block sizes 512-2048 (coarse pages) matches th
   const DType dtype = GENERATE(DType::kFloat32, DType::kFloat16, DType::kBFloat16);
   const int block_size = GENERATE(512, 1024, 2048);
   run_decode_case({dtype, 4, 128, block_size, Layout::kNhd});
+}
+
+// Batches above 64 (the GPU benchmark's b256 rows are timed at this size): 65 and 256 sequences of ragged lengths
+// (1..600 tokens, one of 2000..3000 that the plan splits, one empty) through plan_decode's plan for a 132-SM device
+// (6 CTAs per SM, the default cost model, the tensor-core kernel's head tile = the group), CSR and padded tables,
+// every (sequence, head) row held element by element to the float64 bound of attention_check.hpp (the check that
+// rejects one wrong token) with the output poisoned with NaN beforehand.
+TEST_CASE("reference::decode at batch 65 and 256 through plan_decode passes the per-element float64 check",
+          "[reference][decode][batch]") {
+  const int batch = GENERATE(65, 256);
+  const DType dtype = GENERATE(DType::kFloat16, DType::kBFloat16);
+  const std::uint64_t seed = fresh_seed();
+  const std::string dtype_s = dtype_name(dtype);
+  CAPTURE(seed, batch, dtype_s);
+  Rng rng(seed);
+  constexpr int kGroup = 4, dim = 64, bs = 16;
+  const int hq = kNumKvHeads * kGroup;
+  std::vector<int> lens(sz(batch));
+  for (int& l : lens) l = uniform(rng, 1, 600);
+  const int long_b = uniform(rng, 0, batch - 1);
+  lens[sz(long_b)] = uniform(rng, 2000, 3000);
+  lens[sz((long_b + uniform(rng, 1, batch - 1)) % batch)] = 0;  // a padding sequence
+  const PagedBatch pb = make_batch(rng, lens, bs);
+  const Layout layout = batch == 65 ? Layout::kNhd : Layout::kHnd;
+  TestPool pool(layout, dtype, pb.num_blocks, bs, kNumKvHeads, dim);
+  fill_sequences(pool, pb, rng);
+  Raw q(dtype, std::int64_t{batch} * hq * dim);
+  q.fill_random(rng, 0.1f, 2.0f);
+  const float sm_scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  const std::vector<double> qd = q.to_double();
+  std::vector<ref::AttentionOracleRow> want(sz(batch) * sz(hq));
+  for (int b = 0; b < batch; ++b) {
+    for (int kvh = 0; kvh < kNumKvHeads; ++kvh) {
+      const Gathered g = gather(pool, pb.pages[b], pb.kv_lens[b], kvh);
+      for (int h = kvh * kGroup; h < (kvh + 1) * kGroup; ++h) {
+        const std::size_t row = sz(b) * sz(hq) + sz(h);
+        want[row] = ref::attention_oracle_row(qd.data() + row * sz(dim), g.k.data(), g.v.data(), g.n, dim,
+                                              static_cast<double>(sm_scale));
+      }
+    }
+  }
+
+  pagedkv::DecodePlanConfig cfg;
+  cfg.num_qo_heads = hq;
+  cfg.num_kv_heads = kNumKvHeads;
+  cfg.head_dim = dim;
+  cfg.heads_per_tile = kGroup;
+  cfg.num_sms = 132;
+  cfg.ctas_per_sm = 6;
+  const pagedkv::DecodePlanCapacity cap = pagedkv::decode_plan_capacity(batch, cfg);
+  std::vector<pagedkv::DecodeWorkItem> items(sz(cap.items));
+  std::vector<pagedkv::DecodeMergeItem> merges(sz(cap.merges));
+  pagedkv::DecodePlanInfo info;
+  REQUIRE_STATUS(pagedkv::plan_decode(pb.seq_lens, cfg, {items, merges, cap.partial_rows}, &info), Status::kSuccess);
+  CAPTURE(info.num_items, info.num_merges, info.chunk_target_tokens);
+  CHECK(info.num_merges >= 1);  // the long sequence is split: the merge is part of what is checked
+  for (const PageTableFormat fmt : {PageTableFormat::kCsr, PageTableFormat::kPadded}) {
+    const std::string table = fmt == PageTableFormat::kCsr ? "csr" : "padded";
+    CAPTURE(table);
+    Raw o(dtype, std::int64_t{batch} * hq * dim);  // NaN-filled: every element must be written
+    std::vector<float> lse(sz(batch) * sz(hq), std::numeric_limits<float>::quiet_NaN());
+    std::vector<float> ws(info.workspace_bytes / sizeof(float) + 1, std::numeric_limits<float>::quiet_NaN());
+    DecodeParams p;
+    p.q = q.data();
+    p.o = o.data();
+    p.lse = lse.data();
+    p.kv = pool.view;
+    p.pages = pb.table(fmt);
+    p.num_qo_heads = hq;
+    p.sm_scale = sm_scale;
+    p.workspace = ws.data();
+    p.workspace_bytes = ws.size() * sizeof(float);
+    REQUIRE_STATUS(ref::decode(p, info.work_list, 2), Status::kSuccess);
+    const std::vector<double> od = o.to_double();
+    const std::vector<float> of(od.begin(), od.end());  // exact: every value is a T
+    int failed = 0;
+    std::string first_why;
+    for (std::size_t row = 0; row < want.size(); ++row) {
+      std::string why;
+      if (!ref::attention_row_ok(of.data() + row * sz(dim), lse[row], true, want[row], {dtype, 0x1p-24}, dim, &why)) {
+        if (failed++ == 0) first_why = "row " + std::to_string(row) + ": " + why;
+      }
+    }
+    INFO(failed << " of " << want.size() << " rows outside the bound; first: " << first_why);
+    CHECK(failed == 0);
+  }
 }
 
 TEST_CASE("reference::decode is bit-identical for every thread count", "[reference][decode][threads]") {

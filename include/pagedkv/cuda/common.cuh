@@ -295,6 +295,108 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return u;
 }
 
+// ---- the warp-level attention steps the tensor-core decode and prefill share (one 16-row warp tile; lane = 4 g + t
+// holds rows g and g + 8 of every fragment; the FlashAttention-2 online softmax in base 2) ----
+
+/// Rows r0 / r8 (T, head_dim HD, 4-byte aligned) as the A operand of HD / 16 k-steps: qa[kk] = {(r0, 16kk+2t),
+/// (r8, 16kk+2t), (r0, 16kk+8+2t), (r8, 16kk+8+2t)}; a row whose has* is false reads nothing and gives zeros.
+template <int HD>
+__device__ __forceinline__ void load_a_fragments(unsigned (&qa)[HD / 16][4], const unsigned* q0, const unsigned* q8,
+                                                 bool has0, bool has8, int t) {
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    qa[kk][0] = has0 ? __ldg(q0 + kk * 8 + t) : 0u;
+    qa[kk][1] = has8 ? __ldg(q8 + kk * 8 + t) : 0u;
+    qa[kk][2] = has0 ? __ldg(q0 + kk * 8 + 4 + t) : 0u;
+    qa[kk][3] = has8 ? __ldg(q8 + kk * 8 + 4 + t) : 0u;
+  }
+}
+
+/// s = Q K^T for 8 keys (an n-tile) in HD / 16 MMAs. krow: this lane's key row (key g of the n-tile) in a stage
+/// swizzled as load_kv_rows<..., true> writes it, whose row index is g mod 8; B fragment (k = dims 2t, 2t+1 [+8]).
+template <KernelElement T, int HD>
+__device__ __forceinline__ void mma_qk_tile(float (&s)[4], const unsigned (&qa)[HD / 16][4], const T* krow, int g,
+                                            int t) {
+  s[0] = s[1] = s[2] = s[3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    const unsigned b0 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk) ^ g) * 8) + 2 * t);
+    const unsigned b1 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk + 1) ^ g) * 8) + 2 * t);
+    mma_16816<T>(s, qa[kk], b0, b1);
+  }
+}
+
+/// Max / sum of x over the 4 lanes (t = 0..3) that hold one fragment row.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+/// Online-softmax rescale of rows g / g + 8 (FlashAttention-2): mx0 / mx8 are this lane's maxima over the running
+/// max and the new masked scores (base 2); they are reduced over the row's 4 lanes, and l (this lane's part of the
+/// denominator) and o are scaled by exp2(m - mx), m = mx. kMaybeEmpty: a row may still have seen no visible key
+/// (mx = -inf), then alpha = 1 (never exp2(-inf - -inf)); without it every row must have a finite max.
+template <int HD, bool kMaybeEmpty>
+__device__ __forceinline__ void online_rescale(float (&o)[HD / 8][4], float& m0, float& m8, float& l0, float& l8,
+                                               float mx0, float mx8) {
+  mx0 = quad_max(mx0);
+  mx8 = quad_max(mx8);
+  const float alpha0 = kMaybeEmpty && mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
+  const float alpha8 = kMaybeEmpty && mx8 == -INFINITY ? 1.f : exp2f(m8 - mx8);
+  m0 = mx0;
+  m8 = mx8;
+  l0 *= alpha0;
+  l8 *= alpha8;
+#pragma unroll
+  for (int nd = 0; nd < HD / 8; ++nd) {
+    o[nd][0] *= alpha0;
+    o[nd][1] *= alpha0;
+    o[nd][2] *= alpha8;
+    o[nd][3] *= alpha8;
+  }
+}
+
+/// P = exp2(s - m) of one 16-key block (the n-tiles s0, s1: keys 0-7 / 8-15), added to l0 / l8 and returned as the A
+/// operand of the P V MMA (k = the 16 keys; the S fragments' layout, rounded to T as FlashAttention-2).
+/// kMaybeEmpty: a row with m = -inf (no visible key yet) gets p = 0.
+template <KernelElement T, bool kMaybeEmpty>
+__device__ __forceinline__ void softmax_p_fragments(unsigned (&pa)[4], const float (&s0)[4], const float (&s1)[4],
+                                                    float m0, float m8, float& l0, float& l8) {
+  float p[2][4];
+#pragma unroll
+  for (int jj = 0; jj < 2; ++jj) {
+    const float(&s)[4] = jj == 0 ? s0 : s1;
+    p[jj][0] = kMaybeEmpty && m0 == -INFINITY ? 0.f : exp2f(s[0] - m0);
+    p[jj][1] = kMaybeEmpty && m0 == -INFINITY ? 0.f : exp2f(s[1] - m0);
+    p[jj][2] = kMaybeEmpty && m8 == -INFINITY ? 0.f : exp2f(s[2] - m8);
+    p[jj][3] = kMaybeEmpty && m8 == -INFINITY ? 0.f : exp2f(s[3] - m8);
+    l0 += p[jj][0] + p[jj][1];
+    l8 += p[jj][2] + p[jj][3];
+  }
+  pa[0] = pack2<T>(p[0][0], p[0][1]);
+  pa[1] = pack2<T>(p[0][2], p[0][3]);
+  pa[2] = pack2<T>(p[1][0], p[1][1]);
+  pa[3] = pack2<T>(p[1][2], p[1][3]);
+}
+
+/// o += P V for one 16-key block in HD / 8 MMAs: V fragments for dims [16 dn, 16 dn + 16) from one ldmatrix .x4
+/// .trans (matrices: keys 0-7 / 8-15 of the block x dims 0-7 / 8-15 of the pair). vrow: this lane's V row, key
+/// (lane % 8) + 8 ((lane / 8) & 1) of the block, in a swizzled stage whose row index is lane % 8 mod 8.
+template <KernelElement T, int HD>
+__device__ __forceinline__ void mma_pv_block(float (&o)[HD / 8][4], const unsigned (&pa)[4], const T* vrow, int lane) {
+#pragma unroll
+  for (int dn = 0; dn < HD / 16; ++dn) {
+    unsigned vb[4];
+    ldmatrix_x4_trans(vb, vrow + (((2 * dn + lane / 16) ^ (lane % 8)) * 8));
+    mma_16816<T>(o[2 * dn], pa, vb[0], vb[1]);
+    mma_16816<T>(o[2 * dn + 1], pa, vb[2], vb[3]);
+  }
+}
+
 /// First key position visible to the query at position `pos` under a local-attention window (AttentionWindow in
 /// kernel_params.hpp, device copy of AttentionWindow::first_visible): max(0, pos - window + 1 when window > 0,
 /// floor(pos / chunk) * chunk when chunk > 0). window = sliding_window_tokens, chunk = attention_chunk_tokens; 0 = off.

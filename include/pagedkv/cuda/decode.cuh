@@ -438,14 +438,7 @@ __global__ void __launch_bounds__(DecodeMmaTraits<T, HD, KV>::kThreads, 6) decod
         static_cast<const T*>(a.q) + (static_cast<std::int64_t>(w.b) * a.num_qo_heads + w.head0 + g) * HD);
     const unsigned* const q8 = reinterpret_cast<const unsigned*>(
         static_cast<const T*>(a.q) + (static_cast<std::int64_t>(w.b) * a.num_qo_heads + w.head0 + g + 8) * HD);
-    const bool has0 = g < w.tile_heads, has8 = g + 8 < w.tile_heads;
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      qa[kk][0] = has0 ? __ldg(q0 + kk * 8 + t) : 0u;
-      qa[kk][1] = has8 ? __ldg(q8 + kk * 8 + t) : 0u;
-      qa[kk][2] = has0 ? __ldg(q0 + kk * 8 + 4 + t) : 0u;
-      qa[kk][3] = has8 ? __ldg(q8 + kk * 8 + 4 + t) : 0u;
-    }
+    load_a_fragments<HD>(qa, q0, q8, g < w.tile_heads, g + 8 < w.tile_heads, t);
   }
   float o[HD / 8][4];
 #pragma unroll
@@ -498,17 +491,7 @@ __global__ void __launch_bounds__(DecodeMmaTraits<T, HD, KV>::kThreads, 6) decod
       // S = Q K^T: n-tile j covers tokens tok0 + 8j + [0, 8); B fragment (k = dims 2t, 2t+1 [+8], n = token g).
       float s[2][4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        const int row = tok0 + 8 * j + g;  // row & 7 == g
-        const T* const krow = ks + row * HD;
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-          const unsigned b0 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk) ^ g) * 8) + 2 * t);
-          const unsigned b1 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk + 1) ^ g) * 8) + 2 * t);
-          mma_16816<T>(s[j], qa[kk], b0, b1);
-        }
-      }
+      for (int j = 0; j < 2; ++j) mma_qk_tile<T, HD>(s[j], qa, ks + (tok0 + 8 * j + g) * HD, g, t);  // row & 7 == g
       // Scale to base 2, mask tokens past the range, online softmax per row.
       float mx0 = m0, mx8 = m8;
 #pragma unroll
@@ -522,61 +505,21 @@ __global__ void __launch_bounds__(DecodeMmaTraits<T, HD, KV>::kThreads, 6) decod
           mx8 = fmaxf(mx8, s[j][2 + c]);
         }
       }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 1));
-      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 2));
-      // mx is finite: token tok0 is valid, so every row has a finite score (rows past tile_heads score 0).
-      const float alpha0 = exp2f(m0 - mx0), alpha8 = exp2f(m8 - mx8);  // exp2(-inf) = 0 on the first block
-      m0 = mx0;
-      m8 = mx8;
-      d0 *= alpha0;
-      d8 *= alpha8;
-#pragma unroll
-      for (int nd = 0; nd < HD / 8; ++nd) {
-        o[nd][0] *= alpha0;
-        o[nd][1] *= alpha0;
-        o[nd][2] *= alpha8;
-        o[nd][3] *= alpha8;
-      }
-      unsigned pa[4];  // P as the A operand (k = the warp's 16 tokens): the S fragments' layout, rounded to T
-      {
-        float p[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          p[j][0] = exp2f(s[j][0] - m0);
-          p[j][1] = exp2f(s[j][1] - m0);
-          p[j][2] = exp2f(s[j][2] - m8);
-          p[j][3] = exp2f(s[j][3] - m8);
-          d0 += p[j][0] + p[j][1];
-          d8 += p[j][2] + p[j][3];
-        }
-        pa[0] = pack2<T>(p[0][0], p[0][1]);
-        pa[1] = pack2<T>(p[0][2], p[0][3]);
-        pa[2] = pack2<T>(p[1][0], p[1][1]);
-        pa[3] = pack2<T>(p[1][2], p[1][3]);
-      }
-      // O += P V: V fragments for dims [16 dn, 16 dn + 16) from one ldmatrix .x4 .trans (matrices: tokens 0-7 /
-      // 8-15 of the warp x dims 0-7 / 8-15 of the pair; lane l addresses token (l % 8) + 8 ((l / 8) & 1), chunk
-      // 2 dn + l / 16, swizzled by the token's row & 7 == l % 8).
-      const int vrow = tok0 + (lane % 8) + 8 * ((lane / 8) & 1);
-#pragma unroll
-      for (int dn = 0; dn < HD / 16; ++dn) {
-        unsigned vb[4];
-        ldmatrix_x4_trans(vb, vs + vrow * HD + (((2 * dn + lane / 16) ^ (lane % 8)) * 8));
-        mma_16816<T>(o[2 * dn], pa, vb[0], vb[1]);
-        mma_16816<T>(o[2 * dn + 1], pa, vb[2], vb[3]);
-      }
+      // mx is finite: token tok0 is valid, so every row has a finite score (rows past tile_heads score 0);
+      // exp2(-inf) = 0 rescales nothing on the first block.
+      online_rescale<HD, false>(o, m0, m8, d0, d8, mx0, mx8);
+      unsigned pa[4];  // P as the A operand (k = the warp's 16 tokens)
+      softmax_p_fragments<T, false>(pa, s[0], s[1], m0, m8, d0, d8);
+      // O += P V; lane l addresses token (l % 8) + 8 ((l / 8) & 1) of the warp's 16, whose row & 7 == l % 8.
+      mma_pv_block<T, HD>(o, pa, vs + (tok0 + (lane % 8) + 8 * ((lane / 8) & 1)) * HD, lane);
     }
     __syncthreads();  // the stage just read is refilled by the next iteration's prefetch
   }
   cp_async_wait<0>();
 
   // ---- each warp's state (unnormalized o, m, d per head) into shared memory, then merge the two warps ----
-  d0 += __shfl_xor_sync(0xffffffffu, d0, 1);
-  d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
-  d8 += __shfl_xor_sync(0xffffffffu, d8, 1);
-  d8 += __shfl_xor_sync(0xffffffffu, d8, 2);
+  d0 = quad_sum(d0);
+  d8 = quad_sum(d8);
   float* const red = reinterpret_cast<float*>(smem_raw);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

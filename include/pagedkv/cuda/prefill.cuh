@@ -369,15 +369,7 @@ __global__ void __launch_bounds__(PrefillMmaTraits<T, HD>::kThreads) prefill_mma
           (static_cast<std::int64_t>(pt.q_begin + pt.tile_q0 + r) * a.num_qo_heads + h) * HD);
     };
     const bool has0 = r0 < pt.rows, has8 = r8 < pt.rows;
-    const unsigned* const q0 = qrow(has0 ? r0 : 0);
-    const unsigned* const q8 = qrow(has8 ? r8 : 0);
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-      qa[kk][0] = has0 ? __ldg(q0 + kk * 8 + t) : 0u;
-      qa[kk][1] = has8 ? __ldg(q8 + kk * 8 + t) : 0u;
-      qa[kk][2] = has0 ? __ldg(q0 + kk * 8 + 4 + t) : 0u;
-      qa[kk][3] = has8 ? __ldg(q8 + kk * 8 + 4 + t) : 0u;
-    }
+    load_a_fragments<HD>(qa, qrow(has0 ? r0 : 0), qrow(has8 ? r8 : 0), has0, has8, t);
   }
   float o[HD / 8][4];
 #pragma unroll
@@ -404,14 +396,7 @@ __global__ void __launch_bounds__(PrefillMmaTraits<T, HD>::kThreads) prefill_mma
       float s[Tr::kTileK / 8][4];
 #pragma unroll
       for (int j = 0; j < Tr::kTileK / 8; ++j) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        const T* const krow = ks + (8 * j + g) * HD;  // row & 7 == g
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-          const unsigned b0 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk) ^ g) * 8) + 2 * t);
-          const unsigned b1 = *reinterpret_cast<const unsigned*>(krow + (((2 * kk + 1) ^ g) * 8) + 2 * t);
-          mma_16816<T>(s[j], qa[kk], b0, b1);
-        }
+        mma_qk_tile<T, HD>(s[j], qa, ks + (8 * j + g) * HD, g, t);  // row & 7 == g
       }
       float mx0 = m0, mx8 = m8;
 #pragma unroll
@@ -425,58 +410,22 @@ __global__ void __launch_bounds__(PrefillMmaTraits<T, HD>::kThreads) prefill_mma
           mx8 = fmaxf(mx8, s[j][2 + c]);
         }
       }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 1));
-      mx8 = fmaxf(mx8, __shfl_xor_sync(0xffffffffu, mx8, 2));
       // A row that has seen no visible key yet keeps m = -inf: alpha 1, p 0 (never exp2(-inf - -inf)).
-      const float alpha0 = mx0 == -INFINITY ? 1.f : exp2f(m0 - mx0);
-      const float alpha8 = mx8 == -INFINITY ? 1.f : exp2f(m8 - mx8);
-      m0 = mx0;
-      m8 = mx8;
-      l0 *= alpha0;
-      l8 *= alpha8;
-#pragma unroll
-      for (int nd = 0; nd < HD / 8; ++nd) {
-        o[nd][0] *= alpha0;
-        o[nd][1] *= alpha0;
-        o[nd][2] *= alpha8;
-        o[nd][3] *= alpha8;
-      }
+      online_rescale<HD, true>(o, m0, m8, l0, l8, mx0, mx8);
       const int vrow = (lane % 8) + 8 * ((lane / 8) & 1);  // ldmatrix row of this lane within a 16-key block
 #pragma unroll
       for (int kb = 0; kb < Tr::kTileK / 16; ++kb) {
-        float p[2][4];
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * kb + jj;
-          p[jj][0] = mx0 == -INFINITY ? 0.f : exp2f(s[j][0] - m0);
-          p[jj][1] = mx0 == -INFINITY ? 0.f : exp2f(s[j][1] - m0);
-          p[jj][2] = mx8 == -INFINITY ? 0.f : exp2f(s[j][2] - m8);
-          p[jj][3] = mx8 == -INFINITY ? 0.f : exp2f(s[j][3] - m8);
-          l0 += p[jj][0] + p[jj][1];
-          l8 += p[jj][2] + p[jj][3];
-        }
-        const unsigned pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
-                                pack2<T>(p[1][2], p[1][3])};
-        const T* const vblk = vs + (16 * kb + vrow) * HD;  // (16 kb + vrow) & 7 == lane % 8
-#pragma unroll
-        for (int dn = 0; dn < HD / 16; ++dn) {
-          unsigned vb[4];
-          ldmatrix_x4_trans(vb, vblk + (((2 * dn + lane / 16) ^ (lane % 8)) * 8));
-          mma_16816<T>(o[2 * dn], pa, vb[0], vb[1]);
-          mma_16816<T>(o[2 * dn + 1], pa, vb[2], vb[3]);
-        }
+        unsigned pa[4];
+        softmax_p_fragments<T, true>(pa, s[2 * kb], s[2 * kb + 1], m0, m8, l0, l8);
+        mma_pv_block<T, HD>(o, pa, vs + (16 * kb + vrow) * HD, lane);  // (16 kb + vrow) & 7 == lane % 8
       }
     }
     __syncthreads();  // the stage just read is refilled by the next iteration's prefetch
   }
   cp_async_wait<0>();
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l8 += __shfl_xor_sync(0xffffffffu, l8, 1);
-  l8 += __shfl_xor_sync(0xffffffffu, l8, 2);
+  l0 = quad_sum(l0);
+  l8 = quad_sum(l8);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = half == 0 ? r0 : r8;
