@@ -349,3 +349,34 @@ def test_install_warns_when_the_engine_is_out_of_reach():
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_decode_fast_path_queues_and_flushes():
+    """A decode token that needs no block and fills none is answered without a crossing and queued; the queue
+    reaches pagedkv at new_step_starts (one append_tokens) or before a call on that request; a token that fills a
+    block takes the full path and registers it (a hit for the next request), as vLLM caches it."""
+    m = _manager(pv.KVCacheManager, 64)
+    r = _request("a", range(100, 106))  # 6 prompt tokens, block size 4
+    assert m.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 6
+    seq = m._seqs["a"].seq
+    r.append_output_token_ids([7])  # position 6: inside block 1, fills nothing
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
+    assert m._pk.num_tokens(seq) == 6 and m._queue_tokens == [7]  # queued, not in pagedkv yet
+    m.new_step_starts()
+    assert m._pk.num_tokens(seq) == 7 and m._pk.token_ids(seq)[-1] == 7 and not m._queue_tokens
+    r.num_computed_tokens = 7
+    r.append_output_token_ids([8])  # position 7 fills block 1: the full path, registered at once
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
+    assert not m._queue_tokens and m._pk.num_tokens(seq) == 8
+    _, hit, _ = m.get_computed_blocks(_request("b", list(range(100, 106)) + [7, 8, 1]))
+    assert hit == 8
+    r.num_computed_tokens = 8
+    r.append_output_token_ids([9])  # position 8: a new block, the full path
+    blocks = m.allocate_slots(r, 1)
+    assert [len(g) for g in blocks.get_block_ids()] == [1]
+    r.num_computed_tokens = 9
+    r.append_output_token_ids([10])  # queued, then freed without a step: the queue goes first
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks and m._queue_tokens == [10]
+    m.free(r)
+    assert not m._queue_tokens and seq not in m._pk
