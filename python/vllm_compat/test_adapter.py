@@ -185,3 +185,198 @@ def test_differential_against_vllms_own_manager(seed, spec):
             assert ours.block_pool.get_num_free_blocks() >= theirs.block_pool.get_num_free_blocks(), f"step {step}"
         else:
             assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks(), f"step {step}"
+
+
+# -- default engine arguments, the scheduler_cls route ----------------------------------------------------------------
+
+
+def _engine_config(scheduler_cls=None, enable_prefix_caching=True, block_size=16):
+    """A VllmConfig as vLLM's engine arguments build it by default (facebook/opt-125m's config: the offline Hugging
+    Face cache scripts/vllm-tests.sh lays out), with vLLM's default CacheConfig."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+
+    model = ModelConfig(model="facebook/opt-125m", dtype="float16", seed=0, max_model_len=2048)
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048,
+                            is_encoder_decoder=False, scheduler_cls=scheduler_cls)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
+    return VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache)
+
+
+def _engine_kv_cache_config(vllm_config, num_blocks=64):
+    """The KVCacheConfig vLLM's engine derives (get_kv_cache_config_from_groups: prefix_cache_retention_interval
+    copied from the CacheConfig), for one full-attention layer."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+    bs = vllm_config.cache_config.block_size
+    if vllm_config.cache_config.kv_cache_layout is None:
+        vllm_config.cache_config.kv_cache_layout = "NHD"  # what the engine core resolves before this (CPU backend)
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    cfg = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(["layer"], spec)],
+                                          available_memory=num_blocks * spec.page_size_bytes)
+    assert cfg.num_blocks == num_blocks
+    vllm_config.cache_config.num_gpu_blocks = num_blocks  # as the engine core records it
+    return cfg
+
+
+def test_default_engine_arguments_construct():
+    """vLLM's default CacheConfig sets prefix_cache_retention_interval = 0 and the engine copies it into the
+    KVCacheConfig: the adapter accepts it (issue 35: it used to refuse every value but None)."""
+    from vllm.config import CacheConfig
+
+    assert CacheConfig().prefix_cache_retention_interval == 0
+    vc = _engine_config()
+    cfg = _engine_kv_cache_config(vc)
+    assert cfg.prefix_cache_retention_interval == 0
+    m = pv.KVCacheManager(cfg, max_model_len=2048, scheduler_block_size=16, hash_block_size=16)
+    assert m.coordinator.retention_interval == 0
+    r = _request("a", range(40), 16)
+    assert [len(g) for g in m.allocate_slots(r, 40).get_block_ids()] == [3]
+
+
+def test_retention_interval_accepted_as_vllms_validator():
+    from dataclasses import replace
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    full = _config(16, 4)
+    for value in (None, 0):
+        m = pv.KVCacheManager(replace(full, prefix_cache_retention_interval=value), max_model_len=64,
+                              scheduler_block_size=4, hash_block_size=4)
+        assert m.coordinator.retention_interval == value
+        # vLLM's own manager accepts the same values.
+        VllmKVCacheManager(replace(full, prefix_cache_retention_interval=value), max_model_len=64,
+                           scheduler_block_size=4, hash_block_size=4)
+    # A positive value without a sliding-window or Mamba group: vLLM's ValueError, from both.
+    for cls in (pv.KVCacheManager, VllmKVCacheManager):
+        with pytest.raises(ValueError, match="no sliding-window or Mamba"):
+            cls(replace(full, prefix_cache_retention_interval=16), max_model_len=64, scheduler_block_size=4,
+                hash_block_size=4)
+    swa = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)),
+        KVCacheGroupSpec(["w"], SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                                  sliding_window=8))])
+    pv.KVCacheManager(swa, max_model_len=64, scheduler_block_size=4, hash_block_size=4)  # None: dense, served
+    with pytest.raises(ValueError, match="multiple of scheduler_block_size"):
+        pv.KVCacheManager(replace(swa, prefix_cache_retention_interval=6), max_model_len=64, scheduler_block_size=4,
+                          hash_block_size=4)
+    for value in (0, 8):  # sparse retention of window blocks: refused with the reason and the way out
+        with pytest.raises(pv.Unsupported, match="retention_interval=None"):
+            pv.KVCacheManager(replace(swa, prefix_cache_retention_interval=value), max_model_len=64,
+                              scheduler_block_size=4, hash_block_size=4)
+
+
+def _schedule_round(sched, requests):
+    """One engine step without a model: schedule, then every scheduled request gets one sampled token (7)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    out = sched.schedule()
+    ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                               sampled_token_ids=[[7] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+                               pooler_output=[])
+    sched.update_from_output(out, runner)
+    return out
+
+
+def test_scheduler_cls_route_with_default_engine_arguments():
+    """LLM(..., scheduler_cls="pagedkv.vllm.Scheduler"): vLLM resolves the name (in the engine-core process) to
+    vLLM's Scheduler on pagedkv.vllm.KVCacheManager, with the engine's default KVCacheConfig; vLLM's own Scheduler
+    built afterwards still gets vLLM's manager; the engine gives requests no block hasher under pagedkv only."""
+    import vllm.v1.core.sched.scheduler as sched_mod
+    import vllm.v1.engine.core as core
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vc = _engine_config(scheduler_cls="pagedkv.vllm.Scheduler")
+    cls = vc.scheduler_config.get_scheduler_cls()
+    assert cls is pv.Scheduler and issubclass(cls, VllmScheduler)
+    cfg = _engine_kv_cache_config(vc)
+    sched = cls(vllm_config=vc, kv_cache_config=cfg, block_size=16, log_stats=True,
+                structured_output_manager=StructuredOutputManager(vc))
+    assert type(sched.kv_cache_manager) is pv.KVCacheManager
+    assert sched_mod.KVCacheManager is VllmKVCacheManager  # bound for the construction only
+    vc2 = _engine_config()
+    plain = VllmScheduler(vllm_config=vc2, kv_cache_config=_engine_kv_cache_config(vc2), block_size=16,
+                          log_stats=True, structured_output_manager=StructuredOutputManager(vc2))
+    assert type(plain.kv_cache_manager) is VllmKVCacheManager
+
+    class _Core:  # what EngineCore.__init__ does after building its scheduler
+        def __init__(self, scheduler):
+            self.scheduler = scheduler
+            self.request_block_hasher = core.get_request_block_hasher(16, sha256)
+
+    assert _Core(sched).request_block_hasher is None
+    assert callable(_Core(plain).request_block_hasher)
+
+    # Requests sharing a 32-token prefix, as the engine makes them (no hasher): the second one hits it.
+    sp = SamplingParams(max_tokens=3)
+    sp.update_from_generation_config({}, eos_token_id=None)
+    shared = list(range(1000, 1032))
+    a = Request(request_id="a", prompt_token_ids=shared + [1, 2, 3], sampling_params=sp, pooling_params=None)
+    sched.add_request(a)
+    for _ in range(4):
+        _schedule_round(sched, [a])
+    assert a.is_finished() and a.block_hashes == []
+    b = Request(request_id="b", prompt_token_ids=shared + [4, 5], sampling_params=sp, pooling_params=None)
+    sched.add_request(b)
+    out = _schedule_round(sched, [b])
+    assert out.num_scheduled_tokens["b"] == 2 and out.scheduled_new_reqs[0].num_computed_tokens == 32
+
+
+def test_install_warns_when_the_engine_is_out_of_reach():
+    """install() from a build tree (no entry point) with vLLM's multiprocessing on warns: the spawned engine would
+    run vLLM's own manager; in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) it does not. Run in a fresh process
+    (install() patches vLLM's modules)."""
+    import subprocess
+    import sys
+
+    code = ("import os, warnings\n"
+            "import pagedkv.vllm as pv\n"
+            "from importlib.metadata import entry_points\n"
+            "assert not [e for e in entry_points(group='vllm.general_plugins') if e.value.startswith('pagedkv.')]\n"
+            "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    pv.install()\n"
+            "assert not w, [str(x.message) for x in w]\n"
+            "assert os.environ['PAGEDKV_VLLM'] == '1'\n"
+            "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '1'\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    pv.install()\n"
+            "assert len(w) == 1 and issubclass(w[0].category, RuntimeWarning), w\n"
+            "assert 'scheduler_cls' in str(w[0].message)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_decode_fast_path_queues_and_flushes():
+    """A decode token that needs no block and fills none is answered without a crossing and queued; the queue
+    reaches pagedkv at new_step_starts (one append_tokens) or before a call on that request; a token that fills a
+    block takes the full path and registers it (a hit for the next request), as vLLM caches it."""
+    m = _manager(pv.KVCacheManager, 64)
+    r = _request("a", range(100, 106))  # 6 prompt tokens, block size 4
+    assert m.allocate_slots(r, 6) is not None
+    r.num_computed_tokens = 6
+    seq = m._seqs["a"].seq
+    r.append_output_token_ids([7])  # position 6: inside block 1, fills nothing
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
+    assert m._pk.num_tokens(seq) == 6 and m._queue_tokens == [7]  # queued, not in pagedkv yet
+    m.new_step_starts()
+    assert m._pk.num_tokens(seq) == 7 and m._pk.token_ids(seq)[-1] == 7 and not m._queue_tokens
+    r.num_computed_tokens = 7
+    r.append_output_token_ids([8])  # position 7 fills block 1: the full path, registered at once
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
+    assert not m._queue_tokens and m._pk.num_tokens(seq) == 8
+    _, hit, _ = m.get_computed_blocks(_request("b", list(range(100, 106)) + [7, 8, 1]))
+    assert hit == 8
+    r.num_computed_tokens = 8
+    r.append_output_token_ids([9])  # position 8: a new block, the full path
+    blocks = m.allocate_slots(r, 1)
+    assert [len(g) for g in blocks.get_block_ids()] == [1]
+    r.num_computed_tokens = 9
+    r.append_output_token_ids([10])  # queued, then freed without a step: the queue goes first
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks and m._queue_tokens == [10]
+    m.free(r)
+    assert not m._queue_tokens and seq not in m._pk

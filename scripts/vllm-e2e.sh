@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# vLLM 0.32.0's real engine (LLM, CPU) on pagedkv.vllm, end to end: a tiny random-weight Llama and a word-level
+# tokenizer made locally (nothing downloaded), prefix caching, greedy sampling, three phases of prompts sharing
+# prefixes on a 48-block pool (32-token blocks) that evicts cached blocks and preempts running requests. Runs the same requests with
+# vLLM's own KVCacheManager and with scheduler_cls="pagedkv.vllm.Scheduler" (each engine in its own spawned
+# process, as a user runs it) and requires every request's generated tokens and num_cached_tokens and the engine's
+# prefix-cache counters to be identical; then a planted wrong block table (python/vllm_compat/e2e_planted.py) must
+# be caught. Last line: `vllm-e2e: PASS requests=N identical=N ...`.
+#   scripts/vllm-e2e.sh [BUILD_DIR]      BUILD_DIR holds the built _pagedkv (default build-python)
+# Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+build=$(cd "${1:-build-python}" && pwd)
+venv=${PAGEDKV_VLLM_VENV:-${HOME:-/root}/.cache/pagedkv/vllm-0.32.0-venv}
+py="$venv/bin/python"
+[ -x "$py" ] || { echo "vllm-e2e: no vLLM venv at $venv (run scripts/install-deps.sh)" >&2; exit 1; }
+[ -f "$build/python/pagedkv/vllm.py" ] || { echo "vllm-e2e: $build/python/pagedkv has no vllm.py (build _pagedkv)" >&2; exit 1; }
+out="$build/vllm-e2e"
+rm -rf "$out" && mkdir -p "$out"
+export HF_HOME="$out/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$build/python:$root/python/vllm_compat"
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+e2e=python/vllm_compat/e2e.py
+t0=$(date +%s)
+"$py" $e2e make "$out/model" >"$out/make.log" 2>&1 || { tail -n 30 "$out/make.log"; exit 1; }
+for m in vllm pagedkv planted; do
+  t=$(date +%s)
+  "$py" $e2e run "$out/model" $m "$out/$m.json" >"$out/$m.log" 2>&1 || { tail -n 40 "$out/$m.log"; echo "vllm-e2e: the $m run failed" >&2; exit 1; }
+  echo "vllm-e2e: $m engine run in $(( $(date +%s) - t )) s"
+done
+"$py" $e2e compare "$out/vllm.json" "$out/planted.json" --expect-mismatch
+echo "vllm-e2e: $(( $(date +%s) - t0 )) s in all"
+"$py" $e2e compare "$out/vllm.json" "$out/pagedkv.json"
