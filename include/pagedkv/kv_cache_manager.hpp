@@ -24,6 +24,7 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
+#include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/pending_copies.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
@@ -855,23 +856,9 @@ class KVCacheManager {
     };
     std::vector<std::uint8_t> tier(G * full);
     for (std::size_t g = 0; g < G; ++g) {
-      std::size_t run = 0;
-      for (std::size_t i = 0; i < full; ++i) {
-        tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
-        if (run == i && tier[g * full + i] != 0) ++run;
-      }
-      if (is_coarse(g)) {  // its full pages cached from block 0, then the longest entry inside the next page
-        const std::size_t f = coarse_factor(g);
-        std::size_t c = 0;
-        while ((c + 1) * f <= full && tier[g * full + (c + 1) * f - 1] != 0) ++c;
-        run = c * f;
-        for (std::size_t m = std::min(full, (c + 1) * f); m > c * f; --m) {
-          if (tier[g * full + m - 1] != 0) {
-            run = m;
-            break;
-          }
-        }
-      }
+      for (std::size_t i = 0; i < full; ++i) tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
+      const std::size_t run = detail::cached_run_blocks(full, is_coarse(g) ? coarse_factor(g) : 1,
+                                                        [&](std::size_t i) { return tier[g * full + i] != 0; });
       x.group_cached_run_tokens[g] = run * bs;
     }
     const auto cached = [&](std::size_t g, std::size_t i) { return tier[g * full + i] != 0; };
@@ -882,14 +869,8 @@ class KVCacheManager {
     const std::size_t walk = std::min(full, x.cap_tokens / bs);
     const std::size_t k = hit_blocks(walk);
     x.hit_tokens = k * bs;
-    for (std::size_t i = 0; i < k; ++i) {
-      for (std::size_t g = 0; g < G; ++g) {
-        if (i >= detail::first_kept_block(windows_[g], k * bs, config_.block_size) && tier[g * full + i] == 2) {
-          x.host_hit_tokens += bs;
-          break;
-        }
-      }
-    }
+    x.host_hit_tokens = detail::host_hit_tokens(windows_, config_.block_size, k,
+                                                [&](std::size_t g, std::size_t i) { return tier[g * full + i]; });
     const MissVerdict v = classify_miss(hashes, full, walk, k, cached);
     x.cause = v.cause;
     x.first_miss_block = v.block;
@@ -1787,16 +1768,10 @@ class KVCacheManager {
     return p;
   }
 
-  // Why a hit of k blocks ends there (explain_admit and the counters share it). `cached(g, i)`: group g has block i
-  // in a tier. The fixed point's hit k means every group serves length k; at length k + 1 a group needs block k
-  // (unless its window starts after it) and the blocks of its window below k, which length k needed already. So
-  // block k is probed once per group; the window's lower blocks only when no group misses block k (not expected).
-  // A full-attention group's miss names the cause (evicted if the history has the block's key, else not cached);
-  // only windowed groups missing, while full groups hold block k, is kLimitedByGroup.
-  struct MissVerdict {
-    MissCause cause = MissCause::kNone;
-    std::size_t block = 0;
-    std::uint32_t group = 0;
+  // Why a hit of k blocks ends there (explain_admit and the counters share it; detail::miss_point, with prefix
+  // caching off and short prompts first): `cached(g, i)`: group g has block i in a tier. A group missing block k
+  // names the cause evicted when the history has the block's key.
+  struct MissVerdict : detail::MissPoint {
     std::optional<EvictionRecord> eviction;
   };
   template <class Cached>
@@ -1811,47 +1786,9 @@ class KVCacheManager {
       v.cause = MissCause::kShortPrompt;
       return v;
     }
-    if (k >= full) return v;  // kNone
-    const std::size_t bs = config_.block_size;
-    const std::size_t len = (k + 1) * bs;
-    constexpr std::size_t kNo = ~std::size_t{0};
-    std::size_t full_miss = kNo, window_miss = kNo, window_block = k;
-    bool any_full = false;
-    for (std::size_t g = 0; g < num_groups_; ++g) {
-      const bool windowed = windows_[g].enabled() || is_coarse(g);  // a coarse group limits like a window
-      any_full = any_full || !windowed;
-      if (detail::first_kept_block(windows_[g], len, config_.block_size) > k || cached(g, k)) continue;
-      if (!windowed && full_miss == kNo) full_miss = g;
-      if (windowed && window_miss == kNo) window_miss = g;
-    }
-    for (std::size_t g = 0; g < num_groups_ && full_miss == kNo && window_miss == kNo; ++g) {
-      if (!windows_[g].enabled()) continue;  // (a coarse group needs no block below k that length k lacked)
-      for (std::size_t i = detail::first_kept_block(windows_[g], len, config_.block_size); i < k; ++i) {
-        if (!cached(g, i)) {
-          window_miss = g;
-          window_block = i;
-          break;
-        }
-      }
-    }
-    if (full_miss == kNo && window_miss == kNo) {  // every group could serve block k: the cap stops the hit
-      v.cause = MissCause::kCapped;
-      if (k != walk) {  // (not expected: the fixed point would have taken block k)
-        v.cause = MissCause::kNotCached;
-        v.block = k;
-      }
-      return v;
-    }
-    if (full_miss == kNo && any_full) {
-      v.cause = MissCause::kLimitedByGroup;
-      v.group = static_cast<std::uint32_t>(window_miss);
-      v.block = window_block;
-      return v;
-    }
-    v.group = static_cast<std::uint32_t>(full_miss != kNo ? full_miss : window_miss);
-    v.block = full_miss != kNo ? k : window_block;
-    v.cause = MissCause::kNotCached;
-    if (history_.enabled()) {
+    static_cast<detail::MissPoint&>(v) =
+        detail::miss_point(windows_, coarse_factors(), config_.block_size, full, walk, k, cached);
+    if (v.group_missed && history_.enabled()) {
       if ((v.eviction = history_.find(group_block_key(hashes[v.block], v.group)))) v.cause = MissCause::kEvicted;
     }
     return v;
