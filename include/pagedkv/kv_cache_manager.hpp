@@ -25,7 +25,7 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/detail/miss_cause.hpp>
-#include <pagedkv/detail/pending_copies.hpp>
+#include <pagedkv/detail/copy_list.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -352,8 +352,7 @@ class KVCacheManager {
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
     prepare_growth(q, k, k);
     if (layout_.any_recurrent) {  // the growth's copies (one per group) + a copy per recurrent group (below)
-      detail::reserve_more(pending_copies_, 2 * layout_.num_groups);
-      detail::reserve_more(copy_owners_, 2 * layout_.num_groups);
+      copies_.reserve_room(2 * layout_.num_groups);
     }
     AppendResult<Id> r = commit_growth(q, k, cq.num_blocks);
     for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {  // room reserved above
@@ -402,8 +401,7 @@ class KVCacheManager {
     switched_scratch_.clear();
     switched_scratch_.reserve(max_reg);
     if (layout_.any_recurrent) {  // a copy per recurrent group (resolve_drafts)
-      detail::reserve_more(pending_copies_, layout_.num_groups);
-      detail::reserve_more(copy_owners_, layout_.num_groups);
+      copies_.reserve_room(layout_.num_groups);
     }
     append_known_tokens(q, accepted);
     // Nothing below throws.
@@ -930,7 +928,7 @@ class KVCacheManager {
     return out;
   }
   /// Copy-on-write copies not yet handed out by build_batch_metadata. Valid until the next non-const call.
-  [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return pending_copies_; }
+  [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return copies_.copies(); }
   /// The state of live sequence `seq` (read-only: cursors, hashes, keys; see SequenceState). Valid until the next
   /// non-const call. Throws kUnknownSequence.
   [[nodiscard]] const sequence_type& sequence(SeqId seq) const { return live(seq, "sequence"); }
@@ -1304,10 +1302,9 @@ class KVCacheManager {
                                                             batch_scratch_[r]->num_unslotted()));
     }
     // The copies this build hands out: its batch's own, and those reading a block it writes.
-    const std::size_t num_copies = detail::select_batch_copies(
-        pending_copies_, copy_owners_,
+    const std::size_t num_copies = copies_.select(
         [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
-        [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); }, take_scratch_);
+        [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); });
     if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::check_metadata_value(num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
@@ -1332,12 +1329,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       std::size_t group_copies = num_copies;
-      if constexpr (!kOne) {
-        group_copies = 0;
-        for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
-          group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
-        }
-      }
+      if constexpr (!kOne) group_copies = copies_.num_selected_in(static_cast<std::uint32_t>(g));
       if (const auto bad = detail::buffer_shape_error(buf, B, is_coarse(g) ? coarse_indices_[g] : num_indices,
                                                       num_new_tokens, group_copies,
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
@@ -1370,8 +1362,7 @@ class KVCacheManager {
     const BatchMetadataBuffers& buf0 = per_group[0];
     try {
       events_.reserve_more(max_registrations + write_through_blocks + held_back_list_.size());
-      copy_scratch_.clear();
-      copy_scratch_.reserve(num_copies);
+      copies_.reserve_taken(num_copies);
       switched_scratch_.clear();
       switched_scratch_.reserve(layout_.simple ? max_registrations : max_blocks);
       if (host_) {
@@ -1436,16 +1427,16 @@ class KVCacheManager {
     }
     // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
     // release the references they held on their sources. The rest stay pending for their own batch's build.
-    detail::take_selected_copies(pending_copies_, copy_owners_, take_scratch_, copy_scratch_);
+    copies_.take_selected();
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       BatchMetadataSizes& sz = sizes_out[g];
       detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
-      sz.num_copies = detail::write_copies(buf, std::span<const copy_type>(copy_scratch_), static_cast<std::uint32_t>(g));
+      sz.num_copies = detail::write_copies(buf, copies_.taken(), static_cast<std::uint32_t>(g));
       if (is_recurrent(g)) pad_state_outputs(buf, B, sz.num_checkpoints);
     }
-    for (const copy_type& c : copy_scratch_) release_block(c.src);
-    copy_scratch_.clear();
+    for (const copy_type& c : copies_.taken()) release_block(c.src);
+    copies_.clear_taken();
     // The swaps: every queued copy under this build's token, into group 0's buffers.
     if (host_) {
       const std::uint64_t token = transfers_.issue();
@@ -1830,8 +1821,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);
     if (layout_.any_coarse) {  // a coarse group's copy of a shared hit page
-      if (pending_copies_.capacity() - pending_copies_.size() < G) detail::reserve_more(pending_copies_, G);
-      if (copy_owners_.capacity() - copy_owners_.size() < G) detail::reserve_more(copy_owners_, G);
+      copies_.reserve_room(G);
     }
     onboard_scratch_.assign(G * k, Id{0});
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
@@ -2058,8 +2048,7 @@ class KVCacheManager {
     const std::size_t bs = config_.block_size;
     const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
     const std::size_t G = layout_.num_groups;
-    if (pending_copies_.capacity() - pending_copies_.size() < G) detail::reserve_more(pending_copies_, G);
-    if (copy_owners_.capacity() - copy_owners_.size() < G) detail::reserve_more(copy_owners_, G);
+    copies_.reserve_room(G);
     for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
     if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
     slot_scratch_.clear();
@@ -2422,12 +2411,8 @@ class KVCacheManager {
 
   /// Queues copy c into one of q's blocks: handed out with the next build that includes q (its owner), counted in
   /// q.num_pending_copies. The hold on c.src is the caller's (acquired for the copy, or a reference handed over).
-  /// Room in pending_copies_ / copy_owners_ is reserved by the caller.
-  void queue_copy(sequence_type& q, const copy_type& c) {
-    pending_copies_.push_back(c);
-    copy_owners_.push_back(&q);
-    ++q.num_pending_copies;
-  }
+  /// Room in copies_ is reserved by the caller.
+  void queue_copy(sequence_type& q, const copy_type& c) { copies_.push(c, q); }
 
   sequence_type& live(SeqId seq, const char* what) {
     const auto it = seqs_.find(seq);
@@ -2580,12 +2565,12 @@ class KVCacheManager {
   void release_block(Id b) {
     alloc_.release(b);
     if (!layout_.simple && alloc_.refcount(b) == 0) --held_[group_of_block(b)];
-    if (pending_copies_.empty() || alloc_.refcount(b) != 0) return;
-    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, take_scratch_, b)) release_block(*src);
+    if (copies_.empty() || alloc_.refcount(b) != 0) return;
+    if (const auto src = copies_.drop_into(b)) release_block(*src);
   }
 
   // Number of pending copies reading block b (each holds a reference on it).
-  [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return detail::pending_reads(pending_copies_, b); }
+  [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return copies_.pins(b); }
 
   // Register group g's registrable full blocks of `q` beyond its registered cursor (see SequenceState). A block
   // whose hash is already registered to another block is switched to that block when `q` is its only table holder:
@@ -2816,10 +2801,7 @@ class KVCacheManager {
   std::size_t max_tokens_per_seq_;
   seq_map_type seqs_;                                  // node-based: SequenceState addresses are stable
   std::vector<seq_node_type> spare_;                   // freed sequences' nodes, reused by admissions
-  std::vector<copy_type> pending_copies_;             // each holds one reference on its src
-  std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
-  std::vector<copy_type> copy_scratch_;
-  std::vector<std::uint8_t> take_scratch_;            // build: [pending_copies_] 1 = handed out by this build
+  detail::CopyList<copy_type, sequence_type> copies_;  // pending copy-on-writes, their owners, a build's selection
   std::vector<BlockHash> hash_scratch_;                // admission: the prompt's block hashes
   std::vector<Id> hit_scratch_;                        // try_resume: [groups x blocks] device hits
   std::vector<sequence_type*> batch_scratch_;
