@@ -85,6 +85,47 @@ struct KVCacheGroupSpec {
   }
 };
 
+/// What each KV-cache group of a pool is, resolved once from its group list (docs/design.md "The manager in
+/// parts"): the hit rule's window, the page size and its factor over the match unit, and the pool-wide facts the
+/// manager branches on (one full-attention group: its compiled fast path; any coarse or recurrent group). An empty
+/// group list is one full-attention group. Built by KVCacheManager's constructor after the config was validated
+/// (group block sizes are multiples of `block_size`); read-only afterwards.
+struct GroupLayout {
+  std::size_t num_groups = 1;                ///< G >= 1.
+  bool simple = true;                        ///< One full-attention group: the plain pool's fast paths (kOne).
+  bool any_coarse = false;                   ///< A group's pages are coarser than the match unit.
+  bool any_recurrent = false;                ///< A recurrent-state group exists (no swap, no lookahead).
+  std::uint32_t block_size = 0;              ///< The match unit (tokens): CacheConfig::block_size.
+  std::vector<AttentionWindow> windows;      ///< [G] the hit rule's window (KVCacheGroupSpec::hit_window).
+  std::vector<std::uint32_t> page_tokens;    ///< [G] tokens per block of each group's pages.
+  std::vector<std::uint32_t> page_factors;   ///< [G] page_tokens[g] / block_size.
+
+  GroupLayout() = default;
+  /// The layout of `groups` (empty: one full-attention group) over match unit `match_block_size` (> 0).
+  GroupLayout(std::span<const KVCacheGroupSpec> groups, std::uint32_t match_block_size)
+      : num_groups(groups.empty() ? 1 : groups.size()),
+        simple(groups.size() <= 1 && (groups.empty() || groups[0].kind == AttentionKind::kFull)),
+        block_size(match_block_size) {
+    const KVCacheGroupSpec one{};
+    for (const KVCacheGroupSpec& g : groups.empty() ? std::span<const KVCacheGroupSpec>(&one, 1) : groups) {
+      windows.push_back(g.hit_window());
+      any_recurrent = any_recurrent || g.recurrent();
+      page_tokens.push_back(g.block_size != 0 ? g.block_size : match_block_size);
+      any_coarse = any_coarse || page_tokens.back() != match_block_size;
+      page_factors.push_back(page_tokens.back() / match_block_size);
+    }
+  }
+
+  /// Whether group g's pages are coarser than the match unit. Precondition: g < num_groups.
+  [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return any_coarse && page_tokens[g] != block_size; }
+  /// Match blocks per page of group g. Precondition: g < num_groups.
+  [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return page_tokens[g] / block_size; }
+  /// [G] match blocks per page of every group, or empty when no group is coarse (fixed_point_hit_blocks' `coarse`).
+  [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept {
+    return any_coarse ? std::span<const std::uint32_t>(page_factors) : std::span<const std::uint32_t>();
+  }
+};
+
 namespace detail {
 
 /// First logical block a group with window `w` must still hold for a sequence whose next query is at position

@@ -24,7 +24,8 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
-#include <pagedkv/detail/pending_copies.hpp>
+#include <pagedkv/detail/miss_cause.hpp>
+#include <pagedkv/detail/copy_list.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -129,9 +130,7 @@ class KVCacheManager {
   /// anything.
   explicit KVCacheManager(const CacheConfig& config)
       : config_(checked(config)),
-        num_groups_(config_.groups.empty() ? 1 : config_.groups.size()),
-        simple_(config_.groups.size() <= 1 &&
-                (config_.groups.empty() || config_.groups[0].kind == AttentionKind::kFull)),
+        layout_(config_.groups, config_.block_size),
         alloc_(config_.num_blocks),
         index_(config_.num_blocks, config_.hash_seed),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
@@ -142,21 +141,14 @@ class KVCacheManager {
         events_(config_.enable_events),
         history_(config_.eviction_history) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
-    for (const KVCacheGroupSpec& g : config_.groups) {
-      windows_.push_back(g.hit_window());
-      any_recurrent_ = any_recurrent_ || g.recurrent();
-      group_bs_.push_back(g.block_size != 0 ? g.block_size : config_.block_size);
-      any_coarse_ = any_coarse_ || group_bs_.back() != config_.block_size;
-      coarse_factors_.push_back(group_bs_.back() / config_.block_size);
-    }
-    if (any_coarse_) coarse_indices_.assign(num_groups_, 0);
-    if (num_groups_ > 1) {
-      group_cached_.assign(num_groups_, 0);
+    if (layout_.any_coarse) coarse_indices_.assign(layout_.num_groups, 0);
+    if (layout_.num_groups > 1) {
+      group_cached_.assign(layout_.num_groups, 0);
       group_of_.assign(config_.num_blocks, 0);
       if (host_) host_group_of_.assign(config_.num_host_blocks, 0);
     }
-    held_.assign(num_groups_, 0);
-    peak_held_.assign(num_groups_, 0);
+    held_.assign(layout_.num_groups, 0);
+    peak_held_.assign(layout_.num_groups, 0);
     spare_.reserve(kMaxSpareSequences);
     if (host_ && config_.enable_events) {
       held_back_.assign((config_.num_host_blocks + 63) / 64, 0);
@@ -174,16 +166,16 @@ class KVCacheManager {
   /// Tokens per block of group g's pages (KVCacheGroupSpec::block_size, or the pool's block_size): what group g's
   /// block table, page table (last_page_len) and slot mapping count in. A multiple of block_size(), the match unit
   /// of hashes and hits. Precondition: g < num_groups().
-  [[nodiscard]] std::uint32_t block_size(std::size_t g) const noexcept { return group_bs_[g]; }
+  [[nodiscard]] std::uint32_t block_size(std::size_t g) const noexcept { return layout_.page_tokens[g]; }
   /// Per-sequence token limit in force (kMaxMetadataValue when none was configured). A prompt longer than the pool
   /// but within this limit is answered kNeverFits, not an error.
   [[nodiscard]] std::size_t max_tokens_per_seq() const noexcept { return max_tokens_per_seq_; }
   /// KV-cache groups (1 for a plain full-attention pool).
-  [[nodiscard]] std::size_t num_groups() const noexcept { return num_groups_; }
+  [[nodiscard]] std::size_t num_groups() const noexcept { return layout_.num_groups; }
   /// The AttentionWindow of group g (what its kernels and decode plan take; off for full attention). A recurrent
   /// group has no attention: its window is the hit rule's (KVCacheGroupSpec::hit_window, 2 tokens).
   /// Precondition: g < num_groups().
-  [[nodiscard]] const AttentionWindow& window(std::size_t g) const noexcept { return windows_[g]; }
+  [[nodiscard]] const AttentionWindow& window(std::size_t g) const noexcept { return layout_.windows[g]; }
   /// Bytes of one pool block: max(page_size_bytes, every recurrent group's state_bytes) x max_g num_layers (every
   /// block the same size: a block is a K/V page or one state per layer slot).
   [[nodiscard]] std::size_t bytes_per_block() const noexcept {
@@ -202,7 +194,7 @@ class KVCacheManager {
   /// Throws kInvalidArgument for g >= num_groups().
   [[nodiscard]] std::optional<std::size_t> window_block_bound(std::size_t g, std::size_t chunk_tokens) const {
     check_group(g, "window_block_bound");
-    if (!windows_[g].enabled() || is_recurrent(g)) return std::nullopt;
+    if (!layout_.windows[g].enabled() || is_recurrent(g)) return std::nullopt;
     const std::size_t bs = config_.block_size;
     return (config_.groups[g].window_tokens - 1 + chunk_tokens + bs - 1) / bs + 1;
   }
@@ -316,7 +308,7 @@ class KVCacheManager {
       detail::raise(c, "mark_checkpoint: sequence " + std::to_string(seq) + ", position " + std::to_string(pos) +
                            ": " + why);
     };
-    if (!any_recurrent_) bad(Errc::kInvalidArgument, "the manager has no recurrent-state group");
+    if (!layout_.any_recurrent) bad(Errc::kInvalidArgument, "the manager has no recurrent-state group");
     if (!config_.enable_prefix_caching) bad(Errc::kInvalidArgument, "prefix caching is off (no checkpoints)");
     if (pos % bs != 0) bad(Errc::kInvalidArgument, "not a multiple of the block size " + std::to_string(bs));
     if (pos > q.num_slotted()) {
@@ -332,10 +324,10 @@ class KVCacheManager {
     }
     const std::size_t i = pos / bs - 1;
     std::size_t need = 0;
-    for (std::size_t g = 1; g < num_groups_; ++g) need += is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0} ? 1 : 0;
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) need += is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0} ? 1 : 0;
     if (need > alloc_.num_available_blocks()) return AppendStatus::kNoCapacity;
     reserve_for_allocations(need, 0);
-    for (std::size_t g = 1; g < num_groups_; ++g) {
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) {
       if (is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0}) (void)q.table_of(g).replace_block(i, allocate_one(g));
     }
     note_peak();
@@ -359,12 +351,11 @@ class KVCacheManager {
     const CapacityQuery cq = query_growth(q, k, k);
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
     prepare_growth(q, k, k);
-    if (any_recurrent_) {  // the growth's copies (one per group) + a copy per recurrent group (below)
-      detail::reserve_more(pending_copies_, 2 * num_groups_);
-      detail::reserve_more(copy_owners_, 2 * num_groups_);
+    if (layout_.any_recurrent) {  // the growth's copies (one per group) + a copy per recurrent group (below)
+      copies_.reserve_room(2 * layout_.num_groups);
     }
     AppendResult<Id> r = commit_growth(q, k, cq.num_blocks);
-    for (std::size_t g = 1; g < num_groups_ && any_recurrent_; ++g) {  // room reserved above
+    for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {  // room reserved above
       if (!is_recurrent(g)) continue;
       GroupTableState<Id>& st = q.other_groups[g - 1];
       for (std::size_t j = 0; j < k; ++j) st.drafts.push_back(allocate_one(g));
@@ -402,35 +393,34 @@ class KVCacheManager {
     std::size_t max_reg = 0;
     if (config_.enable_prefix_caching) {
       detail::reserve_more(q.hashes, (old_known + a) / bs - std::min(old_hashes, (old_known + a) / bs));
-      for (std::size_t g = 0; g < num_groups_; ++g) {
+      for (std::size_t g = 0; g < layout_.num_groups; ++g) {
         max_reg = std::max(max_reg, (old_known + a) / bs - std::min((old_known + a) / bs, q.registered_of(g)));
       }
     }
-    events_.reserve_more(max_reg * num_groups_ * (any_coarse_ ? 4 : 1));  // a coarse page re-key: two events
+    events_.reserve_more(max_reg * layout_.num_groups * (layout_.any_coarse ? 4 : 1));  // a coarse page re-key: two events
     switched_scratch_.clear();
     switched_scratch_.reserve(max_reg);
-    if (any_recurrent_) {  // a copy per recurrent group (resolve_drafts)
-      detail::reserve_more(pending_copies_, num_groups_);
-      detail::reserve_more(copy_owners_, num_groups_);
+    if (layout_.any_recurrent) {  // a copy per recurrent group (resolve_drafts)
+      copies_.reserve_room(layout_.num_groups);
     }
     append_known_tokens(q, accepted);
     // Nothing below throws.
     const std::size_t rejected = q.num_lookahead - a;
     q.num_lookahead = 0;
-    for (std::size_t g = 1; g < num_groups_ && any_recurrent_; ++g) {
+    for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {
       if (is_recurrent(g)) resolve_drafts(q, g, old_known, a);
     }
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).rewind(rejected, pool);
       if (is_recurrent(g)) null_partial_checkpoint(q, g);
     }
     q.num_built = std::min(q.num_built, q.num_slotted());
-    for (std::size_t g = 0; g < num_groups_; ++g) {  // the accepted blocks whose writes were issued
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {  // the accepted blocks whose writes were issued
       switched_scratch_.clear();
       register_full_blocks(q, g);
     }
-    if (any_recurrent_) release_out_of_window(q);  // written checkpoints of accepted positions go to the cache
+    if (layout_.any_recurrent) release_out_of_window(q);  // written checkpoints of accepted positions go to the cache
   }
 
   /// Fork live sequence `parent` into new sequence `child` (parallel sampling, beam search): the child's block
@@ -459,7 +449,7 @@ class KVCacheManager {
     c.in_batch = false;
     auto [it, inserted] = seqs_.try_emplace(child, std::move(c));
     (void)inserted;
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       for (Id b : it->second.table_of(g).blocks()) {
         if (b != Id{0}) acquire_block(b);
       }
@@ -486,7 +476,7 @@ class KVCacheManager {
       return;
     }
     sequence_type& q = live(seq, "free");
-    if (any_recurrent_) events_.reserve_more(num_groups_);  // last checkpoints registered on the way out
+    if (layout_.any_recurrent) events_.reserve_more(layout_.num_groups);  // last checkpoints registered on the way out
     release_all_groups(q);
     recycle(seqs_.extract(seq));
   }
@@ -517,7 +507,7 @@ class KVCacheManager {
     // Plan: host blocks to share (the hash is there) or to fill (a copy each), every group's non-null blocks.
     const std::size_t nb = q.table.num_blocks();  // every group's table has as many entries
     std::size_t to_fill = 0, shared_cached = 0;
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       for (Id b : q.table_of(g).blocks()) {
         if (b == Id{0}) continue;
         const auto hb = host_copy_of(b, g);
@@ -528,17 +518,17 @@ class KVCacheManager {
         }
       }
     }
-    for (std::size_t g = 1; g < num_groups_; ++g) to_fill += is_recurrent(g) && q.other_groups[g - 1].state_valid ? 1 : 0;
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) to_fill += is_recurrent(g) && q.other_groups[g - 1].state_valid ? 1 : 0;
     if (to_fill > host_->allocator().num_available_blocks() - shared_cached) return false;
     // Commit. Reserve first: nothing below throws.
     SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted(), {}};
-    sw.host_blocks.assign(num_groups_ * nb, Id{0});
-    if (any_recurrent_) sw.states.assign(num_groups_, Id{0});
+    sw.host_blocks.assign(layout_.num_groups * nb, Id{0});
+    if (layout_.any_recurrent) sw.states.assign(layout_.num_groups, Id{0});
     transfers_.reserve_more(to_fill);
-    events_.reserve_more(to_fill + num_groups_);  // + the last checkpoints registered by the release
+    events_.reserve_more(to_fill + layout_.num_groups);  // + the last checkpoints registered by the release
     auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
     SwappedSequence& dst = it->second;
-    for (std::size_t g = 0; g < num_groups_; ++g) {  // shared host blocks first (allocations cannot evict them)
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {  // shared host blocks first (allocations cannot evict them)
       const auto blocks = q.table_of(g).blocks();
       for (std::size_t i = 0; i < nb; ++i) {
         if (blocks[i] == Id{0}) continue;
@@ -548,7 +538,7 @@ class KVCacheManager {
         }
       }
     }
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       const auto blocks = q.table_of(g).blocks();
       for (std::size_t i = 0; i < nb; ++i) {
         if (blocks[i] == Id{0} || dst.host_blocks[g * nb + i] != Id{0}) continue;  // null, or shared above
@@ -556,7 +546,7 @@ class KVCacheManager {
         const BlockHash key = h ? group_block_key(*h, g) : BlockHash{};
         const Id hb = *host_->allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
         host_->acquire(hb);  // the copy's own hold, released when it completes
-        if (num_groups_ > 1) host_group_of_[hb] = static_cast<std::uint8_t>(g);
+        if (layout_.num_groups > 1) host_group_of_[hb] = static_cast<std::uint8_t>(g);
         dst.host_blocks[g * nb + i] = hb;
         if (h) remember_content(*h, hb, Medium::kGpu, g);
         transfers_.push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0,
@@ -564,7 +554,7 @@ class KVCacheManager {
         ++stats_.swap_outs;
       }
     }
-    for (std::size_t g = 1; g < num_groups_; ++g) {  // working states (unhashed: always copied)
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) {  // working states (unhashed: always copied)
       if (!is_recurrent(g) || !q.other_groups[g - 1].state_valid) continue;
       const Id hb = *host_->allocate(nullptr, host_evictor());  // guaranteed by the plan
       host_->acquire(hb);
@@ -595,11 +585,11 @@ class KVCacheManager {
     }
     SwappedSequence& s = sw->second;
     const std::size_t n = s.host_blocks.size();  // [groups x blocks], 0 = a null entry of a windowed group
-    const std::size_t nb = n / num_groups_;
+    const std::size_t nb = n / layout_.num_groups;
     const std::size_t bs = config_.block_size;
     std::size_t held = 0, fresh = 0;  // fresh: recurrent groups' working states and last checkpoints
     for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
-    for (std::size_t g = 1; g < num_groups_; ++g) {
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) {
       if (!is_recurrent(g)) continue;
       fresh += state_blocks(g);
       if (s.states[g] != Id{0} && !host_->is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
@@ -626,7 +616,7 @@ class KVCacheManager {
     const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
     if (to_fill + fresh > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill + fresh - available};
     // Commit. Reserve first.
-    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, num_groups_, group_bs_));
+    auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, layout_.num_groups, layout_.page_tokens));
     if (!inserted) {  // cannot happen: a swapped id is not live (admission refuses a swapped id)
       detail::raise(Errc::kDuplicateSequence, "try_resume: sequence " + std::to_string(seq) + " is live");
     }
@@ -657,7 +647,7 @@ class KVCacheManager {
     }
     // Tokens of the logical blocks some group copies back, not blocks times block size: the last may be partial.
     for (std::size_t i = 0; i < nb; ++i) {
-      for (std::size_t g = 0; g < num_groups_; ++g) {
+      for (std::size_t g = 0; g < layout_.num_groups; ++g) {
         const std::size_t j = g * nb + i;
         if (s.host_blocks[j] == Id{0} || hit_scratch_[j] != Id{0}) continue;
         host_tokens += std::min(bs, s.num_tokens - std::min(s.num_tokens, i * bs));
@@ -666,12 +656,12 @@ class KVCacheManager {
     }
     const std::size_t num_tokens = s.num_tokens;
     q = std::move(s.state);
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       q.table_of(g).assign(std::span<const Id>(onboard_scratch_).subspan(g * nb, nb), num_tokens);
       q.registered_of(g) = q.hashes.size();  // device hits are registered, copied blocks when their copy completes
     }
     q.num_built = num_tokens;
-    for (std::size_t g = 1; g < num_groups_; ++g) {  // working states copied back; the zero or hit state stays so
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) {  // working states copied back; the zero or hit state stays so
       if (!is_recurrent(g)) continue;
       GroupTableState<Id>& st = q.other_groups[g - 1];
       st.state = allocate_one(g);
@@ -718,10 +708,10 @@ class KVCacheManager {
     const std::size_t drop_lookahead = std::min(n, q.num_lookahead);
     const std::size_t len = q.num_known() - (n - drop_lookahead);  // known tokens kept
     const std::size_t keep_slotted = std::min(q.num_slotted(), len + q.num_lookahead - drop_lookahead);
-    if (!simple_) {  // the rewind floor of every windowed group
+    if (!layout_.simple) {  // the rewind floor of every windowed group
       const std::size_t new_built = std::min(q.num_built, keep_slotted);
       const std::size_t built_known = std::min(q.num_built, q.num_known());  // lookahead positions may go
-      for (std::size_t g = 0; g < num_groups_; ++g) {
+      for (std::size_t g = 0; g < layout_.num_groups; ++g) {
         if (is_recurrent(g)) {
           if (len >= built_known) continue;
           detail::raise(Errc::kLimitExceeded,
@@ -730,7 +720,7 @@ class KVCacheManager {
                             std::to_string(built_known) + " built positions to " + std::to_string(len) +
                             ": a recurrent state cannot be rewound (only unbuilt or lookahead positions can)");
         }
-        const std::size_t need = detail::first_kept_block(windows_[g], new_built, config_.block_size);
+        const std::size_t need = detail::first_kept_block(layout_.windows[g], new_built, config_.block_size);
         if (q.released_of(g) > need) {
           detail::raise(Errc::kLimitExceeded,
                         "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
@@ -744,8 +734,8 @@ class KVCacheManager {
     apply_retention(q, (keep_slotted + config_.block_size - 1) / config_.block_size);
     q.num_lookahead -= drop_lookahead;
     const std::size_t drop = q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead);
-    if (any_coarse_) events_.reserve_more(num_groups_);
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    if (layout_.any_coarse) events_.reserve_more(layout_.num_groups);
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
@@ -757,7 +747,7 @@ class KVCacheManager {
     }
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
-    for (std::size_t g = 0; g < num_groups_; ++g) q.registered_of(g) = std::min(q.registered_of(g), q.hashes.size());
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) q.registered_of(g) = std::min(q.registered_of(g), q.hashes.size());
     q.num_built = std::min(q.num_built, q.num_slotted());
   }
 
@@ -805,7 +795,7 @@ class KVCacheManager {
                                    std::optional<std::size_t> max_cached_tokens = std::nullopt) const {
     validate_request_keys(keys, prompt.size(), "lookup");
     if (!config_.enable_prefix_caching || prompt.empty()) return 0;
-    if (!simple_) {  // the fixed point over groups (allocates)
+    if (!layout_.simple) {  // the fixed point over groups (allocates)
       AdmitOptions o;
       o.max_cached_tokens = max_cached_tokens;
       std::vector<BlockHash> hashes;
@@ -834,7 +824,7 @@ class KVCacheManager {
     validate_prompt(prompt, keys, "explain_admit", nullptr);
     AdmitExplanation x;
     const std::size_t bs = config_.block_size;
-    const std::size_t G = num_groups_;
+    const std::size_t G = layout_.num_groups;
     x.prompt_tokens = prompt.size();
     x.cap_tokens = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     x.group_cached_run_tokens.assign(G, 0);
@@ -855,41 +845,21 @@ class KVCacheManager {
     };
     std::vector<std::uint8_t> tier(G * full);
     for (std::size_t g = 0; g < G; ++g) {
-      std::size_t run = 0;
-      for (std::size_t i = 0; i < full; ++i) {
-        tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
-        if (run == i && tier[g * full + i] != 0) ++run;
-      }
-      if (is_coarse(g)) {  // its full pages cached from block 0, then the longest entry inside the next page
-        const std::size_t f = coarse_factor(g);
-        std::size_t c = 0;
-        while ((c + 1) * f <= full && tier[g * full + (c + 1) * f - 1] != 0) ++c;
-        run = c * f;
-        for (std::size_t m = std::min(full, (c + 1) * f); m > c * f; --m) {
-          if (tier[g * full + m - 1] != 0) {
-            run = m;
-            break;
-          }
-        }
-      }
+      for (std::size_t i = 0; i < full; ++i) tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
+      const std::size_t run = detail::cached_run_blocks(full, is_coarse(g) ? coarse_factor(g) : 1,
+                                                        [&](std::size_t i) { return tier[g * full + i] != 0; });
       x.group_cached_run_tokens[g] = run * bs;
     }
     const auto cached = [&](std::size_t g, std::size_t i) { return tier[g * full + i] != 0; };
     const auto hit_blocks = [&](std::size_t max_blocks) {
-      if (simple_) return std::min(max_blocks, x.group_cached_run_tokens[0] / bs);
-      return detail::fixed_point_hit_blocks(windows_, config_.block_size, max_blocks, cached, coarse_factors());
+      if (layout_.simple) return std::min(max_blocks, x.group_cached_run_tokens[0] / bs);
+      return detail::fixed_point_hit_blocks(layout_.windows, config_.block_size, max_blocks, cached, coarse_factors());
     };
     const std::size_t walk = std::min(full, x.cap_tokens / bs);
     const std::size_t k = hit_blocks(walk);
     x.hit_tokens = k * bs;
-    for (std::size_t i = 0; i < k; ++i) {
-      for (std::size_t g = 0; g < G; ++g) {
-        if (i >= detail::first_kept_block(windows_[g], k * bs, config_.block_size) && tier[g * full + i] == 2) {
-          x.host_hit_tokens += bs;
-          break;
-        }
-      }
-    }
+    x.host_hit_tokens = detail::host_hit_tokens(layout_.windows, config_.block_size, k,
+                                                [&](std::size_t g, std::size_t i) { return tier[g * full + i]; });
     const MissVerdict v = classify_miss(hashes, full, walk, k, cached);
     x.cause = v.cause;
     x.first_miss_block = v.block;
@@ -958,7 +928,7 @@ class KVCacheManager {
     return out;
   }
   /// Copy-on-write copies not yet handed out by build_batch_metadata. Valid until the next non-const call.
-  [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return pending_copies_; }
+  [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return copies_.copies(); }
   /// The state of live sequence `seq` (read-only: cursors, hashes, keys; see SequenceState). Valid until the next
   /// non-const call. Throws kUnknownSequence.
   [[nodiscard]] const sequence_type& sequence(SeqId seq) const { return live(seq, "sequence"); }
@@ -979,13 +949,13 @@ class KVCacheManager {
   /// Blocks held (refcount > 0) by group g now, each shared block once. O(1). Throws kInvalidArgument (g).
   [[nodiscard]] std::size_t held_blocks(std::size_t g) const {
     check_group(g, "held_blocks");
-    return simple_ ? alloc_.num_used_blocks() : held_[g];
+    return layout_.simple ? alloc_.num_used_blocks() : held_[g];
   }
   /// The most blocks group g held at once since construction or reset_peaks() (with one full-attention group:
   /// sampled at the end of each call that takes blocks). Throws kInvalidArgument (g).
   [[nodiscard]] std::size_t peak_held_blocks(std::size_t g) const {
     check_group(g, "peak_held_blocks");
-    return simple_ ? peak_used_ : peak_held_[g];
+    return layout_.simple ? peak_used_ : peak_held_[g];
   }
   /// The most blocks all groups held at once since construction or reset_peaks().
   [[nodiscard]] std::size_t peak_used_blocks() const noexcept { return peak_used_; }
@@ -1056,7 +1026,7 @@ class KVCacheManager {
     std::fill(group_cached_.begin(), group_cached_.end(), std::size_t{0});
     history_.clear();  // the dropped hashes name content no longer meant to be served
     for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
-      for (std::size_t g = 0; g < num_groups_; ++g) q.registered_of(g) = 0;
+      for (std::size_t g = 0; g < layout_.num_groups; ++g) q.registered_of(g) = 0;
     }
     recent_registered_.clear();
     interval_.reset = true;
@@ -1212,8 +1182,8 @@ class KVCacheManager {
   /// kLimitExceeded (a total beyond the int32 metadata): then nothing is written and nothing changes.
   BatchMetadataSizes build_batch_metadata(std::span<const SeqId> batch, const BatchMetadataBuffers& buf,
                                           std::span<const std::uint32_t> num_scheduled_tokens = {}) {
-    if (num_groups_ != 1) {
-      detail::raise(Errc::kBadShape, "build_batch_metadata: the manager has " + std::to_string(num_groups_) +
+    if (layout_.num_groups != 1) {
+      detail::raise(Errc::kBadShape, "build_batch_metadata: the manager has " + std::to_string(layout_.num_groups) +
                                          " KV-cache groups: pass one BatchMetadataBuffers per group");
     }
     BatchMetadataSizes sz;
@@ -1235,7 +1205,7 @@ class KVCacheManager {
   std::vector<BatchMetadataSizes> build_batch_metadata(std::span<const SeqId> batch,
                                                        std::span<const BatchMetadataBuffers> per_group,
                                                        std::span<const std::uint32_t> num_scheduled_tokens = {}) {
-    std::vector<BatchMetadataSizes> sizes(num_groups_);
+    std::vector<BatchMetadataSizes> sizes(layout_.num_groups);
     build_groups(batch, per_group, num_scheduled_tokens, sizes);
     return sizes;
   }
@@ -1251,7 +1221,7 @@ class KVCacheManager {
   using index_view = GroupPrefixIndexView<index_type>;
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
-    if (simple_) {
+    if (layout_.simple) {
       build_groups_in<true>(batch, per_group, num_scheduled_tokens, sizes_out);
     } else {
       build_groups_in<false>(batch, per_group, num_scheduled_tokens, sizes_out);
@@ -1277,7 +1247,7 @@ class KVCacheManager {
     qlen_scratch_.reserve(batch.size());
     std::size_t num_indices = 0, num_new_tokens = 0;
     const std::size_t bs = config_.block_size;
-    if (any_coarse_) std::fill(coarse_indices_.begin(), coarse_indices_.end(), std::size_t{0});
+    if (layout_.any_coarse) std::fill(coarse_indices_.begin(), coarse_indices_.end(), std::size_t{0});
     std::size_t max_registrations = 0, max_blocks = 0;
     const auto fail = [&](Errc c, std::string msg) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
@@ -1315,7 +1285,7 @@ class KVCacheManager {
         const BatchMetadataBuffers& buf = per_group[g];
         std::size_t gblocks = blocks;
         if (!kOne && is_coarse(g)) {
-          gblocks = (seq_len + group_bs_[g] - 1) / group_bs_[g];
+          gblocks = (seq_len + layout_.page_tokens[g] - 1) / layout_.page_tokens[g];
           coarse_indices_[g] += gblocks;
         }
         if (!buf.block_tables.empty() && gblocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
@@ -1332,10 +1302,9 @@ class KVCacheManager {
                                                             batch_scratch_[r]->num_unslotted()));
     }
     // The copies this build hands out: its batch's own, and those reading a block it writes.
-    const std::size_t num_copies = detail::select_batch_copies(
-        pending_copies_, copy_owners_,
+    const std::size_t num_copies = copies_.select(
         [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
-        [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); }, take_scratch_);
+        [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); });
     if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       detail::check_metadata_value(num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
@@ -1360,12 +1329,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       std::size_t group_copies = num_copies;
-      if constexpr (!kOne) {
-        group_copies = 0;
-        for (std::size_t i = 0; i < pending_copies_.size(); ++i) {
-          group_copies += (take_scratch_[i] != 0 && pending_copies_[i].group == g) ? 1 : 0;
-        }
-      }
+      if constexpr (!kOne) group_copies = copies_.num_selected_in(static_cast<std::uint32_t>(g));
       if (const auto bad = detail::buffer_shape_error(buf, B, is_coarse(g) ? coarse_indices_[g] : num_indices,
                                                       num_new_tokens, group_copies,
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
@@ -1398,10 +1362,9 @@ class KVCacheManager {
     const BatchMetadataBuffers& buf0 = per_group[0];
     try {
       events_.reserve_more(max_registrations + write_through_blocks + held_back_list_.size());
-      copy_scratch_.clear();
-      copy_scratch_.reserve(num_copies);
+      copies_.reserve_taken(num_copies);
       switched_scratch_.clear();
-      switched_scratch_.reserve(simple_ ? max_registrations : max_blocks);
+      switched_scratch_.reserve(layout_.simple ? max_registrations : max_blocks);
       if (host_) {
         transfers_.reserve_more(write_through_blocks);
         transfers_.reserve_issue(write_through_blocks);
@@ -1446,7 +1409,7 @@ class KVCacheManager {
         }
         std::size_t gb = bs, gn = nblocks;  // a coarse group counts in its pages
         if (!kOne && is_coarse(g)) {
-          gb = group_bs_[g];
+          gb = layout_.page_tokens[g];
           gn = (seq_len + gb - 1) / gb;
         }
         detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
@@ -1464,16 +1427,16 @@ class KVCacheManager {
     }
     // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
     // release the references they held on their sources. The rest stay pending for their own batch's build.
-    detail::take_selected_copies(pending_copies_, copy_owners_, take_scratch_, copy_scratch_);
+    copies_.take_selected();
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       BatchMetadataSizes& sz = sizes_out[g];
       detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
-      sz.num_copies = detail::write_copies(buf, std::span<const copy_type>(copy_scratch_), static_cast<std::uint32_t>(g));
+      sz.num_copies = detail::write_copies(buf, copies_.taken(), static_cast<std::uint32_t>(g));
       if (is_recurrent(g)) pad_state_outputs(buf, B, sz.num_checkpoints);
     }
-    for (const copy_type& c : copy_scratch_) release_block(c.src);
-    copy_scratch_.clear();
+    for (const copy_type& c : copies_.taken()) release_block(c.src);
+    copies_.clear_taken();
     // The swaps: every queued copy under this build's token, into group 0's buffers.
     if (host_) {
       const std::uint64_t token = transfers_.issue();
@@ -1520,13 +1483,13 @@ class KVCacheManager {
     template <class F>
     [[nodiscard]] std::optional<Id> try_allocate_one(F&& f) {
       const auto b = m->alloc_.try_allocate_one(f);
-      if (b && !m->simple_) m->on_allocated(*b, g);
+      if (b && !m->layout_.simple) m->on_allocated(*b, g);
       return b;
     }
     template <class F>
     [[nodiscard]] bool try_allocate(std::span<Id> out, F&& f) {
       if (!m->alloc_.try_allocate(out, f)) return false;
-      if (!m->simple_) {
+      if (!m->layout_.simple) {
         for (Id b : out) m->on_allocated(b, g);
       }
       return true;
@@ -1559,7 +1522,7 @@ class KVCacheManager {
   // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
   template <bool kOne>
   [[nodiscard]] bool batch_writes(Id b, std::size_t g) const noexcept {
-    const std::size_t bs = kOne ? config_.block_size : group_bs_[g];
+    const std::size_t bs = kOne ? config_.block_size : layout_.page_tokens[g];
     for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
       const sequence_type& q = *batch_scratch_[r];
       const std::size_t n = qlen_scratch_[r];
@@ -1636,7 +1599,7 @@ class KVCacheManager {
   // the host tier (ready blocks only). Otherwise: the fixed point over groups (plan_groups).
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
                             std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
-    if (!simple_) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
+    if (!layout_.simple) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
     std::vector<Id>& hits = sc.hits;
     std::vector<bool>& on_host = sc.on_host;
     const std::size_t bs = config_.block_size;
@@ -1710,7 +1673,7 @@ class KVCacheManager {
   // full group ceil(prompt_len / block_size), each windowed group 1), exceed the pool.
   AdmitPlan plan_groups(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
                         std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
-    const std::size_t G = num_groups_;
+    const std::size_t G = layout_.num_groups;
     const std::size_t bs = config_.block_size;
     const std::size_t full = prompt.size() / bs;
     if (config_.enable_prefix_caching && !hashes_ready) index_.hash_full_blocks(prompt, bs, keys, hashes);
@@ -1728,7 +1691,7 @@ class KVCacheManager {
       return l;
     };
     const std::size_t k = detail::fixed_point_hit_blocks(
-        windows_, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run,
+        layout_.windows, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run,
         coarse_factors());
     sc.hits.assign(G * k, Id{0});
     sc.on_host.assign(G * k, false);
@@ -1736,7 +1699,7 @@ class KVCacheManager {
     for (std::size_t i = 0; i < k; ++i) {
       bool any_host = false;
       for (std::size_t g = 0; g < G; ++g) {
-        if (i < detail::first_kept_block(windows_[g], k * bs, config_.block_size)) continue;
+        if (i < detail::first_kept_block(layout_.windows[g], k * bs, config_.block_size)) continue;
         if (is_coarse(g) && (i + 1) % coarse_factor(g) != 0 && i + 1 != k) continue;  // a page ends at i, or the hit
         const std::uint8_t l = look(g, i);
         sc.hits[g * k + i] = sc.found[g * walk + i];
@@ -1756,7 +1719,7 @@ class KVCacheManager {
     std::size_t new_table_blocks = 0;  // a recurrent group: its state + the checkpoints the reservation completes
     for (std::size_t g = 0; g < G; ++g) {
       if (is_coarse(g)) {  // its pages; + a copy of a hit page that ends inside and that a table holds
-        const std::size_t gb = group_bs_[g], held = (k * bs + gb - 1) / gb;
+        const std::size_t gb = layout_.page_tokens[g], held = (k * bs + gb - 1) / gb;
         const Id tail = k * bs % gb != 0 ? sc.hits[g * k + k - 1] : Id{0};
         new_table_blocks += (k * bs + reserved + gb - 1) / gb - held +
                             (tail != Id{0} && reserved > 0 && table_refcount(tail) > 0 ? 1 : 0);
@@ -1769,8 +1732,8 @@ class KVCacheManager {
     const std::size_t usable = alloc_.num_usable_blocks();
     std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
     for (std::size_t g = 0; g < G; ++g) {
-      const std::size_t gb = group_bs_[g];
-      lower_bound += is_recurrent(g) ? state_blocks(g) : windows_[g].enabled() ? 1 : (prompt.size() + gb - 1) / gb;
+      const std::size_t gb = layout_.page_tokens[g];
+      lower_bound += is_recurrent(g) ? state_blocks(g) : layout_.windows[g].enabled() ? 1 : (prompt.size() + gb - 1) / gb;
     }
     const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
     AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
@@ -1787,16 +1750,10 @@ class KVCacheManager {
     return p;
   }
 
-  // Why a hit of k blocks ends there (explain_admit and the counters share it). `cached(g, i)`: group g has block i
-  // in a tier. The fixed point's hit k means every group serves length k; at length k + 1 a group needs block k
-  // (unless its window starts after it) and the blocks of its window below k, which length k needed already. So
-  // block k is probed once per group; the window's lower blocks only when no group misses block k (not expected).
-  // A full-attention group's miss names the cause (evicted if the history has the block's key, else not cached);
-  // only windowed groups missing, while full groups hold block k, is kLimitedByGroup.
-  struct MissVerdict {
-    MissCause cause = MissCause::kNone;
-    std::size_t block = 0;
-    std::uint32_t group = 0;
+  // Why a hit of k blocks ends there (explain_admit and the counters share it; detail::miss_point, with prefix
+  // caching off and short prompts first): `cached(g, i)`: group g has block i in a tier. A group missing block k
+  // names the cause evicted when the history has the block's key.
+  struct MissVerdict : detail::MissPoint {
     std::optional<EvictionRecord> eviction;
   };
   template <class Cached>
@@ -1811,47 +1768,9 @@ class KVCacheManager {
       v.cause = MissCause::kShortPrompt;
       return v;
     }
-    if (k >= full) return v;  // kNone
-    const std::size_t bs = config_.block_size;
-    const std::size_t len = (k + 1) * bs;
-    constexpr std::size_t kNo = ~std::size_t{0};
-    std::size_t full_miss = kNo, window_miss = kNo, window_block = k;
-    bool any_full = false;
-    for (std::size_t g = 0; g < num_groups_; ++g) {
-      const bool windowed = windows_[g].enabled() || is_coarse(g);  // a coarse group limits like a window
-      any_full = any_full || !windowed;
-      if (detail::first_kept_block(windows_[g], len, config_.block_size) > k || cached(g, k)) continue;
-      if (!windowed && full_miss == kNo) full_miss = g;
-      if (windowed && window_miss == kNo) window_miss = g;
-    }
-    for (std::size_t g = 0; g < num_groups_ && full_miss == kNo && window_miss == kNo; ++g) {
-      if (!windows_[g].enabled()) continue;  // (a coarse group needs no block below k that length k lacked)
-      for (std::size_t i = detail::first_kept_block(windows_[g], len, config_.block_size); i < k; ++i) {
-        if (!cached(g, i)) {
-          window_miss = g;
-          window_block = i;
-          break;
-        }
-      }
-    }
-    if (full_miss == kNo && window_miss == kNo) {  // every group could serve block k: the cap stops the hit
-      v.cause = MissCause::kCapped;
-      if (k != walk) {  // (not expected: the fixed point would have taken block k)
-        v.cause = MissCause::kNotCached;
-        v.block = k;
-      }
-      return v;
-    }
-    if (full_miss == kNo && any_full) {
-      v.cause = MissCause::kLimitedByGroup;
-      v.group = static_cast<std::uint32_t>(window_miss);
-      v.block = window_block;
-      return v;
-    }
-    v.group = static_cast<std::uint32_t>(full_miss != kNo ? full_miss : window_miss);
-    v.block = full_miss != kNo ? k : window_block;
-    v.cause = MissCause::kNotCached;
-    if (history_.enabled()) {
+    static_cast<detail::MissPoint&>(v) =
+        detail::miss_point(layout_.windows, coarse_factors(), config_.block_size, full, walk, k, cached);
+    if (v.group_missed && history_.enabled()) {
       if ((v.eviction = history_.find(group_block_key(hashes[v.block], v.group)))) v.cause = MissCause::kEvicted;
     }
     return v;
@@ -1883,7 +1802,7 @@ class KVCacheManager {
     const MissCause cause = config_.count_miss_causes ? admission_miss_cause(prompt.size(), hashes, plan.hit_blocks, opts)
                                                       : MissCause::kNone;
     const std::size_t bs = config_.block_size;
-    const std::size_t G = num_groups_;
+    const std::size_t G = layout_.num_groups;
     const std::size_t k = plan.hit_blocks;
     const std::size_t host_hits = plan.num_host_hits;
     const std::vector<Id>& hit = plan_scratch_.hits;        // [G x k]
@@ -1901,9 +1820,8 @@ class KVCacheManager {
     const std::size_t total_blocks = (k * bs + plan.num_reserved + bs - 1) / bs;
     for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);
-    if (any_coarse_) {  // a coarse group's copy of a shared hit page
-      if (pending_copies_.capacity() - pending_copies_.size() < G) detail::reserve_more(pending_copies_, G);
-      if (copy_owners_.capacity() - copy_owners_.size() < G) detail::reserve_more(copy_owners_, G);
+    if (layout_.any_coarse) {  // a coarse group's copy of a shared hit page
+      copies_.reserve_room(G);
     }
     onboard_scratch_.assign(G * k, Id{0});
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
@@ -1938,7 +1856,7 @@ class KVCacheManager {
         continue;
       }
       for (std::size_t i = 0; i < k; ++i) t.append_full_block(onboard_scratch_[g * k + i]);
-      if (!simple_) q.released_of(g) = detail::first_kept_block(windows_[g], k * bs, config_.block_size);
+      if (!layout_.simple) q.released_of(g) = detail::first_kept_block(layout_.windows[g], k * bs, config_.block_size);
       q.registered_of(g) = k;  // device hits are registered; onboarded blocks are registered when filled
     }
     q.num_built = k * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
@@ -1982,7 +1900,7 @@ class KVCacheManager {
   seq_node_type take_spare(SeqId seq) {
     if (spare_.empty()) {
       seq_map_type one;
-      one.try_emplace(seq, config_.block_size, num_groups_, std::span<const std::uint32_t>(group_bs_));
+      one.try_emplace(seq, config_.block_size, layout_.num_groups, std::span<const std::uint32_t>(layout_.page_tokens));
       return one.extract(one.begin());
     }
     seq_node_type node = std::move(spare_.back());
@@ -2054,14 +1972,14 @@ class KVCacheManager {
     }
   }
 
-  // The coordinator's loops are compiled twice: kOne = one full-attention group (simple_: group 0 only, no null
-  // entries, the loops unrolled to the plain pool's code) and the general form; each call picks one from simple_.
+  // The coordinator's loops are compiled twice: kOne = one full-attention group (layout_.simple: group 0 only, no null
+  // entries, the loops unrolled to the plain pool's code) and the general form; each call picks one from layout_.simple.
   template <bool kOne>
   [[nodiscard]] std::size_t groups() const noexcept {
     if constexpr (kOne) {
       return 1;
     } else {
-      return num_groups_;
+      return layout_.num_groups;
     }
   }
   template <bool kOne>
@@ -2088,7 +2006,7 @@ class KVCacheManager {
   // by a hash not).
   // `drafts`: lookahead slots among the n (a draft state each in every recurrent group).
   [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n, std::size_t drafts = 0) const {
-    return simple_ ? query_growth_in<true>(q, n, 0) : query_growth_in<false>(q, n, drafts);
+    return layout_.simple ? query_growth_in<true>(q, n, 0) : query_growth_in<false>(q, n, drafts);
   }
   template <bool kOne>
   [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n, std::size_t drafts) const {
@@ -2129,9 +2047,8 @@ class KVCacheManager {
   void prepare_growth(sequence_type& q, std::size_t n, std::size_t drafts = 0) {
     const std::size_t bs = config_.block_size;
     const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
-    const std::size_t G = num_groups_;
-    if (pending_copies_.capacity() - pending_copies_.size() < G) detail::reserve_more(pending_copies_, G);
-    if (copy_owners_.capacity() - copy_owners_.size() < G) detail::reserve_more(copy_owners_, G);
+    const std::size_t G = layout_.num_groups;
+    copies_.reserve_room(G);
     for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
     if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
     slot_scratch_.clear();
@@ -2144,7 +2061,7 @@ class KVCacheManager {
   // Give `q` n more slots in every group (capacity checked by query_growth, room reserved by prepare_growth): the
   // result's slots and copy are group 0's. Never throws.
   AppendResult<Id> commit_growth(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
-    return simple_ ? commit_growth_in<true>(q, n, num_new_blocks) : commit_growth_in<false>(q, n, num_new_blocks);
+    return layout_.simple ? commit_growth_in<true>(q, n, num_new_blocks) : commit_growth_in<false>(q, n, num_new_blocks);
   }
   template <bool kOne>
   AppendResult<Id> commit_growth_in(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
@@ -2269,21 +2186,21 @@ class KVCacheManager {
   static CacheConfig checked(const CacheConfig& c) { return detail::checked_cache_config(c, kMaxGroups); }
 
   void check_group(std::size_t g, const char* what) const {
-    if (g >= num_groups_) {
+    if (g >= layout_.num_groups) {
       detail::raise(Errc::kInvalidArgument, std::string(what) + ": group " + std::to_string(g) + " >= " +
-                                                std::to_string(num_groups_) + " groups");
+                                                std::to_string(layout_.num_groups) + " groups");
     }
   }
   // Group g's part of the shared prefix index (keys mixed with g, registrations counted per group).
   [[nodiscard]] index_view ix(std::size_t g) noexcept {
-    if (num_groups_ == 1) return index_view(index_, 0, nullptr, nullptr);
+    if (layout_.num_groups == 1) return index_view(index_, 0, nullptr, nullptr);
     return index_view(index_, g, group_of_.data(), &group_cached_[g]);
   }
   [[nodiscard]] const_index_view ix(std::size_t g) const noexcept {
-    if (num_groups_ == 1) return const_index_view(index_, 0, nullptr, nullptr);
+    if (layout_.num_groups == 1) return const_index_view(index_, 0, nullptr, nullptr);
     return const_index_view(index_, g, group_of_.data(), &group_cached_[g]);
   }
-  [[nodiscard]] std::uint32_t group_of_block(Id b) const noexcept { return num_groups_ > 1 ? group_of_[b] : 0U; }
+  [[nodiscard]] std::uint32_t group_of_block(Id b) const noexcept { return layout_.num_groups > 1 ? group_of_[b] : 0U; }
 
   // The host block holding group g's device block b (by its hash), if any.
   [[nodiscard]] std::optional<Id> host_copy_of(Id b, std::size_t g) const {
@@ -2293,7 +2210,7 @@ class KVCacheManager {
 
   // Held-block accounting per group (several groups or a windowed one; with one full group held = used).
   void on_allocated(Id b, std::size_t g) noexcept {
-    if (num_groups_ > 1) group_of_[b] = static_cast<std::uint8_t>(g);
+    if (layout_.num_groups > 1) group_of_[b] = static_cast<std::uint8_t>(g);
     bump_held(g);
   }
   void bump_held(std::size_t g) noexcept {
@@ -2301,17 +2218,17 @@ class KVCacheManager {
     peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
   }
   void note_peak() noexcept {
-    if (simple_) peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
+    if (layout_.simple) peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
   }
   // One block of group g from the pool (capacity checked by the caller).
   Id allocate_one(std::size_t g) {
     const Id b = *alloc_.try_allocate_one(evictor());
-    if (!simple_) on_allocated(b, g);
+    if (!layout_.simple) on_allocated(b, g);
     return b;
   }
   // One more reference on b (a cached block becomes held again).
   void acquire_block(Id b) {
-    if (!simple_ && alloc_.refcount(b) == 0) {
+    if (!layout_.simple && alloc_.refcount(b) == 0) {
       alloc_.acquire(b);
       bump_held(group_of_block(b));
       return;
@@ -2321,7 +2238,7 @@ class KVCacheManager {
   // Release every group's blocks of q, retention priorities first.
   void release_all_groups(sequence_type& q) {
     apply_retention(q, 0);
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).release_all(pool);
       if (g > 0 && q.other_groups[g - 1].state != Id{0}) {
@@ -2385,8 +2302,8 @@ class KVCacheManager {
   // the next query then sits at the first rejected position, whose window reaches further back.
   void release_out_of_window(sequence_type& q) {
     const std::size_t committed = std::min(q.num_built, q.num_known());
-    for (std::size_t g = 0; g < num_groups_; ++g) {
-      if (!windows_[g].enabled()) continue;
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
+      if (!layout_.windows[g].enabled()) continue;
       BlockTable<Id>& t = q.table_of(g);
       // A recurrent group keeps no block for the next query (its working state is apart): its checkpoints go to the
       // cache once written; but the hit's checkpoint stays while it holds the state (no build wrote the working
@@ -2394,7 +2311,7 @@ class KVCacheManager {
       const std::size_t kept = is_recurrent(g) && !q.other_groups[g - 1].state_valid && committed > 0 ? 1 : 0;
       const std::size_t target =
           std::min(is_recurrent(g) ? committed / config_.block_size - kept
-                                   : detail::first_kept_block(windows_[g], committed, config_.block_size),
+                                   : detail::first_kept_block(layout_.windows[g], committed, config_.block_size),
                    t.num_blocks());
       std::size_t& released = q.released_of(g);
       if (target > released) apply_retention_group(q, g, released, target);
@@ -2441,11 +2358,9 @@ class KVCacheManager {
   }
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
   // Whether group g's pages are coarser than the match unit, and by how many match blocks per page.
-  [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept {
-    return any_coarse_ ? std::span<const std::uint32_t>(coarse_factors_) : std::span<const std::uint32_t>();
-  }
-  [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return any_coarse_ && group_bs_[g] != config_.block_size; }
-  [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return group_bs_[g] / config_.block_size; }
+  [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept { return layout_.coarse_factors(); }
+  [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return layout_.is_coarse(g); }
+  [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return layout_.coarse_factor(g); }
   [[nodiscard]] std::size_t state_blocks(std::size_t g) const noexcept { return keeps_last(g) ? 2 : 1; }
   // Recurrent group g: the checkpoints that positions (from, to] complete (multiples of its interval), with prefix
   // caching on; 0 otherwise.
@@ -2496,12 +2411,8 @@ class KVCacheManager {
 
   /// Queues copy c into one of q's blocks: handed out with the next build that includes q (its owner), counted in
   /// q.num_pending_copies. The hold on c.src is the caller's (acquired for the copy, or a reference handed over).
-  /// Room in pending_copies_ / copy_owners_ is reserved by the caller.
-  void queue_copy(sequence_type& q, const copy_type& c) {
-    pending_copies_.push_back(c);
-    copy_owners_.push_back(&q);
-    ++q.num_pending_copies;
-  }
+  /// Room in copies_ is reserved by the caller.
+  void queue_copy(sequence_type& q, const copy_type& c) { copies_.push(c, q); }
 
   sequence_type& live(SeqId seq, const char* what) {
     const auto it = seqs_.find(seq);
@@ -2532,7 +2443,7 @@ class KVCacheManager {
       const std::uint32_t g = group_of_block(b);
       const auto key = index_.erase_block(b);  // inlined (always_inline; the view's would add no work here)
       if (!key) return;
-      const BlockHash h = num_groups_ > 1 ? unregistered_from_group(*key, g) : *key;
+      const BlockHash h = layout_.num_groups > 1 ? unregistered_from_group(*key, g) : *key;
       if (history_.enabled()) record_eviction(*key, EvictedTier::kDevice, g);
       if (events_.enabled()) {
         KVEvent& e = events_.push(KVEventType::kBlockRemoved);
@@ -2554,7 +2465,7 @@ class KVCacheManager {
   // clock) its RetentionConfig assigns, before a release that may cache it. Last table holder's release decides.
   // Only for a RetentionEvictionPolicy (compiled out otherwise). Cannot throw: blocks are held, priorities valid.
   void apply_retention(const sequence_type& q, std::size_t first) {  // `first`: a match block
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       const std::size_t fg = is_coarse(g) ? first / coarse_factor(g) : first;  // the page holding it
       apply_retention_group(q, g, fg, q.table_of(g).num_blocks());
     }
@@ -2562,7 +2473,7 @@ class KVCacheManager {
   void apply_retention_group(const sequence_type& q, std::size_t g, std::size_t first, std::size_t end) {
     if constexpr (RetentionEvictionPolicy<Evict, Id>) {
       const auto blocks = q.table_of(g).blocks();
-      const std::size_t bs = group_bs_[g];
+      const std::size_t bs = layout_.page_tokens[g];
       for (std::size_t i = first; i < end; ++i) {
         if (blocks[i] == Id{0}) continue;
         BlockRetention r;
@@ -2589,7 +2500,7 @@ class KVCacheManager {
       ++stats_.offloads_dropped;
       return;
     }
-    if (num_groups_ > 1) host_group_of_[*hb] = static_cast<std::uint8_t>(g);
+    if (layout_.num_groups > 1) host_group_of_[*hb] = static_cast<std::uint8_t>(g);
     host_->set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
     remember_content(h, *hb, Medium::kGpu, g);
     transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0, g});
@@ -2600,7 +2511,7 @@ class KVCacheManager {
   auto host_evictor() {
     return [this](Id hb, const BlockHash& key) {
       ++stats_.host_evictions;
-      if (history_.enabled()) record_eviction(key, EvictedTier::kHost, num_groups_ > 1 ? host_group_of_[hb] : 0U);
+      if (history_.enabled()) record_eviction(key, EvictedTier::kHost, layout_.num_groups > 1 ? host_group_of_[hb] : 0U);
       if (!events_.enabled()) return;
       if (is_held_back(hb)) {  // never reported: nothing to remove
         held_back_[hb / 64] &= ~(std::uint64_t{1} << (hb % 64));
@@ -2608,7 +2519,7 @@ class KVCacheManager {
         pending_content_.erase(hb);
         return;
       }
-      const std::uint32_t g = num_groups_ > 1 ? host_group_of_[hb] : 0U;
+      const std::uint32_t g = layout_.num_groups > 1 ? host_group_of_[hb] : 0U;
       KVEvent& e = events_.push(KVEventType::kBlockRemoved);
       e.hash = group_block_key(key, g);  // the key unmixed: the block's hash
       e.medium = Medium::kCpu;
@@ -2634,7 +2545,7 @@ class KVCacheManager {
   // Whether any block of `q` is being filled by a host -> device copy not yet completed.
   [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
     if (stats_.onboards + stats_.swap_ins == completed_fills_) return false;  // none in flight anywhere
-    for (std::size_t g = 0; g < num_groups_; ++g) {
+    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       for (Id b : q.table_of(g).blocks()) {
         if (b != Id{0} && is_filling(b)) return true;
       }
@@ -2653,13 +2564,13 @@ class KVCacheManager {
   // (nobody needs its contents), so that copy is dropped and its source reference released.
   void release_block(Id b) {
     alloc_.release(b);
-    if (!simple_ && alloc_.refcount(b) == 0) --held_[group_of_block(b)];
-    if (pending_copies_.empty() || alloc_.refcount(b) != 0) return;
-    if (const auto src = detail::drop_pending_copy_into(pending_copies_, copy_owners_, take_scratch_, b)) release_block(*src);
+    if (!layout_.simple && alloc_.refcount(b) == 0) --held_[group_of_block(b)];
+    if (copies_.empty() || alloc_.refcount(b) != 0) return;
+    if (const auto src = copies_.drop_into(b)) release_block(*src);
   }
 
   // Number of pending copies reading block b (each holds a reference on it).
-  [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return detail::pending_reads(pending_copies_, b); }
+  [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return copies_.pins(b); }
 
   // Register group g's registrable full blocks of `q` beyond its registered cursor (see SequenceState). A block
   // whose hash is already registered to another block is switched to that block when `q` is its only table holder:
@@ -2669,7 +2580,7 @@ class KVCacheManager {
   // in its group (detail::block_can_serve_hit), is skipped. Precondition: room reserved in switched_scratch_ and
   // the event log.
   void register_full_blocks(sequence_type& q, std::size_t g) {
-    if (simple_) {
+    if (layout_.simple) {
       register_full_blocks_in<true>(q, g);
     } else if (is_coarse(g)) {
       register_coarse(q, g);
@@ -2691,7 +2602,7 @@ class KVCacheManager {
       const BlockHash& h = q.hashes[i];
       const Id own = table.blocks()[i];
       if constexpr (!kOne) {
-        if (own == Id{0} || !detail::block_can_serve_hit(windows_[g], i, config_.block_size)) continue;
+        if (own == Id{0} || !detail::block_can_serve_hit(layout_.windows[g], i, config_.block_size)) continue;
       }
       if (index.hash_of(own)) continue;  // already registered (by a sequence sharing it)
       const Id reg = index.insert(h, own);  // one map probe: inserts, or finds the registered block
@@ -2848,7 +2759,7 @@ class KVCacheManager {
   template <bool kOne>
   void write_slots(const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
                    std::span<std::int64_t> out) const {
-    const std::size_t bs = kOne ? config_.block_size : group_bs_[g];
+    const std::size_t bs = kOne ? config_.block_size : layout_.page_tokens[g];
     const auto blocks = table_in<kOne>(q, g).blocks();
     std::int64_t* w = out.data();
     std::size_t k = 0;  // next switched block to consider (ascending)
@@ -2876,30 +2787,21 @@ class KVCacheManager {
   }
 
   CacheConfig config_;                                 // groups filled in: one full group when none was given
-  std::size_t num_groups_;                             // G >= 1
-  bool simple_;                                        // one full-attention group: the plain pool's fast paths
+  GroupLayout layout_;                                 // what each group is (windows, pages; simple = kOne)
   allocator_type alloc_;
   index_type index_;                                   // the prefix index, shared by the groups (keys: group_block_key)
   std::vector<std::size_t> group_cached_;              // [G] when G > 1: blocks registered per group
-  std::vector<AttentionWindow> windows_;               // [G] the hit rule's window (KVCacheGroupSpec::hit_window)
-  std::vector<std::uint32_t> group_bs_;                // [G] tokens per block of each group's pages
-  bool any_coarse_ = false;                            // a group's pages are coarser than block_size
-  std::vector<std::uint32_t> coarse_factors_;          // [G] block_size(g) / block_size
   std::vector<std::size_t> coarse_indices_;            // [G] a build's page-table entries per coarse group
-  bool any_recurrent_ = false;                         // a recurrent-state group exists (no swap, lookahead)
   std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
   std::vector<std::uint8_t> host_group_of_;            // [num_host_blocks] when G > 1 with a host tier
-  std::vector<std::size_t> held_;                      // [G] blocks held per group (unless simple_)
+  std::vector<std::size_t> held_;                      // [G] blocks held per group (unless layout_.simple)
   std::vector<std::size_t> peak_held_;                 // [G]
   std::size_t peak_used_ = 0;
   PlanScratch plan_scratch_;                           // admission: hits and the fixed point's scratch
   std::size_t max_tokens_per_seq_;
   seq_map_type seqs_;                                  // node-based: SequenceState addresses are stable
   std::vector<seq_node_type> spare_;                   // freed sequences' nodes, reused by admissions
-  std::vector<copy_type> pending_copies_;             // each holds one reference on its src
-  std::vector<sequence_type*> copy_owners_;           // [pending_copies_.size()] the sequence whose table has dst
-  std::vector<copy_type> copy_scratch_;
-  std::vector<std::uint8_t> take_scratch_;            // build: [pending_copies_] 1 = handed out by this build
+  detail::CopyList<copy_type, sequence_type> copies_;  // pending copy-on-writes, their owners, a build's selection
   std::vector<BlockHash> hash_scratch_;                // admission: the prompt's block hashes
   std::vector<Id> hit_scratch_;                        // try_resume: [groups x blocks] device hits
   std::vector<sequence_type*> batch_scratch_;
