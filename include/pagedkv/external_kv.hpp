@@ -17,6 +17,7 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/group_policy.hpp>    // KVCacheGroupSpec, AttentionKind
+#include <pagedkv/manager_results.hpp>  // AdmitResult
 #include <pagedkv/stats.hpp>           // ExternalKvCounters
 
 namespace pagedkv {
@@ -168,7 +169,9 @@ struct ImportPlan {
   std::size_t num_groups = 0;
   std::vector<Id> remote_blocks;   ///< `[num_groups x num_blocks]` the producer's blocks (source of the READ).
   std::vector<std::uint32_t> remote_generations;  ///< Same shape: their generations.
-  std::vector<Id> local_blocks;    ///< Same shape: the consumer's fill blocks (destination), when admitted.
+  /// The destination is the fill ticket of the admission that takes these tokens (try_admit_external with
+  /// end_token - first_token external tokens): its blocks pair one to one with remote_blocks when its first_block
+  /// equals this plan's (the local hit did not change in between).
 };
 
 /// The external tokens an import may provide: `[local_hit_tokens, end)`, end = min(producer tokens, prompt_len - 1)
@@ -178,6 +181,14 @@ struct ImportPlan {
   const std::size_t end = std::min(producer_tokens, prompt_len == 0 ? 0 : prompt_len - 1);
   return end > local_hit_tokens ? end - local_hit_tokens : 0;
 }
+
+/// Result of `KVCacheManager::try_admit_external`: the admission (as try_admit's) and, when it took external
+/// tokens, the fill's ticket (fill_id 0: the admission is a plain one, nothing to transfer).
+template <BlockIdType Id = std::uint32_t>
+struct ExternalAdmitResult {
+  AdmitResult admit;
+  FillTicket<Id> ticket;
+};
 
 /// What a fill signal did (complete / fail / release / extend). Only kApplied changed anything but counters.
 enum class ExternalSignal : std::uint8_t {
@@ -197,5 +208,15 @@ enum class ExternalSignal : std::uint8_t {
   }
   return "applied";
 }
+
+/// Result of `KVCacheManager::complete_external_fill`.
+struct ExternalCompletion {
+  ExternalSignal signal = ExternalSignal::kUnknown;  ///< kApplied: the fill was live; else counted, nothing changed
+                                                     ///< (kLate also ends an orphan hold).
+  SeqId seq = 0;                       ///< kApplied: the sequence of the fill.
+  bool sequence_failed = false;        ///< kApplied: the policy was kFail and a block failed: the sequence is freed.
+  std::size_t num_valid_blocks = 0;    ///< kApplied: leading blocks (per group) kept as computed.
+  std::size_t num_computed_tokens = 0; ///< kApplied, not failed: the sequence's computed (built) positions now.
+};
 
 }  // namespace pagedkv

@@ -184,6 +184,21 @@ TEST_CASE("misuse is an error naming the value and changes nothing", "[external_
   CHECK(f.ext.num_fills() == 1);
 }
 
+TEST_CASE("signals for ids ended long ago count as late, recent ones as duplicate", "[external_kv]") {
+  Fixture f(4);
+  const auto t = f.take(1);
+  std::vector<std::uint64_t> ids;
+  for (std::size_t i = 0; i < State::kEndedMemory + 10; ++i) {
+    ids.push_back(f.ext.add_hold(HoldKind::kLease, 1, t, std::nullopt, f.acq(), f.rel()));
+    REQUIRE(f.ext.release_hold(ids.back(), f.rel()) == ExternalSignal::kApplied);
+  }
+  CHECK(f.ext.release_hold(ids.front(), f.rel()) == ExternalSignal::kLate);  // forgotten
+  CHECK(f.ext.release_hold(ids.back(), f.rel()) == ExternalSignal::kDuplicate);
+  CHECK(f.ext.release_hold(ids[10], f.rel()) == ExternalSignal::kDuplicate);  // the oldest still remembered
+  CHECK(f.ext.release_hold(ids[9], f.rel()) == ExternalSignal::kLate);
+  CHECK(f.alloc.refcount(t[0]) == 1);
+}
+
 TEST_CASE("layout fingerprints: the first mismatching field is named", "[external_kv]") {
   pagedkv::KvLayoutFingerprint a;
   a.block_size = 16;

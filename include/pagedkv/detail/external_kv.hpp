@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <optional>
 #include <span>
@@ -362,11 +361,14 @@ class ExternalKvState {
     remember_end(id, why);
   }
   void remember_end(std::uint64_t id, End why) {
-    if (ended_order_.size() == kEndedMemory) {
-      ended_.erase(ended_order_.front());
-      ended_order_.pop_front();
+    if (!ended_.insert_or_assign(id, why).second) return;
+    if (ended_order_.size() < kEndedMemory) {
+      ended_order_.push_back(id);
+      return;
     }
-    if (ended_.insert_or_assign(id, why).second) ended_order_.push_back(id);
+    ended_.erase(ended_order_[ended_head_]);  // the oldest remembered id
+    ended_order_[ended_head_] = id;
+    ended_head_ = (ended_head_ + 1) % kEndedMemory;
   }
   ExternalSignal classify_ended(std::uint64_t id) {
     if (id == 0 || id >= next_id_) {
@@ -389,7 +391,8 @@ class ExternalKvState {
   std::map<std::uint64_t, Hold> holds_;                       // leases, save pins, orphan holds by id
   std::unordered_map<std::uint64_t, std::uint64_t> orphan_of_fill_;  // aborted fill id -> its orphan hold
   std::unordered_map<std::uint64_t, End> ended_;              // recently ended ids (kEndedMemory)
-  std::deque<std::uint64_t> ended_order_;
+  std::vector<std::uint64_t> ended_order_;                    // ring of ended_'s ids, oldest at ended_head_
+  std::size_t ended_head_ = 0;
   std::vector<std::uint32_t> refs_;                           // [num_blocks] external references (lazy)
   std::vector<std::uint32_t> gen_;                            // [num_blocks] generations (lazy)
   std::size_t blocks_held_ = 0;
