@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -396,6 +398,211 @@ TEST_CASE("vLLM identities: sha256_cbor hashes in the descriptor", "[external_kv
   CHECK(cons.plan_import(desc, fc, prompt).num_blocks == 3);
   CHECK(expect_error([&] { (void)cons.plan_import(desc, fp(cons), prompt); }, pagedkv::Errc::kInvalidArgument)
             .find("hash_algorithm") != std::string::npos);
+}
+
+}  // namespace
+
+namespace {
+
+// Randomized: one manager as producer and consumer at once (its own descriptors are imported by others of its
+// sequences), with random fills, completions with partial failures under both policies, aborts quiescent or not,
+// frees and preemptions mid-fill, leases, save pins, heartbeats, reaps, late / duplicate / unknown signals and
+// builds. After every operation: refcount = table holders + the model's external references, no fill block is
+// registered (so no hit can land on one), no block of a fill or hold is in another sequence's table (no reuse while
+// a transfer holds it); at quiescence nothing is held.
+TEST_CASE("model-based: the manager's external KV under random operations", "[external_kv][manager][model]") {
+  for (std::uint32_t seed = 1; seed <= 12; ++seed) {
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
+    Mgr m(config(24 + pick(24)));
+    m.set_orphan_timeout(seconds(5));
+    long now = 0;
+    m.reap_external(at(now));
+    struct Fill {
+      SeqId seq;
+      std::vector<std::uint32_t> blocks;
+    };
+    struct Hold {
+      std::vector<std::uint32_t> blocks;
+      std::optional<long> deadline;
+    };
+    std::map<std::uint64_t, Fill> fills;     // live fills
+    std::map<std::uint64_t, Hold> orphans;   // by fill id
+    std::map<std::uint64_t, Hold> holds;     // leases and pins by id
+    std::vector<SeqId> live;
+    std::uint64_t max_id = 0;
+    SeqId next = 1;
+    const std::vector<std::vector<TokenId>> prompts{toks(1, 13), toks(1, 22), toks(40, 9), toks(1, 30)};
+    auto drop_seq = [&](SeqId s) { live.erase(std::find(live.begin(), live.end(), s)); };
+    auto fill_of = [&](SeqId s) -> std::uint64_t {
+      for (auto& [id, f] : fills) {
+        if (f.seq == s) return id;
+      }
+      return 0;
+    };
+    for (int step = 0; step < 300; ++step) {
+      const std::size_t op = pick(10);
+      if (op <= 1 || live.empty()) {  // admission, with external tokens or plain
+        const auto& p = prompts[pick(prompts.size())];
+        const SeqId s = next++;
+        const auto r = m.try_admit_external(s, p, pick(p.size() + 2), nullptr, {}, pick(3));
+        if (!r.admit.admitted()) continue;
+        live.push_back(s);
+        if (r.ticket.fill_id != 0) {
+          fills[r.ticket.fill_id] = {s, r.ticket.blocks};
+          max_id = std::max(max_id, r.ticket.fill_id);
+        }
+      } else if (op == 2 && !fills.empty()) {  // completion, maybe partial, either policy
+        auto it = std::next(fills.begin(), pick(fills.size()));
+        const std::uint64_t id = it->first;
+        const SeqId s = it->second.seq;
+        const std::size_t nb = it->second.blocks.size();  // one group
+        const std::size_t valid = pick(nb + 1);
+        const auto policy = pick(2) == 0 ? ExternalFailurePolicy::kRecompute : ExternalFailurePolicy::kFail;
+        fills.erase(it);
+        const std::size_t built = m.num_built(s);
+        const auto c = m.complete_external_fill(id, valid, policy);
+        REQUIRE(c.signal == ExternalSignal::kApplied);
+        const bool failed = policy == ExternalFailurePolicy::kFail && valid < nb;
+        REQUIRE(c.sequence_failed == failed);
+        REQUIRE(m.contains(s) == !failed);
+        if (failed) {
+          drop_seq(s);
+        } else {
+          if (valid < nb) REQUIRE(m.num_built(s) == built + valid * 4);  // the valid prefix, block aligned
+          REQUIRE(m.num_built(s) == c.num_computed_tokens);
+          REQUIRE(c.num_computed_tokens < m.sequence(s).num_prompt_tokens);  // the last prompt token is computed
+        }
+      } else if (op == 3) {  // a signal for an id that is not a live fill
+        const std::uint64_t id = pick(max_id + 3);
+        if (fills.contains(id)) continue;
+        const auto c = m.complete_external_fill(id, pick(3));
+        if (orphans.contains(id)) {
+          REQUIRE(c.signal == ExternalSignal::kLate);
+          orphans.erase(id);
+        } else {
+          REQUIRE(c.signal != ExternalSignal::kApplied);
+        }
+      } else if (op == 4) {  // free, preempt or abort any live sequence
+        const SeqId s = live[pick(live.size())];
+        const std::uint64_t f = fill_of(s);
+        const std::size_t how = pick(3);
+        const bool quiescent = how == 2 && pick(2) == 0;
+        if (how == 0) {
+          m.free(s);
+        } else if (how == 1) {
+          m.preempt(s);
+        } else {
+          m.abort(s, quiescent);
+        }
+        if (f != 0) {
+          if (!quiescent) orphans[f] = {fills[f].blocks, now + 5};
+          fills.erase(f);
+        }
+        drop_seq(s);
+      } else if (op == 5) {  // build every sequence that waits for nothing
+        std::vector<SeqId> batch;
+        for (SeqId s : live) {
+          if (fill_of(s) == 0 && !m.pending_slots(s).empty()) batch.push_back(s);
+        }
+        build_step(m, batch);
+      } else if (op == 6) {  // producer: finish with a lease, or pin for a save
+        const SeqId s = live[pick(live.size())];
+        if (fill_of(s) != 0 || !m.pending_slots(s).empty()) continue;
+        const std::optional<long> dl = pick(3) == 0 ? std::nullopt : std::optional<long>(now + 1 + long(pick(10)));
+        if (pick(2) == 0) {
+          const auto d = m.finish_with_lease(s, fp(m), dl ? std::optional(at(*dl)) : std::nullopt);
+          holds[d.hold_id] = {d.blocks, dl};
+          max_id = std::max(max_id, d.hold_id);
+          drop_seq(s);
+        } else {
+          std::vector<std::uint32_t> blocks;
+          const std::size_t n = m.num_built(s) / 4;
+          for (auto b : m.block_ids(s).first(n)) blocks.push_back(b);
+          const auto id = m.pin_for_save(s, dl ? std::optional(at(*dl)) : std::nullopt);
+          holds[id] = {blocks, dl};
+          max_id = std::max(max_id, id);
+        }
+      } else if (op == 7 && !holds.empty()) {  // read-done / save done, or a heartbeat
+        auto it = std::next(holds.begin(), pick(holds.size()));
+        if (pick(2) == 0) {
+          REQUIRE(m.release_lease(it->first) == ExternalSignal::kApplied);
+          holds.erase(it);
+        } else {
+          it->second.deadline = now + 1 + long(pick(10));
+          REQUIRE(m.extend_lease(it->first, at(*it->second.deadline)) == ExternalSignal::kApplied);
+        }
+      } else if (op == 8) {  // time passes
+        now += long(pick(4));
+        std::size_t want = 0;
+        for (auto* map : {&holds, &orphans}) {
+          for (auto it = map->begin(); it != map->end();) {
+            if (it->second.deadline && *it->second.deadline <= now) {
+              it = map->erase(it);
+              ++want;
+            } else {
+              ++it;
+            }
+          }
+        }
+        REQUIRE(m.reap_external(at(now)) == want);
+      } else {  // pressure: fill the pool, then free those sequences
+        std::vector<SeqId> ids;
+        pressure(m, 1'000'000 + step * 100, ids);
+        for (auto s : ids) m.free(s);
+      }
+
+      // Invariants.
+      std::vector<std::uint32_t> ext(m.allocator().num_blocks(), 0), tab(m.allocator().num_blocks(), 0);
+      for (auto& [id, f] : fills) {
+        for (auto b : f.blocks) ++ext[b];
+      }
+      for (auto* map : {&holds, &orphans}) {
+        for (auto& [id, h] : *map) {
+          for (auto b : h.blocks) ++ext[b];
+        }
+      }
+      m.for_each_sequence([&](SeqId, std::span<const std::uint32_t> blocks, std::size_t) {
+        for (auto b : blocks) ++tab[b];
+      });
+      for (std::uint32_t b = 1; b < m.allocator().num_blocks(); ++b) {
+        REQUIRE(m.allocator().refcount(b) == tab[b] + ext[b]);
+      }
+      for (auto& [id, f] : fills) {
+        for (auto b : f.blocks) {
+          REQUIRE_FALSE(m.prefix_index().hash_of(b));  // never matchable
+          REQUIRE(tab[b] == 1);                         // only its own table: never handed to another sequence
+        }
+      }
+      for (auto& [id, h] : orphans) {
+        for (auto b : h.blocks) REQUIRE(tab[b] == 0);  // an orphan's blocks are in no table
+      }
+      const auto s = m.stats().external;
+      REQUIRE(s.fills_in_flight == fills.size());
+      REQUIRE(s.holds_active == holds.size() + orphans.size());
+    }
+    // Quiescence.
+    for (SeqId s : std::vector<SeqId>(live)) m.abort(s, true);
+    for (auto& [id, h] : holds) REQUIRE(m.release_lease(id) == ExternalSignal::kApplied);
+    for (auto& [id, h] : orphans) REQUIRE(m.complete_external_fill(id, 0).signal == ExternalSignal::kLate);
+    const auto st = m.stats();
+    if (seed == 1) {
+      INFO("fills " << st.external.fills_started << " completed " << st.external.fills_completed << " partial "
+                    << st.external.fills_partial << " failed " << st.external.fills_failed << " aborted "
+                    << st.external.fills_aborted << " orphans " << st.external.orphan_holds << " expired "
+                    << st.external.orphans_expired << " leases " << st.external.leases_started << " expired "
+                    << st.external.leases_expired << " pins " << st.external.save_pins_started << " late "
+                    << st.external.late_signals << " dup " << st.external.duplicate_signals << " unknown "
+                    << st.external.unknown_signals << " dedup " << st.dedup_blocks);
+      CHECK(st.external.fills_partial + st.external.fills_failed > 0);
+      CHECK(st.external.orphans_expired > 0);
+      CHECK(st.external.leases_started > 0);
+    }
+    CHECK(st.blocks_used == 0);
+    CHECK(st.external.blocks_held == 0);
+    CHECK(st.external.holds_active == 0);
+  }
 }
 
 }  // namespace
