@@ -100,6 +100,9 @@ TEST_CASE("P/D hand-off: lease, import plan, fill, completion registers the vali
   CHECK(expect_error([&] { cons.rewind(7, 1); }, pagedkv::Errc::kInvalidArgument).find("sequence 7") !=
         std::string::npos);
   for (auto b : r.ticket.blocks) CHECK(cons.allocator().refcount(b) == 2);  // table + fill
+  expect_error([&] { cons.fork(7, 8); }, pagedkv::Errc::kInvalidArgument);  // not forkable while it waits
+  expect_error([&] { (void)cons.try_admit_external(7, prompt, 4); }, pagedkv::Errc::kDuplicateSequence);
+  CHECK(cons.stats().external.fills_started == 1);
 
   // The transfer: every remote reference is current on the producer.
   for (std::size_t i = 0; i < plan.remote_blocks.size(); ++i) {
