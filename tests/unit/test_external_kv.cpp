@@ -54,7 +54,7 @@ struct Fixture {
   }
 };
 
-TEST_CASE("fill: blocks carry a reference until the signal; late, duplicate and unknown signals are counted",
+TEST_CASE("fill: blocks carry a reference until the signal - late, duplicate and unknown signals are counted",
           "[external_kv]") {
   Fixture f(16);
   const auto table = f.take(4);
@@ -84,7 +84,7 @@ TEST_CASE("fill: blocks carry a reference until the signal; late, duplicate and 
   CHECK(f.ext.empty());
 }
 
-TEST_CASE("abort: quiescent releases at once; otherwise an orphan hold until the late signal or the deadline",
+TEST_CASE("abort: quiescent releases at once - otherwise an orphan hold until the late signal or the deadline",
           "[external_kv]") {
   Fixture f(16);
   auto t1 = f.take(2);
@@ -128,7 +128,7 @@ TEST_CASE("abort: quiescent releases at once; otherwise an orphan hold until the
   CHECK(f.ext.take_fill(id3, f.rel()).status == ExternalSignal::kLate);
 }
 
-TEST_CASE("leases and save pins: release, extend, expire; the blocks are never reused while held",
+TEST_CASE("leases and save pins: release, extend, expire - the blocks are never reused while held",
           "[external_kv]") {
   Fixture f(8);
   auto t = f.take(3);

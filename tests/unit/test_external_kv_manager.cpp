@@ -280,7 +280,7 @@ TEST_CASE("TensorRT-LLM#12542 / LMCache#5248: leased or save-pinned blocks are n
   CHECK(m.stats().blocks_used == 0);
 }
 
-TEST_CASE("partial failures: recompute keeps the valid prefix, fail frees the sequence; dedup at completion",
+TEST_CASE("partial failures: recompute keeps the valid prefix, fail frees the sequence - dedup at completion",
           "[external_kv][manager]") {
   Mgr m(config(32));
   const auto prompt = toks(1, 21);
