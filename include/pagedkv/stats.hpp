@@ -8,6 +8,36 @@
 
 namespace pagedkv {
 
+/// Lifetime counters of external KV (external_kv.hpp: fills by another engine or a store, leases, save pins), plus
+/// the state now. CacheStats::external.
+struct ExternalKvCounters {
+  std::uint64_t fills_started = 0;       ///< Admissions with external tokens.
+  std::uint64_t fills_completed = 0;     ///< Fills completed with every block valid.
+  std::uint64_t fills_partial = 0;       ///< Fills completed with some blocks failed (policy applied).
+  std::uint64_t fills_failed = 0;        ///< Sequences failed by kFail (or a fill with no valid block under it).
+  std::uint64_t fills_aborted = 0;       ///< Fills whose sequence was freed / aborted / preempted while in flight.
+  std::uint64_t fill_blocks = 0;         ///< Blocks (all groups) of the fills started.
+  std::uint64_t fill_blocks_valid = 0;   ///< Of which completed valid and kept.
+  std::uint64_t orphan_holds = 0;        ///< Aborts while the transfer was not quiescent (blocks kept aside).
+  std::uint64_t orphans_released = 0;    ///< Orphan holds ended by the late completion or failure signal.
+  std::uint64_t orphans_expired = 0;     ///< Orphan holds ended by their deadline (reap).
+  std::uint64_t leases_started = 0;      ///< Producer holds (finish with a lease).
+  std::uint64_t leases_released = 0;     ///< Ended by the consumer's read-done.
+  std::uint64_t leases_extended = 0;     ///< Heartbeats that moved a deadline.
+  std::uint64_t leases_expired = 0;      ///< Ended by reap.
+  std::uint64_t save_pins_started = 0;   ///< Saves to a store that pinned blocks.
+  std::uint64_t save_pins_ended = 0;     ///< Saves completed or failed (pins released).
+  std::uint64_t late_signals = 0;        ///< Signals for a fill or hold that ended by abort or expiry.
+  std::uint64_t duplicate_signals = 0;   ///< Second signals for a fill or hold that ended by its signal.
+  std::uint64_t unknown_signals = 0;     ///< Signals naming an id never issued.
+  std::uint64_t stale_generations = 0;   ///< Block references refused for a generation that is not current.
+  std::uint64_t blocks_transferred = 0;  ///< Import plans: blocks to transfer (all groups).
+  std::uint64_t blocks_skipped = 0;      ///< Import plans: blocks not transferred thanks to the local prefix hit.
+  std::size_t fills_in_flight = 0;       ///< Now: fills not yet completed.
+  std::size_t holds_active = 0;          ///< Now: leases, save pins and orphan holds.
+  std::size_t blocks_held = 0;           ///< Now: distinct blocks with at least one external reference.
+};
+
 /// Lifetime counters of a KVCacheManager (vLLM's KVCacheManager usage + prefix-cache counters). Block counts
 /// exclude the null block; `usage` = blocks_used / usable blocks (vLLM's kv_cache_usage). Prefix counters are
 /// updated on successful admission only, so retries after "no capacity now" do not inflate them. `prefix_*`
@@ -57,6 +87,8 @@ struct CacheStats {
   /// (kNoCapacity retries) do not. kKeyMismatch is never counted here (telling it apart needs a keyless rehash of
   /// the prompt, which explain_admit does on demand): such a request counts as kNotCached or kEvicted.
   std::array<std::uint64_t, kNumMissCauses> admissions_by_miss_cause{};
+  /// External KV (fills, leases, save pins, signals, import plans; all 0 without external KV).
+  ExternalKvCounters external{};
 };
 
 /// Prefix-cache statistics of one interval (since the previous `take_prefix_cache_stats()`), with vLLM's field

@@ -1,0 +1,402 @@
+// pagedkv/detail/external_kv.hpp: the state machine of external KV (fills in flight and the blocks they hold,
+// producer leases, save pins, orphan holds, per-block generations, signal counters). A part of its own: the
+// KVCacheManager holds one and orchestrates it; it knows nothing of the manager (references are taken and dropped
+// through the caller's `acquire(b)` / `release(b)`), so it is tested alone over a BlockAllocator.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <pagedkv/config.hpp>
+#include <pagedkv/error.hpp>
+#include <pagedkv/external_kv.hpp>
+
+namespace pagedkv::detail {
+
+/// What holds external references on a block besides block tables (each takes one reference per block, so the
+/// allocator can never evict or reuse the block while it lives).
+enum class HoldKind : std::uint8_t {
+  kLease = 0,    ///< Producer: a finished sequence's blocks kept until the consumer has read them.
+  kSavePin = 1,  ///< A save to a store reads the blocks: no preemption or eviction hands them to another sequence.
+  kOrphan = 2,   ///< A fill whose sequence was aborted while its transfer may still write: kept until the late
+                 ///< signal or the deadline (never reused meanwhile: vLLM #46283 held forever, or worse, reused).
+};
+
+/// The state of external KV for one pool of `num_blocks` blocks.
+///
+/// Block states it adds to the allocator's (docs/design.md "External KV"): *filling* (held by a fill: in a block
+/// table, never registered, so never matchable), *held* (a lease or a save pin: registered or not, read-only for
+/// the transfer) and *orphaned* (a fill's blocks after a non-quiescent abort: in no table, unregistered, never
+/// reused until the late signal or the deadline). Each is one reference per (holder, block).
+///
+/// Generations: `generation(b)` changes every time the last external reference on b ends, hence before any reuse of
+/// b (a reuse needs refcount 0): a (block, generation) pair a descriptor or a ticket carries is current only while
+/// an external hold keeps the block (`is_current`), so a stale reference is refused, never served (vLLM #52234).
+/// The per-block arrays (8 bytes per block) are allocated at the first hold: a manager without external KV pays
+/// nothing.
+///
+/// Signals for fills and holds that ended are counted (late: ended by abort or expiry; duplicate: ended by their own
+/// signal; unknown: never issued), never thrown. Ids are never reused (one 64-bit counter for fills and holds).
+/// Thread safety: none (the scheduler thread). Cost: O(log live) per fill or hold call plus O(blocks); reap O(holds).
+template <BlockIdType Id = std::uint32_t>
+class ExternalKvState {
+ public:
+  /// A fill in flight.
+  struct Fill {
+    SeqId seq = 0;
+    std::size_t num_groups = 0;
+    std::size_t first_block = 0;
+    std::size_t first_token = 0;
+    std::size_t end_token = 0;
+    std::vector<Id> blocks;  ///< [num_groups x n] group-major
+  };
+  /// A lease, save pin or orphan hold.
+  struct Hold {
+    HoldKind kind = HoldKind::kLease;
+    SeqId seq = 0;                             ///< The sequence the blocks came from.
+    std::vector<Id> blocks;                    ///< One reference each.
+    std::optional<ExternalTimePoint> deadline;  ///< reap ends it at or after this; nullopt: only its signal does.
+    std::uint64_t fill_id = 0;                 ///< kOrphan: the fill it came from.
+  };
+  /// The outcome of a fill signal: `fill` is the live fill taken (kApplied; its references already dropped).
+  struct FillSignal {
+    ExternalSignal status = ExternalSignal::kUnknown;
+    std::optional<Fill> fill;
+  };
+
+  /// Ended ids remembered to tell late from duplicate signals; older ones count as late.
+  static constexpr std::size_t kEndedMemory = 4096;
+
+  explicit ExternalKvState(std::size_t num_blocks) : num_blocks_(num_blocks) {}
+
+  /// No fill and no hold: the guard of every hook on the one-engine paths.
+  [[nodiscard]] bool empty() const noexcept { return fills_.empty() && holds_.empty(); }
+  /// Fills in flight.
+  [[nodiscard]] std::size_t num_fills() const noexcept { return fills_.size(); }
+  /// Leases, save pins and orphan holds.
+  [[nodiscard]] std::size_t num_holds() const noexcept { return holds_.size(); }
+  /// The fill `seq` waits for, or 0.
+  [[nodiscard]] std::uint64_t fill_of(SeqId seq) const {
+    if (by_seq_.empty()) return 0;
+    const auto it = by_seq_.find(seq);
+    return it == by_seq_.end() ? 0 : it->second;
+  }
+  /// The live fill `id`, or null.
+  [[nodiscard]] const Fill* fill(std::uint64_t id) const {
+    const auto it = fills_.find(id);
+    return it == fills_.end() ? nullptr : &it->second;
+  }
+  /// The live hold `id`, or null.
+  [[nodiscard]] const Hold* hold(std::uint64_t id) const {
+    const auto it = holds_.find(id);
+    return it == holds_.end() ? nullptr : &it->second;
+  }
+  /// External references on block b (fills + holds).
+  [[nodiscard]] std::uint32_t references(Id b) const noexcept { return refs_.empty() ? 0 : refs_[b]; }
+  /// Block b's generation now (see the class comment).
+  [[nodiscard]] std::uint32_t generation(Id b) const noexcept { return gen_.empty() ? 0 : gen_[b]; }
+  /// Whether (b, gen) names a block an external hold keeps now, at that generation. Counts a refusal as stale.
+  [[nodiscard]] bool is_current(Id b, std::uint32_t gen) {
+    const bool ok = b != Id{0} && b < num_blocks_ && references(b) != 0 && generation(b) == gen;
+    if (!ok) ++c_.stale_generations;
+    return ok;
+  }
+
+  /// Start fill `seq` over `blocks` ([num_groups x n] group-major, every one held by the caller's table), taking one
+  /// reference each through `acquire(b)`. Returns the fill id. Throws kDuplicateSequence when `seq` already waits
+  /// for a fill, kInvalidArgument for a null or out-of-range block or a shape not a multiple of num_groups; an
+  /// exception of `acquire` is rethrown after the references taken are dropped through `release`: nothing changes.
+  template <class Acquire, class Release>
+  std::uint64_t begin_fill(SeqId seq, std::size_t num_groups, std::size_t first_block, std::size_t first_token,
+                           std::size_t end_token, std::span<const Id> blocks, Acquire&& acquire, Release&& release) {
+    if (by_seq_.contains(seq)) {
+      detail::raise(Errc::kDuplicateSequence, "begin_fill: sequence " + std::to_string(seq) +
+                                                  " already waits for fill " + std::to_string(by_seq_.at(seq)));
+    }
+    if (num_groups == 0 || blocks.size() % num_groups != 0 || end_token < first_token) {
+      detail::raise(Errc::kInvalidArgument, "begin_fill: " + std::to_string(blocks.size()) + " blocks over " +
+                                                std::to_string(num_groups) + " groups, tokens [" +
+                                                std::to_string(first_token) + ", " + std::to_string(end_token) + ")");
+    }
+    check_blocks(blocks, "begin_fill");
+    const std::uint64_t id = next_id_;
+    Fill f{seq, num_groups, first_block, first_token, end_token, std::vector<Id>(blocks.begin(), blocks.end())};
+    by_seq_.reserve(by_seq_.size() + 1);
+    auto [it, inserted] = fills_.emplace(id, std::move(f));
+    try {
+      take_refs(blocks, acquire, release);
+    } catch (...) {
+      fills_.erase(it);
+      throw;
+    }
+    by_seq_.emplace(seq, id);  // reserved: cannot throw
+    ++next_id_;
+    ++c_.fills_started;
+    c_.fill_blocks += blocks.size();
+    return id;
+  }
+
+  /// The completion or failure signal of fill `id`. A live fill is taken out (its references dropped through
+  /// `release`, before the caller registers or frees its blocks) and returned with kApplied; an orphaned fill's hold
+  /// ends now (kLate); a fill that ended is kLate (aborted, expired) or kDuplicate (completed); an id never issued is
+  /// kUnknown. Never throws for a bad id.
+  template <class Release>
+  FillSignal take_fill(std::uint64_t id, Release&& release) {
+    FillSignal out;
+    if (const auto it = fills_.find(id); it != fills_.end()) {
+      for (Id b : it->second.blocks) drop_ref(b, release);
+      by_seq_.erase(it->second.seq);
+      out.fill = std::move(it->second);
+      fills_.erase(it);
+      remember_end(id, End::kSignalled);
+      out.status = ExternalSignal::kApplied;
+      return out;
+    }
+    if (const auto o = orphan_of_fill_.find(id); o != orphan_of_fill_.end()) {
+      end_hold(o->second, release, End::kSignalled);
+      ++c_.orphans_released;
+      ++c_.late_signals;
+      out.status = ExternalSignal::kLate;
+      return out;
+    }
+    out.status = classify_ended(id);
+    return out;
+  }
+
+  /// The sequence of fill `seq` is freed, aborted or preempted while its fill is in flight. `quiescent`: the
+  /// transfer can no longer write (the caller knows it stopped): the references go at once. Otherwise they become an
+  /// orphan hold (ended by the late signal, or by reap at `orphan_deadline`; nullopt: only the signal). Returns the
+  /// fill id (0: `seq` had no fill; nothing changes). Allocates the orphan hold (may throw std::bad_alloc before any
+  /// change).
+  template <class Release>
+  std::uint64_t abort_fill(SeqId seq, bool quiescent, std::optional<ExternalTimePoint> orphan_deadline,
+                           Release&& release) {
+    const std::uint64_t id = fill_of(seq);
+    if (id == 0) return 0;
+    const auto it = fills_.find(id);
+    if (!quiescent) {
+      orphan_of_fill_.reserve(orphan_of_fill_.size() + 1);
+      Hold h{HoldKind::kOrphan, seq, std::move(it->second.blocks), orphan_deadline, id};
+      const std::uint64_t hid = next_id_++;
+      holds_.emplace(hid, std::move(h));  // references move from the fill to the hold
+      orphan_of_fill_.emplace(id, hid);
+      ++c_.orphan_holds;
+    } else {
+      for (Id b : it->second.blocks) drop_ref(b, release);
+      remember_end(id, End::kAborted);
+    }
+    fills_.erase(it);
+    by_seq_.erase(seq);
+    ++c_.fills_aborted;
+    return id;
+  }
+
+  /// Hold `blocks` (each held or cached by the caller's pool; duplicates allowed: one reference each) as a lease or
+  /// save pin of `seq`, until `release_hold`, or reap at `deadline` (nullopt: only release). Returns the hold id.
+  /// Throws kInvalidArgument (kind kOrphan, a null or out-of-range block); `acquire`'s exceptions after undoing.
+  template <class Acquire, class Release>
+  std::uint64_t add_hold(HoldKind kind, SeqId seq, std::span<const Id> blocks,
+                         std::optional<ExternalTimePoint> deadline, Acquire&& acquire, Release&& release) {
+    if (kind == HoldKind::kOrphan) {
+      detail::raise(Errc::kInvalidArgument, "add_hold: orphan holds come from abort_fill only");
+    }
+    check_blocks(blocks, "add_hold");
+    const std::uint64_t id = next_id_;
+    auto [it, inserted] =
+        holds_.emplace(id, Hold{kind, seq, std::vector<Id>(blocks.begin(), blocks.end()), deadline, 0});
+    try {
+      take_refs(blocks, acquire, release);
+    } catch (...) {
+      holds_.erase(it);
+      throw;
+    }
+    ++next_id_;
+    if (kind == HoldKind::kLease) {
+      ++c_.leases_started;
+    } else {
+      ++c_.save_pins_started;
+    }
+    return id;
+  }
+
+  /// End lease or save pin `id` (the consumer's read-done, or the save's completion or failure): its references
+  /// drop through `release`. Late, duplicate and unknown ids (and orphan holds, which end by their fill's signal)
+  /// are counted and change nothing.
+  template <class Release>
+  ExternalSignal release_hold(std::uint64_t id, Release&& release) {
+    const auto it = holds_.find(id);
+    if (it == holds_.end()) return classify_ended(id);
+    if (it->second.kind == HoldKind::kOrphan) {
+      ++c_.unknown_signals;
+      return ExternalSignal::kUnknown;
+    }
+    if (it->second.kind == HoldKind::kLease) {
+      ++c_.leases_released;
+    } else {
+      ++c_.save_pins_ended;
+    }
+    end_hold(id, release, End::kSignalled);
+    return ExternalSignal::kApplied;
+  }
+
+  /// Heartbeat of lease (or pin) `id`: its deadline becomes `deadline` (nullopt: none). Signals for holds that
+  /// ended are counted and change nothing.
+  ExternalSignal extend(std::uint64_t id, std::optional<ExternalTimePoint> deadline) {
+    const auto it = holds_.find(id);
+    if (it == holds_.end()) return classify_ended(id);
+    if (it->second.kind == HoldKind::kOrphan) {
+      ++c_.unknown_signals;
+      return ExternalSignal::kUnknown;
+    }
+    it->second.deadline = deadline;
+    ++c_.leases_extended;
+    return ExternalSignal::kApplied;
+  }
+
+  /// End every hold whose deadline is at or before `now` (expired leases, forgotten save pins, orphan holds whose
+  /// late signal never came), in id order; returns how many. O(holds).
+  template <class Release>
+  std::size_t reap(ExternalTimePoint now, Release&& release) {
+    std::size_t n = 0;
+    for (auto it = holds_.begin(); it != holds_.end();) {
+      const auto next = std::next(it);
+      if (it->second.deadline && *it->second.deadline <= now) {
+        switch (it->second.kind) {
+          case HoldKind::kLease: ++c_.leases_expired; break;
+          case HoldKind::kSavePin: ++c_.save_pins_ended; break;
+          case HoldKind::kOrphan: ++c_.orphans_expired; break;
+        }
+        end_hold(it->first, release, End::kExpired);
+        ++n;
+      }
+      it = next;
+    }
+    return n;
+  }
+
+  /// Count an import plan's blocks (transferred vs skipped thanks to the local hit).
+  void count_import(std::size_t transferred, std::size_t skipped) noexcept {
+    c_.blocks_transferred += transferred;
+    c_.blocks_skipped += skipped;
+  }
+  /// Count a fill's outcome: `valid` blocks kept; `partial` some failed; `failed` the sequence failed.
+  void count_completion(std::size_t valid, bool partial, bool failed) noexcept {
+    c_.fill_blocks_valid += valid;
+    if (failed) {
+      ++c_.fills_failed;
+    } else if (partial) {
+      ++c_.fills_partial;
+    } else {
+      ++c_.fills_completed;
+    }
+  }
+  /// The counters, with the state now.
+  [[nodiscard]] ExternalKvCounters counters() const noexcept {
+    ExternalKvCounters c = c_;
+    c.fills_in_flight = fills_.size();
+    c.holds_active = holds_.size();
+    c.blocks_held = blocks_held_;
+    return c;
+  }
+  /// Visit every live hold as f(id, const Hold&) in id order.
+  template <class F>
+  void for_each_hold(F&& f) const {
+    for (const auto& [id, h] : holds_) f(id, h);
+  }
+
+ private:
+  enum class End : std::uint8_t { kSignalled, kAborted, kExpired };
+
+  void check_blocks(std::span<const Id> blocks, const char* what) const {
+    for (Id b : blocks) {
+      if (b == Id{0} || b >= num_blocks_) {
+        detail::raise(Errc::kInvalidArgument, std::string(what) + ": block " + std::to_string(b) + " outside [1, " +
+                                                  std::to_string(num_blocks_) + ")");
+      }
+    }
+  }
+  template <class Acquire, class Release>
+  void take_refs(std::span<const Id> blocks, Acquire& acquire, Release& release) {
+    if (refs_.empty()) {
+      refs_.assign(num_blocks_, 0);
+      gen_.assign(num_blocks_, 0);
+    }
+    std::size_t done = 0;
+    try {
+      for (; done < blocks.size(); ++done) {
+        acquire(blocks[done]);
+        if (refs_[blocks[done]]++ == 0) ++blocks_held_;
+      }
+    } catch (...) {
+      while (done > 0) drop_ref(blocks[--done], release);
+      throw;
+    }
+  }
+  template <class Release>
+  void drop_ref(Id b, Release& release) {
+    if (--refs_[b] == 0) {
+      ++gen_[b];
+      --blocks_held_;
+    }
+    release(b);
+  }
+  template <class Release>
+  void end_hold(std::uint64_t id, Release& release, End why) {
+    const auto it = holds_.find(id);
+    // Release in reverse: the last block of a sequence goes first, as a free does.
+    for (auto b = it->second.blocks.rbegin(); b != it->second.blocks.rend(); ++b) drop_ref(*b, release);
+    if (it->second.kind == HoldKind::kOrphan) {
+      orphan_of_fill_.erase(it->second.fill_id);
+      remember_end(it->second.fill_id, End::kAborted);
+    }
+    holds_.erase(it);
+    remember_end(id, why);
+  }
+  void remember_end(std::uint64_t id, End why) {
+    if (!ended_.insert_or_assign(id, why).second) return;
+    if (ended_order_.size() < kEndedMemory) {
+      ended_order_.push_back(id);
+      return;
+    }
+    ended_.erase(ended_order_[ended_head_]);  // the oldest remembered id
+    ended_order_[ended_head_] = id;
+    ended_head_ = (ended_head_ + 1) % kEndedMemory;
+  }
+  ExternalSignal classify_ended(std::uint64_t id) {
+    if (id == 0 || id >= next_id_) {
+      ++c_.unknown_signals;
+      return ExternalSignal::kUnknown;
+    }
+    const auto it = ended_.find(id);
+    if (it != ended_.end() && it->second == End::kSignalled) {
+      ++c_.duplicate_signals;
+      return ExternalSignal::kDuplicate;
+    }
+    ++c_.late_signals;  // aborted, expired, or ended so long ago that it is forgotten
+    return ExternalSignal::kLate;
+  }
+
+  std::size_t num_blocks_;
+  std::uint64_t next_id_ = 1;
+  std::map<std::uint64_t, Fill> fills_;                       // live fills by id
+  std::unordered_map<SeqId, std::uint64_t> by_seq_;           // waiting sequence -> its fill
+  std::map<std::uint64_t, Hold> holds_;                       // leases, save pins, orphan holds by id
+  std::unordered_map<std::uint64_t, std::uint64_t> orphan_of_fill_;  // aborted fill id -> its orphan hold
+  std::unordered_map<std::uint64_t, End> ended_;              // recently ended ids (kEndedMemory)
+  std::vector<std::uint64_t> ended_order_;                    // ring of ended_'s ids, oldest at ended_head_
+  std::size_t ended_head_ = 0;
+  std::vector<std::uint32_t> refs_;                           // [num_blocks] external references (lazy)
+  std::vector<std::uint32_t> gen_;                            // [num_blocks] generations (lazy)
+  std::size_t blocks_held_ = 0;
+  ExternalKvCounters c_;
+};
+
+}  // namespace pagedkv::detail
