@@ -116,7 +116,7 @@ inline void check_same_layout(const KvLayoutFingerprint& ours, const KvLayoutFin
 /// An admission's external fill: the blocks a transfer must write before the sequence can run (vLLM: the blocks of
 /// `allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)`; TensorRT-LLM: a request in
 /// kDISAGG_GENERATION_TRANS_IN_PROGRESS). The blocks are held by the fill: not matchable, not registered, not
-/// evictable, no events, until `complete` / `abort`.
+/// evictable, no events, until `complete_external_fill` / `abort_sequence`.
 template <BlockIdType Id = std::uint32_t>
 struct FillTicket {
   std::uint64_t fill_id = 0;     ///< Names the fill in complete / fail signals; never reused (0 = none).

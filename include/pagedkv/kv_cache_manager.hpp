@@ -1350,7 +1350,7 @@ class KVCacheManager {
   /// write its fill's blocks, so they return at once; otherwise they become an orphan hold (in no table, never
   /// reused) until the fill's late signal or `reap_external` past the orphan timeout. `free` and `preempt` of a
   /// sequence whose fill is in flight act as a non-quiescent abort. Throws kUnknownSequence.
-  void abort(SeqId seq, bool transfer_quiescent) {
+  void abort_sequence(SeqId seq, bool transfer_quiescent) {
     if (ext_.num_fills() != 0 && seqs_.contains(seq)) abort_external_fill(seq, transfer_quiescent);
     free(seq);
   }
@@ -2491,7 +2491,7 @@ class KVCacheManager {
       if (const std::uint64_t f = ext_.fill_of(id); f != 0) {
         detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(id) +
                                                   " waits for external KV (fill " + std::to_string(f) +
-                                                  "): complete_external_fill or abort it first");
+                                                  "): complete_external_fill or abort_sequence it first");
       }
     }
   }

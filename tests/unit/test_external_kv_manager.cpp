@@ -208,7 +208,7 @@ TEST_CASE("vllm#46283: an abort while the fill is in flight never holds blocks f
 
   // Quiescent abort: at once. Late signal after it: counted.
   const auto r2 = m.try_admit_external(2, toks(1, 17), 16);
-  m.abort(2, true);
+  m.abort_sequence(2, true);
   CHECK(m.stats().blocks_used == 0);
   CHECK(m.complete_external_fill(r2.ticket.fill_id, 1).signal == ExternalSignal::kLate);
   // Non-quiescent abort ended by the late signal (no deadline reached).
@@ -337,7 +337,7 @@ TEST_CASE("admission: never fits vs not now, headroom, nothing external after th
   const auto r3 = m.try_admit_external(2, toks(1, 1), 5);  // a one-token prompt: nothing external
   CHECK(r3.admit.admitted());
   CHECK(r3.ticket.fill_id == 0);
-  m.abort(1, true);
+  m.abort_sequence(1, true);
   m.free(2);
   CHECK(m.stats().blocks_used == 0);
 }
@@ -497,7 +497,7 @@ TEST_CASE("model-based: the manager's external KV under random operations", "[ex
         } else if (how == 1) {
           m.preempt(s);
         } else {
-          m.abort(s, quiescent);
+          m.abort_sequence(s, quiescent);
         }
         if (f != 0) {
           if (!quiescent) orphans[f] = {fills[f].blocks, now + 5};
@@ -586,7 +586,7 @@ TEST_CASE("model-based: the manager's external KV under random operations", "[ex
       REQUIRE(s.holds_active == holds.size() + orphans.size());
     }
     // Quiescence.
-    for (SeqId s : std::vector<SeqId>(live)) m.abort(s, true);
+    for (SeqId s : std::vector<SeqId>(live)) m.abort_sequence(s, true);
     for (auto& [id, h] : holds) REQUIRE(m.release_lease(id) == ExternalSignal::kApplied);
     for (auto& [id, h] : orphans) REQUIRE(m.complete_external_fill(id, 0).signal == ExternalSignal::kLate);
     const auto st = m.stats();
