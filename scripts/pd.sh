@@ -58,7 +58,7 @@ run() {
   last=$(grep '^pd:' "$tmp/$name.decode.log" | tail -1)
   echo "${last:-pd: FAIL (no result line)} scenario=$name"
   # The prefill process must exit 0 (zero leaks), except where the scenario kills it (-9: 137).
-  if [ "$name" = kill ]; then [ "$prc" -eq 137 ] || { echo "pd: FAIL scenario=kill: prefill exit $prc, not 137"; return 1; }
+  if [ "${name%%-*}" = kill ]; then [ "$prc" -eq 137 ] || { echo "pd: FAIL scenario=kill: prefill exit $prc, not 137"; return 1; }
   elif [ "$prc" -ne 0 ]; then echo "pd: FAIL scenario=$name: prefill exit $prc"; return 1; fi
   return "$rc"
 }
@@ -70,10 +70,11 @@ fi
 for f in kill drop-notify stale layout; do
   if [ "$mode" = faults ] || [ "$mode" = all ] || [ "$mode" = "$f" ]; then
     case $f in
-      kill)        run kill --fault kill --reps 0 "$@" || status=1 ;;
-      drop-notify) run drop-notify --fault drop-notify --lease-ms 300 --reps 0 "$@" || status=1 ;;
-      stale)       run stale --fault stale --reps 0 "$@" || status=1 ;;
-      layout)      run layout --fault layout --reps 0 "$@" -- --block-size 32 || status=1 ;;
+      kill)        run kill --fault kill --requests 6 --reps 0 "$@" || status=1
+                   run kill-fail --fault kill --on-failure fail --requests 6 --reps 0 "$@" || status=1 ;;
+      drop-notify) run drop-notify --fault drop-notify --lease-ms 300 --requests 6 --reps 0 "$@" || status=1 ;;
+      stale)       run stale --fault stale --requests 6 --reps 0 "$@" || status=1 ;;
+      layout)      run layout --fault layout --requests 6 --reps 0 "$@" -- --block-size 32 || status=1 ;;
     esac
   fi
 done

@@ -148,6 +148,7 @@ int run_prefill(const Options& o) {
     ch.send(Msg::kHello, w.out);
   }
   std::uint64_t stale_refused = 0, claims = 0, late_notifications = 0;
+  int last_request = -1;  // the request of the last kPrefill (one hand-off at a time)
   bool bye = false;
   Clock::time_point bye_deadline{};
   for (;;) {
@@ -178,6 +179,7 @@ int run_prefill(const Options& o) {
         return e.blocks_used() == 0 ? 0 : 1;
       case Msg::kPrefill: {
         const std::uint64_t id = r.u64();
+        last_request = static_cast<int>(id);
         const SeqId seq = id + 1;
         const auto& prompt = reqs.at(id);
         if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("prefill: admission failed");
@@ -228,6 +230,11 @@ int run_prefill(const Options& o) {
         } else {
           m.extend_lease(hold, Clock::now() + std::chrono::milliseconds(o.lease_ms));  // the claim is a heartbeat
           ch.send(Msg::kClaimOk);
+          if (o.fault == "kill" && last_request == o.fault_request) {
+            // Stop serving (no NIXL progress here) so the READ is still in flight when the decode engine kills this
+            // process: the kill lands mid-transfer, not after it.
+            std::this_thread::sleep_for(std::chrono::seconds(60));
+          }
         }
         break;
       }
