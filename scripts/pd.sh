@@ -4,10 +4,13 @@
 # process and a decode process that hand KV blocks to each other through NIXL, and checks every request's outputs
 # bit for bit against one engine doing both. The last line of each run:
 #   pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=PREFILL/DECODE ...
-# Usage: scripts/pd.sh [normal|faults|all|kill|drop-notify|stale|layout] [extra pagedkv-pd options]
+# Usage: scripts/pd.sh [normal|faults|replay|all|kill|drop-notify|stale|layout] [extra pagedkv-pd options]
 #   normal (default): the hand-offs, the side-by-side GB/s (pagedkv vs raw NIXL) and leak counts
 #   faults: the four fault scenarios (kill -9 of prefill mid-transfer, dropped read-done, stale descriptor,
-#           layout mismatch), each with its own PASS line; all: normal + faults
+#           layout mismatch), each with its own PASS line
+#   replay: 300 requests of Mooncake's conversation trace through a prefill and a decode manager in one process
+#           (in-process transport): bytes moved with and without decode's own prefix hits, leaks
+#   all: normal + faults + replay
 # Settings: UCX_MODULES=^ib (Debian's rdma providers make NIXL segfault at exit), UCX_NET_DEVICES=lo, no NIXL
 # progress thread (the example polls). Needs nixl-cu12 1.5.1 for python3; without it this FAILS with the command.
 set -euo pipefail
@@ -78,4 +81,7 @@ for f in kill drop-notify stale layout; do
     esac
   fi
 done
+if [ "$mode" = replay ] || [ "$mode" = all ]; then
+  "$bin" --role replay --trace data/traces/mooncake-fast25/conversation_trace.jsonl --limit 300 "$@" || status=1
+fi
 exit $status

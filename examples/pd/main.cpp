@@ -12,6 +12,9 @@
 //   complete_external_fill and decoding. Every request's outputs are compared bit for bit with one engine doing
 //   both (the code of --role both, run in this process).
 // --role both: one engine doing prefill and decode (the reference), printing a digest of the outputs.
+// --role replay: a trace (Mooncake's conversation trace) through a prefill and a decode manager with the
+//   in-process transport: bytes moved with and without the decode side's prefix hits, TTFT proxies, leaks
+//   (replay.cpp).
 // --fault: kill (SIGKILL the prefill process once a READ is posted), drop-notify (a READ without its read-done:
 //   the producer's lease expires), stale (the producer ends the lease and reuses the blocks before the claim: the
 //   claim is refused by generation), layout (a different block size: refused at hand-shake).
@@ -38,6 +41,7 @@
 
 #include "engine.hpp"
 #include "nixl_capi.hpp"
+#include "replay_mode.hpp"
 #include "wire.hpp"
 
 namespace pd {
@@ -61,6 +65,7 @@ struct Options {
   std::string fault = "none";
   int fault_request = 3;
   std::string on_failure = "recompute";
+  ReplayOptions replay;
 };
 
 // The requests: conversations over 3 system prompts (64, 48 and 0 tokens) + a user part of 20..140 tokens, so
@@ -550,6 +555,7 @@ int run(const Options& o) {
                 out.size(), static_cast<unsigned long long>(h), leaked);
     return leaked == 0 ? 0 : 1;
   }
+  if (o.role == "replay") return run_replay(o.replay);
   ::setenv("UCX_MODULES", "^ib", 0);
   ::setenv("UCX_NET_DEVICES", "lo", 0);
   if (o.role == "prefill") return run_prefill(o);
@@ -562,8 +568,17 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   pd::Options o;
   CLI::App app{"pagedkv-pd: prefill/decode disaggregation over NIXL on 127.0.0.1 (docs/disaggregation.md)"};
-  app.add_option("--role", o.role, "prefill | decode | both (one engine doing both: the reference)")
-      ->check(CLI::IsMember({"prefill", "decode", "both"}));
+  app.add_option("--role", o.role,
+                 "prefill | decode | both (one engine doing both: the reference) | replay (a trace, in process)")
+      ->check(CLI::IsMember({"prefill", "decode", "both", "replay"}));
+  app.add_option("--trace", o.replay.trace, "replay: the trace (Mooncake JSONL)");
+  app.add_option("--limit", o.replay.limit, "replay: first N requests (0 = all)");
+  app.add_option("--replay-blocks", o.replay.num_blocks, "replay: blocks per pool")->check(CLI::Range(1024, 1 << 24));
+  app.add_option("--kv-bytes-per-token", o.replay.kv_bytes_per_token, "replay: model KV bytes per token")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--prefill-tokens-per-s", o.replay.prefill_tokens_per_s, "replay: TTFT proxy's prefill rate")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--link-gbps", o.replay.link_gbps, "replay: TTFT proxy's link rate, GB/s")->check(CLI::PositiveNumber);
   app.add_option("--port", o.port, "Control channel port on 127.0.0.1 (prefill: 0 = any free port)");
   app.add_option("--port-file", o.port_file, "prefill: write the bound port here");
   app.add_option("--requests", o.requests, "Requests")->check(CLI::Range(1, 10000));
