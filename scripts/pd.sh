@@ -46,7 +46,7 @@ run() {
   rm -f "$tmp/port"
   "$bin" --role prefill --port 0 --port-file "$tmp/port" "${common[@]}" >"$tmp/$name.prefill.log" 2>&1 &
   local ppid=$!
-  for _ in $(seq 300); do [ -s "$tmp/port" ] && break; sleep 0.05; done
+  for _ in $(seq 1200); do [ -s "$tmp/port" ] && break; sleep 0.05; done  # NIXL start-up: ~2 s, more under load
   if [ ! -s "$tmp/port" ]; then
     cat "$tmp/$name.prefill.log"; kill "$ppid" 2>/dev/null || true
     echo "pd: FAIL scenario=$name: the prefill process did not start"; return 1
