@@ -68,7 +68,15 @@ run() {
 
 status=0
 if [ "$mode" = normal ] || [ "$mode" = all ]; then
+  # The decode process compares each request with the code of --role both run in its own process; a separate
+  # --role both process must also print the same digest of every request's outputs.
+  want=$("$bin" --role both "$@" | sed -n 's/.*outputs_digest=\([0-9a-f]*\).*/\1/p')
+  echo "one engine doing both (--role both, its own process): outputs_digest=$want"
   run normal "$@" || status=1
+  got=$(grep '^pd:' "$tmp/normal.decode.log" | sed -n 's/.*outputs_digest=\([0-9a-f]*\).*/\1/p')
+  if [ -z "$want" ] || [ "$want" != "$got" ]; then
+    echo "pd: FAIL outputs_digest '$got' of the P/D run differs from --role both's '$want'"; status=1
+  fi
 fi
 for f in kill drop-notify stale layout; do
   if [ "$mode" = faults ] || [ "$mode" = all ] || [ "$mode" = "$f" ]; then
