@@ -61,7 +61,7 @@ struct Options {
   int block_size = 16;
   int num_blocks = 257;
   int lease_ms = 2000;
-  int reps = 3;
+  int reps = 10;
   std::string fault = "none";
   int fault_request = 3;
   std::string on_failure = "recompute";
