@@ -4,6 +4,9 @@
 #     concurrency test also built and run under ThreadSanitizer
 #  1b. pagedkv::nixl: two processes on loopback move KV blocks through NIXL (CTest label nixl; needs the wheel
 #      nixl-cu12==1.5.1 that install-deps.sh installs: without it the stage FAILS with the install command)
+#  1c. scripts/pd.sh all: a prefill and a decode process hand KV blocks over NIXL (examples/pd), checked bit for bit
+#      against one engine doing both, plus the fault scenarios (kill -9, dropped read-done, stale descriptor,
+#      layout mismatch), zero leaked blocks on both sides
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package, whose code is the
 #     README's snippet: scripts/check-readme-snippet.sh), and the CUDA and events_zmq component consumers
@@ -51,6 +54,10 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("nixl-cu12")
   exit 1
 fi
 UCX_MODULES='^ib' UCX_NET_DEVICES=lo ctest --test-dir build-ci -L nixl --output-on-failure
+
+stage "1c P/D disaggregation over NIXL: prefill + decode processes, outputs bit-identical, 5 fault scenarios (scripts/pd.sh)"
+# pagedkv-pd was built by stage 1 (build-ci): pd.sh only checks the target. About 1 minute, mostly NIXL start-up.
+PD_BUILD=build-ci scripts/pd.sh all
 
 stage "2/4 ASan + UBSan build + tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPAGEDKV_SANITIZE=ON -DPAGEDKV_ENABLE_CUDA=OFF \

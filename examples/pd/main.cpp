@@ -1,0 +1,616 @@
+// examples/pd/main.cpp: pagedkv-pd, prefill/decode disaggregation over NIXL on 127.0.0.1 (issue 34,
+// docs/disaggregation.md).
+//
+// --role prefill: an engine (engine.hpp) that listens on 127.0.0.1 for one decode engine, shakes hands (its layout
+//   fingerprint and NIXL agent metadata), then for each request computes the prompt's blocks, keeps them under a
+//   lease (KVCacheManager::finish_with_lease) and answers with the hand-off descriptor; it checks each claim's
+//   (block, generation) pairs (is_current_block) before the decode engine READs, releases the lease on the READ's
+//   notification (read-done) and expires leases whose notification never comes (reap_external).
+// --role decode: connects, checks the fingerprint (a mismatch is refused at hand-shake, naming the field), and for
+//   each request: plan_import (only the blocks it lacks: its own prefix hit is not moved again),
+//   try_admit_external, a claim, ONE NIXL READ of every (layer, block) descriptor of the hand-off, then
+//   complete_external_fill and decoding. Every request's outputs are compared bit for bit with one engine doing
+//   both (the code of --role both, run in this process).
+// --role both: one engine doing prefill and decode (the reference), printing a digest of the outputs.
+// --role replay: a trace (Mooncake's conversation trace) through a prefill and a decode manager with the
+//   in-process transport: bytes moved with and without the decode side's prefix hits, TTFT proxies, leaks
+//   (replay.cpp).
+// --fault: kill (SIGKILL the prefill process once a READ is posted), drop-notify (a READ without its read-done:
+//   the producer's lease expires), stale (the producer ends the lease and reuses the blocks before the claim: the
+//   claim is refused by generation), layout (a different block size: refused at hand-shake).
+// The last line: pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=P/D ...
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include <pagedkv/nixl/nixl_transfer.hpp>
+
+#include "engine.hpp"
+#include "nixl_capi.hpp"
+#include "replay_mode.hpp"
+#include "wire.hpp"
+
+namespace pd {
+namespace {
+
+namespace tx = pagedkv::transfer;
+namespace capi = pagedkv::nixl::capi;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string role = "both";
+  std::uint16_t port = 0;
+  std::string port_file;
+  int requests = 12;
+  int decode_tokens = 8;
+  std::uint64_t seed = 7;
+  int block_size = 16;
+  int num_blocks = 257;
+  int lease_ms = 2000;
+  int reps = 10;
+  std::string fault = "none";
+  int fault_request = 3;
+  std::string on_failure = "recompute";
+  ReplayOptions replay;
+};
+
+// The requests: conversations over 3 system prompts (64, 48 and 0 tokens) + a user part of 20..140 tokens, so
+// the decode engine hits its own prefix cache for the system prompts it imported before.
+std::vector<std::vector<TokenId>> make_requests(const Options& o) {
+  std::mt19937_64 rng(o.seed);
+  std::vector<std::vector<TokenId>> sys(3);
+  const int sys_len[3] = {64, 48, 0};
+  for (int s = 0; s < 3; ++s)
+    for (int i = 0; i < sys_len[s]; ++i) sys[s].push_back(static_cast<TokenId>(rng() % 32000));
+  std::vector<std::vector<TokenId>> out;
+  for (int r = 0; r < o.requests; ++r) {
+    std::vector<TokenId> p = sys[static_cast<std::size_t>(r % 3)];
+    const int n = 20 + static_cast<int>(rng() % 121);
+    for (int i = 0; i < n; ++i) p.push_back(static_cast<TokenId>(rng() % 32000));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+EngineShape shape_of(const Options& o) {
+  EngineShape s;
+  s.block_size = o.block_size;
+  s.num_blocks = o.num_blocks;
+  return s;
+}
+
+// One engine doing both: admit, compute the prompt, decode; the reference outputs of every request.
+std::vector<std::vector<float>> run_both(const Options& o, const std::vector<std::vector<TokenId>>& reqs,
+                                         std::size_t* leaked) {
+  Engine e(shape_of(o));
+  std::vector<std::vector<float>> out;
+  for (std::size_t r = 0; r < reqs.size(); ++r) {
+    const SeqId seq = r + 1;
+    if (!e.manager().try_admit(seq, reqs[r]).admitted()) throw std::runtime_error("both: admission failed");
+    out.push_back(e.run_to_end(seq, reqs[r], o.decode_tokens));
+  }
+  *leaked = e.blocks_used();
+  return out;
+}
+
+std::uint64_t digest(const std::vector<float>& v) {
+  std::uint64_t h = 0;
+  for (float f : v) {
+    std::uint32_t b = 0;
+    std::memcpy(&b, &f, 4);
+    h = decode_loop::splitmix64(h ^ b);
+  }
+  return h;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Prefill role
+
+int run_prefill(const Options& o) {
+  const auto reqs = make_requests(o);
+  Engine e(shape_of(o));
+  auto& m = e.manager();
+  tx::NixlAgent agent("prefill");
+  agent.register_pool(e.pool_desc());
+  std::uint16_t port = 0;
+  const int lfd = Channel::listen_loopback(o.port, &port);
+  if (!o.port_file.empty()) {
+    std::ofstream(o.port_file + ".tmp") << port << "\n";
+    std::rename((o.port_file + ".tmp").c_str(), o.port_file.c_str());
+  }
+  std::printf("prefill: listening on 127.0.0.1:%u (pid %d)\n", port, static_cast<int>(::getpid()));
+  std::fflush(stdout);
+  Channel ch = Channel::accept_one(lfd, 30000);
+  ::close(lfd);
+  {
+    Writer w;
+    w.str("prefill");
+    w.str("127.0.0.1");
+    w.u64(port);
+    w.u64(static_cast<std::uint64_t>(::getpid()));
+    put_fingerprint(w, e.fingerprint());
+    w.bytes(agent.export_metadata());
+    ch.send(Msg::kHello, w.out);
+  }
+  std::uint64_t stale_refused = 0, claims = 0, late_notifications = 0;
+  int last_request = -1;  // the request of the last kPrefill (one hand-off at a time)
+  bool bye = false;
+  Clock::time_point bye_deadline{};
+  for (;;) {
+    for (const tx::Notification& n : agent.take_notifications()) {
+      if (n.message.rfind("read-done:", 0) == 0) {
+        const auto s = m.release_lease(std::stoull(n.message.substr(10)));
+        if (s != pagedkv::ExternalSignal::kApplied) ++late_notifications;
+      }
+    }
+    m.reap_external(Clock::now());
+    if (bye && (m.stats().external.holds_active == 0 || Clock::now() > bye_deadline)) break;
+    std::optional<std::pair<Msg, std::vector<std::byte>>> msg;
+    try {
+      msg = ch.recv(0);  // no NIXL progress thread: this loop serves the consumer's READs, so it polls often
+    } catch (const std::exception& ex) {
+      std::fprintf(stderr, "prefill: %s\n", ex.what());
+      return 1;
+    }
+    if (!msg) {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      continue;
+    }
+    Reader r{msg->second};
+    switch (msg->first) {
+      case Msg::kHelloBack:
+        agent.load_remote(r.bytes());
+        break;
+      case Msg::kRefuse:
+        std::printf("prefill: the decode engine refused the hand-shake: %s\n", r.str().c_str());
+        std::printf("prefill: leaked_blocks=%zu\n", e.blocks_used());
+        return e.blocks_used() == 0 ? 0 : 1;
+      case Msg::kPrefill: {
+        const std::uint64_t id = r.u64();
+        last_request = static_cast<int>(id);
+        const SeqId seq = id + 1;
+        const auto& prompt = reqs.at(id);
+        if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("prefill: admission failed");
+        (void)e.compute_pending(seq, prompt);
+        const auto lease_end = Clock::now() + std::chrono::milliseconds(o.lease_ms);
+        WireDescriptor d{m.finish_with_lease(seq, e.fingerprint(), lease_end), "prefill", "127.0.0.1", port};
+        if (o.fault == "stale" && static_cast<int>(id) == o.fault_request) {
+          // The lease ends early (as if it had expired) and the blocks are reused by other sequences before the
+          // descriptor reaches the consumer: its claim must be refused by generation.
+          m.release_lease(d.desc.hold_id);
+          std::vector<SeqId> fill;
+          std::size_t reused = 0;
+          for (SeqId s = 1000000;; ++s) {
+            std::vector<TokenId> t(static_cast<std::size_t>(o.block_size) * 4);
+            for (std::size_t i = 0; i < t.size(); ++i) t[i] = static_cast<TokenId>(s * 131 + i);
+            if (!m.try_admit(s, t).admitted()) break;
+            fill.push_back(s);
+            for (auto b : m.block_ids(s))
+              reused += static_cast<std::size_t>(std::count(d.desc.blocks.begin(), d.desc.blocks.end(), b));
+          }
+          for (SeqId s : fill) m.free(s);
+          std::printf("prefill: fault stale: lease %llu ended, %zu of its %zu blocks reused before the descriptor "
+                      "was sent\n", static_cast<unsigned long long>(d.desc.hold_id), reused, d.desc.blocks.size());
+        }
+        Writer w;
+        put_descriptor(w, d);
+        ch.send(Msg::kDescriptor, w.out);
+        break;
+      }
+      case Msg::kClaim: {
+        ++claims;
+        const std::uint64_t hold = r.u64();
+        const std::uint64_t n = r.u64();
+        std::string stale;
+        for (std::uint64_t i = 0; i < n; ++i) {
+          const auto b = static_cast<std::uint32_t>(r.u64());
+          const auto g = static_cast<std::uint32_t>(r.u64());
+          if (stale.empty() && !m.is_current_block(b, g)) {
+            stale = "block " + std::to_string(b) + " generation " + std::to_string(g) +
+                    " is not current (lease " + std::to_string(hold) + " ended; the block may have been reused)";
+          }
+        }
+        if (!stale.empty()) {
+          ++stale_refused;
+          Writer w;
+          w.str(stale);
+          ch.send(Msg::kClaimStale, w.out);
+        } else {
+          m.extend_lease(hold, Clock::now() + std::chrono::milliseconds(o.lease_ms));  // the claim is a heartbeat
+          ch.send(Msg::kClaimOk);
+          if (o.fault == "kill" && last_request == o.fault_request) {
+            // Stop serving (no NIXL progress here) so the READ is still in flight when the decode engine kills this
+            // process: the kill lands mid-transfer, not after it.
+            std::this_thread::sleep_for(std::chrono::seconds(60));
+          }
+        }
+        break;
+      }
+      case Msg::kRelease:
+        m.release_lease(r.u64());
+        break;
+      case Msg::kBye:
+        bye = true;
+        bye_deadline = Clock::now() + std::chrono::milliseconds(o.lease_ms + 3000);
+        break;
+      default:
+        std::fprintf(stderr, "prefill: unexpected message %u\n", static_cast<unsigned>(msg->first));
+        return 1;
+    }
+  }
+  const auto x = m.stats().external;
+  Writer w;
+  w.u64(e.blocks_used());
+  w.u64(x.leases_started);
+  w.u64(x.leases_released);
+  w.u64(x.leases_expired);
+  w.u64(stale_refused);
+  w.u64(claims);
+  w.u64(late_notifications);
+  ch.send(Msg::kStats, w.out);
+  std::printf("prefill: leaked_blocks=%zu leases=%llu released=%llu expired=%llu stale_refused=%llu\n",
+              e.blocks_used(), static_cast<unsigned long long>(x.leases_started),
+              static_cast<unsigned long long>(x.leases_released), static_cast<unsigned long long>(x.leases_expired),
+              static_cast<unsigned long long>(stale_refused));
+  // Keep progressing a moment so the last notifications and messages drain, then leave.
+  for (int i = 0; i < 50; ++i) {
+    (void)agent.take_notifications();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return e.blocks_used() == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode role
+
+struct DecodeReport {
+  int requests = 0, identical = 0, completed = 0, failed = 0, handoffs = 0, recomputed = 0, local = 0;
+  std::uint64_t outputs_digest = 0;  // over every request's outputs, as --role both prints it
+  std::uint64_t bytes_moved = 0, blocks_moved = 0, blocks_skipped = 0;
+  std::vector<double> ours_gbps, raw_gbps;
+  std::string refused;
+  bool prefill_killed = false;
+  long long prefill_leaked = -1;
+  std::uint64_t leases = 0, released = 0, expired = 0, stale_refused = 0;
+};
+
+// Times `reps` pairs of READs of the same descriptors, alternating pagedkv's submit (a new request each, as an
+// engine does per hand-off) and a raw NIXL request created once and re-posted. Returns false on a failed READ.
+bool time_reads(tx::NixlAgent& agent, const tx::PoolDesc& local, const tx::PoolDesc& remote,
+                std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, int reps, DecodeReport& rep) {
+  if (reps <= 0) return true;
+  const capi::Api& api = capi::load().api;
+  auto ag = static_cast<capi::Agent>(agent.native_agent());
+  auto args = static_cast<capi::OptArgs>(agent.native_backend_args());
+  capi::XferDlist ld = nullptr, rd = nullptr;
+  api.create_xfer_dlist(capi::kDram, &ld);
+  api.create_xfer_dlist(capi::kDram, &rd);
+  for (std::size_t reg = 0; reg < local.regions.size(); ++reg)
+    for (std::size_t i = 0; i < lb.size(); ++i) {
+      const auto& l = local.regions[reg];
+      const auto& r = remote.regions[reg];
+      api.xfer_dlist_add_desc(ld, l.base_addr + lb[i] * l.stride_bytes, l.block_bytes, 0);
+      api.xfer_dlist_add_desc(rd, r.base_addr + rb[i] * r.stride_bytes, r.block_bytes, 0);
+    }
+  capi::XferReq raw = nullptr;
+  bool ok = api.create_xfer_req(ag, capi::kRead, ld, rd, "prefill", &raw, args) == capi::kSuccess;
+  const double bytes = static_cast<double>(lb.size() * local.bytes_per_block());
+  if (ok) {  // one untimed READ first: the first READ of new blocks is the slow one, whichever side would post it
+    int s = api.post_xfer_req(ag, raw, args);
+    while (s == capi::kInProgress) s = api.get_xfer_status(ag, raw);
+    ok = s == capi::kSuccess;
+  }
+  for (int it = 0; ok && it < reps; ++it)
+    for (int which = 0; ok && which < 2; ++which) {
+      const bool mine = (it + which) % 2 == 0;
+      const auto t0 = Clock::now();
+      if (mine) {
+        const tx::RequestId id = agent.submit({tx::TransferOp::kRead, 0, lb, "prefill", 0, rb, ""});
+        tx::RequestState st;
+        while ((st = agent.poll(id)).status == tx::TransferStatus::kInProgress) {
+        }
+        agent.release(id);
+        ok = st.status == tx::TransferStatus::kDone;
+      } else {
+        int s = api.post_xfer_req(ag, raw, args);
+        while (s == capi::kInProgress) s = api.get_xfer_status(ag, raw);
+        ok = s == capi::kSuccess;
+      }
+      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+      (mine ? rep.ours_gbps : rep.raw_gbps).push_back(bytes / sec / 1e9);
+    }
+  if (raw != nullptr) {
+    api.release_xfer_req(ag, raw);
+    api.destroy_xfer_req(raw);
+  }
+  api.destroy_xfer_dlist(ld);
+  api.destroy_xfer_dlist(rd);
+  return ok;
+}
+
+// Waits for a message of type `want` while driving NIXL progress; throws when the peer closed.
+std::vector<std::byte> expect(Channel& ch, tx::NixlAgent& agent, Msg want, Msg alt, Msg* got, int timeout_ms) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (Clock::now() < deadline) {
+    (void)agent.take_notifications();
+    if (auto m = ch.recv(1)) {
+      if (m->first != want && m->first != alt) {
+        throw std::runtime_error("unexpected message " + std::to_string(static_cast<unsigned>(m->first)));
+      }
+      if (got) *got = m->first;
+      return std::move(m->second);
+    }
+  }
+  throw std::runtime_error("no answer from the prefill engine in " + std::to_string(timeout_ms) + " ms");
+}
+
+int run_decode(const Options& o) {
+  const auto reqs = make_requests(o);
+  std::size_t ref_leaked = 0;
+  const auto reference = run_both(o, reqs, &ref_leaked);
+  const bool fail_policy = o.on_failure == "fail";
+  Engine e(shape_of(o));
+  auto& m = e.manager();
+  tx::NixlAgent agent("decode");
+  agent.register_pool(e.pool_desc());
+  Channel ch = Channel::connect_loopback(o.port, 30000);
+  DecodeReport rep;
+  pid_t prefill_pid = 0;
+  bool alive = true;
+  std::string peer;
+  {
+    Msg t{};
+    const auto hello = expect(ch, agent, Msg::kHello, Msg::kHello, &t, 30000);
+    Reader r{hello};
+    const std::string engine_id = r.str();
+    (void)r.str();
+    (void)r.u64();
+    prefill_pid = static_cast<pid_t>(r.u64());
+    const pagedkv::KvLayoutFingerprint theirs = get_fingerprint(r);
+    const std::vector<std::byte> md = r.bytes();
+    // The hand-shake: the layouts must match before any request (vLLM #42895 found a block-size mismatch per
+    // request). Ours vs theirs; the message names the first field that differs.
+    if (auto mm = pagedkv::first_mismatch(e.fingerprint(), theirs)) {
+      rep.refused = *mm;
+      Writer w;
+      w.str("layout fingerprints differ at " + *mm + " (decode vs prefill)");
+      ch.send(Msg::kRefuse, w.out);
+      std::printf("decode: hand-shake refused: layout fingerprints differ at %s (decode vs prefill)\n", mm->c_str());
+    } else {
+      peer = agent.load_remote(md);
+      Writer w;
+      w.bytes(agent.export_metadata());
+      ch.send(Msg::kHelloBack, w.out);
+      std::printf("decode: hand-shake with '%s' (pid %d): layouts match; NIXL %s\n", engine_id.c_str(),
+                  static_cast<int>(prefill_pid), tx::nixl_library().version.c_str());
+    }
+  }
+  const std::size_t bpb = e.pool_desc().bytes_per_block();
+  for (std::size_t i = 0; rep.refused.empty() && i < reqs.size(); ++i) {
+    const SeqId seq = i + 1;
+    const auto& prompt = reqs[i];
+    const bool faulty = static_cast<int>(i) == o.fault_request;
+    ++rep.requests;
+    std::vector<float> out;
+    bool done = false;  // the sequence was computed (out holds its outputs) or failed
+    bool failed = false;
+    if (alive) {
+      // kPrefill's payload: the request id (both engines generate the same prompts from --seed).
+      Writer p;
+      p.u64(i);
+      ch.send(Msg::kPrefill, p.out);
+      Msg t{};
+      const auto body = expect(ch, agent, Msg::kDescriptor, Msg::kDescriptor, &t, 60000);
+      Reader r{body};
+      const WireDescriptor wd = get_descriptor(r);
+      const auto plan = m.plan_import(wd.desc, e.fingerprint(), prompt);
+      rep.blocks_skipped += plan.skipped_blocks;
+      if (plan.num_blocks == 0) {
+        Writer rl;
+        rl.u64(wd.desc.hold_id);
+        ch.send(Msg::kRelease, rl.out);
+      } else {
+        const auto adm = m.try_admit_external(seq, prompt, plan.end_token - plan.first_token);
+        if (!adm.admit.admitted()) throw std::runtime_error("decode: no capacity for request " + std::to_string(i));
+        const auto& tk = adm.ticket;
+        if (tk.fill_id == 0 || tk.first_block != plan.first_block || tk.blocks.size() != plan.remote_blocks.size()) {
+          throw std::runtime_error("decode: the fill ticket does not pair with the import plan");
+        }
+        Writer c;
+        c.u64(wd.desc.hold_id);
+        c.u64(plan.remote_blocks.size());
+        for (std::size_t k = 0; k < plan.remote_blocks.size(); ++k) {
+          c.u64(plan.remote_blocks[k]);
+          c.u64(plan.remote_generations[k]);
+        }
+        ch.send(Msg::kClaim, c.out);
+        Msg ans{};
+        const auto cb = expect(ch, agent, Msg::kClaimOk, Msg::kClaimStale, &ans, 30000);
+        if (ans == Msg::kClaimStale) {
+          Reader cr{cb};
+          std::printf("decode: request %zu: claim refused by generation: %s; recomputing it here\n", i,
+                      cr.str().c_str());
+          m.abort_sequence(seq, /*transfer_quiescent=*/true);  // no READ was posted
+          if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: readmission failed");
+          ++rep.recomputed;
+        } else {
+          if (!faulty || o.fault == "none")
+            if (!time_reads(agent, e.pool_desc(), agent.remote_pools(peer)[0], tk.blocks, plan.remote_blocks, o.reps,
+                            rep))
+              throw std::runtime_error("decode: a timed READ failed: " + agent.last_error());
+          const std::string note =
+              faulty && o.fault == "drop-notify" ? "" : "read-done:" + std::to_string(wd.desc.hold_id);
+          ++rep.handoffs;
+          const tx::RequestId id =
+              agent.submit({tx::TransferOp::kRead, 0, tk.blocks, peer, 0, plan.remote_blocks, note});
+          if (faulty && o.fault == "kill") {
+            ::kill(prefill_pid, SIGKILL);
+            rep.prefill_killed = true;
+            alive = false;
+            std::printf("decode: request %zu: READ posted, prefill (pid %d) killed with SIGKILL\n", i,
+                        static_cast<int>(prefill_pid));
+          }
+          tx::RequestState st;
+          const auto deadline = Clock::now() + std::chrono::seconds(5);
+          while ((st = agent.poll(id)).status == tx::TransferStatus::kInProgress && Clock::now() < deadline) {
+          }
+          if (st.status == tx::TransferStatus::kInProgress) {
+            agent.invalidate_remote(peer);  // the peer is gone: the request ends kFailed / peer_invalidated
+            st = agent.poll(id);
+          }
+          agent.release(id);
+          if (st.status == tx::TransferStatus::kDone) {
+            rep.bytes_moved += tk.blocks.size() * bpb;
+            rep.blocks_moved += tk.blocks.size();
+            m.complete_external_fill(tk.fill_id, tk.num_blocks());
+          } else {
+            std::printf("decode: request %zu: READ failed (%s: %s); fill failed, policy %s\n", i,
+                        tx::to_string(st.reason), agent.last_error().c_str(), o.on_failure.c_str());
+            const auto c2 = m.complete_external_fill(
+                tk.fill_id, std::size_t{0},
+                fail_policy ? pagedkv::ExternalFailurePolicy::kFail : pagedkv::ExternalFailurePolicy::kRecompute);
+            if (c2.sequence_failed) {
+              failed = done = true;
+              ++rep.failed;
+            } else {
+              ++rep.recomputed;
+            }
+          }
+        }
+      }
+      if (!done) {
+        if (!m.contains(seq) && !m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: admission");
+        out = e.run_to_end(seq, prompt, o.decode_tokens);
+      }
+    } else {
+      // The prefill engine is gone: compute here.
+      if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: admission");
+      out = e.run_to_end(seq, prompt, o.decode_tokens);
+      ++rep.local;
+    }
+    rep.outputs_digest = decode_loop::splitmix64(rep.outputs_digest ^ digest(out));
+    if (!failed) {
+      ++rep.completed;
+      if (out == reference[i]) ++rep.identical;  // NaN never equals: poisoned outputs are never identical
+      else
+        std::printf("decode: request %zu: outputs differ from one engine doing both\n", i);
+    }
+  }
+  if (alive) {
+    ch.send(Msg::kBye);
+    if (rep.refused.empty()) {
+      Msg t{};
+      const auto st = expect(ch, agent, Msg::kStats, Msg::kStats, &t, o.lease_ms + 10000);
+      Reader r{st};
+      rep.prefill_leaked = static_cast<long long>(r.u64());
+      rep.leases = r.u64();
+      rep.released = r.u64();
+      rep.expired = r.u64();
+      rep.stale_refused = r.u64();
+    } else {
+      rep.prefill_leaked = 0;  // nothing was admitted there (it prints its own count)
+    }
+  }
+  const std::size_t decode_leaked = e.blocks_used();
+  const double ours = median(rep.ours_gbps), raw = median(rep.raw_gbps);
+  bool pass = decode_leaked == 0 && ref_leaked == 0 && rep.identical == rep.completed;
+  if (!rep.prefill_killed) pass = pass && rep.prefill_leaked == 0;
+  if (o.fault == "none") pass = pass && rep.completed == rep.requests && rep.refused.empty() && rep.recomputed == 0;
+  if (o.fault == "layout") pass = pass && rep.refused.rfind("block_size", 0) == 0;
+  if (o.fault == "stale") pass = pass && rep.stale_refused == 1 && rep.recomputed == 1;
+  if (o.fault == "drop-notify") pass = pass && rep.expired == 1 && rep.released + 1 == static_cast<std::uint64_t>(rep.handoffs);
+  if (o.fault == "kill") pass = pass && rep.prefill_killed && (rep.recomputed + rep.failed) == 1;
+  const std::string pl = rep.prefill_killed ? "killed" : std::to_string(rep.prefill_leaked);
+  std::printf("pd: %s requests=%d identical=%d bytes_moved=%llu leaked_blocks=%s/%zu fault=%s handoffs=%d "
+              "blocks_moved=%llu blocks_skipped=%llu recomputed=%d failed=%d local=%d leases=%llu released=%llu "
+              "expired=%llu stale_refused=%llu gbps=%.2f raw_gbps=%.2f ratio=%.3f outputs_digest=%016llx%s%s\n",
+              pass ? "PASS" : "FAIL", rep.requests, rep.identical, static_cast<unsigned long long>(rep.bytes_moved),
+              pl.c_str(), decode_leaked, o.fault.c_str(), rep.handoffs,
+              static_cast<unsigned long long>(rep.blocks_moved), static_cast<unsigned long long>(rep.blocks_skipped),
+              rep.recomputed, rep.failed, rep.local, static_cast<unsigned long long>(rep.leases),
+              static_cast<unsigned long long>(rep.released), static_cast<unsigned long long>(rep.expired),
+              static_cast<unsigned long long>(rep.stale_refused), ours, raw, raw > 0 ? ours / raw : 0.0,
+              static_cast<unsigned long long>(rep.outputs_digest),
+              rep.refused.empty() ? "" : " refused_at=", rep.refused.c_str());
+  return pass ? 0 : 1;
+}
+
+int run(const Options& o) {
+  if (o.role == "both") {
+    std::size_t leaked = 0;
+    const auto reqs = make_requests(o);
+    const auto out = run_both(o, reqs, &leaked);
+    std::uint64_t h = 0;
+    for (const auto& v : out) h = decode_loop::splitmix64(h ^ digest(v));
+    std::printf("pd: %s requests=%zu outputs_digest=%016llx leaked_blocks=%zu\n", leaked == 0 ? "PASS" : "FAIL",
+                out.size(), static_cast<unsigned long long>(h), leaked);
+    return leaked == 0 ? 0 : 1;
+  }
+  if (o.role == "replay") return run_replay(o.replay);
+  ::setenv("UCX_MODULES", "^ib", 0);
+  ::setenv("UCX_NET_DEVICES", "lo", 0);
+  if (o.role == "prefill") return run_prefill(o);
+  return run_decode(o);
+}
+
+}  // namespace
+}  // namespace pd
+
+int main(int argc, char** argv) {
+  pd::Options o;
+  CLI::App app{"pagedkv-pd: prefill/decode disaggregation over NIXL on 127.0.0.1 (docs/disaggregation.md)"};
+  app.add_option("--role", o.role,
+                 "prefill | decode | both (one engine doing both: the reference) | replay (a trace, in process)")
+      ->check(CLI::IsMember({"prefill", "decode", "both", "replay"}));
+  app.add_option("--trace", o.replay.trace, "replay: the trace (Mooncake JSONL)");
+  app.add_option("--limit", o.replay.limit, "replay: first N requests (0 = all)");
+  app.add_option("--replay-blocks", o.replay.num_blocks, "replay: blocks per pool")->check(CLI::Range(1024, 1 << 24));
+  app.add_option("--kv-bytes-per-token", o.replay.kv_bytes_per_token, "replay: model KV bytes per token")
+      ->check(CLI::Range(1, 1 << 30));
+  app.add_option("--prefill-tokens-per-s", o.replay.prefill_tokens_per_s, "replay: TTFT proxy's prefill rate")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--link-gbps", o.replay.link_gbps, "replay: TTFT proxy's link rate, GB/s")->check(CLI::PositiveNumber);
+  app.add_option("--port", o.port, "Control channel port on 127.0.0.1 (prefill: 0 = any free port)");
+  app.add_option("--port-file", o.port_file, "prefill: write the bound port here");
+  app.add_option("--requests", o.requests, "Requests")->check(CLI::Range(1, 10000));
+  app.add_option("--decode-tokens", o.decode_tokens, "Tokens decoded per request")->check(CLI::Range(0, 1000));
+  app.add_option("--seed", o.seed, "Seed of the prompts");
+  app.add_option("--block-size", o.block_size, "Tokens per block")->check(CLI::Range(1, 256));
+  app.add_option("--num-blocks", o.num_blocks, "Blocks per pool (null block included)")->check(CLI::Range(64, 100000));
+  app.add_option("--lease-ms", o.lease_ms, "Producer lease per hand-off (extended by each claim)")
+      ->check(CLI::Range(10, 600000));
+  app.add_option("--reps", o.reps, "Timed READ pairs per hand-off (pagedkv vs raw NIXL, alternated)")
+      ->check(CLI::Range(0, 1000));
+  app.add_option("--fault", o.fault, "none | kill | drop-notify | stale | layout")
+      ->check(CLI::IsMember({"none", "kill", "drop-notify", "stale", "layout"}));
+  app.add_option("--fault-request", o.fault_request, "The request the fault hits")->check(CLI::Range(0, 10000));
+  app.add_option("--on-failure", o.on_failure, "A failed fill: recompute here, or fail the request")
+      ->check(CLI::IsMember({"recompute", "fail"}));
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return pd::run(o);
+  } catch (const std::exception& e) {
+    std::printf("pd: FAIL %s: %s\n", o.role.c_str(), e.what());
+    return 1;
+  }
+}
