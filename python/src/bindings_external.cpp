@@ -48,7 +48,9 @@ std::optional<ExternalTimePoint> to_time(std::optional<double> seconds) {
   return to_time(*seconds);
 }
 
-nb::bytes identity_bytes(const BlockIdentity& d) { return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size()); }
+nb::bytes identity_bytes(const BlockIdentity& d) {
+  return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+}
 
 std::vector<nb::bytes> identities_to_py(const std::vector<BlockIdentity>& ids) {
   std::vector<nb::bytes> out;
@@ -145,7 +147,9 @@ void bind_types(nb::module_& m) {
       .def_prop_ro("num_blocks", &Ticket::num_blocks, "Blocks per group.")
       .def(
           "group_blocks",
-          [](const Ticket& t, std::size_t g) { return group_slice(t.blocks, t.num_groups, g, "FillTicket.group_blocks"); },
+          [](const Ticket& t, std::size_t g) {
+            return group_slice(t.blocks, t.num_groups, g, "FillTicket.group_blocks");
+          },
           "g"_a, "Group g's blocks (num_blocks of them). Raises InvalidArgumentError for g >= num_groups.");
 
   nb::class_<ExternalAdmitResult<Id>>(m, "ExternalAdmitResult",
@@ -291,15 +295,18 @@ void bind_methods(nb::class_<Manager>& cls) {
           "blocks, so they return at once; otherwise they become an orphan hold (in no table, never reused) until "
           "the fill's late signal or reap_external past the orphan timeout. Raises UnknownSequenceError.")
       .def(
-          "external_fill_of", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.external_fill_of(seq); }); },
+          "external_fill_of",
+          [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.external_fill_of(seq); }); },
           "seq"_a, "The fill id `seq` waits for (0: none).")
       .def(
           "layout_fingerprint",
           [](Manager& s, std::string page_layout, std::string dtype, std::uint32_t num_kv_heads, std::uint32_t head_dim,
              BlockIdentityConvention convention, std::optional<std::string> vllm_seed) {
             return s.peek([&](auto& mm) {
-              return vllm_seed ? mm.layout_fingerprint(page_layout, dtype, num_kv_heads, head_dim, convention, *vllm_seed)
-                               : mm.layout_fingerprint(page_layout, dtype, num_kv_heads, head_dim, convention);
+              if (vllm_seed) {
+                return mm.layout_fingerprint(page_layout, dtype, num_kv_heads, head_dim, convention, *vllm_seed);
+              }
+              return mm.layout_fingerprint(page_layout, dtype, num_kv_heads, head_dim, convention);
             });
           },
           "page_layout"_a, "dtype"_a, "num_kv_heads"_a, "head_dim"_a, nb::kw_only(),
@@ -320,7 +327,8 @@ void bind_methods(nb::class_<Manager>& cls) {
           "HandoffDescriptor. Raises UnknownSequenceError; InvalidArgumentError (layout differs from this pool's, "
           "named; the sequence is not settled or waits for a fill) before anything changes.")
       .def(
-          "release_lease", [](Manager& s, std::uint64_t hold_id) { return s.work([&](auto& mm) { return mm.release_lease(hold_id); }); },
+          "release_lease",
+          [](Manager& s, std::uint64_t hold_id) { return s.work([&](auto& mm) { return mm.release_lease(hold_id); }); },
           "hold_id"_a, "The consumer read lease `hold_id`'s blocks: it ends (APPLIED), or the signal is counted.")
       .def(
           "extend_lease",
@@ -342,7 +350,8 @@ void bind_methods(nb::class_<Manager>& cls) {
           "until end_save, no preemption, free or eviction hands them to another sequence. Returns the pin id. "
           "Raises UnknownSequenceError.")
       .def(
-          "end_save", [](Manager& s, std::uint64_t pin_id) { return s.work([&](auto& mm) { return mm.end_save(pin_id); }); },
+          "end_save",
+          [](Manager& s, std::uint64_t pin_id) { return s.work([&](auto& mm) { return mm.end_save(pin_id); }); },
           "pin_id"_a, "The save of pin `pin_id` completed or failed: its blocks are released. Counted when ended.")
       .def(
           "is_current_block",

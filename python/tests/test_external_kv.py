@@ -53,7 +53,8 @@ def test_fill_ticket_covers_the_external_tokens_after_the_local_hit(trial):
     assert (t.seq, t.first_token, t.end_token, t.first_block) == (1, local, local + n, local // BS)
     assert t.num_groups == 1 and t.num_blocks == -(-(local + n) // BS) - local // BS
     assert t.blocks == m.block_ids(1).tolist()[t.first_block:t.first_block + t.num_blocks]
-    assert len(t.generations) == len(t.blocks) and all(m.is_current_block(b, g) for b, g in zip(t.blocks, t.generations))
+    assert len(t.generations) == len(t.blocks)
+    assert all(m.is_current_block(b, g) for b, g in zip(t.blocks, t.generations))
     assert m.external_fill_of(1) == t.fill_id and used(m) > base
     # Waiting for the fill: a build refuses the sequence, naming it.
     with pytest.raises(pagedkv.InvalidArgumentError, match="1"):
