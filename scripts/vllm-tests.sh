@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# vLLM's own scheduler and prefix-cache unit tests (vLLM 0.32.0, files unmodified, third_party/vllm-0.32.0-tests)
+# vLLM's own scheduler, prefix-cache and KV-connector scheduler unit tests (vLLM 0.32.0, files unmodified,
+# third_party/vllm-0.32.0-tests)
 # with vLLM's KVCacheManager replaced by pagedkv.vllm.KVCacheManager (python/vllm_compat/pagedkv_vllm_plugin.py),
 # classified test by test against a baseline run with vLLM's own manager (python/vllm_compat/summarize.py; the table
 # is in docs/python.md). Fails when a test of python/vllm_compat/expected-results.tsv marked `pass` does not pass,
@@ -32,7 +33,15 @@ tests=(tests/v1/core/test_scheduler.py tests/v1/core/test_prefix_caching.py
        tests/v1/core/test_single_type_kv_cache_manager.py tests/v1/core/test_kv_sharing.py
        tests/v1/core/test_swa_inflight_window_free.py
        tests/v1/core/prefix_cache/test_partial_prefix_cache_hits.py
-       tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py)
+       tests/v1/core/prefix_cache/test_partial_prefix_cache_primitives.py
+       # KV-connector scheduler tests (vLLM's scheduler with a connector's scheduler side, on CPU; ~8 s a run)
+       tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py
+       tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py
+       tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py
+       tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py
+       tests/v1/kv_connector/unit/test_cache_pollution_prevention.py
+       tests/v1/kv_connector/unit/test_error_propagation.py
+       tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py)
 
 # The adapter's own tests (signatures, internals refused by name, a spec-decode round trip).
 rc=0

@@ -1211,3 +1211,489 @@ class KVCacheManager:
         """
         The build of a manager with KV-cache groups: `groups[g]` holds group g's output arrays, as a dict of the one-group call's buffer keywords (BatchMetadataBuffers.kwargs()) or a BatchMetadataBuffers; one entry per group (num_groups). Each group gets its own page table (the null block 0 before a windowed group's window), slot mapping and copy list; seq_lens and qo_indptr are equal in every group; the host tier's swap lists go into group 0's buffers. Returns the sizes written, one per group. Written in place with the GIL released, as the one-group call. Raises TypeError (an unknown key, an array of the wrong dtype, layout or writability), BadShapeError (len(groups) != num_groups, a buffer too small) and as the one-group call; then nothing is written and nothing changes.
         """
+
+    def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
+        """
+        Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. Every group must be full attention today. Raises as try_admit, and InvalidArgumentError for a group kind external KV does not support.
+        """
+
+    def complete_external_fill(self, fill_id: int, num_valid_blocks: int | None = None, *, failed_blocks: Sequence[int] | None = None, policy: ExternalFailurePolicy = ExternalFailurePolicy.RECOMPUTE) -> ExternalCompletion:
+        """
+        The fill is done (vLLM's finished_recving with invalid_block_ids): its first `num_valid_blocks` blocks per group hold the external K/V, or the blocks before the first of `failed_blocks` (indices from the ticket's first_block, any order); neither: every block is valid. The valid prefix counts as computed and its full blocks are registered now (deduplicated, BlockStored events); with failed blocks `policy` applies. A signal for a fill that is not live is counted (LATE, DUPLICATE, UNKNOWN), never raised. Raises InvalidArgumentError (both arguments; a count or index beyond a live fill's blocks): then nothing changes.
+        """
+
+    def abort_sequence(self, seq: int, transfer_quiescent: bool) -> None:
+        """
+        Abort `seq` (live or swapped) as free does. `transfer_quiescent`: no transfer can still write its fill's blocks, so they return at once; otherwise they become an orphan hold (in no table, never reused) until the fill's late signal or reap_external past the orphan timeout. Raises UnknownSequenceError.
+        """
+
+    def external_fill_of(self, seq: int) -> int:
+        """The fill id `seq` waits for (0: none)."""
+
+    def layout_fingerprint(self, page_layout: str, dtype: str, num_kv_heads: int, head_dim: int, *, convention: BlockIdentityConvention = BlockIdentityConvention.PAGEDKV, vllm_seed: str | None = None) -> KvLayoutFingerprint:
+        """
+        This pool's KvLayoutFingerprint for a hand-shake: block size, groups, hash algorithm and seed from the configuration; page layout, dtype, KV heads and head_dim from the caller. `vllm_seed`: vLLM's NONE_HASH seed text (VLLM_SHA256_CBOR only; default "vllm-none-hash"). Pure.
+        """
+
+    def finish_with_lease(self, seq: int, layout: KvLayoutFingerprint, lease_deadline: float | None = None) -> HandoffDescriptor:
+        """
+        Producer: finish settled sequence `seq`, keeping its blocks (registered, hit-able, read-only, never evicted or reused) under a lease until release_lease (vLLM's finished_sending) or reap_external past `lease_deadline` (seconds on the reap clock; None: only the release ends it). Returns the HandoffDescriptor. Raises UnknownSequenceError; InvalidArgumentError (layout differs from this pool's, named; the sequence is not settled or waits for a fill) before anything changes.
+        """
+
+    def release_lease(self, hold_id: int) -> ExternalSignal:
+        """
+        The consumer read lease `hold_id`'s blocks: it ends (APPLIED), or the signal is counted.
+        """
+
+    def extend_lease(self, hold_id: int, deadline: float | None) -> ExternalSignal:
+        """
+        Heartbeat: lease (or save pin) `hold_id` now ends at `deadline` (seconds; None: only by its release). Counted when it has ended.
+        """
+
+    def pin_for_save(self, seq: int, deadline: float | None = None) -> int:
+        """
+        Pin the built full blocks of live `seq` for a save to a store (LMCache, vLLM's offloading connector): until end_save, no preemption, free or eviction hands them to another sequence. Returns the pin id. Raises UnknownSequenceError.
+        """
+
+    def end_save(self, pin_id: int) -> ExternalSignal:
+        """
+        The save of pin `pin_id` completed or failed: its blocks are released. Counted when ended.
+        """
+
+    def is_current_block(self, block: int, generation: int) -> bool:
+        """
+        Whether (block, generation) is a reference an external hold keeps now; a stale one is counted (stale_generations) and must be refused by the transfer.
+        """
+
+    def reap_external(self, now: float) -> int:
+        """
+        External clock tick (seconds): ends every lease, save pin and orphan hold whose deadline is at or before `now`; returns how many ended. Call it every step.
+        """
+
+    def set_orphan_timeout(self, seconds: float) -> None:
+        """
+        How long an orphan hold waits for its late signal after the last reap_external's `now` (default 480 s, vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Raises InvalidArgumentError for a negative value.
+        """
+
+    def plan_import(self, desc: HandoffDescriptor, ours: KvLayoutFingerprint, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None) -> ImportPlan:
+        """
+        Consumer: what to transfer of hand-off `desc` for `prompt`: the fingerprints first (a mismatch raises InvalidArgumentError naming the field), then the descriptor's shape from its token count, then the identities against this prompt's. Only the blocks after this pool's own prefix hit are planned, up to importable_tokens. Counts blocks transferred and skipped.
+        """
+
+    def external_counters(self) -> ExternalKvCounters:
+        """The ExternalKvCounters (lifetime counts, fills and holds now)."""
+
+    def block_refcount(self, block: int) -> int:
+        """
+        References on device block `block` now (block tables, fills, holds; 0: free or cached). For vLLM's KVCacheBlock.ref_cnt in pagedkv.vllm's connector surface. Raises BlockOutOfRangeError.
+        """
+
+class ExternalFailurePolicy(enum.Enum):
+    """
+    What a fill with failed blocks does to its sequence (vLLM's kv_load_failure_policy; external_kv.hpp).
+    """
+
+    RECOMPUTE = 0
+    """
+    Keep the sequence: the valid prefix counts as computed, the positions from the first failed block on stay pending in their blocks (the scheduler computes them).
+    """
+
+    FAIL = 1
+    """The sequence is reported failed and freed with its fill."""
+
+class BlockIdentityConvention(enum.Enum):
+    """
+    How a hand-off's block identities are computed (both sides must agree).
+    """
+
+    PAGEDKV = 0
+    """
+    pagedkv's chain hash (16 bytes, zero-padded to 32) under the pool's hasher and hash_seed.
+    """
+
+    VLLM_SHA256_CBOR = 1
+    """
+    vLLM's sha256_cbor block hash (32 bytes), seeded by vLLM's NONE_HASH seed text.
+    """
+
+class ExternalSignal(enum.IntEnum):
+    """
+    What a fill or hold signal did. Only APPLIED changed anything but counters.
+    """
+
+    APPLIED = 0
+    """The fill or hold was live; the signal took effect."""
+
+    LATE = 1
+    """
+    The fill was aborted (an orphan hold ends now, or ended) or the hold expired: counted.
+    """
+
+    DUPLICATE = 2
+    """Ended by an earlier signal: counted, nothing changes."""
+
+    UNKNOWN = 3
+    """No fill or hold with that id was issued: counted."""
+
+class KvLayoutFingerprint:
+    """
+    What two engines must agree on before one reads the other's blocks (external_kv.hpp): compared once per peer, at hand-shake (first_mismatch), never per request (vLLM #42895). Make one with KVCacheManager.layout_fingerprint.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @block_size.setter
+    def block_size(self, arg: int, /) -> None: ...
+
+    @property
+    def page_layout(self) -> str:
+        """The pool's page layout, e.g. "nhd"."""
+
+    @page_layout.setter
+    def page_layout(self, arg: str, /) -> None: ...
+
+    @property
+    def dtype(self) -> str:
+        """Storage dtype of K/V, e.g. "bf16"."""
+
+    @dtype.setter
+    def dtype(self, arg: str, /) -> None: ...
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer on this rank."""
+
+    @num_kv_heads.setter
+    def num_kv_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def head_dim(self) -> int:
+        """Elements per head."""
+
+    @head_dim.setter
+    def head_dim(self, arg: int, /) -> None: ...
+
+    @property
+    def groups(self) -> list[KVCacheGroupSpec]:
+        """The KV-cache groups (KVCacheGroupSpec), in index order."""
+
+    @groups.setter
+    def groups(self, arg: Sequence[KVCacheGroupSpec], /) -> None: ...
+
+    @property
+    def hash_algorithm(self) -> BlockIdentityConvention:
+        """How identities are computed."""
+
+    @hash_algorithm.setter
+    def hash_algorithm(self, arg: BlockIdentityConvention, /) -> None: ...
+
+    @property
+    def hash_seed(self) -> int:
+        """PAGEDKV: CacheConfig.hash_seed; else 0."""
+
+    @hash_seed.setter
+    def hash_seed(self, arg: int, /) -> None: ...
+
+    @property
+    def hash_seed_text(self) -> str:
+        """VLLM_SHA256_CBOR: vLLM's NONE_HASH seed."""
+
+    @hash_seed_text.setter
+    def hash_seed_text(self, arg: str, /) -> None: ...
+
+    def first_mismatch(self, other: KvLayoutFingerprint) -> str | None:
+        """
+        The first field where this and `other` differ, as "field: ours vs theirs" (e.g. "block_size: 16 vs 32"), or None when they describe the same layout. Pure.
+        """
+
+    def check_same_layout(self, theirs: KvLayoutFingerprint) -> None:
+        """
+        The hand-shake check: raises InvalidArgumentError naming the first differing field unless `theirs` describes this layout.
+        """
+
+class FillTicket:
+    """
+    An admission's external fill: the blocks a transfer must write before the sequence runs (vLLM: allocate_slots(..., num_external_computed_tokens, delay_cache_blocks=True)). Held by the fill: not matchable, registered, evictable or reported until complete_external_fill / abort_sequence.
+    """
+
+    @property
+    def fill_id(self) -> int:
+        """Names the fill in complete signals; never reused (0: no fill)."""
+
+    @property
+    def seq(self) -> int:
+        """The sequence waiting for it."""
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups."""
+
+    @property
+    def first_block(self) -> int:
+        """Logical index of the first filled block (local hit / block_size)."""
+
+    @property
+    def first_token(self) -> int:
+        """The fill writes positions [first_token, end_token)."""
+
+    @property
+    def end_token(self) -> int: ...
+
+    @property
+    def blocks(self) -> list[int]:
+        """[num_groups x num_blocks] group-major: the pool blocks to write."""
+
+    @property
+    def generations(self) -> list[int]:
+        """Same shape: each block's generation (is_current_block)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per group."""
+
+    def group_blocks(self, g: int) -> list[int]:
+        """
+        Group g's blocks (num_blocks of them). Raises InvalidArgumentError for g >= num_groups.
+        """
+
+class ExternalAdmitResult:
+    """
+    Result of try_admit_external: the admission (as try_admit's) and its fill.
+    """
+
+    @property
+    def admit(self) -> AdmitResult:
+        """The AdmitResult; only ADMITTED changed state."""
+
+    @property
+    def ticket(self) -> FillTicket | None:
+        """
+        The FillTicket, or None when nothing is to be transferred (not admitted, or no external token left after the local hit and the clamp to prompt length - 1).
+        """
+
+class ExternalCompletion:
+    """Result of complete_external_fill."""
+
+    @property
+    def signal(self) -> ExternalSignal:
+        """APPLIED: the fill was live; else counted, nothing changed."""
+
+    @property
+    def seq(self) -> int:
+        """APPLIED: the fill's sequence."""
+
+    @property
+    def sequence_failed(self) -> bool:
+        """
+        APPLIED: the policy was FAIL and a block failed: the sequence is freed.
+        """
+
+    @property
+    def num_valid_blocks(self) -> int:
+        """APPLIED: leading blocks kept as computed."""
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """APPLIED, not failed: the sequence's computed (built) positions now."""
+
+class HandoffDescriptor:
+    """
+    What a producer exports so that a consumer can read a finished sequence's blocks (vLLM NixlConnector's kv_transfer_params without the transport part). Valid while its lease lives. Constructible, so that a consumer can rebuild one received over a wire; plan_import checks its shape against num_tokens (never trusted: vLLM #50558).
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def hold_id(self) -> int:
+        """The producer's lease (0: none)."""
+
+    @hold_id.setter
+    def hold_id(self, arg: int, /) -> None: ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose K/V the blocks hold: [0, num_tokens)."""
+
+    @num_tokens.setter
+    def num_tokens(self, arg: int, /) -> None: ...
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups."""
+
+    @num_groups.setter
+    def num_groups(self, arg: int, /) -> None: ...
+
+    @property
+    def blocks(self) -> list[int]:
+        """[num_groups x ceil(num_tokens / block_size)] group-major."""
+
+    @blocks.setter
+    def blocks(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def generations(self) -> list[int]:
+        """Same shape: each block's generation at export."""
+
+    @generations.setter
+    def generations(self, arg: Sequence[int], /) -> None: ...
+
+    @property
+    def identities(self) -> list[bytes]:
+        """
+        [num_tokens // block_size] 32-byte identities of the full blocks under layout.hash_algorithm. Setting raises InvalidArgumentError for an entry that is not 32 bytes.
+        """
+
+    @identities.setter
+    def identities(self, arg: Sequence[bytes], /) -> None: ...
+
+    @property
+    def layout(self) -> KvLayoutFingerprint:
+        """The producer's KvLayoutFingerprint."""
+
+    @layout.setter
+    def layout(self, arg: KvLayoutFingerprint, /) -> None: ...
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per group."""
+
+class ImportPlan:
+    """
+    What a consumer transfers of a hand-off: only the blocks it lacks (its own prefix hit is not transferred again). The destination is the FillTicket of try_admit_external with end_token - first_token external tokens (its blocks pair one to one with remote_blocks when its first_block equals this plan's).
+    """
+
+    @property
+    def first_block(self) -> int:
+        """Logical index of the first block to transfer."""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks to transfer per group."""
+
+    @property
+    def first_token(self) -> int:
+        """Tokens the transfer provides: [first_token, end_token)."""
+
+    @property
+    def end_token(self) -> int: ...
+
+    @property
+    def skipped_blocks(self) -> int:
+        """Leading blocks served by the consumer's own prefix hit."""
+
+    @property
+    def num_groups(self) -> int: ...
+
+    @property
+    def remote_blocks(self) -> list[int]:
+        """[num_groups x num_blocks] the producer's blocks to read."""
+
+    @property
+    def remote_generations(self) -> list[int]:
+        """Same shape: their generations."""
+
+class ExternalKvCounters:
+    """
+    Lifetime counters of external KV (stats.hpp), and the fills and holds now.
+    """
+
+    @property
+    def fills_started(self) -> int:
+        """Admissions with external tokens."""
+
+    @property
+    def fills_completed(self) -> int:
+        """Completed with every block valid."""
+
+    @property
+    def fills_partial(self) -> int:
+        """Completed with some blocks failed."""
+
+    @property
+    def fills_failed(self) -> int:
+        """Sequences failed by the FAIL policy."""
+
+    @property
+    def fills_aborted(self) -> int:
+        """Fills whose sequence ended while in flight."""
+
+    @property
+    def fill_blocks(self) -> int:
+        """Blocks (all groups) of the fills started."""
+
+    @property
+    def fill_blocks_valid(self) -> int:
+        """Of which completed valid and kept."""
+
+    @property
+    def orphan_holds(self) -> int:
+        """Aborts while the transfer was not quiescent."""
+
+    @property
+    def orphans_released(self) -> int:
+        """Orphan holds ended by the late signal."""
+
+    @property
+    def orphans_expired(self) -> int:
+        """Orphan holds ended by their deadline."""
+
+    @property
+    def leases_started(self) -> int: ...
+
+    @property
+    def leases_released(self) -> int: ...
+
+    @property
+    def leases_extended(self) -> int: ...
+
+    @property
+    def leases_expired(self) -> int: ...
+
+    @property
+    def save_pins_started(self) -> int: ...
+
+    @property
+    def save_pins_ended(self) -> int: ...
+
+    @property
+    def late_signals(self) -> int: ...
+
+    @property
+    def duplicate_signals(self) -> int: ...
+
+    @property
+    def unknown_signals(self) -> int: ...
+
+    @property
+    def stale_generations(self) -> int:
+        """Block references refused by is_current_block."""
+
+    @property
+    def blocks_transferred(self) -> int:
+        """Import plans: blocks to transfer."""
+
+    @property
+    def blocks_skipped(self) -> int:
+        """Import plans: blocks served by the local hit."""
+
+    @property
+    def fills_in_flight(self) -> int:
+        """Now: fills not yet completed."""
+
+    @property
+    def holds_active(self) -> int:
+        """Now: leases, save pins and orphan holds."""
+
+    @property
+    def blocks_held(self) -> int:
+        """Now: distinct blocks with an external reference."""
+
+def importable_tokens(producer_tokens: int, prompt_len: int, local_hit_tokens: int) -> int:
+    """
+    The external tokens an import may provide after a local hit: min(producer_tokens, prompt_len - 1) - local_hit_tokens, at least 0 (the last prompt token is computed here, for its logits). Pure.
+    """

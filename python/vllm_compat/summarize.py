@@ -33,7 +33,8 @@ def load(path):
 
 
 def short(nodeid: str) -> str:
-    return nodeid.split("tests/v1/core/", 1)[-1]
+    """tests/v1/core/X -> X (the scheduler and prefix-cache tests); tests/v1/kv_connector/X -> kv_connector/X."""
+    return nodeid.split("tests/v1/core/", 1)[-1].split("tests/v1/", 1)[-1]
 
 
 def classify(base, run):

@@ -68,17 +68,58 @@ def _manager(cls, num_blocks, block_size=4, **kw):
 def test_internals_are_refused_by_name():
     m = _manager(pv.KVCacheManager, 16)
     with pytest.raises(pv.NotProvided) as e:
-        m.block_pool.free_block_queue  # noqa: B018
-    assert e.value.object_name == "block_pool.free_block_queue"
+        m.block_pool.free_block_queue.popleft  # noqa: B018  (its size is a read-only view: KV-connector leak checks)
+    assert e.value.object_name == "block_pool.free_block_queue.popleft"
     with pytest.raises(pv.NotProvided, match="KVCacheManager.req_to_blocks"):
         m.req_to_blocks  # noqa: B018
     r = _request("a", range(10))
     blocks = m.allocate_slots(r, 10)
     with pytest.raises(pv.NotProvided, match="KVCacheBlock.ref_cnt"):
         blocks.blocks[0][0].ref_cnt  # noqa: B018
-    # What the scheduler reads is there.
-    assert m.block_pool.get_num_free_blocks() == 15 - 3
+    # What the scheduler reads is there, and the read-only views vLLM's KV-connector tests read for leaks.
+    assert m.block_pool.get_num_free_blocks() == 15 - 3 == m.block_pool.free_block_queue.num_free_blocks
+    assert [b.ref_cnt for b in m.coordinator.single_type_managers[0].req_to_blocks["a"]] == [1, 1, 1]
+    assert m.block_pool.blocks[blocks.blocks[0][0].block_id].ref_cnt == 1 and m.block_pool.blocks[0].ref_cnt == 0
+    m.free(r)
+    assert len(m.coordinator.single_type_managers[0].req_to_blocks) == 0
+    assert sum(b.ref_cnt for b in m.block_pool.blocks) == 0
     assert [g.block_size for g in m.coordinator.single_type_managers] == [4]
+
+
+def test_connector_fill_lifecycle_and_evict_blocks():
+    """A KV connector's async load on the adapter (allocate_slots with external tokens and delay_cache_blocks, then
+    cache_blocks with a failed block), a sync load, and evict_blocks: nothing of a fill is a hit before its
+    completion, exactly its valid prefix after, and an evicted block is not served until its content changes."""
+    import numpy as np
+
+    rng = np.random.default_rng(33)
+    toks = rng.integers(1, 5000, size=22).tolist()  # 5 full blocks of 4 + 2
+    m = _manager(pv.KVCacheManager, 32)
+    r = _request("a", toks)
+    blocks = m.allocate_slots(r, 0, num_external_computed_tokens=20, delay_cache_blocks=True)
+    assert [len(g) for g in blocks.get_block_ids()] == [5]
+    ids = blocks.get_block_ids()[0]
+    assert all(m.block_pool.blocks[b].ref_cnt == 1 for b in ids)  # the request's; the fill's own is not counted
+    assert m.get_computed_blocks(_request("probe", toks))[1] == 0  # filling: not matchable
+    r.num_computed_tokens = 12  # the worker reported block 3 invalid: vLLM truncates at it
+    m.cache_blocks(r, 12)
+    assert m.get_computed_blocks(_request("probe", toks))[1] == 12
+    # The scheduler computes the rest: its blocks register as they are scheduled.
+    assert m.allocate_slots(r, 10) is not None
+    assert m.get_computed_blocks(_request("probe", toks))[1] == 20
+    m.free(r)
+    assert sum(b.ref_cnt for b in m.block_pool.blocks) == 0
+    # A sync load registers at allocation; evict_blocks then stops serving from the named block on.
+    toks2 = rng.integers(5000, 9000, size=17).tolist()
+    r2 = _request("b", toks2)
+    assert m.allocate_slots(r2, 1, num_external_computed_tokens=16) is not None
+    assert m.get_computed_blocks(_request("probe", toks2))[1] == 16
+    b2 = m.get_block_ids("b")[0]
+    m.evict_blocks({b2[2], b2[3]})
+    assert m.get_computed_blocks(_request("probe", toks2))[1] == 8
+    assert m.block_pool.blocks[b2[2]].block_hash is None and m.block_pool.blocks[b2[1]].block_hash is not None
+    m.free(r2)
+    assert m.get_computed_blocks(_request("probe", toks2))[1] == 8
 
 
 def test_mamba_is_refused_with_the_reason():
