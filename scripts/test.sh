@@ -56,7 +56,8 @@ UCX_MODULES='^ib' UCX_NET_DEVICES=lo ctest --test-dir build-ci -L nixl --output-
 
 stage "2/4 ASan + UBSan build + tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPAGEDKV_SANITIZE=ON -DPAGEDKV_ENABLE_CUDA=OFF \
-      -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" >/dev/null
+      -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" \
+      -DCMAKE_CXX_FLAGS_DEBUG="-g1" >/dev/null   # line tables only (reports keep file:line), as the fuzz build
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -j "$jobs" --output-on-failure -LE nixl   # NIXL's own leaks are not ours: stage 1b
