@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The test command: installs dependencies, then (each stage prints its name, then its seconds when it ends)
-#  1. Release build of everything (CUDA kernels too when nvcc is present: they must compile) + ctest, with the
-#     concurrency test also built and run under ThreadSanitizer
+#  1. Release build of everything but the host unit test binaries (CUDA kernels and their tests too when nvcc is
+#     present: they must compile) + ctest, with the concurrency test also built and run under ThreadSanitizer
 #  1b. pagedkv::nixl: two processes on loopback move KV blocks through NIXL (CTest label nixl; needs the wheel
 #      nixl-cu12==1.5.1 that install-deps.sh installs: without it the stage FAILS with the install command)
 #  1c. scripts/pd.sh all: a prefill and a decode process hand KV blocks over NIXL (examples/pd), checked bit for bit
 #      against one engine doing both, plus the fault scenarios (kill -9, dropped read-done, stale descriptor,
 #      layout mismatch), zero leaked blocks on both sides
-#  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and tests + ctest
+#  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and the host unit tests + ctest (the
+#     one build of tests/unit and tests/events_zmq: most of a build's time is that binary, so it is built once)
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package, whose code is the
 #     README's snippet: scripts/check-readme-snippet.sh), and the CUDA and events_zmq component consumers
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
@@ -42,6 +43,7 @@ fi
 
 stage "1/4 Release build + tests"
 cmake -S . -B build-ci -G Ninja -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}" -DPAGEDKV_TSAN_TESTS=ON \
+      -DPAGEDKV_HOST_UNIT_TESTS=OFF \
       -DCMAKE_INSTALL_PREFIX="$root/build-ci/install" >/dev/null
 cmake --build build-ci -j "$jobs"
 ctest --test-dir build-ci -j "$jobs" --output-on-failure -LE nixl
@@ -61,7 +63,8 @@ PD_BUILD=build-ci scripts/pd.sh all
 
 stage "2/4 ASan + UBSan build + tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=Debug -DPAGEDKV_SANITIZE=ON -DPAGEDKV_ENABLE_CUDA=OFF \
-      -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" >/dev/null
+      -DPAGEDKV_BUILD_BENCHMARKS=OFF -DPAGEDKV_BUILD_EXAMPLES=OFF -DCMAKE_CXX_FLAGS="-O1" \
+      -DCMAKE_CXX_FLAGS_DEBUG="-g1" >/dev/null   # line tables only (reports keep file:line), as the fuzz build
 cmake --build build-asan -j "$jobs"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan -j "$jobs" --output-on-failure -LE nixl   # NIXL's own leaks are not ours: stage 1b
