@@ -1318,6 +1318,17 @@ class KVCacheManager {
     free(seq);
   }
 
+  /// `explain_admit` with the external hit named: of `num_external_tokens` offered after the local hit (vLLM's
+  /// `get_num_new_matched_tokens`), how many an admission by `try_admit_external` would take (clamped so the last
+  /// prompt token is computed here), from which block, how many blocks per group the fill would hold and how many
+  /// it skips thanks to the local hit. Pure; allocates. Throws as explain_admit.
+  [[nodiscard]] ExternalAdmitExplanation explain_admit_external(std::span<const TokenId> prompt,
+                                                                std::size_t num_external_tokens,
+                                                                const RequestKeys* keys = nullptr,
+                                                                const AdmitOptions& opts = {}) const {
+    return detail::explain_external(explain_admit(prompt, keys, opts), num_external_tokens, config_.block_size);
+  }
+
   /// The fill `seq` waits for (0: none).
   [[nodiscard]] std::uint64_t external_fill_of(SeqId seq) const { return ext_.fill_of(seq); }
 

@@ -342,6 +342,38 @@ TEST_CASE("admission: never fits vs not now, headroom, nothing external after th
   CHECK(m.stats().blocks_used == 0);
 }
 
+TEST_CASE("explain_admit_external names the external hit the admission then takes", "[external_kv][manager]") {
+  std::mt19937 rng(33);
+  for (int round = 0; round < 200; ++round) {
+    Mgr m(config(64));
+    const auto len = static_cast<std::size_t>(1 + rng() % 30);
+    const auto prompt = toks(1, len);
+    const std::size_t cached = rng() % (len + 1);  // a computed prefix of `cached` tokens leaves its full blocks
+    if (cached != 0) {
+      compute(m, 99, std::vector<TokenId>(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(cached)));
+      m.free(99);
+    }
+    const std::size_t offered = rng() % (len + 3);
+    const auto x = m.explain_admit_external(prompt, offered);
+    CHECK(x.local.hit_tokens == m.lookup(prompt));
+    CHECK(x.external_tokens + x.clamped_tokens == offered);
+    CHECK(x.local.hit_tokens + x.external_tokens <= std::max<std::size_t>(len - 1, x.local.hit_tokens));
+    const auto r = m.try_admit_external(1, prompt, offered);
+    REQUIRE(r.admit.admitted());
+    CHECK(r.admit.num_cached_tokens == x.local.hit_tokens);
+    CHECK(r.ticket.end_token - r.ticket.first_token == x.external_tokens);
+    CHECK(r.ticket.num_blocks() == x.external_blocks);
+    if (x.external_tokens != 0) {
+      CHECK(r.ticket.first_block == x.first_external_block);
+      CHECK(x.skipped_blocks == x.local.hit_tokens / 4);
+      CHECK(m.complete_external_fill(r.ticket.fill_id, r.ticket.num_blocks()).num_computed_tokens ==
+            x.computed_tokens());
+    } else {
+      CHECK(r.ticket.fill_id == 0);
+    }
+  }
+}
+
 TEST_CASE("two full-attention groups: per-group blocks in descriptors, plans and tickets", "[external_kv][manager]") {
   auto c = config(64);
   c.groups.resize(2);

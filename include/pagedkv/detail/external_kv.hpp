@@ -614,6 +614,22 @@ inline void check_external_groups(const CacheConfig& config, const GroupLayout& 
   return out;
 }
 
+/// The external part of an admission whose local explanation is `local`, offered `num_external_tokens` after the
+/// local hit, over blocks of `block_size` tokens (KVCacheManager::explain_admit_external). Pure.
+[[nodiscard]] inline ExternalAdmitExplanation explain_external(AdmitExplanation local, std::size_t num_external_tokens,
+                                                               std::size_t block_size) {
+  ExternalAdmitExplanation x;
+  const std::size_t hit = local.hit_tokens;
+  x.external_tokens = importable_tokens(hit + num_external_tokens, local.prompt_tokens, hit);
+  x.clamped_tokens = num_external_tokens - x.external_tokens;
+  x.first_external_block = hit / block_size;
+  x.skipped_blocks = x.first_external_block;
+  x.external_blocks =
+      x.external_tokens == 0 ? 0 : (hit + x.external_tokens + block_size - 1) / block_size - x.first_external_block;
+  x.local = std::move(local);
+  return x;
+}
+
 /// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over `num_groups` groups of
 /// `block_size` tokens per block. Checks the descriptor's shape first (blocks per group = ceil(num_tokens /
 /// block_size), from the token count, never trusted: vLLM #50558), then asks `local_hit()` for the consumer's own
