@@ -1244,7 +1244,8 @@ class KVCacheManager {
     detail::check_external_groups(config_, layout_, "try_admit_external");
     AdmitOptions o = opts;
     if (o.num_reserved_tokens) o.num_reserved_tokens = std::max(*o.num_reserved_tokens, num_external_tokens);
-    if (headroom_blocks != 0 && !prompt.empty()) {  // every hit block counted as if cached (conservative)
+    // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
+    if (headroom_blocks != 0 && !prompt.empty() && !seqs_.contains(seq)) {
       const CapacityQuery cq = query_admit(prompt, keys, o);
       const std::size_t need = cq.num_blocks + headroom_blocks +
                                lookup(prompt, keys, opts.max_cached_tokens) / config_.block_size * layout_.num_groups;

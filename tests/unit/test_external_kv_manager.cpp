@@ -337,6 +337,12 @@ TEST_CASE("admission: never fits vs not now, headroom, nothing external after th
   const auto r3 = m.try_admit_external(2, toks(1, 1), 5);  // a one-token prompt: nothing external
   CHECK(r3.admit.admitted());
   CHECK(r3.ticket.fill_id == 0);
+  // A duplicate id is an error even when the headroom would refuse the admission (found while writing the fuzzer's mirror).
+  const auto used = m.stats().blocks_used;
+  CHECK(expect_error([&] { (void)m.try_admit_external(1, toks(1, 9), 8, nullptr, {}, 100); },
+                     pagedkv::Errc::kDuplicateSequence)
+            .find('1') != std::string::npos);
+  CHECK(m.stats().blocks_used == used);
   m.abort_sequence(1, true);
   m.free(2);
   CHECK(m.stats().blocks_used == 0);
