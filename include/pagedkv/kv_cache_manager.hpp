@@ -1376,8 +1376,10 @@ class KVCacheManager {
   }
   /// Pin the built full blocks of live `seq` (every group) for a save to a store (vLLM's offloading connector,
   /// LMCache): until `end_save`, a preemption, free or eviction never hands them to another sequence while the save
-  /// reads them. Returns the pin id. Throws kUnknownSequence.
+  /// reads them. Returns the pin id. Throws kUnknownSequence; kInvalidArgument for a group kind external KV does not
+  /// support yet (nothing changes).
   std::uint64_t pin_for_save(SeqId seq, std::optional<ExternalTimePoint> deadline = std::nullopt) {
+    detail::check_external_groups(config_, layout_, "pin_for_save");
     const sequence_type& q = live(seq, "pin_for_save");
     return ext_.pin_for_save(seq, layout_.num_groups, std::min(q.num_built, q.num_slotted()) / config_.block_size,
                              [&](std::size_t g) { return q.table_of(g).blocks(); }, deadline, ext_acquire(),

@@ -422,6 +422,33 @@ TEST_CASE("unsupported group kinds are refused with the group named", "[external
   CHECK(expect_error([&] { (void)m.try_admit_external(1, toks(1, 9), 8); }, pagedkv::Errc::kInvalidArgument)
             .find("group 1 is sliding_window") != std::string::npos);
   CHECK_FALSE(m.contains(1));
+  // Every entry point refuses them, a save pin included (a coarse group's table is shorter than the match blocks).
+  for (const bool coarse : {false, true}) {
+    auto cc = config(32);
+    cc.groups.resize(2);
+    if (coarse) {
+      cc.groups[1].block_size = 8;
+    } else {
+      cc.groups[1].kind = pagedkv::AttentionKind::kSlidingWindow;
+      cc.groups[1].window_tokens = 8;
+    }
+    Mgr g(cc);
+    REQUIRE(g.try_admit(1, toks(1, 17)).admitted());
+    std::vector<std::int64_t> s0(17), s1(17);
+    std::vector<pagedkv::BatchMetadataBuffers> bufs(2);
+    bufs[0].slot_mapping = s0;
+    bufs[1].slot_mapping = s1;
+    g.build_batch_metadata(std::vector<SeqId>{1}, bufs);
+    const auto used = g.stats().blocks_used;
+    const std::string want = coarse ? "group 1 is full with coarse pages" : "group 1 is sliding_window";
+    CHECK(expect_error([&] { (void)g.pin_for_save(1); }, pagedkv::Errc::kInvalidArgument).find(want) !=
+          std::string::npos);
+    CHECK(expect_error([&] { (void)g.finish_with_lease(1, fp(g), std::nullopt); }, pagedkv::Errc::kInvalidArgument)
+              .find(want) != std::string::npos);
+    CHECK(g.contains(1));
+    CHECK(g.stats().blocks_used == used);
+    CHECK(g.stats().external.holds_active == 0);
+  }
 }
 
 TEST_CASE("vLLM identities: sha256_cbor hashes in the descriptor", "[external_kv][manager]") {
