@@ -17,7 +17,7 @@
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/group_policy.hpp>    // KVCacheGroupSpec, AttentionKind
-#include <pagedkv/manager_results.hpp>  // AdmitResult
+#include <pagedkv/manager_results.hpp>  // AdmitResult, AdmitExplanation
 #include <pagedkv/stats.hpp>           // ExternalKvCounters
 
 namespace pagedkv {
@@ -188,6 +188,22 @@ template <BlockIdType Id = std::uint32_t>
 struct ExternalAdmitResult {
   AdmitResult admit;
   FillTicket<Id> ticket;
+};
+
+/// Result of `KVCacheManager::explain_admit_external`: an admission's prefix hit explained with its external part
+/// (tokens; the local part as explain_admit says it). The external tokens start where the local hit ends: an
+/// engine that sees `external_tokens` > 0 knows the admission would take a fill and how many blocks it moves.
+struct ExternalAdmitExplanation {
+  AdmitExplanation local;              ///< explain_admit's answer: the local hit (device and host) and why it ends.
+  std::size_t external_tokens = 0;     ///< Tokens the external source provides after the local hit: positions
+                                       ///< [local.hit_tokens, local.hit_tokens + external_tokens).
+  std::size_t clamped_tokens = 0;      ///< External tokens offered but not taken: under the local hit, or the last
+                                       ///< prompt token (always computed here, for its logits).
+  std::size_t first_external_block = 0;  ///< = local.hit_tokens / block_size: the first block a fill writes.
+  std::size_t external_blocks = 0;     ///< Blocks per group a fill would hold (0 when external_tokens is 0).
+  std::size_t skipped_blocks = 0;      ///< Blocks per group not transferred thanks to the local hit (= first block).
+  /// Positions computed before the first step: local hit + external tokens.
+  [[nodiscard]] std::size_t computed_tokens() const noexcept { return local.hit_tokens + external_tokens; }
 };
 
 /// What a fill signal did (complete / fail / release / extend). Only kApplied changed anything but counters.

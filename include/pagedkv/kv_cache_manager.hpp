@@ -478,7 +478,7 @@ class KVCacheManager {
       return;
     }
     sequence_type& q = live(seq, "free");
-    if (ext_.num_fills() != 0) [[unlikely]] abort_external_fill(seq, false);  // external KV: an orphan hold
+    if (ext_.num_fills() != 0) [[unlikely]] abort_external_fill(seq);  // external KV: an orphan hold
     if (layout_.any_recurrent) events_.reserve_more(layout_.num_groups);  // last checkpoints registered on the way out
     release_all_groups(q);
     recycle(seqs_.extract(seq));
@@ -703,7 +703,7 @@ class KVCacheManager {
   /// changes then.
   void rewind(SeqId seq, std::size_t n) {
     sequence_type& q = live(seq, "rewind");
-    if (ext_.num_fills() != 0) [[unlikely]] refuse_waiting(std::span<const SeqId>(&seq, 1), "rewind");  // external KV
+    if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(std::span<const SeqId>(&seq, 1), "rewind");  // external KV
     const std::size_t length = q.num_known() + q.num_lookahead;
     if (n > length) {
       detail::raise(Errc::kLimitExceeded, "rewind: n = " + std::to_string(n) + " exceeds sequence " +
@@ -1224,8 +1224,8 @@ class KVCacheManager {
 
   // ---------------------------------------------------------------------------------------------------------------
   // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
-  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state is detail::ExternalKvState
-  // (detail/external_kv.hpp); these calls orchestrate it. Today every group must be plain full attention (one or
+  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state and the pure hand-off pieces are
+  // detail/external_kv.hpp; these calls forward to it. Today every group must be plain full attention (one or
   // more full groups with the pool's block size); other kinds are refused with kInvalidArgument naming the group.
 
   /// Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens from an external source after
@@ -1241,43 +1241,29 @@ class KVCacheManager {
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
                                              std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
-    check_external_groups("try_admit_external");
-    const std::size_t cap_end = prompt.empty() ? 0 : prompt.size() - 1;
-    const std::size_t hit = prompt.empty() ? 0 : lookup(prompt, keys, opts.max_cached_tokens);
+    detail::check_external_groups(config_, layout_, "try_admit_external");
     AdmitOptions o = opts;
     if (o.num_reserved_tokens) o.num_reserved_tokens = std::max(*o.num_reserved_tokens, num_external_tokens);
-    if (headroom_blocks != 0 && !prompt.empty()) {
+    // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
+    if (headroom_blocks != 0 && !prompt.empty() && !seqs_.contains(seq)) {
       const CapacityQuery cq = query_admit(prompt, keys, o);
-      const std::size_t need = cq.num_blocks + hit / config_.block_size * layout_.num_groups + headroom_blocks;
-      if (cq.fits() && alloc_.num_available_blocks() < need) {
-        return {{AdmitStatus::kNoCapacity, 0, 0, 0, need - alloc_.num_available_blocks()}, {}};
-      }
+      const std::size_t need = cq.num_blocks + headroom_blocks +
+                               lookup(prompt, keys, opts.max_cached_tokens) / config_.block_size * layout_.num_groups;
+      const std::size_t avail = alloc_.num_available_blocks();
+      if (cq.fits() && avail < need) return {{AdmitStatus::kNoCapacity, 0, 0, 0, need - avail}, {}};
     }
     ExternalAdmitResult<Id> r{try_admit(seq, prompt, keys, o), {}};
     const std::size_t h = r.admit.num_cached_tokens;
-    const std::size_t n = std::min(num_external_tokens, cap_end - std::min(cap_end, h));
+    const std::size_t n = importable_tokens(h + num_external_tokens, prompt.size(), h);
     if (!r.admit.admitted() || n == 0) return r;
-    const std::size_t bs = config_.block_size;
-    FillTicket<Id>& t = r.ticket;
-    t.seq = seq;
-    t.num_groups = layout_.num_groups;
-    t.first_block = h / bs;
-    t.first_token = h;
-    t.end_token = h + n;
-    const std::size_t nb = (h + n + bs - 1) / bs - t.first_block;
     try {
       const sequence_type& q = live(seq, "try_admit_external");
-      for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-        const auto blocks = q.table_of(g).blocks().subspan(t.first_block, nb);
-        t.blocks.insert(t.blocks.end(), blocks.begin(), blocks.end());
-      }
-      t.fill_id = ext_.begin_fill(seq, layout_.num_groups, t.first_block, h, h + n, t.blocks, ext_acquire(), ext_release());
+      r.ticket = ext_.open_fill(seq, layout_.num_groups, config_.block_size, h, n,
+                                [&](std::size_t g) { return q.table_of(g).blocks(); }, ext_acquire(), ext_release());
     } catch (...) {
       free(seq);  // bad_alloc: undo the admission
       throw;
     }
-    t.generations.reserve(t.blocks.size());
-    for (Id b : t.blocks) t.generations.push_back(ext_.generation(b));
     return r;
   }
 
@@ -1293,37 +1279,26 @@ class KVCacheManager {
   /// nothing changes then.
   ExternalCompletion complete_external_fill(std::uint64_t fill_id, std::size_t num_valid_blocks,
                                             ExternalFailurePolicy policy = ExternalFailurePolicy::kRecompute) {
-    const auto* f = ext_.fill(fill_id);
-    const std::size_t nb = f ? f->blocks.size() / f->num_groups : 0;
-    if (f && num_valid_blocks > nb) {
-      detail::raise(Errc::kInvalidArgument, "complete_external_fill: fill " + std::to_string(fill_id) + " has " +
-                                                std::to_string(nb) + " blocks per group, not " +
-                                                std::to_string(num_valid_blocks) + " valid ones");
-    }
+    const std::size_t nb = ext_.check_valid_blocks(fill_id, num_valid_blocks);
     events_.reserve_more(nb * layout_.num_groups);
-    switched_scratch_.clear();
     switched_scratch_.reserve(nb);
     auto sig = ext_.take_fill(fill_id, ext_release());
     ExternalCompletion out{sig.status};
     if (sig.status != ExternalSignal::kApplied) return out;
-    const auto& fl = *sig.fill;
-    out.seq = fl.seq;
+    out.seq = sig.fill->seq;
     out.num_valid_blocks = num_valid_blocks;
-    const bool partial = num_valid_blocks < nb;
-    if (partial && policy == ExternalFailurePolicy::kFail) {
-      ext_.count_completion(num_valid_blocks, true, true);
-      free(fl.seq);
-      out.sequence_failed = true;
+    out.sequence_failed = num_valid_blocks < nb && policy == ExternalFailurePolicy::kFail;
+    ext_.count_completion(num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
+    if (out.sequence_failed) {
+      free(out.seq);
       return out;
     }
-    sequence_type& q = seqs_.find(fl.seq)->second;  // live: a fill ends with its sequence (abort_fill)
-    q.num_built = std::max(q.num_built,
-                           partial ? fl.first_token + num_valid_blocks * config_.block_size : fl.end_token);
+    sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
+    q.num_built = std::max(q.num_built, sig.fill->computed_end(num_valid_blocks, config_.block_size));
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       switched_scratch_.clear();
       register_full_blocks(q, g);
     }
-    ext_.count_completion(num_valid_blocks, partial, false);
     out.num_computed_tokens = q.num_built;
     return out;
   }
@@ -1332,18 +1307,7 @@ class KVCacheManager {
   /// blocks (live fill only).
   ExternalCompletion complete_external_fill(std::uint64_t fill_id, std::span<const std::size_t> failed_blocks,
                                             ExternalFailurePolicy policy = ExternalFailurePolicy::kRecompute) {
-    const auto* f = ext_.fill(fill_id);
-    const std::size_t nb = f ? f->blocks.size() / f->num_groups : 0;
-    std::size_t valid = nb;
-    for (std::size_t i : failed_blocks) {
-      if (f && i >= nb) {
-        detail::raise(Errc::kInvalidArgument, "complete_external_fill: failed block " + std::to_string(i) +
-                                                  " outside fill " + std::to_string(fill_id) + "'s " +
-                                                  std::to_string(nb) + " blocks");
-      }
-      valid = std::min(valid, i);
-    }
-    return complete_external_fill(fill_id, valid, policy);
+    return complete_external_fill(fill_id, ext_.valid_prefix(fill_id, failed_blocks), policy);
   }
 
   /// Abort `seq` (live or swapped) as `free` does. `transfer_quiescent`: the caller knows no transfer can still
@@ -1351,8 +1315,19 @@ class KVCacheManager {
   /// reused) until the fill's late signal or `reap_external` past the orphan timeout. `free` and `preempt` of a
   /// sequence whose fill is in flight act as a non-quiescent abort. Throws kUnknownSequence.
   void abort_sequence(SeqId seq, bool transfer_quiescent) {
-    if (ext_.num_fills() != 0 && seqs_.contains(seq)) abort_external_fill(seq, transfer_quiescent);
+    if (ext_.num_fills() != 0 && seqs_.contains(seq)) ext_.abort_fill(seq, transfer_quiescent, ext_release());
     free(seq);
+  }
+
+  /// `explain_admit` with the external hit named: of `num_external_tokens` offered after the local hit (vLLM's
+  /// `get_num_new_matched_tokens`), how many an admission by `try_admit_external` would take (clamped so the last
+  /// prompt token is computed here), from which block, how many blocks per group the fill would hold and how many
+  /// it skips thanks to the local hit. Pure; allocates. Throws as explain_admit.
+  [[nodiscard]] ExternalAdmitExplanation explain_admit_external(std::span<const TokenId> prompt,
+                                                                std::size_t num_external_tokens,
+                                                                const RequestKeys* keys = nullptr,
+                                                                const AdmitOptions& opts = {}) const {
+    return detail::explain_external(explain_admit(prompt, keys, opts), num_external_tokens, config_.block_size);
   }
 
   /// The fill `seq` waits for (0: none).
@@ -1366,14 +1341,8 @@ class KVCacheManager {
       std::string page_layout, std::string dtype, std::uint32_t num_kv_heads, std::uint32_t head_dim,
       BlockIdentityConvention convention = BlockIdentityConvention::kPagedkv,
       std::string_view vllm_seed = identity::kVllmDefaultNoneHashSeed) const {
-    KvLayoutFingerprint fp{config_.block_size, std::move(page_layout), std::move(dtype), num_kv_heads, head_dim,
-                           config_.groups, convention, 0, {}};
-    if (convention == BlockIdentityConvention::kPagedkv) {
-      fp.hash_seed = config_.hash_seed;
-    } else {
-      fp.hash_seed_text = std::string(vllm_seed);
-    }
-    return fp;
+    return detail::external_layout_fingerprint(config_, std::move(page_layout), std::move(dtype), num_kv_heads,
+                                               head_dim, convention, vllm_seed);
   }
 
   /// Producer: finish settled sequence `seq`, keeping its blocks under a lease (registered, hit-able, read-only,
@@ -1385,28 +1354,15 @@ class KVCacheManager {
   /// of a request with extra keys) before anything changes.
   HandoffDescriptor<Id> finish_with_lease(SeqId seq, const KvLayoutFingerprint& layout,
                                           std::optional<ExternalTimePoint> lease_deadline) {
-    check_external_groups("finish_with_lease");
+    detail::check_external_groups(config_, layout_, "finish_with_lease");
     const sequence_type& q = live(seq, "finish_with_lease");
-    check_same_layout(layout_fingerprint(layout.page_layout, layout.dtype, layout.num_kv_heads, layout.head_dim,
-                                         layout.hash_algorithm, layout.hash_seed_text),
-                      layout, "finish_with_lease: this pool vs `layout`");
-    if (!settled(q) || ext_.fill_of(seq) != 0) {
-      detail::raise(Errc::kInvalidArgument, "finish_with_lease: sequence " + std::to_string(seq) +
-                                                " is not settled (unbuilt slots, lookahead, a copy or a fill in "
-                                                "flight): hand off after the step that computed it");
-    }
-    HandoffDescriptor<Id> d;
-    d.num_tokens = q.num_known();
-    d.num_groups = layout_.num_groups;
-    d.layout = layout;
-    d.identities = identities_of(q, layout, "finish_with_lease");
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      const auto blocks = q.table_of(g).blocks();
-      d.blocks.insert(d.blocks.end(), blocks.begin(), blocks.end());
-    }
-    d.generations.reserve(d.blocks.size());
-    d.hold_id = ext_.add_hold(detail::HoldKind::kLease, seq, d.blocks, lease_deadline, ext_acquire(), ext_release());
-    for (Id b : d.blocks) d.generations.push_back(ext_.generation(b));  // reserved: cannot throw
+    detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
+    ext_.check_settled(seq, settled(q), "finish_with_lease");
+    HandoffDescriptor<Id> d = ext_.open_lease(
+        seq, q.num_known(), layout_.num_groups, [&](std::size_t g) { return q.table_of(g).blocks(); },
+        detail::block_identities(q.tokens, q.hashes, q.keys && !q.keys->empty(), config_.block_size, layout,
+                                 "finish_with_lease"),
+        layout, lease_deadline, ext_acquire(), ext_release());
     free(seq);
     return d;
   }
@@ -1420,17 +1376,14 @@ class KVCacheManager {
   }
   /// Pin the built full blocks of live `seq` (every group) for a save to a store (vLLM's offloading connector,
   /// LMCache): until `end_save`, a preemption, free or eviction never hands them to another sequence while the save
-  /// reads them. Returns the pin id. Throws kUnknownSequence.
+  /// reads them. Returns the pin id. Throws kUnknownSequence; kInvalidArgument for a group kind external KV does not
+  /// support yet (nothing changes).
   std::uint64_t pin_for_save(SeqId seq, std::optional<ExternalTimePoint> deadline = std::nullopt) {
+    detail::check_external_groups(config_, layout_, "pin_for_save");
     const sequence_type& q = live(seq, "pin_for_save");
-    std::vector<Id> blocks;
-    const std::size_t n = std::min(q.num_built, q.num_slotted()) / config_.block_size;
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      for (Id b : q.table_of(g).blocks().first(n)) {
-        if (b != Id{0}) blocks.push_back(b);
-      }
-    }
-    return ext_.add_hold(detail::HoldKind::kSavePin, seq, blocks, deadline, ext_acquire(), ext_release());
+    return ext_.pin_for_save(seq, layout_.num_groups, std::min(q.num_built, q.num_slotted()) / config_.block_size,
+                             [&](std::size_t g) { return q.table_of(g).blocks(); }, deadline, ext_acquire(),
+                             ext_release());
   }
   /// The save of pin `pin_id` completed or failed: its blocks are released. Counted when it has ended.
   ExternalSignal end_save(std::uint64_t pin_id) { return ext_.release_hold(pin_id, ext_release()); }
@@ -1439,15 +1392,11 @@ class KVCacheManager {
   [[nodiscard]] bool is_current_block(Id b, std::uint32_t generation) { return ext_.is_current(b, generation); }
   /// External clock tick: ends every lease, save pin and orphan hold whose deadline is at or before `now`; records
   /// `now` for the orphan deadlines of later aborts. Returns how many ended. O(holds).
-  std::size_t reap_external(ExternalTimePoint now) {
-    ext_now_ = ext_clock_set_ ? std::max(ext_now_, now) : now;
-    ext_clock_set_ = true;
-    return ext_.reap(now, ext_release());
-  }
+  std::size_t reap_external(ExternalTimePoint now) { return ext_.tick(now, ext_release()); }
   /// How long an orphan hold waits for its late signal, counted from the last reap_external's `now` (default 480 s,
   /// vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT). An engine calls reap_external every step; before its first call an
   /// orphan hold has no deadline (only its late signal ends it).
-  void set_orphan_timeout(ExternalClock::duration d) noexcept { orphan_timeout_ = d; }
+  void set_orphan_timeout(ExternalClock::duration d) noexcept { ext_.set_orphan_timeout(d); }
 
   /// Consumer: what to transfer of hand-off `desc` for `prompt` (with `keys`): first the fingerprints (`ours` vs
   /// the descriptor's: a mismatch is kInvalidArgument naming the field, at hand-shake, before anything per request:
@@ -1459,51 +1408,15 @@ class KVCacheManager {
   ImportPlan<Id> plan_import(const HandoffDescriptor<Id>& desc, const KvLayoutFingerprint& ours,
                              std::span<const TokenId> prompt, const RequestKeys* keys = nullptr) {
     check_same_layout(ours, desc.layout, "plan_import: consumer vs producer");
-    check_same_layout(layout_fingerprint(ours.page_layout, ours.dtype, ours.num_kv_heads, ours.head_dim,
-                                         ours.hash_algorithm, ours.hash_seed_text),
-                      ours, "plan_import: this pool vs `ours`");
-    check_external_groups("plan_import");
-    const std::size_t bs = config_.block_size;
-    const std::size_t per_group = (desc.num_tokens + bs - 1) / bs;
-    if (desc.num_groups != layout_.num_groups || desc.blocks.size() != per_group * layout_.num_groups ||
-        desc.generations.size() != desc.blocks.size() || desc.identities.size() != desc.num_tokens / bs) {
-      detail::raise(Errc::kInvalidArgument,
-                    "plan_import: descriptor of " + std::to_string(desc.num_tokens) + " tokens holds " +
-                        std::to_string(desc.blocks.size()) + " blocks, " + std::to_string(desc.generations.size()) +
-                        " generations, " + std::to_string(desc.identities.size()) + " identities over " +
-                        std::to_string(desc.num_groups) + " groups; expected ceil(" + std::to_string(desc.num_tokens) +
-                        " / " + std::to_string(bs) + ") = " + std::to_string(per_group) + " blocks per group over " +
-                        std::to_string(layout_.num_groups) + " groups and " + std::to_string(desc.num_tokens / bs) +
-                        " identities");
-    }
-    ImportPlan<Id> p;
-    p.num_groups = layout_.num_groups;
-    const std::size_t hit = prompt.empty() ? 0 : lookup(prompt, keys);
-    p.first_token = hit;
-    p.end_token = hit + importable_tokens(desc.num_tokens, prompt.size(), hit);
-    p.first_block = hit / bs;
-    p.skipped_blocks = p.first_block;
-    p.num_blocks = p.end_token == hit ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
-    if (p.num_blocks != 0) {
-      sequence_type probe(config_.block_size, 1);
-      probe.tokens.assign(prompt.begin(), prompt.end());
-      probe.keys = keys != nullptr && !keys->empty() ? std::make_shared<const RequestKeys>(*keys) : nullptr;
-      probe.hashes = prepare_prompt(prompt, keys).hashes;
-      const std::vector<BlockIdentity> mine = identities_of(probe, desc.layout, "plan_import");
-      for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
-        if (i < mine.size() && i < desc.identities.size() && mine[i] != desc.identities[i]) {
-          detail::raise(Errc::kInvalidArgument, "plan_import: block " + std::to_string(i) +
-                                                    "'s identity differs from this prompt's: the descriptor holds "
-                                                    "another prefix");
-        }
-      }
-    }
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
-        p.remote_blocks.push_back(desc.blocks[g * per_group + i]);
-        p.remote_generations.push_back(desc.generations[g * per_group + i]);
-      }
-    }
+    detail::check_pool_layout(config_, ours, "plan_import: this pool vs `ours`");
+    detail::check_external_groups(config_, layout_, "plan_import");
+    ImportPlan<Id> p = detail::make_import_plan(
+        desc, layout_.num_groups, config_.block_size, prompt.size(),
+        [&] { return prompt.empty() ? std::size_t{0} : lookup(prompt, keys); },
+        [&] {
+          return detail::block_identities(prompt, prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),
+                                          config_.block_size, desc.layout, "plan_import");
+        });
     ext_.count_import(p.num_blocks * layout_.num_groups, p.skipped_blocks * layout_.num_groups);
     return p;
   }
@@ -1511,7 +1424,7 @@ class KVCacheManager {
   using index_view = GroupPrefixIndexView<index_type>;
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
-    if (ext_.num_fills() != 0) [[unlikely]] refuse_waiting(batch, "build_batch_metadata");  // external KV
+    if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
     if (layout_.simple) {
       build_groups_in<true>(batch, per_group, num_scheduled_tokens, sizes_out);
     } else {
@@ -2481,57 +2394,7 @@ class KVCacheManager {
   auto ext_release() {
     return [this](Id b) { release_block(b); };
   }
-  [[gnu::cold, gnu::noinline]] void abort_external_fill(SeqId seq, bool quiescent) {
-    const auto deadline = ext_clock_set_ ? std::optional(ext_now_ + orphan_timeout_) : std::nullopt;
-    ext_.abort_fill(seq, quiescent, deadline, ext_release());
-  }
-  // kInvalidArgument naming the first sequence of `batch` that waits for an external fill.
-  [[gnu::cold, gnu::noinline]] void refuse_waiting(std::span<const SeqId> batch, const char* what) const {
-    for (SeqId id : batch) {
-      if (const std::uint64_t f = ext_.fill_of(id); f != 0) {
-        detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(id) +
-                                                  " waits for external KV (fill " + std::to_string(f) +
-                                                  "): complete_external_fill or abort_sequence it first");
-      }
-    }
-  }
-  // kInvalidArgument naming the first group external KV does not support yet (only full attention at the pool's
-  // block size: windows, recurrent state and coarse pages need their own hand-off rules).
-  void check_external_groups(const char* what) const {
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      const KVCacheGroupSpec& s = config_.groups[g];
-      if (s.kind != AttentionKind::kFull || layout_.page_tokens[g] != config_.block_size) {
-        detail::raise(Errc::kInvalidArgument,
-                      std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
-                          (layout_.page_tokens[g] != config_.block_size ? " with coarse pages" : "") +
-                          ": external KV supports only full-attention groups at the pool's block size yet (issue 33)");
-      }
-    }
-  }
-  // The identities of q's full blocks under `layout.hash_algorithm` ([num_known / block_size]).
-  std::vector<BlockIdentity> identities_of(const sequence_type& q, const KvLayoutFingerprint& layout,
-                                           const char* what) const {
-    const std::size_t bs = config_.block_size;
-    const std::size_t n = q.num_known() / bs;
-    std::vector<BlockIdentity> out(n);
-    if (layout.hash_algorithm == BlockIdentityConvention::kPagedkv) {
-      if (q.hashes.size() < n) {
-        detail::raise(Errc::kInvalidArgument, std::string(what) + ": pagedkv identities need the block hashes "
-                                                                  "(CacheConfig::enable_prefix_caching is off)");
-      }
-      for (std::size_t i = 0; i < n; ++i) std::copy(q.hashes[i].bytes.begin(), q.hashes[i].bytes.end(), out[i].begin());
-      return out;
-    }
-    if (q.keys && !q.keys->empty()) {
-      detail::raise(Errc::kInvalidArgument, std::string(what) + ": vLLM identities of a request with extra keys "
-                                                                "(salt, adapter, multimodal) are not supported yet");
-    }
-    const std::vector<std::uint32_t> toks(q.tokens.begin(), q.tokens.end());
-    const auto h = identity::vllm_request_block_hashes(toks, bs, identity::VllmRequestKeys{},
-                                                       identity::vllm_none_hash(layout.hash_seed_text));
-    std::copy_n(h.begin(), n, out.begin());
-    return out;
-  }
+  [[gnu::cold, gnu::noinline]] void abort_external_fill(SeqId seq) { ext_.abort_fill(seq, false, ext_release()); }
 
   static CacheConfig checked(const CacheConfig& c) { return detail::checked_cache_config(c, kMaxGroups); }
 
@@ -3177,9 +3040,6 @@ class KVCacheManager {
   CacheStats stats_;
   PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()
   detail::ExternalKvState<Id> ext_{config_.num_blocks};  // external KV: fills, leases, save pins, orphan holds
-  ExternalTimePoint ext_now_{};                        // the external clock (reap_external)
-  bool ext_clock_set_ = false;                         // reap_external was called (orphan deadlines need it)
-  ExternalClock::duration orphan_timeout_ = std::chrono::seconds(480);  // set_orphan_timeout
 };
 
 }  // namespace pagedkv

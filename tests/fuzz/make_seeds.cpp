@@ -154,6 +154,49 @@ class Seed {
     return *this;
   }
   Seed& drain() { return op(Op::kDrainAll); }
+  // External KV (manager_ops.hpp): slot s is sequence 1000 + s; len byte b gives 2 + b % 120 tokens.
+  Seed& ext_admit(std::uint8_t slot, std::uint8_t base, std::uint8_t len, std::uint8_t ext, std::uint8_t headroom = 0) {
+    op(Op::kExtAdmit).w_.u8(slot).u8(base).u8(len).u8(ext).u8(headroom);
+    return *this;
+  }
+  /// complete_external_fill(id, mode: 0 all valid, 1 k valid, 3 kFail with k valid)
+  Seed& ext_complete(std::uint8_t id, std::uint8_t mode, std::uint8_t k = 0) {
+    op(Op::kExtComplete).w_.u8(id).u8(mode).u8(k);
+    return *this;
+  }
+  /// complete_external_fill(id, failed block indices)
+  Seed& ext_complete_failed(std::uint8_t id, std::initializer_list<std::uint8_t> failed) {
+    op(Op::kExtComplete).w_.u8(id).u8(2).u8(0).u8(static_cast<std::uint8_t>(failed.size()));
+    for (std::uint8_t f : failed) w_.u8(f);
+    return *this;
+  }
+  /// mode: 0 abort quiescent, 1 abort not quiescent, 2 free, 3 preempt
+  Seed& ext_abort(std::uint8_t slot, std::uint8_t mode) {
+    op(Op::kExtAbort).w_.u8(slot).u8(mode);
+    return *this;
+  }
+  Seed& ext_lease(std::uint8_t live_index, std::uint8_t deadline) {
+    op(Op::kExtLease).w_.u8(live_index).u8(deadline);
+    return *this;
+  }
+  Seed& ext_pin(std::uint8_t live_index, std::uint8_t deadline) {
+    op(Op::kExtPinSave).w_.u8(live_index).u8(deadline);
+    return *this;
+  }
+  /// mode: 0 release_lease, 1 end_save, 2 extend_lease (to now + deadline s)
+  Seed& ext_signal(std::uint8_t id, std::uint8_t mode, std::uint8_t deadline = 0) {
+    op(Op::kExtSignal).w_.u8(id).u8(mode);
+    if (mode == 2) w_.u8(deadline);
+    return *this;
+  }
+  Seed& ext_reap(std::uint8_t b) {
+    op(Op::kExtReap).w_.u8(b);
+    return *this;
+  }
+  Seed& ext_stale(std::uint8_t b) {
+    op(Op::kExtStale).w_.u8(b);
+    return *this;
+  }
   [[nodiscard]] const std::vector<std::uint8_t>& bytes() const { return w_.bytes(); }
 
  private:
@@ -263,6 +306,35 @@ std::vector<std::pair<std::string, Seed>> seeds() {
           .append(2, 1).rewind(1, 4).step().preempt(2).expire(5).admit(2, 0, 14).raw({kRetOneRange | (7 << 3)}).step()
           .move().free(1).expire(200).admit(3, 1, 30).raw({kRetNone}).step().drain());
   add("expire_retention_without_priorities", Seed(0, kBs4, 8).admit(1, 0, 8).step().free(1).expire(9).expire(240).step());
+  // External KV (issue 33). Ids: fills and holds share one counter from 1.
+  add("ext_pd_handoff_and_hit",  // lease (1) on a computed prompt, a fill (2) of the same prefix, completion, release
+      Seed(0, kBs4, 32).admit(1, 0, 18).step().ext_lease(0, 100).ext_admit(0, 0, 18, 20).ext_complete(2, 0).step()
+          .ext_stale(0).ext_signal(1, 0).ext_stale(0).ext_signal(1, 0).ext_admit(1, 0, 30, 40).ext_complete(3, 1, 2)
+          .step().drain());
+  add("ext_abort_orphan_late_duplicate_unknown",  // vllm#46283 / #46304: abort while filling, late, duplicate, unknown
+      Seed(0, kBs4, 12).ext_reap(1).ext_admit(0, 1, 20, 30).ext_abort(0, 1).ext_admit(1, 1, 20, 30).ext_complete(1, 0)
+          .ext_complete(1, 0).ext_complete(3, 0).ext_complete(3, 0).ext_complete(9, 0).ext_admit(2, 2, 30, 30)
+          .ext_abort(2, 2).ext_reap(200).ext_reap(200).ext_reap(200).ext_complete(4, 0).drain());
+  add("ext_partial_failures",  // recompute keeps the valid prefix, kFail frees; an index past the fill is refused
+      Seed(0, kBs4, 32).ext_admit(0, 0, 30, 30).ext_complete_failed(1, {3, 5}).step().ext_admit(1, 1, 30, 30)
+          .ext_complete(2, 3, 2).ext_admit(2, 2, 25, 25).ext_complete_failed(3, {40}).ext_complete(3, 1, 99)
+          .ext_abort(2, 0).step().drain());
+  add("ext_save_pin_and_preempt",  // TensorRT-LLM#12542 / LMCache#5248: pinned blocks survive preemption and pressure
+      Seed(0, kBs4, 10).admit(1, 0, 16).step().ext_pin(0, 0).preempt(1).admit(2, 1, 16).admit(3, 2, 16).step()
+          .ext_signal(1, 1).ext_signal(1, 1).admit(3, 2, 16).step().drain());
+  add("ext_lease_expiry_and_heartbeat",  // leases extended, expired by reap; stale generations after reuse
+      Seed(0, kBs4, 8).admit(1, 0, 8).step().admit(2, 1, 8).step().ext_lease(0, 5).ext_lease(0, 5).ext_signal(2, 2, 50)
+          .ext_reap(10).ext_stale(0).ext_stale(1).admit(3, 2, 20).step().ext_reap(100).ext_stale(0).ext_stale(1)
+          .ext_signal(1, 0).ext_signal(2, 0).drain());
+  add("ext_headroom_and_clamp",
+      Seed(0, kBs4, 8).ext_admit(0, 0, 9, 100, 245).ext_admit(0, 0, 9, 100).ext_admit(1, 0, 0, 5).ext_admit(0, 0, 3, 5)
+          .ext_complete(1, 0).step().ext_abort(0, 3).ext_abort(1, 0).drain());
+  add("ext_small_ids_caching_off",
+      Seed(kSmallIds | kCachingOff, kBs2, 20).admit(1, 0, 6).step().ext_lease(0, 0).ext_pin(0, 0).ext_admit(0, 0, 10, 10)
+          .ext_complete(1, 0).ext_pin(0, 0).step().ext_lease(0, 0).drain());
+  add("ext_retention_manager",
+      Seed(kRetention, kBs4, 12).admit(1, 0, 12).raw({kRetSystemPrompt}).step().ext_lease(0, 20).ext_admit(0, 0, 14, 14)
+          .ext_complete(2, 0).step().ext_reap(30).ext_admit(1, 1, 14, 14).ext_abort(1, 1).ext_reap(230).drain());
   return s;
 }
 

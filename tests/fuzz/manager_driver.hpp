@@ -139,6 +139,14 @@ class Driver {
       case Op::kTakeEventBatch: op_take_event_batch(); break;
       case Op::kTakePrefixStats: op_take_prefix_stats(); break;
       case Op::kExpireRetention: op_expire_retention(r); break;
+      case Op::kExtAdmit: op_ext_admit(r); break;
+      case Op::kExtComplete: op_ext_complete(r); break;
+      case Op::kExtAbort: op_ext_abort(r); break;
+      case Op::kExtLease: op_ext_lease(r, false); break;
+      case Op::kExtPinSave: op_ext_lease(r, true); break;
+      case Op::kExtSignal: op_ext_signal(r); break;
+      case Op::kExtReap: op_ext_reap(r); break;
+      case Op::kExtStale: op_ext_stale(r); break;
       case Op::kCount: break;
     }
   }
@@ -1241,6 +1249,7 @@ class Driver {
   }
 
   void drain_all() {
+    x_quiesce();
     std::vector<SeqId> ids;
     for (const auto& [id, s] : model_.seqs()) ids.push_back(id);
     for (SeqId id : ids) {
@@ -1248,6 +1257,7 @@ class Driver {
       m().free(id);
       model_.erase_seq(id);
     }
+    model_.ext_refs.clear(), model_.ext_unfilled.clear(), model_.ext_sequences = 0;
     log_.add("m.build_batch_metadata({}, {})");
     const auto sz = m().build_batch_metadata(std::vector<SeqId>{}, pagedkv::BatchMetadataBuffers{});
     expect(sz.batch_size == 0 && sz.num_copies == 0, "an empty build after freeing everything");
@@ -1260,6 +1270,447 @@ class Driver {
     }
     model_.check_all(m());
   }
+
+  // ---- external KV (issue 33) -------------------------------------------------------------------------------------
+  // A mirror of the external-KV rules written from the API's contract (detail/external_kv.hpp's doc comments): ids
+  // from one counter, references and generations per block, signals classified as applied / late / duplicate /
+  // unknown, deadlines on the driver's clock. The model counts the references (ext_refs) so that check_all's
+  // refcount balance covers them, and never sees a fill's blocks registered (ext_unfilled).
+  enum class XKind : std::uint8_t { kLease, kSavePin, kOrphan };
+  struct XFill {
+    SeqId seq = 0;
+    Blocks blocks, table;  // the fill's blocks; the waiting sequence's whole table
+    std::size_t first_token = 0, end_token = 0;
+    Toks prompt;
+  };
+  struct XHold {
+    XKind kind = XKind::kLease;
+    Blocks blocks;
+    std::optional<std::int64_t> deadline;
+    std::uint64_t fill_id = 0;
+  };
+  static constexpr SeqId kExtFirstSeq = 1000;
+  static constexpr std::int64_t kOrphanTimeout = 480;  // the manager's default (s)
+
+  std::uint64_t x_fill_of(SeqId seq) const {
+    for (const auto& [id, f] : x_fills_) {
+      if (f.seq == seq) return id;
+    }
+    return 0;
+  }
+  void x_take(const Blocks& blocks) {
+    x_refs_.resize(model_.usable() + 1, 0), x_gen_.resize(model_.usable() + 1, 0);
+    for (auto b : blocks) ++x_refs_[b];
+  }
+  void x_drop(const Blocks& blocks) {
+    for (auto b : blocks) {
+      if (--x_refs_[b] == 0) ++x_gen_[b];
+    }
+  }
+  void x_issue(const Blocks& blocks, const std::vector<std::uint32_t>& gens, const std::string& what) {
+    expect(gens.size() == blocks.size(), what + ": one generation per block");
+    for (std::size_t i = 0; i < blocks.size() && i < gens.size(); ++i) {
+      expect(gens[i] == x_gen_[blocks[i]], what + ": block " + std::to_string(blocks[i]) + " generation " +
+                                               std::to_string(gens[i]) + ", expected " + std::to_string(x_gen_[blocks[i]]));
+      if (x_issued_.size() < 4096) x_issued_.emplace_back(blocks[i], gens[i]);
+    }
+  }
+  /// Tell the model what external KV holds, then check everything.
+  void x_sync_and_check() {
+    model_.ext_refs.assign(model_.usable() + 1, 0);
+    model_.ext_unfilled.clear();
+    for (std::size_t b = 0; b < x_refs_.size(); ++b) model_.ext_refs[b] = x_refs_[b];
+    for (const auto& [id, f] : x_fills_) {
+      for (auto b : f.table) ++model_.ext_refs[b];
+      model_.ext_unfilled.insert(model_.ext_unfilled.end(), f.blocks.begin(), f.blocks.end());
+    }
+    for (const auto& [id, h] : x_holds_) {
+      if (h.kind == XKind::kOrphan) model_.ext_unfilled.insert(model_.ext_unfilled.end(), h.blocks.begin(), h.blocks.end());
+    }
+    model_.ext_sequences = x_fills_.size();
+    const auto c = m().stats().external;
+    std::size_t held = 0;
+    for (auto r : x_refs_) held += r != 0 ? 1 : 0;
+    expect(c.fills_in_flight == x_fills_.size() && c.holds_active == x_holds_.size() && c.blocks_held == held,
+           "external counters: fills " + std::to_string(c.fills_in_flight) + "/" + std::to_string(x_fills_.size()) +
+               ", holds " + std::to_string(c.holds_active) + "/" + std::to_string(x_holds_.size()) + ", blocks held " +
+               std::to_string(c.blocks_held) + "/" + std::to_string(held) + " (manager/mirror)");
+    expect(c.late_signals == x_late_ && c.duplicate_signals == x_dup_ && c.unknown_signals == x_unknown_ &&
+               c.stale_generations == x_stale_,
+           "external signal counters: late " + std::to_string(c.late_signals) + "/" + std::to_string(x_late_) +
+               ", duplicate " + std::to_string(c.duplicate_signals) + "/" + std::to_string(x_dup_) + ", unknown " +
+               std::to_string(c.unknown_signals) + "/" + std::to_string(x_unknown_) + ", stale " +
+               std::to_string(c.stale_generations) + "/" + std::to_string(x_stale_) + " (manager/mirror)");
+    model_.check_all(m());
+  }
+  /// The signal classification of an id that names no live fill (take_fill) or hold (release / extend).
+  pagedkv::ExternalSignal x_classify_ended(std::uint64_t id) {
+    if (id == 0 || id >= x_next_) return ++x_unknown_, pagedkv::ExternalSignal::kUnknown;
+    const auto it = x_ended_.find(id);
+    if (it != x_ended_.end() && it->second) return ++x_dup_, pagedkv::ExternalSignal::kDuplicate;
+    return ++x_late_, pagedkv::ExternalSignal::kLate;
+  }
+  void x_end_hold(std::uint64_t id, bool signalled) {
+    XHold& h = x_holds_.at(id);
+    x_drop(h.blocks);
+    if (h.kind == XKind::kOrphan) x_ended_[h.fill_id] = false;
+    x_holds_.erase(id);
+    x_ended_[id] = signalled;
+  }
+  std::uint64_t x_pick(std::uint8_t b) const { return b % (x_next_ + 1); }
+  std::optional<std::int64_t> x_deadline(std::uint8_t b) const {
+    return b == 0 ? std::nullopt : std::optional<std::int64_t>(x_now_ + b);
+  }
+  static pagedkv::ExternalTimePoint x_at(std::int64_t s) { return pagedkv::ExternalTimePoint{} + std::chrono::seconds(s); }
+  static std::optional<pagedkv::ExternalTimePoint> x_at(std::optional<std::int64_t> s) {
+    return s ? std::optional(x_at(*s)) : std::nullopt;
+  }
+
+  void op_ext_admit(ByteReader& r) {
+    const SeqId id = kExtFirstSeq + r.u8() % 4;
+    const Toks& base = bases()[r.u8() & 3];
+    const std::size_t len = 2 + r.u8() % 120;
+    const Toks prompt(base.begin(), base.begin() + static_cast<std::ptrdiff_t>(len));
+    const std::size_t offered = r.u8() % (len + 3);
+    const std::uint8_t hb = r.u8();
+    const std::size_t headroom = hb >= 240 ? hb - 240U : 0;
+    log_.add("m.try_admit_external(" + std::to_string(id) + ", " + toks_text(prompt) + ", " + std::to_string(offered) +
+             ", headroom " + std::to_string(headroom) + ")");
+    std::string needle;
+    std::set<Errc> errs = admit_errors(id, prompt, nullptr, needle);
+    if (x_fill_of(id) != 0) errs.insert(Errc::kDuplicateSequence), needle = std::to_string(id);
+    AdmitPrediction want;
+    if (!errs.contains(Errc::kLimitExceeded)) want = predict_admit(prompt, nullptr, std::nullopt, std::nullopt);
+    const std::size_t bs = model_.block_size();
+    const std::size_t hit = want.hits.size() * bs;
+    const std::size_t n_ext = want.status == pagedkv::CapacityStatus::kFits ? pagedkv::importable_tokens(hit + offered, len, hit) : 0;
+    // The headroom check counts every hit block as if cached (conservative).
+    const std::size_t avail = m().allocator().num_available_blocks();
+    const std::size_t need = want.num_blocks + want.hits.size() + headroom;
+    const bool headroom_refused = errs.empty() && headroom != 0 && want.status == pagedkv::CapacityStatus::kFits && avail < need;
+    const auto before = model_.snapshot(m());
+    const CacheStats st = m().stats();
+    pagedkv::ExternalAdmitResult<Id> res;
+    if (!call(errs, needle, [&] { res = m().try_admit_external(id, prompt, offered, nullptr, {}, headroom); })) return;
+    if (!errs.empty()) fail("try_admit_external succeeded, expected " + allowed_text(errs));
+    log_.result("status " + std::to_string(static_cast<int>(res.admit.status)) + ", cached " +
+                std::to_string(res.admit.num_cached_tokens) + ", fill " + std::to_string(res.ticket.fill_id));
+    if (headroom_refused) {
+      expect(res.admit.status == pagedkv::AdmitStatus::kNoCapacity && res.admit.num_missing_blocks == need - avail &&
+                 res.ticket.fill_id == 0,
+             "try_admit_external kept less than the headroom free");
+      model_.expect_unchanged(m(), before, "an external admission refused for its headroom");
+      return x_sync_and_check();
+    }
+    expect(static_cast<int>(res.admit.status) == static_cast<int>(want.status), "try_admit_external status");
+    if (want.status != pagedkv::CapacityStatus::kFits) {
+      expect(res.ticket.fill_id == 0, "a ticket for a refused admission");
+      model_.expect_unchanged(m(), before, "an external admission answered no capacity / never fits");
+      return x_sync_and_check();
+    }
+    expect(res.admit.num_cached_tokens == hit, "try_admit_external's local hit");
+    const bool readmission = model_.preempted_ids().erase(id) != 0;
+    pagedkv::PrefixCacheStats& in = model_.interval();
+    if (readmission) {
+      ++in.preempted_requests, in.preempted_queries += len, in.preempted_hits += hit;
+    } else {
+      ++in.requests, in.queries += len, in.hits += hit;
+    }
+    expect(m().stats().prefix_query_requests == st.prefix_query_requests + 1, "prefix counters after an external admission");
+    if (n_ext == 0) {  // a plain admission
+      expect(res.ticket.fill_id == 0 && res.ticket.blocks.empty(), "a ticket with nothing external");
+      want.seq.prompt_len = len;
+      model_.add_seq(id, std::move(want.seq));
+      return x_sync_and_check();
+    }
+    const auto table = m().block_ids(id);
+    const std::size_t first = hit / bs, nb = (hit + n_ext + bs - 1) / bs - first;
+    expect(res.ticket.fill_id == x_next_ && res.ticket.seq == id && res.ticket.first_token == hit &&
+               res.ticket.end_token == hit + n_ext && res.ticket.first_block == first && res.ticket.num_groups == 1 &&
+               res.ticket.blocks.size() == nb && table.size() == model_.blocks_for(len) &&
+               std::equal(res.ticket.blocks.begin(), res.ticket.blocks.end(), table.begin() + static_cast<std::ptrdiff_t>(first)),
+           "the fill ticket (id " + std::to_string(res.ticket.fill_id) + ", expected " + std::to_string(x_next_) +
+               "; tokens [" + std::to_string(res.ticket.first_token) + ", " + std::to_string(res.ticket.end_token) +
+               "), expected [" + std::to_string(hit) + ", " + std::to_string(hit + n_ext) + "))");
+    expect(m().external_fill_of(id) == x_next_, "external_fill_of after the admission");
+    XFill f{id, Blocks(res.ticket.blocks.begin(), res.ticket.blocks.end()), Blocks(table.begin(), table.end()), hit,
+            hit + n_ext, prompt};
+    x_take(f.blocks);
+    x_issue(f.blocks, res.ticket.generations, "the fill ticket");
+    x_fills_.emplace(x_next_++, std::move(f));
+    x_sync_and_check();
+  }
+
+  void op_ext_complete(ByteReader& r) {
+    const std::uint64_t fid = x_pick(r.u8());
+    const std::uint8_t mode = r.u8() % 4;
+    const std::uint8_t kb = r.u8();
+    const auto it = x_fills_.find(fid);
+    const std::size_t bs = model_.block_size();
+    const std::size_t nb = it != x_fills_.end() ? it->second.blocks.size() : 0;
+    std::vector<std::size_t> failed;
+    std::size_t valid = kb % (nb + 2);
+    bool bad = it != x_fills_.end() && valid > nb;
+    if (mode == 0) valid = nb, bad = false;
+    if (mode == 2) {
+      valid = nb, bad = false;
+      for (std::size_t i = 0, c = r.u8() % 3; i < c; ++i) {
+        failed.push_back(r.u8() % (nb + 1));
+        if (it != x_fills_.end() && failed.back() >= nb) bad = true;
+        valid = std::min(valid, failed.back());
+      }
+    }
+    const auto policy = mode == 3 ? pagedkv::ExternalFailurePolicy::kFail : pagedkv::ExternalFailurePolicy::kRecompute;
+    log_.add("m.complete_external_fill(" + std::to_string(fid) + ", " +
+             (mode == 2 ? std::to_string(failed.size()) + " failed" : std::to_string(valid) + " valid") +
+             (mode == 3 ? ", kFail)" : ")"));
+    std::set<Errc> errs;
+    if (bad) errs.insert(Errc::kInvalidArgument);
+    Blocks want_lru;
+    const bool fails = it != x_fills_.end() && !bad && valid < nb && mode == 3;
+    if (fails) want_lru = model_.expected_lru_after_release(m(), it->second.table);
+    pagedkv::ExternalCompletion out;
+    if (!call(errs, "complete_external_fill", [&] {
+          out = mode == 2 ? m().complete_external_fill(fid, std::span<const std::size_t>(failed), policy)
+                          : m().complete_external_fill(fid, valid, policy);
+        })) {
+      return x_sync_and_check();
+    }
+    if (bad) fail("complete_external_fill succeeded with blocks beyond the fill");
+    log_.result(pagedkv::to_string(out.signal));
+    if (it == x_fills_.end()) {  // late (an orphan's hold ends now), duplicate or unknown
+      pagedkv::ExternalSignal want = pagedkv::ExternalSignal::kUnknown;
+      std::optional<std::uint64_t> orphan;
+      for (const auto& [hid, h] : x_holds_) {
+        if (h.kind == XKind::kOrphan && h.fill_id == fid) orphan = hid;
+      }
+      if (orphan) {
+        x_end_hold(*orphan, true);
+        ++x_late_;
+        want = pagedkv::ExternalSignal::kLate;
+      } else {
+        want = x_classify_ended(fid);
+      }
+      expect(out.signal == want, std::string("complete_external_fill of a fill not live answered ") +
+                                     pagedkv::to_string(out.signal) + ", expected " + pagedkv::to_string(want));
+      return x_sync_and_check();
+    }
+    XFill f = std::move(it->second);
+    x_fills_.erase(it);
+    x_drop(f.blocks);
+    x_ended_[fid] = true;
+    expect(out.signal == pagedkv::ExternalSignal::kApplied && out.seq == f.seq && out.num_valid_blocks == valid &&
+               out.sequence_failed == fails,
+           "complete_external_fill of a live fill");
+    if (fails) {
+      check_after_release(want_lru, "a failed fill");
+      return x_sync_and_check();
+    }
+    // The sequence joins the live ones: its hit and its valid fill blocks are computed, the rest pending.
+    auto s = model_.make_seq(f.prompt, nullptr);
+    s.slotted = f.prompt.size();
+    s.built = valid == nb ? f.end_token : f.first_token + valid * bs;
+    s.prompt_len = f.prompt.size();
+    expect(out.num_computed_tokens == s.built, "num_computed_tokens " + std::to_string(out.num_computed_tokens) +
+                                                   ", expected " + std::to_string(s.built));
+    model_.add_seq(f.seq, std::move(s));
+    model_.write_external(m(), f.seq, f.first_token, model_.seq(f.seq).built);
+    x_sync_and_check();
+  }
+
+  void op_ext_abort(ByteReader& r) {
+    const SeqId id = kExtFirstSeq + r.u8() % 4;
+    const std::uint8_t mode = r.u8() % 4;
+    static const char* const kNames[4] = {"abort_sequence(quiescent)", "abort_sequence", "free", "preempt"};
+    log_.add(std::string("m.") + kNames[mode] + "(" + std::to_string(id) + ")");
+    const std::uint64_t fid = x_fill_of(id);
+    std::set<Errc> errs;
+    if (fid == 0 && !model_.live(id)) errs.insert(Errc::kUnknownSequence);
+    Blocks table, want_lru;
+    if (fid != 0) table = x_fills_.at(fid).table;
+    if (model_.live(id)) {
+      const auto b = m().block_ids(id);
+      table.assign(b.begin(), b.end());
+    }
+    if (errs.empty()) want_lru = model_.expected_lru_after_release(m(), table);
+    if (!call(errs, std::to_string(id), [&] {
+          if (mode < 2) {
+            m().abort_sequence(id, mode == 0);
+          } else if (mode == 2) {
+            m().free(id);
+          } else {
+            m().preempt(id);
+          }
+        })) {
+      return x_sync_and_check();
+    }
+    if (!errs.empty()) fail("an abort of a sequence that is not live succeeded");
+    log_.result("ok");
+    check_after_release(want_lru, kNames[mode]);
+    if (mode == 3) model_.preempted_ids().insert(id);
+    if (fid == 0) {
+      model_.erase_seq(id);
+      return x_sync_and_check();
+    }
+    XFill f = std::move(x_fills_.at(fid));
+    x_fills_.erase(fid);
+    if (mode == 0) {
+      x_drop(f.blocks);
+      x_ended_[fid] = false;
+    } else {  // the references move to an orphan hold (its id is the next one)
+      x_holds_.emplace(x_next_++, XHold{XKind::kOrphan, f.blocks,
+                                        x_clock_ ? std::optional<std::int64_t>(x_now_ + kOrphanTimeout) : std::nullopt, fid});
+    }
+    expect(m().external_fill_of(id) == 0, "external_fill_of after an abort");
+    x_sync_and_check();
+  }
+
+  void op_ext_lease(ByteReader& r, bool save) {
+    SeqId id = 0;
+    const auto* s = nth_live(r.u8(), &id);
+    const auto deadline = x_deadline(r.u8());
+    if (s == nullptr) return;
+    log_.add(std::string(save ? "m.pin_for_save(" : "m.finish_with_lease(") + std::to_string(id) + ", " +
+             (deadline ? std::to_string(*deadline) + "s" : std::string("none")) + ")");
+    const auto tb = m().block_ids(id);
+    const Blocks table(tb.begin(), tb.end());
+    const std::size_t bs = model_.block_size();
+    if (save) {
+      Blocks pinned(table.begin(), table.begin() + static_cast<std::ptrdiff_t>(std::min(s->built, s->slotted) / bs));
+      const std::uint64_t pin = m().pin_for_save(id, x_at(deadline));
+      log_.result("pin " + std::to_string(pin));
+      expect(pin == x_next_, "pin_for_save's id " + std::to_string(pin) + ", expected " + std::to_string(x_next_));
+      x_take(pinned);
+      x_holds_.emplace(x_next_++, XHold{XKind::kSavePin, std::move(pinned), deadline, 0});
+      return x_sync_and_check();
+    }
+    std::set<Errc> errs;
+    if (!model_.settled(m(), id) || (!model_.prefix_caching() && s->known() >= bs)) errs.insert(Errc::kInvalidArgument);
+    pagedkv::HandoffDescriptor<Id> d;
+    const auto layout = m().layout_fingerprint("nhd", "bf16", 8, 128);
+    if (!call(errs, "finish_with_lease", [&] { d = m().finish_with_lease(id, layout, x_at(deadline)); })) {
+      return x_sync_and_check();
+    }
+    if (!errs.empty()) fail("finish_with_lease succeeded, expected " + allowed_text(errs));
+    log_.result("lease " + std::to_string(d.hold_id));
+    expect(d.hold_id == x_next_ && d.num_tokens == s->known() && d.num_groups == 1 &&
+               std::equal(d.blocks.begin(), d.blocks.end(), table.begin(), table.end()) &&
+               d.identities.size() == s->known() / bs,
+           "the hand-off descriptor");
+    for (std::size_t i = 0; i < d.identities.size(); ++i) {
+      expect(std::equal(s->hashes[i].bytes.begin(), s->hashes[i].bytes.end(), d.identities[i].begin()),
+             "identity " + std::to_string(i) + " of the descriptor is not the block's hash");
+    }
+    x_take(table);
+    x_issue(table, d.generations, "the hand-off descriptor");
+    x_holds_.emplace(x_next_++, XHold{XKind::kLease, table, deadline, 0});
+    // Every block stays referenced by the lease: the cached set does not change.
+    check_after_release(model_.expected_lru_after_release(m(), {}), "finish_with_lease");
+    model_.erase_seq(id);
+    x_sync_and_check();
+  }
+
+  void op_ext_signal(ByteReader& r) {
+    const std::uint64_t id = x_pick(r.u8());
+    const std::uint8_t mode = r.u8() % 3;
+    const auto deadline = mode == 2 ? x_deadline(r.u8()) : std::nullopt;
+    static const char* const kNames[3] = {"release_lease", "end_save", "extend_lease"};
+    log_.add(std::string("m.") + kNames[mode] + "(" + std::to_string(id) + ")");
+    pagedkv::ExternalSignal want;
+    Blocks want_lru;
+    const auto it = x_holds_.find(id);
+    if (it == x_holds_.end()) {
+      want = x_classify_ended(id);
+    } else if (it->second.kind == XKind::kOrphan) {
+      ++x_unknown_;
+      want = pagedkv::ExternalSignal::kUnknown;
+    } else {
+      want = pagedkv::ExternalSignal::kApplied;
+      if (mode < 2) want_lru = model_.expected_lru_after_release(m(), it->second.blocks);
+    }
+    const auto got = mode == 0 ? m().release_lease(id) : mode == 1 ? m().end_save(id) : m().extend_lease(id, x_at(deadline));
+    log_.result(pagedkv::to_string(got));
+    expect(got == want, std::string(kNames[mode]) + " answered " + pagedkv::to_string(got) + ", expected " +
+                            pagedkv::to_string(want));
+    if (want == pagedkv::ExternalSignal::kApplied && mode == 2) it->second.deadline = deadline;
+    if (want == pagedkv::ExternalSignal::kApplied && mode < 2) {
+      x_end_hold(id, true);
+      check_after_release(want_lru, kNames[mode]);
+    }
+    x_sync_and_check();
+  }
+
+  void op_ext_reap(ByteReader& r) {
+    const std::uint8_t b = r.u8();
+    const std::int64_t now = b < 224 ? x_now_ + b : x_now_ - (b - 223);
+    log_.add("m.reap_external(" + std::to_string(now) + "s)");
+    std::vector<std::uint64_t> ends;
+    for (const auto& [id, h] : x_holds_) {
+      if (h.deadline && *h.deadline <= now) ends.push_back(id);
+    }
+    const std::size_t n = m().reap_external(x_at(now));
+    log_.result(std::to_string(n) + " ended");
+    expect(n == ends.size(), "reap_external ended " + std::to_string(n) + " holds, expected " + std::to_string(ends.size()));
+    for (auto id : ends) x_end_hold(id, false);
+    x_now_ = x_clock_ ? std::max(x_now_, now) : now;
+    x_clock_ = true;
+    x_sync_and_check();
+  }
+
+  void op_ext_stale(ByteReader& r) {
+    const std::uint8_t b = r.u8();
+    std::uint64_t blk;
+    std::uint32_t gen;
+    if (b < 250 && !x_issued_.empty()) {
+      std::tie(blk, gen) = x_issued_[b % x_issued_.size()];
+    } else {
+      blk = b % (model_.usable() + 2), gen = b & 1;
+    }
+    if (blk > std::numeric_limits<Id>::max()) return;
+    const bool want = blk != 0 && blk <= model_.usable() && blk < x_refs_.size() && x_refs_[blk] != 0 && x_gen_[blk] == gen;
+    if (!want) ++x_stale_;
+    log_.add("m.is_current_block(" + std::to_string(blk) + ", " + std::to_string(gen) + ")");
+    const bool got = m().is_current_block(static_cast<Id>(blk), gen);
+    log_.result(got ? "true" : "false");
+    expect(got == want, "is_current_block(" + std::to_string(blk) + ", " + std::to_string(gen) + ") answered " +
+                            std::to_string(got) + ": a stale reference must be refused, a held one served");
+    x_sync_and_check();
+  }
+
+  /// Quiescence: every fill aborted (quiescent), every lease and save pin released, every orphan's late signal
+  /// delivered. Afterwards nothing external holds a block (the drain's leak check covers it).
+  void x_quiesce() {
+    while (!x_fills_.empty()) {
+      const SeqId seq = x_fills_.begin()->second.seq;
+      const std::uint8_t args[2] = {static_cast<std::uint8_t>(seq - kExtFirstSeq), 0};
+      ByteReader rr(std::span<const std::uint8_t>(args, 2));
+      op_ext_abort(rr);
+    }
+    while (!x_holds_.empty()) {
+      const auto& [id, h] = *x_holds_.begin();
+      log_.add(h.kind == XKind::kOrphan ? "m.complete_external_fill(" + std::to_string(h.fill_id) + ", 0) (late)"
+                                        : "m.release_lease(" + std::to_string(id) + ")");
+      const auto got = h.kind == XKind::kOrphan ? m().complete_external_fill(h.fill_id, std::size_t{0}).signal
+                                                : m().release_lease(id);
+      if (h.kind == XKind::kOrphan) ++x_late_;
+      expect(got == (h.kind == XKind::kOrphan ? pagedkv::ExternalSignal::kLate : pagedkv::ExternalSignal::kApplied),
+             "the signal that ends a hold at quiescence");
+      x_end_hold(id, true);
+    }
+    const auto c = m().stats().external;
+    expect(c.fills_in_flight == 0 && c.holds_active == 0 && c.blocks_held == 0,
+           "external KV holds blocks at quiescence");
+  }
+
+  std::map<std::uint64_t, XFill> x_fills_;    // live fills by id
+  std::map<std::uint64_t, XHold> x_holds_;    // live leases, save pins, orphan holds by id
+  std::map<std::uint64_t, bool> x_ended_;     // ended ids: true = by their own signal
+  std::uint64_t x_next_ = 1;                  // the next fill or hold id
+  std::vector<std::uint32_t> x_refs_, x_gen_;  // per block: external references, generation
+  std::vector<std::pair<std::uint64_t, std::uint32_t>> x_issued_;  // (block, generation) pairs handed out
+  std::int64_t x_now_ = 0;                    // the external clock (s)
+  bool x_clock_ = false;                      // reap_external was called
+  std::uint64_t x_late_ = 0, x_dup_ = 0, x_unknown_ = 0, x_stale_ = 0;
 
   std::unique_ptr<Mgr> m_;
   Model model_;

@@ -348,6 +348,21 @@ class ManagerModel {
     s.built = std::min(s.built, s.slotted);
   }
 
+  // ---- external KV (the driver's external ops, issue 33) ------------------------------------------------------------
+  /// References the model's tables do not hold: per block, the external references (fills, leases, save pins,
+  /// orphan holds) plus the tables of sequences waiting for a fill; empty = none. check_all adds them.
+  std::vector<std::uint32_t> ext_refs;
+  /// Sequences waiting for a fill (live in the manager, not in seqs()).
+  std::size_t ext_sequences = 0;
+  /// Blocks of fills in flight and of orphan holds: never registered (no hit may land on an unfilled block).
+  Blocks ext_unfilled;
+  /// The transfer stub: positions [from, to) of model sequence `id` are written into its blocks by the fill.
+  void write_external(const Mgr& m, SeqId id, std::size_t from, std::size_t to) {
+    const MSeq& s = seqs_.at(id);
+    const auto ids = m.block_ids(id);
+    for (std::size_t p = from; p < to; ++p) kv_[static_cast<std::size_t>(ids[p / bs_]) * bs_ + p % bs_] = s.fp[p];
+  }
+
   void add_seq(SeqId id, MSeq s) { seqs_.insert_or_assign(id, std::move(s)); }
   MSeq& mutable_seq(SeqId id) { return seqs_.at(id); }
   void erase_seq(SeqId id) { seqs_.erase(id); }
@@ -456,7 +471,7 @@ class ManagerModel {
   void check_all(Mgr& m, bool expect_cleared = false) {
     const auto& a = m.allocator();
     const auto& idx = m.prefix_index();
-    PKV_MODEL_CHECK(m.num_sequences() == seqs_.size());
+    PKV_MODEL_CHECK(m.num_sequences() == seqs_.size() + ext_sequences);
     PKV_MODEL_CHECK(a.num_blocks() == num_blocks_);
     std::vector<std::uint32_t> rc(num_blocks_, 0), holders(num_blocks_, 0);
     std::set<std::uint64_t> srcs, dsts;
@@ -525,6 +540,12 @@ class ManagerModel {
     }
     for (std::uint64_t b : dsts) {
       PKV_MODEL_CHECK(holders[b] >= 1, "pending copy into block " + std::to_string(b) + " that no table holds");
+    }
+    for (std::size_t b = 0; b < ext_refs.size(); ++b) rc[b] += ext_refs[b];
+    for (const auto b : ext_unfilled) {
+      PKV_MODEL_CHECK(!a.is_hashed(static_cast<Id>(b)), "block " + std::to_string(b) +
+                                                            " of an external fill in flight or an orphan hold is "
+                                                            "registered: a hit could land on an unfilled block");
     }
     // Refcounts and the three-state partition.
     std::size_t free = 0, cached = 0, held = 0, hashed = 0;

@@ -76,6 +76,21 @@ enum class Op : std::uint8_t {
                       // prepare_prompt, query_admit(prepared), try_admit(prepared)
   kExpireRetention,   // u8 (< 224: the clock advances by b * b microseconds; else it goes back by (b - 223) us):
                       // expire_retention(now) (a no-op for managers without a RetentionEvictionPolicy)
+  // External KV (issue 33): sequences 1000..1003 admitted with an external fill (not reachable by `seq id`
+  // bytes: while they wait, the other ops never name them; completed, they join the live sequences), and leases and
+  // save pins on live sequences. Ids of fills and holds: u8 pick b % (next id + 1): 0 and the next id are unknown.
+  kExtAdmit,      // u8 slot (1000 + b % 4), u8 base (& 3), u8 len (2 + b % 120), u8 external tokens (b % (len + 3)),
+                  // u8 headroom (>= 240: (b - 240) blocks): try_admit_external
+  kExtComplete,   // u8 pick, u8 mode (% 4: 0 all valid, 1 k valid, 2 failed set, 3 kFail with k valid), u8 k
+                  // (% (blocks + 2): blocks + 1 is invalid), mode 2: u8 count (% 3) + u8 each (% (blocks + 1)):
+                  // complete_external_fill (late, duplicate, unknown ids included)
+  kExtAbort,      // u8 slot (1000 + b % 4), u8 mode (% 4: abort_sequence quiescent, not quiescent, free, preempt)
+  kExtLease,      // u8 live-sequence index, u8 deadline (0 none, else now + b s): finish_with_lease
+  kExtPinSave,    // u8 live-sequence index, u8 deadline: pin_for_save
+  kExtSignal,     // u8 pick, u8 mode (% 3: release_lease, end_save, extend_lease), mode 2: u8 deadline
+  kExtReap,       // u8 (< 224: the external clock advances b s; else goes back (b - 223) s): reap_external
+  kExtStale,      // u8 (< 250: a (block, generation) pair handed out earlier, pick b; else a made-up one):
+                  // is_current_block
   kCount
 };
 

@@ -337,9 +337,47 @@ TEST_CASE("admission: never fits vs not now, headroom, nothing external after th
   const auto r3 = m.try_admit_external(2, toks(1, 1), 5);  // a one-token prompt: nothing external
   CHECK(r3.admit.admitted());
   CHECK(r3.ticket.fill_id == 0);
+  // A duplicate id is an error even when the headroom would refuse the admission (found while writing the fuzzer's mirror).
+  const auto used = m.stats().blocks_used;
+  CHECK(expect_error([&] { (void)m.try_admit_external(1, toks(1, 9), 8, nullptr, {}, 100); },
+                     pagedkv::Errc::kDuplicateSequence)
+            .find('1') != std::string::npos);
+  CHECK(m.stats().blocks_used == used);
   m.abort_sequence(1, true);
   m.free(2);
   CHECK(m.stats().blocks_used == 0);
+}
+
+TEST_CASE("explain_admit_external names the external hit the admission then takes", "[external_kv][manager]") {
+  std::mt19937 rng(33);
+  for (int round = 0; round < 200; ++round) {
+    Mgr m(config(64));
+    const auto len = static_cast<std::size_t>(1 + rng() % 30);
+    const auto prompt = toks(1, len);
+    const std::size_t cached = rng() % (len + 1);  // a computed prefix of `cached` tokens leaves its full blocks
+    if (cached != 0) {
+      compute(m, 99, std::vector<TokenId>(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(cached)));
+      m.free(99);
+    }
+    const std::size_t offered = rng() % (len + 3);
+    const auto x = m.explain_admit_external(prompt, offered);
+    CHECK(x.local.hit_tokens == m.lookup(prompt));
+    CHECK(x.external_tokens + x.clamped_tokens == offered);
+    CHECK(x.local.hit_tokens + x.external_tokens <= std::max<std::size_t>(len - 1, x.local.hit_tokens));
+    const auto r = m.try_admit_external(1, prompt, offered);
+    REQUIRE(r.admit.admitted());
+    CHECK(r.admit.num_cached_tokens == x.local.hit_tokens);
+    CHECK(r.ticket.end_token - r.ticket.first_token == x.external_tokens);
+    CHECK(r.ticket.num_blocks() == x.external_blocks);
+    if (x.external_tokens != 0) {
+      CHECK(r.ticket.first_block == x.first_external_block);
+      CHECK(x.skipped_blocks == x.local.hit_tokens / 4);
+      CHECK(m.complete_external_fill(r.ticket.fill_id, r.ticket.num_blocks()).num_computed_tokens ==
+            x.computed_tokens());
+    } else {
+      CHECK(r.ticket.fill_id == 0);
+    }
+  }
 }
 
 TEST_CASE("two full-attention groups: per-group blocks in descriptors, plans and tickets", "[external_kv][manager]") {
@@ -384,6 +422,33 @@ TEST_CASE("unsupported group kinds are refused with the group named", "[external
   CHECK(expect_error([&] { (void)m.try_admit_external(1, toks(1, 9), 8); }, pagedkv::Errc::kInvalidArgument)
             .find("group 1 is sliding_window") != std::string::npos);
   CHECK_FALSE(m.contains(1));
+  // Every entry point refuses them, a save pin included (a coarse group's table is shorter than the match blocks).
+  for (const bool coarse : {false, true}) {
+    auto cc = config(32);
+    cc.groups.resize(2);
+    if (coarse) {
+      cc.groups[1].block_size = 8;
+    } else {
+      cc.groups[1].kind = pagedkv::AttentionKind::kSlidingWindow;
+      cc.groups[1].window_tokens = 8;
+    }
+    Mgr g(cc);
+    REQUIRE(g.try_admit(1, toks(1, 17)).admitted());
+    std::vector<std::int64_t> s0(17), s1(17);
+    std::vector<pagedkv::BatchMetadataBuffers> bufs(2);
+    bufs[0].slot_mapping = s0;
+    bufs[1].slot_mapping = s1;
+    g.build_batch_metadata(std::vector<SeqId>{1}, bufs);
+    const auto used = g.stats().blocks_used;
+    const std::string want = coarse ? "group 1 is full with coarse pages" : "group 1 is sliding_window";
+    CHECK(expect_error([&] { (void)g.pin_for_save(1); }, pagedkv::Errc::kInvalidArgument).find(want) !=
+          std::string::npos);
+    CHECK(expect_error([&] { (void)g.finish_with_lease(1, fp(g), std::nullopt); }, pagedkv::Errc::kInvalidArgument)
+              .find(want) != std::string::npos);
+    CHECK(g.contains(1));
+    CHECK(g.stats().blocks_used == used);
+    CHECK(g.stats().external.holds_active == 0);
+  }
 }
 
 TEST_CASE("vLLM identities: sha256_cbor hashes in the descriptor", "[external_kv][manager]") {

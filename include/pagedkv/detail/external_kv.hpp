@@ -1,7 +1,9 @@
 // pagedkv/detail/external_kv.hpp: the state machine of external KV (fills in flight and the blocks they hold,
-// producer leases, save pins, orphan holds, per-block generations, signal counters). A part of its own: the
-// KVCacheManager holds one and orchestrates it; it knows nothing of the manager (references are taken and dropped
-// through the caller's `acquire(b)` / `release(b)`), so it is tested alone over a BlockAllocator.
+// producer leases, save pins, orphan holds, per-block generations, the external clock, signal counters) and the
+// pure pieces of the hand-off (layout fingerprints, block identities, descriptor checks, import plans). A part of
+// its own: the KVCacheManager holds one and forwards to it; it knows nothing of the manager (references are taken
+// and dropped through the caller's `acquire(b)` / `release(b)`, a sequence's blocks are read through the caller's
+// `blocks_of(g)`), so it is tested alone over a BlockAllocator.
 #pragma once
 
 #include <algorithm>
@@ -11,13 +13,18 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include <pagedkv/block_identity.hpp>
+#include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/external_kv.hpp>
+#include <pagedkv/group_policy.hpp>
+#include <pagedkv/hash.hpp>
 
 namespace pagedkv::detail {
 
@@ -57,6 +64,13 @@ class ExternalKvState {
     std::size_t first_token = 0;
     std::size_t end_token = 0;
     std::vector<Id> blocks;  ///< [num_groups x n] group-major
+    /// Blocks per group.
+    [[nodiscard]] std::size_t blocks_per_group() const noexcept { return num_groups == 0 ? 0 : blocks.size() / num_groups; }
+    /// The positions computed once its first `num_valid` blocks (per group) hold K/V: end_token when all do, else
+    /// first_token + num_valid blocks of `block_size` tokens (first_token is a local hit: whole blocks).
+    [[nodiscard]] std::size_t computed_end(std::size_t num_valid, std::size_t block_size) const noexcept {
+      return num_valid >= blocks_per_group() ? end_token : first_token + num_valid * block_size;
+    }
   };
   /// A lease, save pin or orphan hold.
   struct Hold {
@@ -282,6 +296,136 @@ class ExternalKvState {
     return n;
   }
 
+  /// Start the fill of admitted `seq`'s positions [first_token, first_token + num_tokens) (first_token: its local
+  /// hit, whole blocks of `block_size`): every group's blocks of those positions, read from `blocks_of(g)` (the
+  /// group's block table, a span of Id), are held as begin_fill holds them. Returns the ticket (blocks and their
+  /// generations). Throws as begin_fill; nothing changes then.
+  template <class BlocksOf, class Acquire, class Release>
+  FillTicket<Id> open_fill(SeqId seq, std::size_t num_groups, std::size_t block_size, std::size_t first_token,
+                           std::size_t num_tokens, BlocksOf&& blocks_of, Acquire&& acquire, Release&& release) {
+    FillTicket<Id> t;
+    t.seq = seq;
+    t.num_groups = num_groups;
+    t.first_block = first_token / block_size;
+    t.first_token = first_token;
+    t.end_token = first_token + num_tokens;
+    const std::size_t nb = (t.end_token + block_size - 1) / block_size - t.first_block;
+    t.blocks.reserve(nb * num_groups);
+    t.generations.reserve(nb * num_groups);
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      const std::span<const Id> blocks = std::span<const Id>(blocks_of(g)).subspan(t.first_block, nb);
+      t.blocks.insert(t.blocks.end(), blocks.begin(), blocks.end());
+    }
+    t.fill_id = begin_fill(seq, num_groups, t.first_block, t.first_token, t.end_token, std::span<const Id>(t.blocks),
+                           acquire, release);
+    for (Id b : t.blocks) t.generations.push_back(generation(b));  // reserved: cannot throw
+    return t;
+  }
+
+  /// Blocks per group of fill `id` when it is live (0 otherwise: its signal is only counted). Throws
+  /// kInvalidArgument when `num_valid` exceeds them (live fill only; nothing changes).
+  [[nodiscard]] std::size_t check_valid_blocks(std::uint64_t id, std::size_t num_valid) const {
+    const Fill* f = fill(id);
+    const std::size_t nb = f ? f->blocks_per_group() : 0;
+    if (f && num_valid > nb) {
+      detail::raise(Errc::kInvalidArgument, "complete_external_fill: fill " + std::to_string(id) + " has " +
+                                                std::to_string(nb) + " blocks per group, not " +
+                                                std::to_string(num_valid) + " valid ones");
+    }
+    return nb;
+  }
+  /// The valid blocks of fill `id` given its failed block indices (from its first_block, any order): those before
+  /// the first failed one. Throws kInvalidArgument for an index beyond a live fill's blocks.
+  [[nodiscard]] std::size_t valid_prefix(std::uint64_t id, std::span<const std::size_t> failed_blocks) const {
+    const Fill* f = fill(id);
+    const std::size_t nb = f ? f->blocks_per_group() : 0;
+    std::size_t valid = nb;
+    for (std::size_t i : failed_blocks) {
+      if (f && i >= nb) {
+        detail::raise(Errc::kInvalidArgument, "complete_external_fill: failed block " + std::to_string(i) +
+                                                  " outside fill " + std::to_string(id) + "'s " + std::to_string(nb) +
+                                                  " blocks");
+      }
+      valid = std::min(valid, i);
+    }
+    return valid;
+  }
+
+  /// Producer: lease `seq`'s blocks of positions [0, num_tokens) (every group's, read from `blocks_of(g)`, all of
+  /// its table) until release_hold or reap at `deadline`, and describe them: blocks, their generations, the given
+  /// `identities` and `layout`. Throws as add_hold; nothing changes then.
+  template <class BlocksOf, class Acquire, class Release>
+  HandoffDescriptor<Id> open_lease(SeqId seq, std::size_t num_tokens, std::size_t num_groups, BlocksOf&& blocks_of,
+                                   std::vector<BlockIdentity> identities, const KvLayoutFingerprint& layout,
+                                   std::optional<ExternalTimePoint> deadline, Acquire&& acquire, Release&& release) {
+    HandoffDescriptor<Id> d;
+    d.num_tokens = num_tokens;
+    d.num_groups = num_groups;
+    d.layout = layout;
+    d.identities = std::move(identities);
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      const std::span<const Id> blocks(blocks_of(g));
+      d.blocks.insert(d.blocks.end(), blocks.begin(), blocks.end());
+    }
+    d.generations.reserve(d.blocks.size());
+    d.hold_id = add_hold(HoldKind::kLease, seq, std::span<const Id>(d.blocks), deadline, acquire, release);
+    for (Id b : d.blocks) d.generations.push_back(generation(b));  // reserved: cannot throw
+    return d;
+  }
+  /// Pin the first `num_blocks` blocks of every group of `seq` (from `blocks_of(g)`; null entries skipped) for a
+  /// save, until release_hold or reap at `deadline`. Returns the pin id. Throws as add_hold.
+  template <class BlocksOf, class Acquire, class Release>
+  std::uint64_t pin_for_save(SeqId seq, std::size_t num_groups, std::size_t num_blocks, BlocksOf&& blocks_of,
+                             std::optional<ExternalTimePoint> deadline, Acquire&& acquire, Release&& release) {
+    std::vector<Id> blocks;
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      for (Id b : std::span<const Id>(blocks_of(g)).first(num_blocks)) {
+        if (b != Id{0}) blocks.push_back(b);
+      }
+    }
+    return add_hold(HoldKind::kSavePin, seq, std::span<const Id>(blocks), deadline, acquire, release);
+  }
+
+  /// The external clock: reap at `now` (as reap) and remember the latest `now` for the orphan deadlines of later
+  /// aborts.
+  template <class Release>
+  std::size_t tick(ExternalTimePoint now, Release&& release) {
+    now_ = clock_set_ ? std::max(now_, now) : now;
+    clock_set_ = true;
+    return reap(now, release);
+  }
+  /// How long an orphan hold waits for its late signal after the last tick (default 480 s, vLLM's
+  /// VLLM_NIXL_ABORT_REQUEST_TIMEOUT). Before the first tick an orphan hold has no deadline.
+  void set_orphan_timeout(ExternalClock::duration d) noexcept { orphan_timeout_ = d; }
+  /// The deadline an orphan hold made now gets: the last tick + the orphan timeout (nullopt before any tick).
+  [[nodiscard]] std::optional<ExternalTimePoint> orphan_deadline() const noexcept {
+    return clock_set_ ? std::optional(now_ + orphan_timeout_) : std::nullopt;
+  }
+  /// abort_fill with the clock's orphan deadline.
+  template <class Release>
+  std::uint64_t abort_fill(SeqId seq, bool quiescent, Release&& release) {
+    return abort_fill(seq, quiescent, orphan_deadline(), release);
+  }
+  /// Throws kInvalidArgument unless `seq` is `settled` (all slots built, no lookahead, no copy in flight) and waits
+  /// for no fill: a hand-off (`what`) exports only computed blocks.
+  void check_settled(SeqId seq, bool settled, const char* what) const {
+    if (!settled || fill_of(seq) != 0) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(seq) +
+                                                " is not settled (unbuilt slots, lookahead, a copy or a fill in "
+                                                "flight): hand off after the step that computed it");
+    }
+  }
+  /// Throws kInvalidArgument naming the first sequence of `batch` that waits for a fill (`what`: the refused call).
+  [[gnu::cold, gnu::noinline]] void refuse_waiting(std::span<const SeqId> batch, const char* what) const {
+    for (SeqId id : batch) {
+      if (const std::uint64_t f = fill_of(id); f != 0) {
+        detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(id) +
+                                                  " waits for external KV (fill " + std::to_string(f) +
+                                                  "): complete_external_fill or abort_sequence it first");
+      }
+    }
+  }
+
   /// Count an import plan's blocks (transferred vs skipped thanks to the local hit).
   void count_import(std::size_t transferred, std::size_t skipped) noexcept {
     c_.blocks_transferred += transferred;
@@ -396,7 +540,144 @@ class ExternalKvState {
   std::vector<std::uint32_t> refs_;                           // [num_blocks] external references (lazy)
   std::vector<std::uint32_t> gen_;                            // [num_blocks] generations (lazy)
   std::size_t blocks_held_ = 0;
+  ExternalTimePoint now_{};                                   // the external clock (tick)
+  bool clock_set_ = false;                                    // tick was called (orphan deadlines need it)
+  ExternalClock::duration orphan_timeout_ = std::chrono::seconds(480);
   ExternalKvCounters c_;
 };
+
+/// The fingerprint of a pool configured by `config` (block_size, groups, hash seed) with the caller's page layout,
+/// dtype, KV heads and head_dim (KVCacheManager::layout_fingerprint). Pure; allocates.
+[[nodiscard]] inline KvLayoutFingerprint external_layout_fingerprint(const CacheConfig& config, std::string page_layout,
+                                                                     std::string dtype, std::uint32_t num_kv_heads,
+                                                                     std::uint32_t head_dim,
+                                                                     BlockIdentityConvention convention,
+                                                                     std::string_view vllm_seed) {
+  KvLayoutFingerprint fp{config.block_size, std::move(page_layout), std::move(dtype), num_kv_heads, head_dim,
+                         config.groups, convention, 0, {}};
+  if (convention == BlockIdentityConvention::kPagedkv) {
+    fp.hash_seed = config.hash_seed;
+  } else {
+    fp.hash_seed_text = std::string(vllm_seed);
+  }
+  return fp;
+}
+
+/// Throws kInvalidArgument unless `layout` (a caller's fingerprint) describes the pool of `config`: the pool's
+/// fingerprint with layout's caller fields, compared field by field (`what` names the call).
+inline void check_pool_layout(const CacheConfig& config, const KvLayoutFingerprint& layout, const char* what) {
+  check_same_layout(external_layout_fingerprint(config, layout.page_layout, layout.dtype, layout.num_kv_heads,
+                                                layout.head_dim, layout.hash_algorithm, layout.hash_seed_text),
+                    layout, what);
+}
+
+/// Throws kInvalidArgument naming the first group external KV does not support yet (only full attention at the
+/// pool's block size: windows, recurrent state and coarse pages need their own hand-off rules).
+inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what) {
+  for (std::size_t g = 0; g < layout.num_groups; ++g) {
+    const KVCacheGroupSpec& s = config.groups[g];
+    if (s.kind != AttentionKind::kFull || layout.page_tokens[g] != config.block_size) {
+      detail::raise(Errc::kInvalidArgument,
+                    std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
+                        (layout.page_tokens[g] != config.block_size ? " with coarse pages" : "") +
+                        ": external KV supports only full-attention groups at the pool's block size yet (issue 33)");
+    }
+  }
+}
+
+/// The identities of the full blocks of `tokens` (`[tokens.size() / block_size]`) under `layout.hash_algorithm`:
+/// pagedkv's from `hashes` (the chain hashes of those blocks; throws kInvalidArgument when fewer: prefix caching
+/// off), vLLM's sha256_cbor recomputed from the tokens (throws kInvalidArgument when `has_keys`: extra keys are not
+/// supported in that convention yet). `what` names the call in errors. Allocates.
+[[nodiscard]] inline std::vector<BlockIdentity> block_identities(std::span<const TokenId> tokens,
+                                                                 std::span<const BlockHash> hashes, bool has_keys,
+                                                                 std::size_t block_size,
+                                                                 const KvLayoutFingerprint& layout, const char* what) {
+  const std::size_t n = tokens.size() / block_size;
+  std::vector<BlockIdentity> out(n);
+  if (layout.hash_algorithm == BlockIdentityConvention::kPagedkv) {
+    if (hashes.size() < n) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) + ": pagedkv identities need the block hashes "
+                                                                "(CacheConfig::enable_prefix_caching is off)");
+    }
+    for (std::size_t i = 0; i < n; ++i) std::copy(hashes[i].bytes.begin(), hashes[i].bytes.end(), out[i].begin());
+    return out;
+  }
+  if (has_keys) {
+    detail::raise(Errc::kInvalidArgument, std::string(what) + ": vLLM identities of a request with extra keys "
+                                                              "(salt, adapter, multimodal) are not supported yet");
+  }
+  const std::vector<std::uint32_t> toks(tokens.begin(), tokens.end());
+  const auto h = identity::vllm_request_block_hashes(toks, block_size, identity::VllmRequestKeys{},
+                                                     identity::vllm_none_hash(layout.hash_seed_text));
+  std::copy_n(h.begin(), n, out.begin());
+  return out;
+}
+
+/// The external part of an admission whose local explanation is `local`, offered `num_external_tokens` after the
+/// local hit, over blocks of `block_size` tokens (KVCacheManager::explain_admit_external). Pure.
+[[nodiscard]] inline ExternalAdmitExplanation explain_external(AdmitExplanation local, std::size_t num_external_tokens,
+                                                               std::size_t block_size) {
+  ExternalAdmitExplanation x;
+  const std::size_t hit = local.hit_tokens;
+  x.external_tokens = importable_tokens(hit + num_external_tokens, local.prompt_tokens, hit);
+  x.clamped_tokens = num_external_tokens - x.external_tokens;
+  x.first_external_block = hit / block_size;
+  x.skipped_blocks = x.first_external_block;
+  x.external_blocks =
+      x.external_tokens == 0 ? 0 : (hit + x.external_tokens + block_size - 1) / block_size - x.first_external_block;
+  x.local = std::move(local);
+  return x;
+}
+
+/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over `num_groups` groups of
+/// `block_size` tokens per block. Checks the descriptor's shape first (blocks per group = ceil(num_tokens /
+/// block_size), from the token count, never trusted: vLLM #50558), then asks `local_hit()` for the consumer's own
+/// prefix hit (tokens, whole blocks: not transferred again), then, when blocks are to be transferred, checks their
+/// identities against `mine()` (the prompt's identities under desc's convention, computed only then). Throws
+/// kInvalidArgument naming the values. Pure but for the two callables.
+template <BlockIdType Id, class LocalHit, class Mine>
+[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc, std::size_t num_groups,
+                                              std::size_t block_size, std::size_t prompt_len, LocalHit&& local_hit,
+                                              Mine&& mine) {
+  const std::size_t bs = block_size;
+  const std::size_t per_group = (desc.num_tokens + bs - 1) / bs;
+  if (desc.num_groups != num_groups || desc.blocks.size() != per_group * num_groups ||
+      desc.generations.size() != desc.blocks.size() || desc.identities.size() != desc.num_tokens / bs) {
+    detail::raise(Errc::kInvalidArgument,
+                  "plan_import: descriptor of " + std::to_string(desc.num_tokens) + " tokens holds " +
+                      std::to_string(desc.blocks.size()) + " blocks, " + std::to_string(desc.generations.size()) +
+                      " generations, " + std::to_string(desc.identities.size()) + " identities over " +
+                      std::to_string(desc.num_groups) + " groups; expected ceil(" + std::to_string(desc.num_tokens) +
+                      " / " + std::to_string(bs) + ") = " + std::to_string(per_group) + " blocks per group over " +
+                      std::to_string(num_groups) + " groups and " + std::to_string(desc.num_tokens / bs) +
+                      " identities");
+  }
+  const std::size_t hit = local_hit();
+  ImportPlan<Id> p;
+  p.num_groups = num_groups;
+  p.first_token = hit;
+  p.end_token = hit + importable_tokens(desc.num_tokens, prompt_len, hit);
+  p.first_block = hit / bs;
+  p.skipped_blocks = p.first_block;
+  p.num_blocks = p.end_token == hit ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
+  if (p.num_blocks != 0) {
+    const std::vector<BlockIdentity> m = mine();
+    for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
+      if (i < m.size() && i < desc.identities.size() && m[i] != desc.identities[i]) {
+        detail::raise(Errc::kInvalidArgument, "plan_import: block " + std::to_string(i) +
+                                                  "'s identity differs from this prompt's: the descriptor holds "
+                                                  "another prefix");
+      }
+    }
+  }
+  for (std::size_t g = 0; g < num_groups; ++g) {
+    for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
+      p.remote_blocks.push_back(desc.blocks[g * per_group + i]);
+      p.remote_generations.push_back(desc.generations[g * per_group + i]);
+    }
+  }
+  return p;
+}
 
 }  // namespace pagedkv::detail
