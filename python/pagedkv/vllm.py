@@ -331,14 +331,14 @@ class KVCacheManager:
         block_sizes = {s.block_size for s in specs if not isinstance(s, MambaSpec)}
         if not block_sizes:
             raise Unsupported("every group is MambaSpec (an attention-free model): pagedkv's group 0 holds K/V")
+        block_size = min(block_sizes)
+        pk_groups = [_group_spec(s, g, enable_caching, block_size) for g, s in enumerate(specs)]
+        _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
+                                  scheduler_block_size, enable_caching)
         if len(block_sizes) != 1:
             raise Unsupported(f"groups of different block sizes {sorted(block_sizes)} (FullAttentionSpec / "
                               "SlidingWindowSpec .block_size): pagedkv's coarse pages need group 0 at the match "
                               "unit and hit inside pages, where vLLM hits at the blocks' LCM (docs/python.md)")
-        block_size = next(iter(block_sizes))
-        pk_groups = [_group_spec(s, g, enable_caching, block_size) for g, s in enumerate(specs)]
-        _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
-                                  scheduler_block_size, enable_caching)
         # Recurrent (Mamba, mode 'none') groups: vLLM lists the request's one state block as the group's blocks.
         self._state_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec))
         # Without prefix caching nothing is hashed: vLLM's hash and scheduler block sizes (with a Mamba group the
@@ -380,6 +380,7 @@ class KVCacheManager:
         # 2048-token admission step), made at start vLLM's engine freezes them with its startup heap.
         self._blocks: list[_Block] = [_Block(b, self) for b in range(kv_cache_config.num_blocks)]
         self._copies: list[KVCacheBlockCopy] = []
+        self._zero_ids: list[int] = []  # new attention blocks to zero (with Mamba groups only: take_new_block_ids)
         self._events: list[KVCacheEvent] = []
         self._popped: set[int] = set()
         # Decode fast path (one full-attention group): a running request's next token that needs no new block and
@@ -463,11 +464,15 @@ class KVCacheManager:
     def _table(self, seq: int) -> tuple[list[int], ...]:
         return tuple(self._pk._vllm_tables(seq))
 
-    def _state_ids(self, seq: int, ids, held: bool):
+    def _state_ids(self, seq: int, ids, held: bool, new: bool = False):
         """`ids` (block ids per group) with each recurrent (Mamba) group's entries as vLLM lists them in mode 'none':
         the request's one state block (pagedkv's working state, `held`: the whole table) or nothing (`held` False:
-        the new blocks of a growth, which takes no state block)."""
+        the new blocks of a growth, which takes no state block). With `new` (the blocks an allocation took), the
+        attention groups' blocks are recorded for take_new_block_ids, as vLLM records them with Mamba layers."""
         ids = list(ids)
+        if new:
+            state = self._state_groups
+            self._zero_ids.extend(b for g, grp in enumerate(ids) if g not in state for b in grp if b)
         for g in self._state_groups:
             ids[g] = [self._pk.state_block(seq, g)] if held else []
         return ids
@@ -637,7 +642,7 @@ class KVCacheManager:
             s.built_full = full
             self._take_build(copies, request)
         if self._state_groups:
-            ids = self._state_ids(seq, ids, False)
+            ids = self._state_ids(seq, ids, False, True)
         return self._blocks_of(ids)
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
@@ -674,7 +679,7 @@ class KVCacheManager:
         s.built_full = full
         self._take_build(copies, request)
         if self._state_groups:
-            ids = self._state_ids(seq, ids, True)
+            ids = self._state_ids(seq, ids, True, True)
         return self._blocks_of(ids)
 
     def free(self, request: Request) -> None:
@@ -828,8 +833,11 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(tuple(list(grp[:n]) for grp in blocks.blocks))
 
     def take_new_block_ids(self) -> list[int]:
-        """[]: pagedkv asks for no zeroing of new blocks (attention masks never read unwritten slots)."""
-        return []
+        """The attention groups' blocks allocated since the last call when the model has Mamba groups (vLLM zeroes
+        them then: a block that held a Mamba state may decode to NaN under attention's masked reads, vLLM #35219);
+        else [] (pagedkv asks for no zeroing: one kind of content per block, attention masks unwritten slots)."""
+        ids, self._zero_ids = self._zero_ids, []
+        return ids
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """No-op (see take_new_block_ids)."""

@@ -4,7 +4,8 @@
   block is max_model_len tokens, one state block per request) runs on a pagedkv recurrent group: a differential run
   against vLLM's own KVCacheManager on random workloads (chunked prefill, decode, preemption, frees; a pool small
   enough to refuse) gives the same admission / growth decisions and the same free-block counts step by step, and
-  the Mamba group's blocks are what vLLM lists: the request's one state block, held from admission to free, its own.
+  the Mamba group's blocks are what vLLM lists: the request's one state block, held from admission to free, its own;
+  the new attention blocks to zero (take_new_block_ids, which vLLM zeroes with Mamba layers) are as many.
 - The Mamba configurations pagedkv's semantics differ on (mode 'align', mode 'none' with prefix caching, speculative
   state blocks, a Mamba group 0, an attention-free model) and an empty prompt raise Unsupported naming the field
   and value; a refused allocate_slots changes nothing.
@@ -74,7 +75,7 @@ def test_mamba_none_mode_differential_against_vllms_own_manager(seed, layout):
     mamba_groups = [g for g, s in enumerate(specs) if isinstance(s, MambaSpec)]
     ours, theirs = _manager(pv.KVCacheManager, 30, specs), _manager(VllmKVCacheManager, 30, specs)
     live = {}  # rid -> (request for ours, request for theirs, the state block of each Mamba group)
-    next_id = refused = 0
+    next_id = refused = zeroed = 0
     for step in range(400):
         op = rng.random()
         if op < 0.35 or not live:
@@ -133,7 +134,11 @@ def test_mamba_none_mode_differential_against_vllms_own_manager(seed, layout):
             ours.free(ra)
             theirs.free(rb)
         assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks(), f"step {step}"
-    assert refused > 0 and next_id > 20  # the pool ran out on the way (the refusals were compared too)
+        # With Mamba layers vLLM zeroes the new attention blocks (take_new_block_ids): as many here, all held.
+        zero_a, zero_b = ours.take_new_block_ids(), theirs.take_new_block_ids()
+        assert len(zero_a) == len(zero_b) and 0 not in zero_a, f"step {step}: {zero_a} vs vLLM's {zero_b}"
+        zeroed += len(zero_a)
+    assert refused > 0 and zeroed > 0 and next_id > 20  # the pool ran out on the way (the refusals were compared too)
 
 
 def test_mamba_beside_a_sliding_window_group():
