@@ -5,7 +5,8 @@
 # bit for bit against one engine doing both. The last line of each run:
 #   pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=PREFILL/DECODE ...
 # Usage: scripts/pd.sh [normal|faults|replay|all|kill|drop-notify|stale|layout] [extra pagedkv-pd options]
-#   normal (default): the hand-offs, the side-by-side GB/s (pagedkv vs raw NIXL) and leak counts
+#   normal (default): the hand-offs (up to 4 READs in flight, --inflight), the side-by-side GB/s (pagedkv vs raw
+#     NIXL: the same C API calls without pagedkv, alternated) and leak counts
 #   faults: the four fault scenarios (kill -9 of prefill mid-transfer, dropped read-done, stale descriptor,
 #           layout mismatch), each with its own PASS line
 #   replay: 300 requests of Mooncake's conversation trace through a prefill and a decode manager in one process
