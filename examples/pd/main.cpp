@@ -19,7 +19,10 @@
 //   (replay.cpp).
 // --fault: kill (SIGKILL the prefill process once a READ is posted), drop-notify (a READ without its read-done:
 //   the producer's lease expires), stale (the producer ends the lease and reuses the blocks before the claim: the
-//   claim is refused by generation), layout (a different block size: refused at hand-shake).
+//   claim is refused by generation), layout (one hand-shake per fingerprint field, that field changed on the decode
+//   side: block_size, page_layout, dtype, num_kv_heads, head_dim, groups, hash_algorithm, hash_seed; each refused
+//   naming the field, then the true layout accepted), layout-engine (a decode engine with another block size:
+//   refused at hand-shake).
 // The last line: pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=P/D ...
 #include <signal.h>
 #include <sys/types.h>
@@ -144,9 +147,12 @@ int run_prefill(const Options& o) {
   }
   std::printf("prefill: listening on 127.0.0.1:%u (pid %d)\n", port, static_cast<int>(::getpid()));
   std::fflush(stdout);
-  Channel ch = Channel::accept_one(lfd, 30000);
-  ::close(lfd);
-  {
+  // The hand-shake: hello (engine id, host, port, pid, fingerprint, NIXL metadata); the decode engine answers with
+  // its NIXL metadata, or refuses (naming the field that differs) and says whether another hand-shake follows.
+  std::optional<Channel> chan;
+  for (;;) {
+    chan.reset();
+    chan.emplace(Channel::accept_one(lfd, 30000));
     Writer w;
     w.str("prefill");
     w.str("127.0.0.1");
@@ -154,8 +160,25 @@ int run_prefill(const Options& o) {
     w.u64(static_cast<std::uint64_t>(::getpid()));
     put_fingerprint(w, e.fingerprint());
     w.bytes(agent.export_metadata());
-    ch.send(Msg::kHello, w.out);
+    chan->send(Msg::kHello, w.out);
+    std::optional<std::pair<Msg, std::vector<std::byte>>> msg;
+    while (!(msg = chan->recv(30000))) {
+    }
+    Reader r{msg->second};
+    if (msg->first == Msg::kHelloBack) {
+      agent.load_remote(r.bytes());
+      break;
+    }
+    if (msg->first != Msg::kRefuse) throw std::runtime_error("prefill: unexpected message during the hand-shake");
+    std::printf("prefill: the decode engine refused the hand-shake: %s\n", r.str().c_str());
+    if (r.u64() == 0) {
+      ::close(lfd);
+      std::printf("prefill: leaked_blocks=%zu\n", e.blocks_used());
+      return e.blocks_used() == 0 ? 0 : 1;
+    }
   }
+  ::close(lfd);
+  Channel& ch = *chan;
   std::uint64_t stale_refused = 0, claims = 0, late_notifications = 0;
   int last_request = -1;  // the request of the last kPrefill (one hand-off at a time)
   bool bye = false;
@@ -182,13 +205,6 @@ int run_prefill(const Options& o) {
     }
     Reader r{msg->second};
     switch (msg->first) {
-      case Msg::kHelloBack:
-        agent.load_remote(r.bytes());
-        break;
-      case Msg::kRefuse:
-        std::printf("prefill: the decode engine refused the hand-shake: %s\n", r.str().c_str());
-        std::printf("prefill: leaked_blocks=%zu\n", e.blocks_used());
-        return e.blocks_used() == 0 ? 0 : 1;
       case Msg::kPrefill: {
         const std::uint64_t id = r.u64();
         last_request = static_cast<int>(id);
@@ -287,6 +303,25 @@ int run_prefill(const Options& o) {
 // ---------------------------------------------------------------------------------------------------------------
 // Decode role
 
+// --fault layout: the fingerprint fields a hand-shake must refuse, in first_mismatch's order.
+constexpr const char* kLayoutFields[] = {"block_size", "page_layout", "dtype",          "num_kv_heads",
+                                         "head_dim",   "groups",      "hash_algorithm", "hash_seed"};
+
+// `fp` with one field changed (as an engine with another block size, page layout, dtype, GQA, head size, KV-cache
+// groups or hash configuration would present it).
+pagedkv::KvLayoutFingerprint with_field_changed(pagedkv::KvLayoutFingerprint fp, const std::string& field) {
+  if (field == "block_size") fp.block_size *= 2;
+  else if (field == "page_layout") fp.page_layout = fp.page_layout == "nhd" ? "hnd" : "nhd";
+  else if (field == "dtype") fp.dtype = fp.dtype == "bf16" ? "fp32" : "bf16";
+  else if (field == "num_kv_heads") fp.num_kv_heads *= 2;
+  else if (field == "head_dim") fp.head_dim /= 2;
+  else if (field == "groups") fp.groups.push_back(fp.groups.empty() ? pagedkv::KVCacheGroupSpec{} : fp.groups.back());
+  else if (field == "hash_algorithm") fp.hash_algorithm = pagedkv::BlockIdentityConvention::kVllmSha256Cbor;
+  else if (field == "hash_seed") fp.hash_seed += 1;
+  else throw std::invalid_argument("with_field_changed: unknown field '" + field + "'");
+  return fp;
+}
+
 struct DecodeReport {
   int requests = 0, identical = 0, completed = 0, failed = 0, handoffs = 0, recomputed = 0, local = 0;
   std::uint64_t outputs_digest = 0;  // over every request's outputs, as --role both prints it
@@ -295,6 +330,8 @@ struct DecodeReport {
   std::string refused;
   bool prefill_killed = false;
   std::size_t max_inflight = 0;  // the most hand-off READs posted at once
+  std::size_t layout_fields_refused = 0;  // --fault layout: hand-shakes refused naming the changed field
+  std::string layout_refusals;             // their fields
   long long prefill_leaked = -1;
   std::uint64_t leases = 0, released = 0, expired = 0, stale_refused = 0;
 };
@@ -478,8 +515,33 @@ int run_decode(const Options& o) {
   auto& m = e.manager();
   tx::NixlAgent agent("decode");
   agent.register_pool(e.pool_desc());
-  Channel ch = Channel::connect_loopback(o.port, 30000);
   DecodeReport rep;
+  if (o.fault == "layout") {
+    // One refused hand-shake per fingerprint field, each on its own connection to the same prefill process: this
+    // engine presents its fingerprint with that one field changed, and must refuse naming the field. The prefill
+    // process accepts again after each refusal; the last hand-shake (below) presents the true fingerprint.
+    for (const char* field : kLayoutFields) {
+      Channel c = Channel::connect_loopback(o.port, 30000);
+      Msg t{};
+      const auto hello = expect(c, agent, Msg::kHello, Msg::kHello, &t, 30000);
+      Reader r{hello};
+      for (int k = 0; k < 2; ++k) (void)r.str();
+      for (int k = 0; k < 2; ++k) (void)r.u64();
+      const pagedkv::KvLayoutFingerprint theirs = get_fingerprint(r);
+      const pagedkv::KvLayoutFingerprint ours = with_field_changed(e.fingerprint(), field);
+      const auto mm = pagedkv::first_mismatch(ours, theirs);
+      const std::string what = mm ? *mm : std::string("(no difference found)");
+      std::printf("decode: hand-shake with %s changed: refused: layout fingerprints differ at %s\n", field,
+                  what.c_str());
+      if (mm && mm->rfind(field, 0) == 0) ++rep.layout_fields_refused;
+      rep.layout_refusals += (rep.layout_refusals.empty() ? "" : ",") + std::string(field);
+      Writer w;
+      w.str("layout fingerprints differ at " + what + " (decode vs prefill)");
+      w.u64(1);  // another hand-shake follows
+      c.send(Msg::kRefuse, w.out);
+    }
+  }
+  Channel ch = Channel::connect_loopback(o.port, 30000);
   pid_t prefill_pid = 0;
   bool alive = true;
   std::string peer;
@@ -499,6 +561,7 @@ int run_decode(const Options& o) {
       rep.refused = *mm;
       Writer w;
       w.str("layout fingerprints differ at " + *mm + " (decode vs prefill)");
+      w.u64(0);  // no other hand-shake follows
       ch.send(Msg::kRefuse, w.out);
       std::printf("decode: hand-shake refused: layout fingerprints differ at %s (decode vs prefill)\n", mm->c_str());
     } else {
@@ -679,10 +742,16 @@ int run_decode(const Options& o) {
   if (o.fault == "none")  // the window was used: --inflight READs posted at once (fewer hand-offs: all of them)
     pass = pass && rep.max_inflight == std::min(static_cast<std::size_t>(o.inflight),
                                                 static_cast<std::size_t>(rep.handoffs));
-  if (o.fault == "layout") pass = pass && rep.refused.rfind("block_size", 0) == 0;
+  if (o.fault == "layout-engine") pass = pass && rep.refused.rfind("block_size", 0) == 0;
+  if (o.fault == "layout")  // every field refused, named; then the true layout accepted and every request served
+    pass = pass && rep.layout_fields_refused == std::size(kLayoutFields) && rep.refused.empty() &&
+           rep.completed == rep.requests;
   if (o.fault == "stale") pass = pass && rep.stale_refused == 1 && rep.recomputed == 1;
   if (o.fault == "drop-notify") pass = pass && rep.expired == 1 && rep.released + 1 == static_cast<std::uint64_t>(rep.handoffs);
   if (o.fault == "kill") pass = pass && rep.prefill_killed && (rep.recomputed + rep.failed) >= 1;
+  if (o.fault == "layout")
+    std::printf("decode: layout hand-shakes refused naming the changed field: %zu of %zu (%s)\n",
+                rep.layout_fields_refused, std::size(kLayoutFields), rep.layout_refusals.c_str());
   const std::string pl = rep.prefill_killed ? "killed" : std::to_string(rep.prefill_leaked);
   std::printf("pd: %s requests=%d identical=%d bytes_moved=%llu leaked_blocks=%s/%zu fault=%s handoffs=%d "
               "blocks_moved=%llu blocks_skipped=%llu recomputed=%d failed=%d local=%d leases=%llu released=%llu "
@@ -748,8 +817,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 1000));
   app.add_option("--inflight", o.inflight, "decode: hand-off READs posted at once (each completed as it ends)")
       ->check(CLI::Range(1, 64));
-  app.add_option("--fault", o.fault, "none | kill | drop-notify | stale | layout")
-      ->check(CLI::IsMember({"none", "kill", "drop-notify", "stale", "layout"}));
+  app.add_option("--fault", o.fault,
+                 "none | kill | drop-notify | stale | layout (each fingerprint field changed in turn: one refused "
+                 "hand-shake each, then the true one) | layout-engine (run decode with another --block-size)")
+      ->check(CLI::IsMember({"none", "kill", "drop-notify", "stale", "layout", "layout-engine"}));
   app.add_option("--fault-request", o.fault_request, "The request the fault hits")->check(CLI::Range(0, 10000));
   app.add_option("--on-failure", o.on_failure, "A failed fill: recompute here, or fail the request")
       ->check(CLI::IsMember({"recompute", "fail"}));
