@@ -813,7 +813,7 @@ int main(int argc, char** argv) {
   app.add_option("--num-blocks", o.num_blocks, "Blocks per pool (null block included)")->check(CLI::Range(64, 100000));
   app.add_option("--lease-ms", o.lease_ms, "Producer lease per hand-off (extended by each claim)")
       ->check(CLI::Range(10, 600000));
-  app.add_option("--reps", o.reps, "Timed READ pairs per hand-off (pagedkv vs raw NIXL, alternated)")
+  app.add_option("--reps", o.reps, "Timed READ rounds per hand-off (pagedkv, raw NIXL and two re-posted baselines, rotated)")
       ->check(CLI::Range(0, 1000));
   app.add_option("--inflight", o.inflight, "decode: hand-off READs posted at once (each completed as it ends)")
       ->check(CLI::Range(1, 64));
