@@ -361,25 +361,17 @@ class RawNixl {
 
   // One READ of (lb[i] <- rb[i]) in every region: a fresh request, posted, polled, released. False on failure.
   bool read(std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, std::size_t regions) {
-    li_.clear();
-    ri_.clear();
-    for (std::size_t r = 0; r < regions; ++r)
-      for (std::size_t i = 0; i < lb.size(); ++i) {
-        li_.push_back(static_cast<int>(r * local_nb_ + lb[i]));
-        ri_.push_back(static_cast<int>(r * remote_nb_ + rb[i]));
-      }
-    capi::XferReq req = nullptr;
-    if (api_.make_xfer_req(agent_, capi::kRead, local_, li_.data(), li_.size(), remote_, ri_.data(), ri_.size(), &req,
-                           args_) != capi::kSuccess)
-      return false;
+    capi::XferReq req = make_once(lb, rb, regions);
+    if (req == nullptr) return false;
     int s = api_.post_xfer_req(agent_, req, args_);
     while (s == capi::kInProgress) s = api_.get_xfer_status(agent_, req);
     if (api_.release_xfer_req(agent_, req) == capi::kSuccess) api_.destroy_xfer_req(req);
     return s == capi::kSuccess;
   }
 
-  // The old baseline, kept for the comparison in docs/benchmarks.md: ONE request made once (`make` from the
-  // prepared lists, or `create_xfer_req` from plain descriptor lists) and re-posted for every READ.
+  // A request for (lb[i] <- rb[i]) in every region from the prepared lists (nullptr on failure). Also the old
+  // baselines, kept for the comparison in docs/benchmarks.md: ONE request made once (here, or `create_once` from
+  // plain descriptor lists) and re-posted for every READ.
   capi::XferReq make_once(std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, std::size_t regions) {
     li_.clear();
     ri_.clear();
