@@ -180,7 +180,7 @@ int run_prefill(const Options& o) {
   ::close(lfd);
   Channel& ch = *chan;
   std::uint64_t stale_refused = 0, claims = 0, late_notifications = 0;
-  int last_request = -1;  // the request of the last kPrefill (one hand-off at a time)
+  int last_request = -1;  // the request of the last kPrefill (the decode side claims it before the next kPrefill)
   bool bye = false;
   Clock::time_point bye_deadline{};
   for (;;) {
