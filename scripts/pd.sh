@@ -5,9 +5,11 @@
 # bit for bit against one engine doing both. The last line of each run:
 #   pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=PREFILL/DECODE ...
 # Usage: scripts/pd.sh [normal|faults|replay|all|kill|drop-notify|stale|layout] [extra pagedkv-pd options]
-#   normal (default): the hand-offs, the side-by-side GB/s (pagedkv vs raw NIXL) and leak counts
+#   normal (default): the hand-offs (up to 4 READs in flight, --inflight), the side-by-side GB/s (pagedkv vs raw
+#     NIXL: the same C API calls without pagedkv, alternated) and leak counts
 #   faults: the four fault scenarios (kill -9 of prefill mid-transfer, dropped read-done, stale descriptor,
-#           layout mismatch), each with its own PASS line
+#           layout mismatch: each fingerprint field in turn, then a decode engine with another block size), each
+#           with its own PASS line
 #   replay: 300 requests of Mooncake's conversation trace through a prefill and a decode manager in one process
 #           (in-process transport): bytes moved with and without decode's own prefix hits, leaks
 #   all: normal + faults + replay
@@ -85,7 +87,8 @@ for f in kill drop-notify stale layout; do
                    run kill-fail --fault kill --on-failure fail --requests 6 --reps 0 "$@" || status=1 ;;
       drop-notify) run drop-notify --fault drop-notify --lease-ms 300 --requests 6 --reps 0 "$@" || status=1 ;;
       stale)       run stale --fault stale --requests 6 --reps 0 "$@" || status=1 ;;
-      layout)      run layout --fault layout --requests 6 --reps 0 "$@" -- --block-size 32 || status=1 ;;
+      layout)      run layout --fault layout --requests 2 --reps 0 "$@" || status=1  # 8 fields, one process pair
+                   run layout-engine --fault layout-engine --requests 6 --reps 0 "$@" -- --block-size 32 || status=1 ;;
     esac
   fi
 done

@@ -57,7 +57,7 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("nixl-cu12")
 fi
 UCX_MODULES='^ib' UCX_NET_DEVICES=lo ctest --test-dir build-ci -L nixl --output-on-failure
 
-stage "1c P/D disaggregation over NIXL: prefill + decode processes, outputs bit-identical, 5 fault scenarios (scripts/pd.sh)"
+stage "1c P/D disaggregation over NIXL: prefill + decode processes, outputs bit-identical, up to 4 READs in flight, 6 fault runs incl. 8 refused layout fields (scripts/pd.sh)"
 # pagedkv-pd was built by stage 1 (build-ci): pd.sh only checks the target. About 1 minute, mostly NIXL start-up.
 PD_BUILD=build-ci scripts/pd.sh all
 

@@ -9,15 +9,20 @@
 // --role decode: connects, checks the fingerprint (a mismatch is refused at hand-shake, naming the field), and for
 //   each request: plan_import (only the blocks it lacks: its own prefix hit is not moved again),
 //   try_admit_external, a claim, ONE NIXL READ of every (layer, block) descriptor of the hand-off, then
-//   complete_external_fill and decoding. Every request's outputs are compared bit for bit with one engine doing
-//   both (the code of --role both, run in this process).
+//   complete_external_fill and decoding. Up to --inflight (default 4) hand-offs' READs stay posted at once, each
+//   completed in the order it ends. Every request's outputs are compared bit for bit with one engine doing both
+//   (the code of --role both, run in this process). Before each hand-off's READ, --reps rounds time the same READ
+//   through pagedkv and through raw NIXL (the same C API call sequence without pagedkv), alternated.
 // --role both: one engine doing prefill and decode (the reference), printing a digest of the outputs.
 // --role replay: a trace (Mooncake's conversation trace) through a prefill and a decode manager with the
 //   in-process transport: bytes moved with and without the decode side's prefix hits, TTFT proxies, leaks
 //   (replay.cpp).
 // --fault: kill (SIGKILL the prefill process once a READ is posted), drop-notify (a READ without its read-done:
 //   the producer's lease expires), stale (the producer ends the lease and reuses the blocks before the claim: the
-//   claim is refused by generation), layout (a different block size: refused at hand-shake).
+//   claim is refused by generation), layout (one hand-shake per fingerprint field, that field changed on the decode
+//   side: block_size, page_layout, dtype, num_kv_heads, head_dim, groups, hash_algorithm, hash_seed; each refused
+//   naming the field, then the true layout accepted), layout-engine (a decode engine with another block size:
+//   refused at hand-shake).
 // The last line: pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=P/D ...
 #include <signal.h>
 #include <sys/types.h>
@@ -29,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -62,6 +68,7 @@ struct Options {
   int num_blocks = 257;
   int lease_ms = 2000;
   int reps = 10;
+  int inflight = 4;
   std::string fault = "none";
   int fault_request = 3;
   std::string on_failure = "recompute";
@@ -140,9 +147,12 @@ int run_prefill(const Options& o) {
   }
   std::printf("prefill: listening on 127.0.0.1:%u (pid %d)\n", port, static_cast<int>(::getpid()));
   std::fflush(stdout);
-  Channel ch = Channel::accept_one(lfd, 30000);
-  ::close(lfd);
-  {
+  // The hand-shake: hello (engine id, host, port, pid, fingerprint, NIXL metadata); the decode engine answers with
+  // its NIXL metadata, or refuses (naming the field that differs) and says whether another hand-shake follows.
+  std::optional<Channel> chan;
+  for (;;) {
+    chan.reset();
+    chan.emplace(Channel::accept_one(lfd, 30000));
     Writer w;
     w.str("prefill");
     w.str("127.0.0.1");
@@ -150,10 +160,27 @@ int run_prefill(const Options& o) {
     w.u64(static_cast<std::uint64_t>(::getpid()));
     put_fingerprint(w, e.fingerprint());
     w.bytes(agent.export_metadata());
-    ch.send(Msg::kHello, w.out);
+    chan->send(Msg::kHello, w.out);
+    std::optional<std::pair<Msg, std::vector<std::byte>>> msg;
+    while (!(msg = chan->recv(30000))) {
+    }
+    Reader r{msg->second};
+    if (msg->first == Msg::kHelloBack) {
+      agent.load_remote(r.bytes());
+      break;
+    }
+    if (msg->first != Msg::kRefuse) throw std::runtime_error("prefill: unexpected message during the hand-shake");
+    std::printf("prefill: the decode engine refused the hand-shake: %s\n", r.str().c_str());
+    if (r.u64() == 0) {
+      ::close(lfd);
+      std::printf("prefill: leaked_blocks=%zu\n", e.blocks_used());
+      return e.blocks_used() == 0 ? 0 : 1;
+    }
   }
+  ::close(lfd);
+  Channel& ch = *chan;
   std::uint64_t stale_refused = 0, claims = 0, late_notifications = 0;
-  int last_request = -1;  // the request of the last kPrefill (one hand-off at a time)
+  int last_request = -1;  // the request of the last kPrefill (the decode side claims it before the next kPrefill)
   bool bye = false;
   Clock::time_point bye_deadline{};
   for (;;) {
@@ -178,13 +205,6 @@ int run_prefill(const Options& o) {
     }
     Reader r{msg->second};
     switch (msg->first) {
-      case Msg::kHelloBack:
-        agent.load_remote(r.bytes());
-        break;
-      case Msg::kRefuse:
-        std::printf("prefill: the decode engine refused the hand-shake: %s\n", r.str().c_str());
-        std::printf("prefill: leaked_blocks=%zu\n", e.blocks_used());
-        return e.blocks_used() == 0 ? 0 : 1;
       case Msg::kPrefill: {
         const std::uint64_t id = r.u64();
         last_request = static_cast<int>(id);
@@ -283,68 +303,182 @@ int run_prefill(const Options& o) {
 // ---------------------------------------------------------------------------------------------------------------
 // Decode role
 
+// --fault layout: the fingerprint fields a hand-shake must refuse, in first_mismatch's order.
+constexpr const char* kLayoutFields[] = {"block_size", "page_layout", "dtype",          "num_kv_heads",
+                                         "head_dim",   "groups",      "hash_algorithm", "hash_seed"};
+
+// `fp` with one field changed (as an engine with another block size, page layout, dtype, GQA, head size, KV-cache
+// groups or hash configuration would present it).
+pagedkv::KvLayoutFingerprint with_field_changed(pagedkv::KvLayoutFingerprint fp, const std::string& field) {
+  if (field == "block_size") fp.block_size *= 2;
+  else if (field == "page_layout") fp.page_layout = fp.page_layout == "nhd" ? "hnd" : "nhd";
+  else if (field == "dtype") fp.dtype = fp.dtype == "bf16" ? "fp32" : "bf16";
+  else if (field == "num_kv_heads") fp.num_kv_heads *= 2;
+  else if (field == "head_dim") fp.head_dim /= 2;
+  else if (field == "groups") fp.groups.push_back(fp.groups.empty() ? pagedkv::KVCacheGroupSpec{} : fp.groups.back());
+  else if (field == "hash_algorithm") fp.hash_algorithm = pagedkv::BlockIdentityConvention::kVllmSha256Cbor;
+  else if (field == "hash_seed") fp.hash_seed += 1;
+  else throw std::invalid_argument("with_field_changed: unknown field '" + field + "'");
+  return fp;
+}
+
 struct DecodeReport {
   int requests = 0, identical = 0, completed = 0, failed = 0, handoffs = 0, recomputed = 0, local = 0;
   std::uint64_t outputs_digest = 0;  // over every request's outputs, as --role both prints it
   std::uint64_t bytes_moved = 0, blocks_moved = 0, blocks_skipped = 0;
-  std::vector<double> ours_gbps, raw_gbps;
+  std::vector<double> ours_gbps, raw_gbps, repost_made_gbps, repost_created_gbps, pair_ratio;  // per timed round
   std::string refused;
   bool prefill_killed = false;
+  std::size_t max_inflight = 0;  // the most hand-off READs posted at once
+  std::size_t layout_fields_refused = 0;  // --fault layout: hand-shakes refused naming the changed field
+  std::string layout_refusals;             // their fields
   long long prefill_leaked = -1;
   std::uint64_t leases = 0, released = 0, expired = 0, stale_refused = 0;
 };
 
-// Times `reps` pairs of READs of the same descriptors, alternating pagedkv's submit (a new request each, as an
-// engine does per hand-off) and a raw NIXL request created once and re-posted. Returns false on a failed READ.
-bool time_reads(tx::NixlAgent& agent, const tx::PoolDesc& local, const tx::PoolDesc& remote,
-                std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, int reps, DecodeReport& rep) {
-  if (reps <= 0) return true;
-  const capi::Api& api = capi::load().api;
-  auto ag = static_cast<capi::Agent>(agent.native_agent());
-  auto args = static_cast<capi::OptArgs>(agent.native_backend_args());
-  capi::XferDlist ld = nullptr, rd = nullptr;
-  api.create_xfer_dlist(capi::kDram, &ld);
-  api.create_xfer_dlist(capi::kDram, &rd);
-  for (std::size_t reg = 0; reg < local.regions.size(); ++reg)
-    for (std::size_t i = 0; i < lb.size(); ++i) {
-      const auto& l = local.regions[reg];
-      const auto& r = remote.regions[reg];
-      api.xfer_dlist_add_desc(ld, l.base_addr + lb[i] * l.stride_bytes, l.block_bytes, 0);
-      api.xfer_dlist_add_desc(rd, r.base_addr + rb[i] * r.stride_bytes, r.block_bytes, 0);
-    }
-  capi::XferReq raw = nullptr;
-  bool ok = api.create_xfer_req(ag, capi::kRead, ld, rd, "prefill", &raw, args) == capi::kSuccess;
-  const double bytes = static_cast<double>(lb.size() * local.bytes_per_block());
-  if (ok) {  // one untimed READ first: the first READ of new blocks is the slow one, whichever side would post it
-    int s = api.post_xfer_req(ag, raw, args);
-    while (s == capi::kInProgress) s = api.get_xfer_status(ag, raw);
-    ok = s == capi::kSuccess;
+// The raw NIXL baseline: the C API call sequence NixlAgent uses for a hand-off, without pagedkv. Descriptor lists
+// of every (region, block) of both pools are prepared once (prep_xfer_dlist, as register_pool / load_remote do);
+// each READ is a fresh request from them (make_xfer_req over the blocks' indices), posted, polled to the end, then
+// released and destroyed. What pagedkv's submit / poll / release add on top is only its own bookkeeping (checking
+// the descriptor, the request map, the index scratch vectors).
+class RawNixl {
+ public:
+  RawNixl(tx::NixlAgent& agent, const tx::PoolDesc& local, const tx::PoolDesc& remote, const std::string& peer)
+      : api_(capi::load().api),
+        agent_(static_cast<capi::Agent>(agent.native_agent())),
+        args_(static_cast<capi::OptArgs>(agent.native_backend_args())),
+        local_nb_(local.num_blocks),
+        remote_nb_(remote.num_blocks) {
+    local_ = prep("", local);
+    remote_ = prep(peer.c_str(), remote);
   }
-  for (int it = 0; ok && it < reps; ++it)
-    for (int which = 0; ok && which < 2; ++which) {
-      const bool mine = (it + which) % 2 == 0;
+  ~RawNixl() {
+    if (local_) api_.release_xfer_dlist_handle(agent_, local_);
+    if (remote_) api_.release_xfer_dlist_handle(agent_, remote_);
+  }
+  RawNixl(const RawNixl&) = delete;
+  RawNixl& operator=(const RawNixl&) = delete;
+
+  // One READ of (lb[i] <- rb[i]) in every region: a fresh request, posted, polled, released. False on failure.
+  bool read(std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, std::size_t regions) {
+    capi::XferReq req = make_once(lb, rb, regions);
+    if (req == nullptr) return false;
+    int s = api_.post_xfer_req(agent_, req, args_);
+    while (s == capi::kInProgress) s = api_.get_xfer_status(agent_, req);
+    if (api_.release_xfer_req(agent_, req) == capi::kSuccess) api_.destroy_xfer_req(req);
+    return s == capi::kSuccess;
+  }
+
+  // A request for (lb[i] <- rb[i]) in every region from the prepared lists (nullptr on failure). Also the old
+  // baselines, kept for the comparison in docs/benchmarks.md: ONE request made once (here, or `create_once` from
+  // plain descriptor lists) and re-posted for every READ.
+  capi::XferReq make_once(std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, std::size_t regions) {
+    li_.clear();
+    ri_.clear();
+    for (std::size_t r = 0; r < regions; ++r)
+      for (std::size_t i = 0; i < lb.size(); ++i) {
+        li_.push_back(static_cast<int>(r * local_nb_ + lb[i]));
+        ri_.push_back(static_cast<int>(r * remote_nb_ + rb[i]));
+      }
+    capi::XferReq req = nullptr;
+    if (api_.make_xfer_req(agent_, capi::kRead, local_, li_.data(), li_.size(), remote_, ri_.data(), ri_.size(), &req,
+                           args_) != capi::kSuccess)
+      return nullptr;
+    return req;
+  }
+  capi::XferReq create_once(const tx::PoolDesc& local, const tx::PoolDesc& remote, std::span<const tx::BlockId> lb,
+                            std::span<const tx::BlockId> rb, const char* peer) {
+    capi::XferDlist ld = nullptr, rd = nullptr;
+    api_.create_xfer_dlist(capi::kDram, &ld);
+    api_.create_xfer_dlist(capi::kDram, &rd);
+    for (std::size_t reg = 0; reg < local.regions.size(); ++reg)
+      for (std::size_t i = 0; i < lb.size(); ++i) {
+        const auto& l = local.regions[reg];
+        const auto& r = remote.regions[reg];
+        api_.xfer_dlist_add_desc(ld, l.base_addr + lb[i] * l.stride_bytes, l.block_bytes, 0);
+        api_.xfer_dlist_add_desc(rd, r.base_addr + rb[i] * r.stride_bytes, r.block_bytes, 0);
+      }
+    capi::XferReq req = nullptr;
+    if (api_.create_xfer_req(agent_, capi::kRead, ld, rd, peer, &req, args_) != capi::kSuccess) req = nullptr;
+    api_.destroy_xfer_dlist(ld);
+    api_.destroy_xfer_dlist(rd);
+    return req;
+  }
+  bool repost(capi::XferReq req) {
+    if (req == nullptr) return false;
+    int s = api_.post_xfer_req(agent_, req, args_);
+    while (s == capi::kInProgress) s = api_.get_xfer_status(agent_, req);
+    return s == capi::kSuccess;
+  }
+  void drop(capi::XferReq req) {
+    if (req != nullptr && api_.release_xfer_req(agent_, req) == capi::kSuccess) api_.destroy_xfer_req(req);
+  }
+
+ private:
+  capi::XferDlistHandle prep(const char* name, const tx::PoolDesc& p) {
+    capi::XferDlist dl = nullptr;
+    if (api_.create_xfer_dlist(capi::kDram, &dl) != capi::kSuccess) throw std::runtime_error("raw: create_xfer_dlist");
+    for (const auto& r : p.regions)
+      for (std::uint32_t b = 0; b < p.num_blocks; ++b)
+        api_.xfer_dlist_add_desc(dl, r.base_addr + std::uintptr_t{b} * r.stride_bytes, r.block_bytes, 0);
+    capi::XferDlistHandle h = nullptr;
+    const int s = api_.prep_xfer_dlist(agent_, name, dl, &h, args_);
+    api_.destroy_xfer_dlist(dl);
+    if (s != capi::kSuccess) throw std::runtime_error("raw: prep_xfer_dlist");
+    return h;
+  }
+
+  const capi::Api& api_;
+  capi::Agent agent_;
+  capi::OptArgs args_;
+  std::size_t local_nb_, remote_nb_;
+  capi::XferDlistHandle local_ = nullptr, remote_ = nullptr;
+  std::vector<int> li_, ri_;
+};
+
+// Times `reps` rounds of READs of the same blocks, each round one READ of each of four paths in a rotating order:
+// pagedkv's submit / poll / release, raw NIXL (RawNixl::read: the same call sequence, a fresh request per READ),
+// and the old baselines, one request re-posted (made from the prepared lists; created from plain lists). The
+// ratio is the median over rounds of pagedkv's GB/s over raw's in the same round. Returns false on a failed READ.
+bool time_reads(tx::NixlAgent& agent, RawNixl& raw, const tx::PoolDesc& local, const tx::PoolDesc& remote,
+                std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, const std::string& peer, int reps,
+                DecodeReport& rep) {
+  if (reps <= 0) return true;
+  const std::size_t regions = local.regions.size();
+  const double bytes = static_cast<double>(lb.size() * local.bytes_per_block());
+  capi::XferReq made = raw.make_once(lb, rb, regions);
+  capi::XferReq created = raw.create_once(local, remote, lb, rb, peer.c_str());
+  bool ok = made != nullptr && created != nullptr;
+  ok = ok && raw.read(lb, rb, regions);  // one untimed READ first: the first READ of new blocks is the slow one
+  ok = ok && raw.repost(made) && raw.repost(created);  // and each re-posted request's first post
+  for (int it = 0; ok && it < reps; ++it) {
+    double gbps[4] = {};
+    for (int k = 0; ok && k < 4; ++k) {
+      const int which = (it + k) % 4;
       const auto t0 = Clock::now();
-      if (mine) {
-        const tx::RequestId id = agent.submit({tx::TransferOp::kRead, 0, lb, "prefill", 0, rb, ""});
+      if (which == 0) {
+        const tx::RequestId id = agent.submit({tx::TransferOp::kRead, 0, lb, peer, 0, rb, ""});
         tx::RequestState st;
         while ((st = agent.poll(id)).status == tx::TransferStatus::kInProgress) {
         }
         agent.release(id);
         ok = st.status == tx::TransferStatus::kDone;
+      } else if (which == 1) {
+        ok = raw.read(lb, rb, regions);
       } else {
-        int s = api.post_xfer_req(ag, raw, args);
-        while (s == capi::kInProgress) s = api.get_xfer_status(ag, raw);
-        ok = s == capi::kSuccess;
+        ok = raw.repost(which == 2 ? made : created);
       }
-      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
-      (mine ? rep.ours_gbps : rep.raw_gbps).push_back(bytes / sec / 1e9);
+      gbps[which] = bytes / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
     }
-  if (raw != nullptr) {
-    api.release_xfer_req(ag, raw);
-    api.destroy_xfer_req(raw);
+    if (!ok) break;
+    rep.ours_gbps.push_back(gbps[0]);
+    rep.raw_gbps.push_back(gbps[1]);
+    rep.repost_made_gbps.push_back(gbps[2]);
+    rep.repost_created_gbps.push_back(gbps[3]);
+    rep.pair_ratio.push_back(gbps[0] / gbps[1]);
   }
-  api.destroy_xfer_dlist(ld);
-  api.destroy_xfer_dlist(rd);
+  raw.drop(made);
+  raw.drop(created);
   return ok;
 }
 
@@ -373,8 +507,33 @@ int run_decode(const Options& o) {
   auto& m = e.manager();
   tx::NixlAgent agent("decode");
   agent.register_pool(e.pool_desc());
-  Channel ch = Channel::connect_loopback(o.port, 30000);
   DecodeReport rep;
+  if (o.fault == "layout") {
+    // One refused hand-shake per fingerprint field, each on its own connection to the same prefill process: this
+    // engine presents its fingerprint with that one field changed, and must refuse naming the field. The prefill
+    // process accepts again after each refusal; the last hand-shake (below) presents the true fingerprint.
+    for (const char* field : kLayoutFields) {
+      Channel c = Channel::connect_loopback(o.port, 30000);
+      Msg t{};
+      const auto hello = expect(c, agent, Msg::kHello, Msg::kHello, &t, 30000);
+      Reader r{hello};
+      for (int k = 0; k < 2; ++k) (void)r.str();
+      for (int k = 0; k < 2; ++k) (void)r.u64();
+      const pagedkv::KvLayoutFingerprint theirs = get_fingerprint(r);
+      const pagedkv::KvLayoutFingerprint ours = with_field_changed(e.fingerprint(), field);
+      const auto mm = pagedkv::first_mismatch(ours, theirs);
+      const std::string what = mm ? *mm : std::string("(no difference found)");
+      std::printf("decode: hand-shake with %s changed: refused: layout fingerprints differ at %s\n", field,
+                  what.c_str());
+      if (mm && mm->rfind(field, 0) == 0) ++rep.layout_fields_refused;
+      rep.layout_refusals += (rep.layout_refusals.empty() ? "" : ",") + std::string(field);
+      Writer w;
+      w.str("layout fingerprints differ at " + what + " (decode vs prefill)");
+      w.u64(1);  // another hand-shake follows
+      c.send(Msg::kRefuse, w.out);
+    }
+  }
+  Channel ch = Channel::connect_loopback(o.port, 30000);
   pid_t prefill_pid = 0;
   bool alive = true;
   std::string peer;
@@ -394,6 +553,7 @@ int run_decode(const Options& o) {
       rep.refused = *mm;
       Writer w;
       w.str("layout fingerprints differ at " + *mm + " (decode vs prefill)");
+      w.u64(0);  // no other hand-shake follows
       ch.send(Msg::kRefuse, w.out);
       std::printf("decode: hand-shake refused: layout fingerprints differ at %s (decode vs prefill)\n", mm->c_str());
     } else {
@@ -406,115 +566,149 @@ int run_decode(const Options& o) {
     }
   }
   const std::size_t bpb = e.pool_desc().bytes_per_block();
+  std::optional<RawNixl> raw;  // the raw NIXL baseline's own prepared descriptor lists (once, as pagedkv's)
+  if (rep.refused.empty() && o.reps > 0) raw.emplace(agent, e.pool_desc(), agent.remote_pools(peer)[0], peer);
+  // Up to --inflight hand-offs' READs stay posted at once: the decode engine posts a hand-off's READ and goes on
+  // with the next request (its prefill, descriptor, import plan, claim); when --inflight READs are posted, it
+  // completes every one that has ended (complete_external_fill, then decoding), in whatever order they ended, as a
+  // scheduler step would. A READ still in progress 5 s after it was posted means the peer is gone: the peer is
+  // invalidated and every READ posted to it ends failed.
+  struct InFlight {
+    std::size_t i = 0;
+    tx::RequestId id = 0;
+    std::uint64_t fill_id = 0;
+    std::size_t num_blocks = 0, pool_blocks = 0;
+    Clock::time_point deadline{};
+  };
+  std::vector<InFlight> inflight;
+  std::vector<std::vector<float>> outputs(reqs.size());
+  std::vector<char> failed(reqs.size(), 0), ran(reqs.size(), 0);
+  std::size_t max_inflight = 0;
+  auto decode_here = [&](std::size_t i) {
+    const SeqId seq = i + 1;
+    if (!m.contains(seq) && !m.try_admit(seq, reqs[i]).admitted()) throw std::runtime_error("decode: admission");
+    outputs[i] = e.run_to_end(seq, reqs[i], o.decode_tokens);
+    ran[i] = 1;
+  };
+  auto finish = [&](const InFlight& f, const tx::RequestState& st) {
+    agent.release(f.id);
+    if (st.status == tx::TransferStatus::kDone) {
+      rep.bytes_moved += f.pool_blocks * bpb;
+      rep.blocks_moved += f.pool_blocks;
+      m.complete_external_fill(f.fill_id, f.num_blocks);
+    } else {
+      std::printf("decode: request %zu: READ failed (%s: %s); fill failed, policy %s\n", f.i,
+                  tx::to_string(st.reason), agent.last_error().c_str(), o.on_failure.c_str());
+      const auto c2 = m.complete_external_fill(
+          f.fill_id, std::size_t{0},
+          fail_policy ? pagedkv::ExternalFailurePolicy::kFail : pagedkv::ExternalFailurePolicy::kRecompute);
+      if (c2.sequence_failed) {
+        failed[f.i] = 1;
+        ++rep.failed;
+        return;
+      }
+      ++rep.recomputed;
+    }
+    decode_here(f.i);
+  };
+  // Once `limit` READs are posted: completes every one that has ended (in the order they ended), waiting for the
+  // first to end if none has, until fewer than `limit` stay posted.
+  auto drain = [&](std::size_t limit) {
+    while (!inflight.empty() && inflight.size() >= limit) {
+      for (std::size_t k = 0; k < inflight.size();) {
+        const tx::RequestState st = agent.poll(inflight[k].id);
+        if (st.status == tx::TransferStatus::kInProgress) {
+          ++k;
+          continue;
+        }
+        const InFlight f = inflight[k];
+        inflight.erase(inflight.begin() + static_cast<std::ptrdiff_t>(k));
+        finish(f, st);
+      }
+      if (!inflight.empty() && Clock::now() > inflight.front().deadline) {
+        agent.invalidate_remote(peer);  // the peer is gone: its requests end kFailed / peer_invalidated
+      }
+    }
+  };
   for (std::size_t i = 0; rep.refused.empty() && i < reqs.size(); ++i) {
     const SeqId seq = i + 1;
     const auto& prompt = reqs[i];
     const bool faulty = static_cast<int>(i) == o.fault_request;
     ++rep.requests;
-    std::vector<float> out;
-    bool done = false;  // the sequence was computed (out holds its outputs) or failed
-    bool failed = false;
-    if (alive) {
-      // kPrefill's payload: the request id (both engines generate the same prompts from --seed).
-      Writer p;
-      p.u64(i);
-      ch.send(Msg::kPrefill, p.out);
-      Msg t{};
-      const auto body = expect(ch, agent, Msg::kDescriptor, Msg::kDescriptor, &t, 60000);
-      Reader r{body};
-      const WireDescriptor wd = get_descriptor(r);
-      const auto plan = m.plan_import(wd.desc, e.fingerprint(), prompt);
-      rep.blocks_skipped += plan.skipped_blocks;
-      if (plan.num_blocks == 0) {
-        Writer rl;
-        rl.u64(wd.desc.hold_id);
-        ch.send(Msg::kRelease, rl.out);
-      } else {
-        const auto adm = m.try_admit_external(seq, prompt, plan.end_token - plan.first_token);
-        if (!adm.admit.admitted()) throw std::runtime_error("decode: no capacity for request " + std::to_string(i));
-        const auto& tk = adm.ticket;
-        if (tk.fill_id == 0 || tk.first_block != plan.first_block || tk.blocks.size() != plan.remote_blocks.size()) {
-          throw std::runtime_error("decode: the fill ticket does not pair with the import plan");
-        }
-        Writer c;
-        c.u64(wd.desc.hold_id);
-        c.u64(plan.remote_blocks.size());
-        for (std::size_t k = 0; k < plan.remote_blocks.size(); ++k) {
-          c.u64(plan.remote_blocks[k]);
-          c.u64(plan.remote_generations[k]);
-        }
-        ch.send(Msg::kClaim, c.out);
-        Msg ans{};
-        const auto cb = expect(ch, agent, Msg::kClaimOk, Msg::kClaimStale, &ans, 30000);
-        if (ans == Msg::kClaimStale) {
-          Reader cr{cb};
-          std::printf("decode: request %zu: claim refused by generation: %s; recomputing it here\n", i,
-                      cr.str().c_str());
-          m.abort_sequence(seq, /*transfer_quiescent=*/true);  // no READ was posted
-          if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: readmission failed");
-          ++rep.recomputed;
-        } else {
-          if (!faulty || o.fault == "none")
-            if (!time_reads(agent, e.pool_desc(), agent.remote_pools(peer)[0], tk.blocks, plan.remote_blocks, o.reps,
-                            rep))
-              throw std::runtime_error("decode: a timed READ failed: " + agent.last_error());
-          const std::string note =
-              faulty && o.fault == "drop-notify" ? "" : "read-done:" + std::to_string(wd.desc.hold_id);
-          ++rep.handoffs;
-          const tx::RequestId id =
-              agent.submit({tx::TransferOp::kRead, 0, tk.blocks, peer, 0, plan.remote_blocks, note});
-          if (faulty && o.fault == "kill") {
-            ::kill(prefill_pid, SIGKILL);
-            rep.prefill_killed = true;
-            alive = false;
-            std::printf("decode: request %zu: READ posted, prefill (pid %d) killed with SIGKILL\n", i,
-                        static_cast<int>(prefill_pid));
-          }
-          tx::RequestState st;
-          const auto deadline = Clock::now() + std::chrono::seconds(5);
-          while ((st = agent.poll(id)).status == tx::TransferStatus::kInProgress && Clock::now() < deadline) {
-          }
-          if (st.status == tx::TransferStatus::kInProgress) {
-            agent.invalidate_remote(peer);  // the peer is gone: the request ends kFailed / peer_invalidated
-            st = agent.poll(id);
-          }
-          agent.release(id);
-          if (st.status == tx::TransferStatus::kDone) {
-            rep.bytes_moved += tk.blocks.size() * bpb;
-            rep.blocks_moved += tk.blocks.size();
-            m.complete_external_fill(tk.fill_id, tk.num_blocks());
-          } else {
-            std::printf("decode: request %zu: READ failed (%s: %s); fill failed, policy %s\n", i,
-                        tx::to_string(st.reason), agent.last_error().c_str(), o.on_failure.c_str());
-            const auto c2 = m.complete_external_fill(
-                tk.fill_id, std::size_t{0},
-                fail_policy ? pagedkv::ExternalFailurePolicy::kFail : pagedkv::ExternalFailurePolicy::kRecompute);
-            if (c2.sequence_failed) {
-              failed = done = true;
-              ++rep.failed;
-            } else {
-              ++rep.recomputed;
-            }
-          }
-        }
-      }
-      if (!done) {
-        if (!m.contains(seq) && !m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: admission");
-        out = e.run_to_end(seq, prompt, o.decode_tokens);
-      }
-    } else {
-      // The prefill engine is gone: compute here.
-      if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: admission");
-      out = e.run_to_end(seq, prompt, o.decode_tokens);
+    if (!alive) {
+      decode_here(i);  // the prefill engine is gone: compute here
       ++rep.local;
+      continue;
     }
-    rep.outputs_digest = decode_loop::splitmix64(rep.outputs_digest ^ digest(out));
-    if (!failed) {
-      ++rep.completed;
-      if (out == reference[i]) ++rep.identical;  // NaN never equals: poisoned outputs are never identical
-      else
-        std::printf("decode: request %zu: outputs differ from one engine doing both\n", i);
+    // kPrefill's payload: the request id (both engines generate the same prompts from --seed).
+    Writer p;
+    p.u64(i);
+    ch.send(Msg::kPrefill, p.out);
+    Msg t{};
+    const auto body = expect(ch, agent, Msg::kDescriptor, Msg::kDescriptor, &t, 60000);
+    Reader r{body};
+    const WireDescriptor wd = get_descriptor(r);
+    const auto plan = m.plan_import(wd.desc, e.fingerprint(), prompt);
+    rep.blocks_skipped += plan.skipped_blocks;
+    if (plan.num_blocks == 0) {
+      Writer rl;
+      rl.u64(wd.desc.hold_id);
+      ch.send(Msg::kRelease, rl.out);
+      decode_here(i);
+      continue;
     }
+    const auto adm = m.try_admit_external(seq, prompt, plan.end_token - plan.first_token);
+    if (!adm.admit.admitted()) throw std::runtime_error("decode: no capacity for request " + std::to_string(i));
+    const auto& tk = adm.ticket;
+    if (tk.fill_id == 0 || tk.first_block != plan.first_block || tk.blocks.size() != plan.remote_blocks.size()) {
+      throw std::runtime_error("decode: the fill ticket does not pair with the import plan");
+    }
+    Writer c;
+    c.u64(wd.desc.hold_id);
+    c.u64(plan.remote_blocks.size());
+    for (std::size_t k = 0; k < plan.remote_blocks.size(); ++k) {
+      c.u64(plan.remote_blocks[k]);
+      c.u64(plan.remote_generations[k]);
+    }
+    ch.send(Msg::kClaim, c.out);
+    Msg ans{};
+    const auto cb = expect(ch, agent, Msg::kClaimOk, Msg::kClaimStale, &ans, 30000);
+    if (ans == Msg::kClaimStale) {
+      Reader cr{cb};
+      std::printf("decode: request %zu: claim refused by generation: %s; recomputing it here\n", i, cr.str().c_str());
+      m.abort_sequence(seq, /*transfer_quiescent=*/true);  // no READ was posted
+      if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: readmission failed");
+      ++rep.recomputed;
+      decode_here(i);
+      continue;
+    }
+    if (!faulty || o.fault == "none")
+      if (!time_reads(agent, *raw, e.pool_desc(), agent.remote_pools(peer)[0], tk.blocks, plan.remote_blocks, peer,
+                      o.reps, rep))
+        throw std::runtime_error("decode: a timed READ failed: " + agent.last_error());
+    const std::string note = faulty && o.fault == "drop-notify" ? "" : "read-done:" + std::to_string(wd.desc.hold_id);
+    ++rep.handoffs;
+    inflight.push_back({i, agent.submit({tx::TransferOp::kRead, 0, tk.blocks, peer, 0, plan.remote_blocks, note}),
+                        tk.fill_id, tk.num_blocks(), tk.blocks.size(), Clock::now() + std::chrono::seconds(5)});
+    max_inflight = std::max(max_inflight, inflight.size());
+    if (faulty && o.fault == "kill") {
+      ::kill(prefill_pid, SIGKILL);
+      rep.prefill_killed = true;
+      alive = false;
+      std::printf("decode: request %zu: READ posted (%zu in flight), prefill (pid %d) killed with SIGKILL\n", i,
+                  inflight.size(), static_cast<int>(prefill_pid));
+    }
+    drain(static_cast<std::size_t>(o.inflight));
+  }
+  drain(1);
+  rep.max_inflight = max_inflight;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(rep.requests); ++i) {
+    rep.outputs_digest = decode_loop::splitmix64(rep.outputs_digest ^ digest(outputs[i]));
+    if (failed[i]) continue;
+    ++rep.completed;
+    if (ran[i] && outputs[i] == reference[i]) ++rep.identical;  // NaN never equals: poisoned outputs never match
+    else
+      std::printf("decode: request %zu: outputs differ from one engine doing both\n", i);
   }
   if (alive) {
     ch.send(Msg::kBye);
@@ -532,24 +726,36 @@ int run_decode(const Options& o) {
     }
   }
   const std::size_t decode_leaked = e.blocks_used();
-  const double ours = median(rep.ours_gbps), raw = median(rep.raw_gbps);
+  raw.reset();
+  const double ours = median(rep.ours_gbps), raw_gbps = median(rep.raw_gbps);
   bool pass = decode_leaked == 0 && ref_leaked == 0 && rep.identical == rep.completed;
   if (!rep.prefill_killed) pass = pass && rep.prefill_leaked == 0;
   if (o.fault == "none") pass = pass && rep.completed == rep.requests && rep.refused.empty() && rep.recomputed == 0;
-  if (o.fault == "layout") pass = pass && rep.refused.rfind("block_size", 0) == 0;
+  if (o.fault == "none")  // the window was used: --inflight READs posted at once (fewer hand-offs: all of them)
+    pass = pass && rep.max_inflight == std::min(static_cast<std::size_t>(o.inflight),
+                                                static_cast<std::size_t>(rep.handoffs));
+  if (o.fault == "layout-engine") pass = pass && rep.refused.rfind("block_size", 0) == 0;
+  if (o.fault == "layout")  // every field refused, named; then the true layout accepted and every request served
+    pass = pass && rep.layout_fields_refused == std::size(kLayoutFields) && rep.refused.empty() &&
+           rep.completed == rep.requests;
   if (o.fault == "stale") pass = pass && rep.stale_refused == 1 && rep.recomputed == 1;
   if (o.fault == "drop-notify") pass = pass && rep.expired == 1 && rep.released + 1 == static_cast<std::uint64_t>(rep.handoffs);
-  if (o.fault == "kill") pass = pass && rep.prefill_killed && (rep.recomputed + rep.failed) == 1;
+  if (o.fault == "kill") pass = pass && rep.prefill_killed && (rep.recomputed + rep.failed) >= 1;
+  if (o.fault == "layout")
+    std::printf("decode: layout hand-shakes refused naming the changed field: %zu of %zu (%s)\n",
+                rep.layout_fields_refused, std::size(kLayoutFields), rep.layout_refusals.c_str());
   const std::string pl = rep.prefill_killed ? "killed" : std::to_string(rep.prefill_leaked);
   std::printf("pd: %s requests=%d identical=%d bytes_moved=%llu leaked_blocks=%s/%zu fault=%s handoffs=%d "
               "blocks_moved=%llu blocks_skipped=%llu recomputed=%d failed=%d local=%d leases=%llu released=%llu "
-              "expired=%llu stale_refused=%llu gbps=%.2f raw_gbps=%.2f ratio=%.3f outputs_digest=%016llx%s%s\n",
+              "expired=%llu stale_refused=%llu gbps=%.2f raw_gbps=%.2f ratio=%.3f rounds=%zu repost_made_gbps=%.2f "
+              "repost_created_gbps=%.2f max_inflight=%zu outputs_digest=%016llx%s%s\n",
               pass ? "PASS" : "FAIL", rep.requests, rep.identical, static_cast<unsigned long long>(rep.bytes_moved),
               pl.c_str(), decode_leaked, o.fault.c_str(), rep.handoffs,
               static_cast<unsigned long long>(rep.blocks_moved), static_cast<unsigned long long>(rep.blocks_skipped),
               rep.recomputed, rep.failed, rep.local, static_cast<unsigned long long>(rep.leases),
               static_cast<unsigned long long>(rep.released), static_cast<unsigned long long>(rep.expired),
-              static_cast<unsigned long long>(rep.stale_refused), ours, raw, raw > 0 ? ours / raw : 0.0,
+              static_cast<unsigned long long>(rep.stale_refused), ours, raw_gbps, median(rep.pair_ratio),
+              rep.pair_ratio.size(), median(rep.repost_made_gbps), median(rep.repost_created_gbps), rep.max_inflight,
               static_cast<unsigned long long>(rep.outputs_digest),
               rep.refused.empty() ? "" : " refused_at=", rep.refused.c_str());
   return pass ? 0 : 1;
@@ -599,10 +805,14 @@ int main(int argc, char** argv) {
   app.add_option("--num-blocks", o.num_blocks, "Blocks per pool (null block included)")->check(CLI::Range(64, 100000));
   app.add_option("--lease-ms", o.lease_ms, "Producer lease per hand-off (extended by each claim)")
       ->check(CLI::Range(10, 600000));
-  app.add_option("--reps", o.reps, "Timed READ pairs per hand-off (pagedkv vs raw NIXL, alternated)")
+  app.add_option("--reps", o.reps, "Timed READ rounds per hand-off (pagedkv, raw NIXL and two re-posted baselines, rotated)")
       ->check(CLI::Range(0, 1000));
-  app.add_option("--fault", o.fault, "none | kill | drop-notify | stale | layout")
-      ->check(CLI::IsMember({"none", "kill", "drop-notify", "stale", "layout"}));
+  app.add_option("--inflight", o.inflight, "decode: hand-off READs posted at once (each completed as it ends)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--fault", o.fault,
+                 "none | kill | drop-notify | stale | layout (each fingerprint field changed in turn: one refused "
+                 "hand-shake each, then the true one) | layout-engine (run decode with another --block-size)")
+      ->check(CLI::IsMember({"none", "kill", "drop-notify", "stale", "layout", "layout-engine"}));
   app.add_option("--fault-request", o.fault_request, "The request the fault hits")->check(CLI::Range(0, 10000));
   app.add_option("--on-failure", o.on_failure, "A failed fill: recompute here, or fail the request")
       ->check(CLI::IsMember({"recompute", "fail"}));

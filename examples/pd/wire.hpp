@@ -18,7 +18,8 @@ namespace pd {
 enum class Msg : std::uint32_t {
   kHello = 1,       ///< prefill -> decode: engine id, host, port, pid, layout fingerprint, NIXL agent metadata.
   kHelloBack = 2,   ///< decode -> prefill: NIXL agent metadata (the hand-shake passed).
-  kRefuse = 3,      ///< decode -> prefill: the hand-shake failed; payload: the reason.
+  kRefuse = 3,      ///< decode -> prefill: the hand-shake failed; payload: the reason, 1 if another hand-shake
+                    ///< follows on a new connection (0: none).
   kPrefill = 4,     ///< decode -> prefill: request id (both sides generate the prompts from the seed).
   kDescriptor = 5,  ///< prefill -> decode: the hand-off descriptor (kv_transfer_params).
   kClaim = 6,       ///< decode -> prefill: hold id + the (block, generation) pairs it is about to READ.
