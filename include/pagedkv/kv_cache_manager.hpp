@@ -24,6 +24,7 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/external_kv.hpp>
+#include <pagedkv/detail/hit_search.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/copy_list.hpp>
@@ -1845,15 +1846,7 @@ class KVCacheManager {
     std::size_t hit_blocks = 0;     // k: logical blocks served by the cache
     std::size_t host_hit_blocks = 0;  // logical blocks of the hit some group serves from the host tier
   };
-  // An admission plan's hits: [groups x hit_blocks] group-major (0 = a null entry: before a windowed group's window),
-  // with on_host[j]: entry j is a host-tier block, to be onboarded. Plus the fixed point's scratch.
-  struct PlanScratch {
-    std::vector<Id> hits;
-    std::vector<bool> on_host;
-    std::vector<Id> found;             // fixed point: [groups x walk] the cached block (0 = miss)
-    std::vector<std::uint8_t> looked;  // [groups x walk] 0 = not looked up, 1 = device, 2 = host, 3 = miss
-    std::vector<std::uint32_t> run;
-  };
+  using PlanScratch = detail::HitScratch<Id>;  // an admission plan's hits, the fixed point's scratch
 
   void check_prepared(const PreparedPrompt& p, const char* what) const {
     validate_prompt(p.tokens, p.keys.get(), what, nullptr);
@@ -1885,66 +1878,28 @@ class KVCacheManager {
 
   // Plan an admission of a validated prompt: the prompt's block hashes appended to `hashes` (unless `hashes_ready`:
   // a PreparedPrompt's, then `hashes` is only read), the hit blocks into `sc.hits` / `sc.on_host`, what it would take. Pure. One full-attention
-  // group: the walk is pipelined (the home group of block i's hash is prefetched while block i + 1 is hashed, or,
-  // with ready hashes, while block i - 1 is looked up) and a block missing from the device index is looked up in
-  // the host tier (ready blocks only). Otherwise: the fixed point over groups (plan_groups).
+  // group: the pipelined walk over both tiers (detail::one_group_hit). Otherwise: the fixed point over groups
+  // (plan_groups). The search finds the hit; what it costs each group is counted here.
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
                             std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
     if (!layout_.simple) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
-    std::vector<Id>& hits = sc.hits;
-    std::vector<bool>& on_host = sc.on_host;
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
     const std::size_t usable = alloc_.num_usable_blocks();
-    hits.clear();
-    on_host.clear();
+    sc.hits.clear();
+    sc.on_host.clear();
     if (total_blocks > usable) {
       return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0, 0, 0, 0};
     }
     const std::size_t full = config_.enable_prefix_caching ? prompt.size() / bs : 0;
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = std::min(full, cap / bs);
-    std::size_t evictable_hits = 0;
-    std::size_t host_hits = 0;
-    bool walking = walk > 0;
-    const auto look = [&](std::size_t j) {  // block j of the walk, in order, until the first miss in both tiers
-      if (!walking) return;
-      if (j >= walk) {
-        walking = false;
-        return;
-      }
-      if (const auto b = index_.find(hashes[j])) {
-        hits.push_back(*b);
-        on_host.push_back(false);
-        if (alloc_.is_cached(*b)) ++evictable_hits;
-        return;
-      }
-      if (host_) {
-        if (const auto hb = host_->find_ready(hashes[j])) {
-          hits.push_back(*hb);
-          on_host.push_back(true);
-          ++host_hits;
-          return;
-        }
-      }
-      walking = false;
-    };
-    if (!hashes_ready) {
-      hashes.reserve(full);
-      for (std::size_t i = 0; i < full; ++i) {
-        const BlockHash& parent = i == 0 ? index_.root() : hashes[i - 1];
-        hashes.push_back(index_.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys));
-        if (walking && i < walk) index_.prefetch(hashes[i]);
-        if (i > 0) look(i - 1);
-      }
-      if (full > 0) look(full - 1);
-    } else {
-      for (std::size_t j = 0; j < walk && walking; ++j) {
-        if (j + 1 < walk) index_.prefetch(hashes[j + 1]);
-        look(j);
-      }
-    }
-    const std::size_t k = hits.size();
+    const detail::HitCounts hit =
+        detail::one_group_hit(index_, host_.get(), prompt, bs, full, walk, keys, hashes, hashes_ready,
+                              [&](Id b) { return alloc_.is_cached(b); }, sc);
+    const std::size_t evictable_hits = hit.evictable;
+    const std::size_t host_hits = hit.host;
+    const std::size_t k = hit.k;
     const std::size_t cached = k * bs;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
     // Device blocks: one per host hit (its onboarding destination) plus the new ones.
@@ -1970,41 +1925,12 @@ class KVCacheManager {
     if (config_.enable_prefix_caching && !hashes_ready) index_.hash_full_blocks(prompt, bs, keys, hashes);
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = config_.enable_prefix_caching ? std::min(full, cap / bs) : 0;
-    sc.found.assign(G * walk, Id{0});
-    sc.looked.assign(G * walk, 0);
-    const auto look = [&](std::size_t g, std::size_t i) {  // 1 device, 2 host, 3 miss; looked up once each
-      std::uint8_t& l = sc.looked[g * walk + i];
-      if (l == 0) {
-        const CachedAt c = cached_at(hashes[i], g);
-        sc.found[g * walk + i] = c.block;
-        l = c.tier != 0 ? c.tier : 3;
-      }
-      return l;
-    };
-    const std::size_t k = detail::fixed_point_hit_blocks(
-        layout_.windows, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run,
-        coarse_factors());
-    sc.hits.assign(G * k, Id{0});
-    sc.on_host.assign(G * k, false);
-    std::size_t evictable = 0, held_hits = 0, host_hits = 0, host_hit_blocks = 0;
-    for (std::size_t i = 0; i < k; ++i) {
-      bool any_host = false;
-      for (std::size_t g = 0; g < G; ++g) {
-        if (i < detail::first_kept_block(layout_.windows[g], k * bs, config_.block_size)) continue;
-        if (is_coarse(g) && (i + 1) % coarse_factor(g) != 0 && i + 1 != k) continue;  // a page ends at i, or the hit
-        const std::uint8_t l = look(g, i);
-        sc.hits[g * k + i] = sc.found[g * walk + i];
-        ++held_hits;
-        if (l == 2) {
-          sc.on_host[g * k + i] = true;
-          ++host_hits;
-          any_host = true;
-        } else if (alloc_.is_cached(sc.found[g * walk + i])) {
-          ++evictable;
-        }
-      }
-      host_hit_blocks += any_host ? 1 : 0;
-    }
+    const detail::HitCounts hit = detail::groups_hit(
+        layout_, walk, [&](std::size_t g, std::size_t i) { return cached_at(hashes[i], g); },
+        [&](Id b) { return alloc_.is_cached(b); }, sc);
+    const std::size_t k = hit.k;
+    const std::size_t held_hits = hit.held, host_hits = hit.host, host_hit_blocks = hit.host_blocks;
+    const std::size_t evictable = hit.evictable;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - k * bs);
     const std::size_t new_per_group = (k * bs + reserved + bs - 1) / bs - k;
     std::size_t new_table_blocks = 0;  // a recurrent group: its state + the checkpoints the reservation completes
@@ -2449,10 +2375,7 @@ class KVCacheManager {
   }
   // Where group g's block with hash h is cached: tier 1 = the device pool (block: its device block), 2 = a ready
   // host block (block: the host block), 0 = neither (block 0). The device tier is probed first.
-  struct CachedAt {
-    std::uint8_t tier = 0;
-    Id block = 0;
-  };
+  using CachedAt = detail::CachedAt<Id>;
   [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const {
     if (const auto b = ix(g).find(h)) return {1, *b};
     if (host_) {
