@@ -24,6 +24,8 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/external_kv.hpp>
+#include <pagedkv/detail/hit_search.hpp>
+#include <pagedkv/detail/host_offload.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/copy_list.hpp>
@@ -136,10 +138,8 @@ class KVCacheManager {
         alloc_(config_.num_blocks),
         index_(config_.num_blocks, config_.hash_seed),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
-        host_(config_.num_host_blocks != 0 ? std::make_unique<host_tier_type>(config_.num_host_blocks, config_.hash_seed)
-                                           : nullptr),
-        filling_((config_.num_blocks + 63) / 64, 0),
-        unkeyed_fill_((config_.num_blocks + 63) / 64, 0),
+        host_(config_.num_blocks, config_.num_host_blocks, config_.hash_seed, layout_.num_groups,
+              config_.enable_events),
         events_(config_.enable_events),
         history_(config_.eviction_history) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
@@ -147,14 +147,10 @@ class KVCacheManager {
     if (layout_.num_groups > 1) {
       group_cached_.assign(layout_.num_groups, 0);
       group_of_.assign(config_.num_blocks, 0);
-      if (host_) host_group_of_.assign(config_.num_host_blocks, 0);
     }
     held_.assign(layout_.num_groups, 0);
     peak_held_.assign(layout_.num_groups, 0);
     spare_.reserve(kMaxSpareSequences);
-    if (host_ && config_.enable_events) {
-      held_back_.assign((config_.num_host_blocks + 63) / 64, 0);
-    }
   }
 
   KVCacheManager(const KVCacheManager&) = delete;
@@ -469,10 +465,10 @@ class KVCacheManager {
   void free(SeqId seq) {
     if (const auto sw = swapped_.find(seq); sw != swapped_.end()) {
       for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
-        if (*it != Id{0}) host_->release(*it);
+        if (*it != Id{0}) host_.tier().release(*it);
       }
       for (Id hb : sw->second.states) {
-        if (hb != Id{0}) host_->release(hb);
+        if (hb != Id{0}) host_.tier().release(hb);
       }
       swapped_.erase(sw);
       return;
@@ -516,18 +512,18 @@ class KVCacheManager {
         const auto hb = host_copy_of(b, g);
         if (!hb) {
           ++to_fill;
-        } else if (host_->allocator().is_cached(*hb)) {
+        } else if (host_.tier().allocator().is_cached(*hb)) {
           ++shared_cached;
         }
       }
     }
     for (std::size_t g = 1; g < layout_.num_groups; ++g) to_fill += is_recurrent(g) && q.other_groups[g - 1].state_valid ? 1 : 0;
-    if (to_fill > host_->allocator().num_available_blocks() - shared_cached) return false;
+    if (to_fill > host_.tier().allocator().num_available_blocks() - shared_cached) return false;
     // Commit. Reserve first: nothing below throws.
     SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted(), {}};
     sw.host_blocks.assign(layout_.num_groups * nb, Id{0});
     if (layout_.any_recurrent) sw.states.assign(layout_.num_groups, Id{0});
-    transfers_.reserve_more(to_fill);
+    host_.transfers().reserve_more(to_fill);
     events_.reserve_more(to_fill + layout_.num_groups);  // + the last checkpoints registered by the release
     auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
     SwappedSequence& dst = it->second;
@@ -536,7 +532,7 @@ class KVCacheManager {
       for (std::size_t i = 0; i < nb; ++i) {
         if (blocks[i] == Id{0}) continue;
         if (const auto hb = host_copy_of(blocks[i], g)) {
-          host_->acquire(*hb);
+          host_.tier().acquire(*hb);
           dst.host_blocks[g * nb + i] = *hb;
         }
       }
@@ -547,23 +543,23 @@ class KVCacheManager {
         if (blocks[i] == Id{0} || dst.host_blocks[g * nb + i] != Id{0}) continue;  // null, or shared above
         const auto h = ix(g).hash_of(blocks[i]);
         const BlockHash key = h ? group_block_key(*h, g) : BlockHash{};
-        const Id hb = *host_->allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
-        host_->acquire(hb);  // the copy's own hold, released when it completes
-        if (layout_.num_groups > 1) host_group_of_[hb] = static_cast<std::uint8_t>(g);
+        const Id hb = *host_.tier().allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
+        host_.tier().acquire(hb);  // the copy's own hold, released when it completes
+        host_.set_group(hb, g);
         dst.host_blocks[g * nb + i] = hb;
         if (h) remember_content(*h, hb, Medium::kGpu, g);
-        transfers_.push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0,
+        host_.transfers().push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0,
                          static_cast<std::uint32_t>(g)});
         ++stats_.swap_outs;
       }
     }
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {  // working states (unhashed: always copied)
       if (!is_recurrent(g) || !q.other_groups[g - 1].state_valid) continue;
-      const Id hb = *host_->allocate(nullptr, host_evictor());  // guaranteed by the plan
-      host_->acquire(hb);
-      host_group_of_[hb] = static_cast<std::uint8_t>(g);
+      const Id hb = *host_.tier().allocate(nullptr, host_evictor());  // guaranteed by the plan
+      host_.tier().acquire(hb);
+      host_.set_group(hb, g);
       dst.states[g] = hb;
-      transfers_.push({q.other_groups[g - 1].state, hb, TransferKind::kSwapOut, false, BlockHash{}, 0,
+      host_.transfers().push({q.other_groups[g - 1].state, hb, TransferKind::kSwapOut, false, BlockHash{}, 0,
                        static_cast<std::uint32_t>(g)});
       ++stats_.swap_outs;
     }
@@ -595,7 +591,7 @@ class KVCacheManager {
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {
       if (!is_recurrent(g)) continue;
       fresh += state_blocks(g);
-      if (s.states[g] != Id{0} && !host_->is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
+      if (s.states[g] != Id{0} && !host_.tier().is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
     }
     held += fresh;
     if (held > alloc_.num_usable_blocks()) {
@@ -606,9 +602,9 @@ class KVCacheManager {
     for (std::size_t j = 0; j < n; ++j) {
       const Id hb = s.host_blocks[j];
       if (hb == Id{0}) continue;
-      if (!host_->is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
+      if (!host_.tier().is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
       const std::size_t g = j / nb;
-      const auto key = host_->index().hash_of(hb);
+      const auto key = host_.tier().index().hash_of(hb);
       if (const auto b = key ? ix(g).find(group_block_key(*key, g)) : std::nullopt) {  // the key unmixed: the hash
         hit_scratch_[j] = *b;
         if (alloc_.is_cached(*b)) ++evictable_hits;
@@ -643,7 +639,7 @@ class KVCacheManager {
       }
       const std::size_t g = j / nb;
       const Id dst = allocate_one(g);  // guaranteed by the capacity check
-      const auto key = host_->index().hash_of(s.host_blocks[j]);
+      const auto key = host_.tier().index().hash_of(s.host_blocks[j]);
       const BlockHash h = key ? group_block_key(*key, g) : BlockHash{};
       queue_fill(dst, s.host_blocks[j], TransferKind::kSwapIn, key ? &h : nullptr, /*src_pinned=*/false, g);
       onboard_scratch_[j] = dst;
@@ -673,10 +669,10 @@ class KVCacheManager {
       if (keeps_last(g)) st.last_block = allocate_one(g);
     }
     for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) {
-      if (*hb != Id{0}) host_->release(*hb);
+      if (*hb != Id{0}) host_.tier().release(*hb);
     }
     for (Id hb : s.states) {
-      if (hb != Id{0}) host_->release(hb);
+      if (hb != Id{0}) host_.tier().release(hb);
     }
     swapped_.erase(sw);
     note_peak();
@@ -812,7 +808,7 @@ class KVCacheManager {
     std::size_t i = 0;
     for (; i < cap / bs; ++i) {
       parent = index_.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys);
-      if (!index_.find(parent) && !(host_ && host_->find_ready(parent))) break;
+      if (!index_.find(parent) && !(host_ && host_.tier().find_ready(parent))) break;
     }
     return i * bs;
   }
@@ -982,14 +978,14 @@ class KVCacheManager {
     s.evictions = alloc_.num_evictions();
     s.block_ops = alloc_.num_block_ops();
     if (host_) {
-      const auto& h = host_->allocator();
+      const auto& h = host_.tier().allocator();
       s.host_num_usable_blocks = h.num_usable_blocks();
       s.host_blocks_used = h.num_used_blocks();
       s.host_blocks_cached = h.num_cached_blocks();
       s.host_blocks_free = h.num_free_blocks();
     }
-    s.transfers_in_flight = transfers_.in_flight().size();
-    s.transfers_queued = transfers_.queued().size();
+    s.transfers_in_flight = host_.transfers().in_flight().size();
+    s.transfers_queued = host_.transfers().queued().size();
     s.external = ext_.counters();
     return s;
   }
@@ -1024,7 +1020,7 @@ class KVCacheManager {
   /// nothing.
   bool reset_prefix_cache() {
     if (alloc_.num_used_blocks() != 0) return false;
-    if (host_ && (host_->allocator().num_used_blocks() != 0 || !transfers_.queued().empty())) return false;
+    if (host_ && (host_.tier().allocator().num_used_blocks() != 0 || !host_.transfers().queued().empty())) return false;
     events_.reserve_more(2);
     alloc_.clear_hashes([](Id) {});
     index_.clear();
@@ -1033,14 +1029,12 @@ class KVCacheManager {
     for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
       for (std::size_t g = 0; g < layout_.num_groups; ++g) q.registered_of(g) = 0;
     }
-    recent_registered_.clear();
+    host_.recent_registered().clear();
     interval_.reset = true;
     if (events_.enabled()) events_.push(KVEventType::kAllCleared);
     if (host_) {
-      host_->clear([](Id, const BlockHash&) {});
-      pending_content_.clear();
-      std::fill(held_back_.begin(), held_back_.end(), std::uint64_t{0});
-      held_back_list_.clear();
+      host_.tier().clear([](Id, const BlockHash&) {});
+      host_.clear_events();
       if (events_.enabled()) events_.push(KVEventType::kAllCleared).medium = Medium::kCpu;
     }
     return true;
@@ -1057,7 +1051,7 @@ class KVCacheManager {
   std::size_t expire_retention(RetentionTimePoint now) {
     retention_now_ = std::max(retention_now_, now);
     std::size_t n = alloc_.expire_retention(retention_now_);
-    if (host_) n += host_->expire_retention(retention_now_);
+    if (host_) n += host_.tier().expire_retention(retention_now_);
     return n;
   }
   /// The retention clock: the latest `now` given to expire_retention (the clock's epoch before the first call).
@@ -1074,45 +1068,38 @@ class KVCacheManager {
   /// held. Throws kInvalidArgument when `token` names no copies in flight (never issued, or completed already);
   /// nothing changes then. Cost: O(copies in flight).
   void complete_transfers(std::uint64_t token) {
-    if (!transfers_.is_in_flight(token)) {
+    if (!host_.transfers().is_in_flight(token)) {
       detail::raise(Errc::kInvalidArgument, "complete_transfers: token " + std::to_string(token) +
                                                 " names no copies in flight (never issued, or completed already)");
     }
-    completed_scratch_.clear();
-    completed_scratch_.reserve(transfers_.in_flight().size());
-    events_.reserve_more(transfers_.in_flight().size() + held_back_list_.size());
-    if (!held_back_.empty()) detail::reserve_more(held_back_list_, transfers_.in_flight().size());
-    transfers_.take_completed(token, completed_scratch_);
-    for (const Transfer<Id>& t : completed_scratch_) {
+    events_.reserve_more(host_.transfers().in_flight().size() + host_.num_held_back());
+    for (const Transfer<Id>& t : host_.take_completed(token)) {
       if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
-        host_->mark_ready(t.host);
+        host_.tier().mark_ready(t.host);
         if (t.hashed) emit_stored_from(t.host, t.hash, Medium::kCpu, t.group);
-        host_->release(t.host);  // the copy's hold
+        host_.tier().release(t.host);  // the copy's hold
         continue;
       }
       // onboard, swap-in: the device block is filled; register it if its hash is not registered yet
-      filling_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
-      unkeyed_fill_[t.device / 64] &= ~(std::uint64_t{1} << (t.device % 64));
-      ++completed_fills_;
+      host_.end_fill(t.device);
       if (t.hashed && !ix(t.group).hash_of(t.device)) {
         const Id reg = ix(t.group).insert(t.hash, t.device);
         if (reg == t.device) {
           alloc_.set_hashed(t.device, true);
           if (events_.enabled()) {
             auto e = events_.find_stored(t.hash, Medium::kCpu, t.group);
-            if (!e && is_held_back(t.host)) {  // its host copy was never reported: the content waited there
-              const auto held = pending_content_.find(t.host);
-              if (held != pending_content_.end()) e = held->second;
+            if (!e && host_.is_held_back(t.host)) {  // its host copy was never reported: the content waited there
+              if (const KVEvent* held = host_.held_content(t.host)) e = *held;
             }
-            if (e) publish_kept(std::move(*e)).medium = Medium::kGpu;
+            if (e) host_.publish_kept(events_, std::move(*e)).medium = Medium::kGpu;
           }
         }
       }
-      host_->release(t.host);   // the copy's pin on its source
+      host_.tier().release(t.host);   // the copy's pin on its source
       release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
     }
     retry_held_back();  // a copy whose parent completed after it in this call
-    completed_scratch_.clear();
+    host_.clear_completed();
   }
 
   /// Whether sequence `seq` is swapped out (preempted by kSwap, resumable).
@@ -1133,11 +1120,11 @@ class KVCacheManager {
   /// Whether host block `hb`'s BlockStored event is held back: its copy completed after its parent had left every
   /// tier, so the event stream does not report it (no router could place it; CacheStats::events_held_back counts
   /// them). False without events or a host tier. Precondition: hb < num_host_blocks.
-  [[nodiscard]] bool host_event_held_back(Id hb) const noexcept { return is_held_back(hb); }
+  [[nodiscard]] bool host_event_held_back(Id hb) const noexcept { return host_.is_held_back(hb); }
   /// The host tier (read-only: its allocator and index), or null without one. Valid as long as the manager.
   [[nodiscard]] const host_tier_type* host_tier() const noexcept { return host_.get(); }
   /// The copies queued for the next build and in flight (read-only). Valid until the next non-const call.
-  [[nodiscard]] const TransferQueue<Id>& transfers() const noexcept { return transfers_; }
+  [[nodiscard]] const TransferQueue<Id>& transfers() const noexcept { return host_.transfers(); }
 
   /// Move the recorded events (oldest first) to the end of `out`, unbatched; returns how many. Events are recorded
   /// only with `enable_events`.
@@ -1520,15 +1507,15 @@ class KVCacheManager {
     const bool write_through = host_ && config_.offload == OffloadPolicy::kWriteThrough;
     std::size_t write_through_blocks = 0;
     if (write_through) {
-      for (const auto& [b, h] : recent_registered_) {
+      for (const auto& [b, h] : host_.recent_registered()) {
         const std::uint32_t g = group_of_block(b);
-        if (ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_->find(group_block_key(h, g))) {
+        if (ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_.tier().find(group_block_key(h, g))) {
           ++write_through_blocks;
         }
       }
     }
-    const std::size_t max_out = host_ ? transfers_.num_queued(true) + write_through_blocks : 0;
-    const std::size_t num_in = host_ ? transfers_.num_queued(false) : 0;
+    const std::size_t max_out = host_ ? host_.transfers().num_queued(true) + write_through_blocks : 0;
+    const std::size_t num_in = host_ ? host_.transfers().num_queued(false) : 0;
     const std::size_t B = batch.size();
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
@@ -1565,15 +1552,15 @@ class KVCacheManager {
     }
     const BatchMetadataBuffers& buf0 = per_group[0];
     try {
-      events_.reserve_more(max_registrations + write_through_blocks + held_back_list_.size());
+      events_.reserve_more(max_registrations + write_through_blocks + host_.num_held_back());
       copies_.reserve_taken(num_copies);
       switched_scratch_.clear();
       switched_scratch_.reserve(layout_.simple ? max_registrations : max_blocks);
       if (host_) {
-        transfers_.reserve_more(write_through_blocks);
-        transfers_.reserve_issue(write_through_blocks);
+        host_.transfers().reserve_more(write_through_blocks);
+        host_.transfers().reserve_issue(write_through_blocks);
       }
-      if (write_through) recent_registered_.reserve(recent_registered_.size() + max_registrations);
+      if (write_through) host_.recent_registered().reserve(host_.recent_registered().size() + max_registrations);
     } catch (...) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       throw;
@@ -1583,11 +1570,11 @@ class KVCacheManager {
     // sequence: mark the scheduled slots built; per group register the full blocks whose last write this build
     // issues (switching duplicates to the registered block), then write. Nothing below throws.
     if (write_through) {
-      for (const auto& [b, h] : recent_registered_) {
+      for (const auto& [b, h] : host_.recent_registered()) {
         const std::uint32_t g = group_of_block(b);
         if (ix(g).hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h, g);
       }
-      recent_registered_.clear();
+      host_.recent_registered().clear();
     }
     for (std::size_t g = 0; g < G; ++g) {
       sizes_out[g] = BatchMetadataSizes{};
@@ -1643,9 +1630,9 @@ class KVCacheManager {
     copies_.clear_taken();
     // The swaps: every queued copy under this build's token, into group 0's buffers.
     if (host_) {
-      const std::uint64_t token = transfers_.issue();
+      const std::uint64_t token = host_.transfers().issue();
       std::size_t o = 0, i = 0;
-      for (const Transfer<Id>& t : transfers_.in_flight()) {
+      for (const Transfer<Id>& t : host_.transfers().in_flight()) {
         if (token == 0 || t.token != token) continue;
         if (is_device_to_host(t.kind)) {
           buf0.swap_out[2 * o] = static_cast<std::int32_t>(t.device);
@@ -1758,15 +1745,7 @@ class KVCacheManager {
     std::size_t hit_blocks = 0;     // k: logical blocks served by the cache
     std::size_t host_hit_blocks = 0;  // logical blocks of the hit some group serves from the host tier
   };
-  // An admission plan's hits: [groups x hit_blocks] group-major (0 = a null entry: before a windowed group's window),
-  // with on_host[j]: entry j is a host-tier block, to be onboarded. Plus the fixed point's scratch.
-  struct PlanScratch {
-    std::vector<Id> hits;
-    std::vector<bool> on_host;
-    std::vector<Id> found;             // fixed point: [groups x walk] the cached block (0 = miss)
-    std::vector<std::uint8_t> looked;  // [groups x walk] 0 = not looked up, 1 = device, 2 = host, 3 = miss
-    std::vector<std::uint32_t> run;
-  };
+  using PlanScratch = detail::HitScratch<Id>;  // an admission plan's hits, the fixed point's scratch
 
   void check_prepared(const PreparedPrompt& p, const char* what) const {
     validate_prompt(p.tokens, p.keys.get(), what, nullptr);
@@ -1798,66 +1777,28 @@ class KVCacheManager {
 
   // Plan an admission of a validated prompt: the prompt's block hashes appended to `hashes` (unless `hashes_ready`:
   // a PreparedPrompt's, then `hashes` is only read), the hit blocks into `sc.hits` / `sc.on_host`, what it would take. Pure. One full-attention
-  // group: the walk is pipelined (the home group of block i's hash is prefetched while block i + 1 is hashed, or,
-  // with ready hashes, while block i - 1 is looked up) and a block missing from the device index is looked up in
-  // the host tier (ready blocks only). Otherwise: the fixed point over groups (plan_groups).
+  // group: the pipelined walk over both tiers (detail::one_group_hit). Otherwise: the fixed point over groups
+  // (plan_groups). The search finds the hit; what it costs each group is counted here.
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
                             std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
     if (!layout_.simple) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
-    std::vector<Id>& hits = sc.hits;
-    std::vector<bool>& on_host = sc.on_host;
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
     const std::size_t usable = alloc_.num_usable_blocks();
-    hits.clear();
-    on_host.clear();
+    sc.hits.clear();
+    sc.on_host.clear();
     if (total_blocks > usable) {
       return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0, 0, 0, 0};
     }
     const std::size_t full = config_.enable_prefix_caching ? prompt.size() / bs : 0;
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = std::min(full, cap / bs);
-    std::size_t evictable_hits = 0;
-    std::size_t host_hits = 0;
-    bool walking = walk > 0;
-    const auto look = [&](std::size_t j) {  // block j of the walk, in order, until the first miss in both tiers
-      if (!walking) return;
-      if (j >= walk) {
-        walking = false;
-        return;
-      }
-      if (const auto b = index_.find(hashes[j])) {
-        hits.push_back(*b);
-        on_host.push_back(false);
-        if (alloc_.is_cached(*b)) ++evictable_hits;
-        return;
-      }
-      if (host_) {
-        if (const auto hb = host_->find_ready(hashes[j])) {
-          hits.push_back(*hb);
-          on_host.push_back(true);
-          ++host_hits;
-          return;
-        }
-      }
-      walking = false;
-    };
-    if (!hashes_ready) {
-      hashes.reserve(full);
-      for (std::size_t i = 0; i < full; ++i) {
-        const BlockHash& parent = i == 0 ? index_.root() : hashes[i - 1];
-        hashes.push_back(index_.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys));
-        if (walking && i < walk) index_.prefetch(hashes[i]);
-        if (i > 0) look(i - 1);
-      }
-      if (full > 0) look(full - 1);
-    } else {
-      for (std::size_t j = 0; j < walk && walking; ++j) {
-        if (j + 1 < walk) index_.prefetch(hashes[j + 1]);
-        look(j);
-      }
-    }
-    const std::size_t k = hits.size();
+    const detail::HitCounts hit =
+        detail::one_group_hit(index_, host_.get(), prompt, bs, full, walk, keys, hashes, hashes_ready,
+                              [&](Id b) { return alloc_.is_cached(b); }, sc);
+    const std::size_t evictable_hits = hit.evictable;
+    const std::size_t host_hits = hit.host;
+    const std::size_t k = hit.k;
     const std::size_t cached = k * bs;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
     // Device blocks: one per host hit (its onboarding destination) plus the new ones.
@@ -1883,41 +1824,12 @@ class KVCacheManager {
     if (config_.enable_prefix_caching && !hashes_ready) index_.hash_full_blocks(prompt, bs, keys, hashes);
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = config_.enable_prefix_caching ? std::min(full, cap / bs) : 0;
-    sc.found.assign(G * walk, Id{0});
-    sc.looked.assign(G * walk, 0);
-    const auto look = [&](std::size_t g, std::size_t i) {  // 1 device, 2 host, 3 miss; looked up once each
-      std::uint8_t& l = sc.looked[g * walk + i];
-      if (l == 0) {
-        const CachedAt c = cached_at(hashes[i], g);
-        sc.found[g * walk + i] = c.block;
-        l = c.tier != 0 ? c.tier : 3;
-      }
-      return l;
-    };
-    const std::size_t k = detail::fixed_point_hit_blocks(
-        layout_.windows, config_.block_size, walk, [&](std::size_t g, std::size_t i) { return look(g, i) != 3; }, sc.run,
-        coarse_factors());
-    sc.hits.assign(G * k, Id{0});
-    sc.on_host.assign(G * k, false);
-    std::size_t evictable = 0, held_hits = 0, host_hits = 0, host_hit_blocks = 0;
-    for (std::size_t i = 0; i < k; ++i) {
-      bool any_host = false;
-      for (std::size_t g = 0; g < G; ++g) {
-        if (i < detail::first_kept_block(layout_.windows[g], k * bs, config_.block_size)) continue;
-        if (is_coarse(g) && (i + 1) % coarse_factor(g) != 0 && i + 1 != k) continue;  // a page ends at i, or the hit
-        const std::uint8_t l = look(g, i);
-        sc.hits[g * k + i] = sc.found[g * walk + i];
-        ++held_hits;
-        if (l == 2) {
-          sc.on_host[g * k + i] = true;
-          ++host_hits;
-          any_host = true;
-        } else if (alloc_.is_cached(sc.found[g * walk + i])) {
-          ++evictable;
-        }
-      }
-      host_hit_blocks += any_host ? 1 : 0;
-    }
+    const detail::HitCounts hit = detail::groups_hit(
+        layout_, walk, [&](std::size_t g, std::size_t i) { return cached_at(hashes[i], g); },
+        [&](Id b) { return alloc_.is_cached(b); }, sc);
+    const std::size_t k = hit.k;
+    const std::size_t held_hits = hit.held, host_hits = hit.host, host_hit_blocks = hit.host_blocks;
+    const std::size_t evictable = hit.evictable;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - k * bs);
     const std::size_t new_per_group = (k * bs + reserved + bs - 1) / bs - k;
     std::size_t new_table_blocks = 0;  // a recurrent group: its state + the checkpoints the reservation completes
@@ -2035,7 +1947,7 @@ class KVCacheManager {
     for (std::size_t j = 0; j < G * k; ++j) {
       if (hit[j] == Id{0}) continue;
       if (on_host[j]) {
-        host_->acquire(hit[j]);  // the onboarding copy's pin on its source
+        host_.tier().acquire(hit[j]);  // the onboarding copy's pin on its source
       } else {
         acquire_block(hit[j]);
       }
@@ -2299,77 +2211,31 @@ class KVCacheManager {
   // With events on: the stored event of host block `hb` (hash `h`, tier `to`) whose copy just completed, with the
   // content remembered when the copy was queued.
   // A host block whose parent is cached in no tier (a write-back copy that completed after its parent left both
-  // tiers) is held back: its event stays in pending_content_, marked in held_back_, so the stream never reports a
-  // block no router could place (llm-d and Dynamo drop a BlockStored with an unknown parent) and event_snapshot
-  // stays what a consumer of the stream holds. It is reported only by an onboarding that makes it a device block;
-  // its eviction reports nothing.
+  // tiers) is held back (HostOffload keeps its event), so the stream never reports a block no router could place
+  // (llm-d and Dynamo drop a BlockStored with an unknown parent) and event_snapshot stays what a consumer of the
+  // stream holds. It is reported only by an onboarding that makes it a device block; its eviction reports nothing.
   void emit_stored_from(Id hb, const BlockHash& h, Medium to, std::uint32_t g) {
-    if (!events_.enabled()) return;
-    const auto it = pending_content_.find(hb);
-    if (it == pending_content_.end()) return;
-    it->second.medium = to;
-    it->second.hash = h;
-    it->second.group = g;
-    if (it->second.parent_hash && !reported_cached(*it->second.parent_hash, g)) {
-      held_back_[hb / 64] |= std::uint64_t{1} << (hb % 64);
-      held_back_list_.push_back(hb);  // room reserved by complete_transfers
-      ++stats_.events_held_back;
-      return;
-    }
-    publish_kept(std::move(it->second));
-    pending_content_.erase(it);
-  }
-  // Publish `content` (a stored event kept aside: a host copy's content, or a device event re-published on
-  // onboarding) as the log's next event: its fields, the log's seq_no. Precondition: room reserved.
-  KVEvent& publish_kept(KVEvent&& content) {
-    KVEvent& out = events_.push(KVEventType::kBlockStored);
-    const std::uint64_t seq_no = out.seq_no;
-    out = std::move(content);
-    out.seq_no = seq_no;
-    return out;
+    host_.emit_stored_from(events_, hb, h, to, g, reported(), stats_.events_held_back);
   }
   // Publish every held-back host block whose parent is reported by now (its own copy completed later in the same
-  // call, or it was stored again), parents before children. Precondition: room for held_back_list_.size() events
-  // reserved.
-  void retry_held_back() noexcept {
-    for (bool progress = true; progress && !held_back_list_.empty();) {
-      progress = false;
-      for (std::size_t i = 0; i < held_back_list_.size();) {
-        const Id hb = held_back_list_[i];
-        const auto it = pending_content_.find(hb);
-        if (it != pending_content_.end() && !reported_cached(*it->second.parent_hash, it->second.group)) {
-          ++i;
-          continue;
-        }
-        held_back_[hb / 64] &= ~(std::uint64_t{1} << (hb % 64));
-        held_back_list_[i] = held_back_list_.back();
-        held_back_list_.pop_back();
-        progress = true;
-        if (it == pending_content_.end()) continue;
-        publish_kept(std::move(it->second));
-        pending_content_.erase(it);
-      }
-    }
-  }
-  [[nodiscard]] bool is_held_back(Id hb) const noexcept {
-    return !held_back_.empty() && ((held_back_[hb / 64] >> (hb % 64)) & 1U) != 0;
+  // call, or it was stored again), parents before children. Precondition: room for their events reserved.
+  void retry_held_back() noexcept { host_.retry_held_back(events_, reported()); }
+  auto reported() const {
+    return [this](const BlockHash& h, std::uint32_t g) { return reported_cached(h, g); };
   }
   // Whether group g's block with hash h is cached in a tier and its BlockStored was published: a device-registered
   // block, or a ready host block not held back.
   [[nodiscard]] bool reported_cached(const BlockHash& h, std::uint32_t g) const {
     const CachedAt c = cached_at(h, g);
-    return c.tier == 1 || (c.tier == 2 && !is_held_back(c.block));
+    return c.tier == 1 || (c.tier == 2 && !host_.is_held_back(c.block));
   }
   // Where group g's block with hash h is cached: tier 1 = the device pool (block: its device block), 2 = a ready
   // host block (block: the host block), 0 = neither (block 0). The device tier is probed first.
-  struct CachedAt {
-    std::uint8_t tier = 0;
-    Id block = 0;
-  };
+  using CachedAt = detail::CachedAt<Id>;
   [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const {
     if (const auto b = ix(g).find(h)) return {1, *b};
     if (host_) {
-      if (const auto hb = host_->find_ready(group_block_key(h, g))) return {2, *hb};
+      if (const auto hb = host_.tier().find_ready(group_block_key(h, g))) return {2, *hb};
     }
     return {};
   }
@@ -2377,14 +2243,7 @@ class KVCacheManager {
   // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
   // `hb` once the copy into it completes.
   void remember_content(const BlockHash& h, Id hb, Medium from, std::size_t g) noexcept {
-    if (!events_.enabled()) return;
-    try {
-      if (auto e = events_.find_stored(h, from, static_cast<std::uint32_t>(g))) {
-        pending_content_.insert_or_assign(hb, std::move(*e));
-      }
-    } catch (...) {  // out of memory: that copy's stored event is lost, nothing else
-      ++stats_.events_lost;
-    }
+    host_.remember_content(events_, h, hb, from, static_cast<std::uint32_t>(g), stats_.events_lost);
   }
 
   // External KV (the public block "External KV"): references through the pool's reference rules.
@@ -2418,7 +2277,7 @@ class KVCacheManager {
   // The host block holding group g's device block b (by its hash), if any.
   [[nodiscard]] std::optional<Id> host_copy_of(Id b, std::size_t g) const {
     const auto h = ix(g).hash_of(b);
-    return h ? host_->find(group_block_key(*h, g)) : std::nullopt;
+    return h ? host_.tier().find(group_block_key(*h, g)) : std::nullopt;
   }
 
   // Held-block accounting per group (several groups or a windowed one; with one full group held = used).
@@ -2707,16 +2566,16 @@ class KVCacheManager {
   // (not ready) and held by the transfer until complete_transfers. Dropped when every host block is held.
   void queue_offload(Id b, const BlockHash& h, std::uint32_t g, std::uint8_t priority = kDefaultRetentionPriority) {
     const BlockHash key = group_block_key(h, g);
-    if (host_->find(key)) return;
-    const auto hb = host_->allocate(&key, host_evictor());
+    if (host_.tier().find(key)) return;
+    const auto hb = host_.tier().allocate(&key, host_evictor());
     if (!hb) {
       ++stats_.offloads_dropped;
       return;
     }
-    if (layout_.num_groups > 1) host_group_of_[*hb] = static_cast<std::uint8_t>(g);
-    host_->set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
+    host_.set_group(*hb, g);
+    host_.tier().set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
     remember_content(h, *hb, Medium::kGpu, g);
-    transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0, g});
+    host_.transfers().push({b, *hb, TransferKind::kOffload, true, h, 0, g});
     ++stats_.offloads;
   }
 
@@ -2724,15 +2583,10 @@ class KVCacheManager {
   auto host_evictor() {
     return [this](Id hb, const BlockHash& key) {
       ++stats_.host_evictions;
-      if (history_.enabled()) record_eviction(key, EvictedTier::kHost, layout_.num_groups > 1 ? host_group_of_[hb] : 0U);
+      if (history_.enabled()) record_eviction(key, EvictedTier::kHost, host_.group_of(hb));
       if (!events_.enabled()) return;
-      if (is_held_back(hb)) {  // never reported: nothing to remove
-        held_back_[hb / 64] &= ~(std::uint64_t{1} << (hb % 64));
-        std::erase(held_back_list_, hb);
-        pending_content_.erase(hb);
-        return;
-      }
-      const std::uint32_t g = layout_.num_groups > 1 ? host_group_of_[hb] : 0U;
+      if (host_.forget_held_back(hb)) return;  // never reported: nothing to remove
+      const std::uint32_t g = host_.group_of(hb);
       KVEvent& e = events_.push(KVEventType::kBlockRemoved);
       e.hash = group_block_key(key, g);  // the key unmixed: the block's hash
       e.medium = Medium::kCpu;
@@ -2746,18 +2600,17 @@ class KVCacheManager {
   // is registered only when filled).
   void queue_fill(Id dst, Id src, TransferKind kind, const BlockHash* h, bool src_pinned, std::size_t g) {
     alloc_.acquire(dst);
-    if (!src_pinned) host_->acquire(src);
-    filling_[dst / 64] |= std::uint64_t{1} << (dst % 64);
-    if (h == nullptr) unkeyed_fill_[dst / 64] |= std::uint64_t{1} << (dst % 64);
-    transfers_.push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0, static_cast<std::uint32_t>(g)});
+    if (!src_pinned) host_.tier().acquire(src);
+    host_.mark_fill(dst, h == nullptr);
+    host_.transfers().push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0, static_cast<std::uint32_t>(g)});
     ++(kind == TransferKind::kOnboard ? stats_.onboards : stats_.swap_ins);
   }
-  [[nodiscard]] bool is_filling(Id b) const noexcept { return ((filling_[b / 64] >> (b % 64)) & 1U) != 0; }
+  [[nodiscard]] bool is_filling(Id b) const noexcept { return host_.is_filling(b); }
   // Filling by a copy that registers nothing when it completes (a swapped-in partial or unhashed block).
-  [[nodiscard]] bool is_unkeyed_fill(Id b) const noexcept { return ((unkeyed_fill_[b / 64] >> (b % 64)) & 1U) != 0; }
+  [[nodiscard]] bool is_unkeyed_fill(Id b) const noexcept { return host_.is_unkeyed_fill(b); }
   // Whether any block of `q` is being filled by a host -> device copy not yet completed.
   [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
-    if (stats_.onboards + stats_.swap_ins == completed_fills_) return false;  // none in flight anywhere
+    if (stats_.onboards + stats_.swap_ins == host_.completed_fills()) return false;  // none in flight anywhere
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       for (Id b : q.table_of(g).blocks()) {
         if (b != Id{0} && is_filling(b)) return true;
@@ -2770,7 +2623,7 @@ class KVCacheManager {
   // unable to throw: events of evictions in both tiers, and the transfers they may queue.
   void reserve_for_allocations(std::size_t device_blocks, std::size_t fills) {
     events_.reserve_more(2 * device_blocks);
-    if (host_) transfers_.reserve_more(device_blocks + fills);
+    if (host_) host_.transfers().reserve_more(device_blocks + fills);
   }
 
   // Release one reference. A block that becomes unreferenced is no longer the destination of a pending copy
@@ -2822,7 +2675,7 @@ class KVCacheManager {
       if (reg == own) {
         alloc_.set_hashed(own, true);
         if (events_.enabled()) record_stored(q, i, h, g);
-        if (host_ && config_.offload == OffloadPolicy::kWriteThrough) recent_registered_.emplace_back(own, h);
+        if (host_ && config_.offload == OffloadPolicy::kWriteThrough) host_.recent_registered().emplace_back(own, h);
         continue;
       }
       if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
@@ -3006,7 +2859,6 @@ class KVCacheManager {
   std::vector<std::size_t> group_cached_;              // [G] when G > 1: blocks registered per group
   std::vector<std::size_t> coarse_indices_;            // [G] a build's page-table entries per coarse group
   std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
-  std::vector<std::uint8_t> host_group_of_;            // [num_host_blocks] when G > 1 with a host tier
   std::vector<std::size_t> held_;                      // [G] blocks held per group (unless layout_.simple)
   std::vector<std::size_t> peak_held_;                 // [G]
   std::size_t peak_used_ = 0;
@@ -3023,17 +2875,8 @@ class KVCacheManager {
   std::vector<std::uint32_t> qlen_scratch_;            // build: tokens scheduled per batch row
   std::unordered_set<SeqId> preempted_;                // preempted ids not yet re-admitted
   std::vector<Id> onboard_scratch_;                    // admission, resume: [groups x blocks] device blocks
-  std::unique_ptr<host_tier_type> host_;               // null = no host tier
-  TransferQueue<Id> transfers_;
-  std::vector<std::uint64_t> filling_;                 // [ceil(num_blocks / 64)] device blocks a fill targets
-  std::vector<std::uint64_t> unkeyed_fill_;            // [ceil(num_blocks / 64)] of those, fills carrying no hash
-  std::uint64_t completed_fills_ = 0;                  // onboard + swap-in transfers completed
-  std::vector<std::pair<Id, BlockHash>> recent_registered_;  // write-through: registered by the last build
-  std::vector<Transfer<Id>> completed_scratch_;
+  detail::HostOffload<Id, host_tier_type> host_;       // host tier, transfers, fills, held-back host events
   std::unordered_map<SeqId, SwappedSequence> swapped_;  // preempted by swapping, resumable
-  std::unordered_map<Id, KVEvent> pending_content_;     // events on: host block -> content of its stored event
-  std::vector<std::uint64_t> held_back_;               // events on, host tier: host blocks whose event is held back
-  std::vector<Id> held_back_list_;                     // the host blocks marked in held_back_
   EventLog events_;
   EvictionHistory history_;                            // recent evictions, for miss causes (capacity 0 = off)
   RetentionTimePoint retention_now_{};                 // the retention clock (expire_retention)
