@@ -9,17 +9,8 @@
 #   scripts/vllm-e2e.sh [BUILD_DIR]      BUILD_DIR holds the built _pagedkv (default build-python)
 # Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-root=$(pwd)
-build=$(cd "${1:-build-python}" && pwd)
-venv=${PAGEDKV_VLLM_VENV:-${HOME:-/root}/.cache/pagedkv/vllm-0.32.0-venv}
-py="$venv/bin/python"
-[ -x "$py" ] || { echo "vllm-e2e: no vLLM venv at $venv (run scripts/install-deps.sh)" >&2; exit 1; }
-[ -f "$build/python/pagedkv/vllm.py" ] || { echo "vllm-e2e: $build/python/pagedkv has no vllm.py (build _pagedkv)" >&2; exit 1; }
-out="$build/vllm-e2e"
-rm -rf "$out" && mkdir -p "$out"
-export HF_HOME="$out/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
-export PYTHONPATH="$build/python:$root/python/vllm_compat"
+tool=vllm-e2e
+source "$(dirname "$0")/vllm-env.sh"
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING} VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 e2e=python/vllm_compat/e2e.py

@@ -9,15 +9,8 @@
 # Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
 # PAGEDKV_VLLM_UPDATE=1 rewrites the expected results instead of comparing.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-root=$(pwd)
-build=$(cd "${1:-build-python}" && pwd)
-venv=${PAGEDKV_VLLM_VENV:-${HOME:-/root}/.cache/pagedkv/vllm-0.32.0-venv}
-py="$venv/bin/python"
-[ -x "$py" ] || { echo "vllm-tests: no vLLM venv at $venv (run scripts/install-deps.sh)" >&2; exit 1; }
-[ -f "$build/python/pagedkv/vllm.py" ] || { echo "vllm-tests: $build/python/pagedkv has no vllm.py (build _pagedkv)" >&2; exit 1; }
-out="$build/vllm-tests"
-rm -rf "$out" && mkdir -p "$out"
+tool=vllm-tests
+source "$(dirname "$0")/vllm-env.sh"
 
 # vLLM's scheduler tests build a ModelConfig of facebook/opt-125m: its config.json (architecture facts only, no
 # weights) is laid out as an offline Hugging Face cache; nothing is downloaded.
@@ -25,8 +18,6 @@ snap="$out/hf/hub/models--facebook--opt-125m/snapshots/0000000000000000000000000
 mkdir -p "$snap" "$out/hf/hub/models--facebook--opt-125m/refs"
 cp python/vllm_compat/hf/opt-125m/config.json "$snap/"
 printf 0000000000000000000000000000000000000000 > "$out/hf/hub/models--facebook--opt-125m/refs/main"
-export HF_HOME="$out/hf" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
-export PYTHONPATH="$build/python:$root/python/vllm_compat"
 export VLLM_LOGGING_LEVEL=ERROR
 
 tests=(tests/v1/core/test_scheduler.py tests/v1/core/test_prefix_caching.py
