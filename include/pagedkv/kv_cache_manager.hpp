@@ -1272,7 +1272,9 @@ class KVCacheManager {
   /// plan.first_block, ticket.num_blocks() == plan.num_blocks. Counts the import's blocks (transferred, skipped
   /// thanks to the local hit) when admitted, never at plan time. Throws kInvalidArgument, nothing changed, when the
   /// local prefix hit is no longer the plan's (a block was registered or evicted in between: plan again), or when
-  /// the plan does not fit this pool or prompt (groups, token range); otherwise as the other overload.
+  /// the plan does not fit this pool or prompt (groups, token range); otherwise as the other overload. Should the
+  /// admission itself hit otherwise than `lookup` said (not expected), it is undone (the sequence freed, its fill
+  /// aborted as quiescent: no transfer has its ticket) before the same error.
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt, const ImportPlan<Id>& plan,
                                              const RequestKeys* keys = nullptr, const AdmitOptions& opts = {},
                                              std::size_t headroom_blocks = 0) {
