@@ -1681,7 +1681,9 @@ class Driver {
   /// check_claim of `entries` of a hold's blocks (or an ended / unknown id), with at most one fault; the expected
   /// answer is computed from the mirror, entry by entry (first block not in a live lease or pin, first stale one).
   void op_ext_claim(ByteReader& r) {
-    const std::uint64_t id = x_pick(r.u8());
+    const std::uint8_t pick = r.u8();  // < 192 with holds live: the (pick % holds)-th live hold; else any id
+    std::uint64_t id = x_pick(pick);
+    if (pick < 192 && !x_holds_.empty()) id = std::next(x_holds_.begin(), pick % x_holds_.size())->first;
     const std::size_t entries = r.u8() % 9;
     const std::uint8_t fault = r.u8() % 3;
     const std::uint8_t pos = r.u8();
