@@ -225,6 +225,38 @@ enum class ExternalSignal : std::uint8_t {
   return "applied";
 }
 
+/// Why a consumer's claim on a producer hold is refused (`KVCacheManager::check_claim`).
+enum class ClaimStatus : std::uint8_t {
+  kOk = 0,               ///< Every entry names a block of the hold at its current generation.
+  kUnknownHold = 1,      ///< No live lease or save pin has that id (never issued, released, expired, or an
+                         ///< orphan hold, which no consumer may read): nothing of the claim may be served.
+  kNotInHold = 2,        ///< The entry's block is not one of the hold's blocks.
+  kStaleGeneration = 3,  ///< The entry's block is in the hold but its generation is not the block's now (a reference
+                         ///< from an earlier hold of a reused block: vLLM #52234).
+};
+
+/// "ok", "unknown_hold", "not_in_hold", "stale_generation".
+[[nodiscard]] constexpr const char* to_string(ClaimStatus s) noexcept {
+  switch (s) {
+    case ClaimStatus::kUnknownHold: return "unknown_hold";
+    case ClaimStatus::kNotInHold: return "not_in_hold";
+    case ClaimStatus::kStaleGeneration: return "stale_generation";
+    case ClaimStatus::kOk: break;
+  }
+  return "ok";
+}
+
+/// Result of `KVCacheManager::check_claim`: the producer's answer to a consumer's claim (hold id + entries of
+/// (block id, generation)), naming the first entry that fails and why, so the producer can refuse a read with a
+/// precise reason instead of one pass/fail per block (is_current_block).
+struct ClaimCheck {
+  ClaimStatus status = ClaimStatus::kOk;
+  std::size_t entry = 0;                   ///< The first failing entry's index (0 for kUnknownHold; the number of
+                                           ///< entries when kOk).
+  std::uint32_t current_generation = 0;    ///< kStaleGeneration: the block's generation now.
+  [[nodiscard]] bool ok() const noexcept { return status == ClaimStatus::kOk; }
+};
+
 /// Result of `KVCacheManager::complete_external_fill`.
 struct ExternalCompletion {
   ExternalSignal signal = ExternalSignal::kUnknown;  ///< kApplied: the fill was live; else counted, nothing changed

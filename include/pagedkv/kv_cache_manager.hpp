@@ -1254,6 +1254,36 @@ class KVCacheManager {
     return r;
   }
 
+  /// Consumer: `try_admit_external` of the tokens import `plan` (plan_import's, for this `prompt` and `keys`)
+  /// provides, so that the ticket pairs one to one with plan.remote_blocks: ticket.first_block ==
+  /// plan.first_block, ticket.num_blocks() == plan.num_blocks. Counts the import's blocks (transferred, skipped
+  /// thanks to the local hit) when admitted, never at plan time. Throws kInvalidArgument, nothing changed, when the
+  /// local prefix hit is no longer the plan's (a block was registered or evicted in between: plan again), or when
+  /// the plan does not fit this pool or prompt (groups, token range); otherwise as the other overload. Should the
+  /// admission itself hit otherwise than `lookup` said (not expected), it is undone (the sequence freed, its fill
+  /// aborted as quiescent: no transfer has its ticket) before the same error.
+  ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt, const ImportPlan<Id>& plan,
+                                             const RequestKeys* keys = nullptr, const AdmitOptions& opts = {},
+                                             std::size_t headroom_blocks = 0) {
+    detail::check_external_groups(config_, layout_, "try_admit_external");
+    const std::size_t hit = prompt.empty() ? 0 : lookup(prompt, keys, opts.max_cached_tokens);
+    detail::check_plan_matches(plan, layout_.num_groups, config_.block_size, prompt.size(), hit);
+    ExternalAdmitResult<Id> r =
+        try_admit_external(seq, prompt, plan.end_token - plan.first_token, keys, opts, headroom_blocks);
+    if (!r.admit.admitted()) return r;
+    if (r.admit.num_cached_tokens != plan.first_token ||
+        (r.ticket.fill_id != 0 && (r.ticket.first_block != plan.first_block ||
+                                   r.ticket.num_blocks() != plan.num_blocks))) [[unlikely]] {
+      abort_sequence(seq, true);  // no transfer started on this ticket yet
+      detail::raise(Errc::kInvalidArgument,
+                    "try_admit_external: the admission hit " + std::to_string(r.admit.num_cached_tokens) +
+                        " tokens, the import plan's local hit is " + std::to_string(plan.first_token) +
+                        ": plan again (the admission was undone)");
+    }
+    ext_.count_import(plan.num_blocks * layout_.num_groups, plan.skipped_blocks * layout_.num_groups);
+    return r;
+  }
+
   /// The fill `fill_id` is done: its first `num_valid_blocks` blocks (per group, from the ticket's first_block)
   /// hold the external K/V, the rest failed (vLLM's `finished_recving` with `invalid_block_ids`). The fill's
   /// references go; the valid prefix counts as computed (num_built: first_token + num_valid_blocks x block_size, or
@@ -1377,6 +1407,49 @@ class KVCacheManager {
   /// Whether (block, generation) is a reference an external hold keeps now: a transfer checks it before it serves
   /// or writes a block; a stale one (the hold ended, so the block may have been reused) is refused and counted.
   [[nodiscard]] bool is_current_block(Id b, std::uint32_t generation) { return ext_.is_current(b, generation); }
+  /// Producer: check a consumer's claim in one call: lease or save pin `hold_id` and entries (blocks[i],
+  /// generations[i]) (a descriptor's or an import plan's remote blocks, any subset, any order). kOk when every entry
+  /// names a block of that hold at its current generation; otherwise the first failing entry and why (unknown hold,
+  /// block not in the hold, stale generation: counted in stale_generations). Nothing else changes. Throws
+  /// kInvalidArgument when the spans differ in length.
+  [[nodiscard]] ClaimCheck check_claim(std::uint64_t hold_id, std::span<const Id> blocks,
+                                       std::span<const std::uint32_t> generations) {
+    return ext_.check_claim(hold_id, blocks, generations);
+  }
+  /// Evict device block `b`'s hash now, by id (vLLM's `evict_blocks` after a failed load: the block's content is
+  /// wrong, so its hash must never be served): it leaves the prefix index at once (BlockRemoved, and the eviction
+  /// history, as other evictions), and loses its hashed mark. A cached block becomes free; a block a table or an
+  /// external hold still references stays there, never matchable again, and becomes free on its last release.
+  /// Returns whether b was registered (false: nothing to evict; nothing changes). Throws kBlockOutOfRange (b == 0
+  /// or b >= num_blocks); std::bad_alloc before any change. The host tier's copy of that hash, if any, is not
+  /// touched (it holds the content written before the failed load).
+  bool evict_cached_block(Id b) {
+    if (b == Id{0} || b >= alloc_.num_blocks()) {
+      detail::raise(Errc::kBlockOutOfRange, "evict_cached_block: block " + std::to_string(b) + " outside [1, " +
+                                                std::to_string(alloc_.num_blocks()) + ")");
+    }
+    if (!alloc_.is_hashed(b)) return false;
+    events_.reserve_more(1);
+    const std::uint32_t g = group_of_block(b);
+    const auto key = index_.erase_block(b);
+    if (key) {
+      const BlockHash h = layout_.num_groups > 1 ? unregistered_from_group(*key, g) : *key;
+      if (history_.enabled()) record_eviction(*key, EvictedTier::kDevice, g);
+      if (events_.enabled()) {
+        KVEvent& e = events_.push(KVEventType::kBlockRemoved);
+        e.hash = h;
+        e.group = g;
+      }
+    }
+    if (alloc_.refcount(b) == 0) {  // cached: to the free list (an unhashed release frees)
+      alloc_.acquire(b);
+      alloc_.set_hashed(b, false);
+      alloc_.release(b);
+    } else {
+      alloc_.set_hashed(b, false);
+    }
+    return key.has_value();
+  }
   /// External clock tick: ends every lease, save pin and orphan hold whose deadline is at or before `now`; records
   /// `now` for the orphan deadlines of later aborts. Returns how many ended. O(holds).
   std::size_t reap_external(ExternalTimePoint now) { return ext_.tick(now, ext_release()); }
@@ -1390,7 +1463,8 @@ class KVCacheManager {
   /// vLLM #42895), then the descriptor's shape (blocks per group = ceil(num_tokens / block_size), computed from the
   /// token count, never trusted: vLLM #50558), then the identities of the blocks to transfer against this prompt's.
   /// Only the blocks after this pool's own prefix hit are planned (the hit is not transferred again), up to
-  /// importable_tokens (the last prompt token is computed here). Counts blocks transferred and skipped. Throws
+  /// importable_tokens (the last prompt token is computed here). Counts nothing: the blocks transferred and
+  /// skipped are counted by the admission that takes the plan (try_admit_external with the plan). Throws
   /// kInvalidArgument (each check above, naming the values; an unsupported group kind).
   ImportPlan<Id> plan_import(const HandoffDescriptor<Id>& desc, const KvLayoutFingerprint& ours,
                              std::span<const TokenId> prompt, const RequestKeys* keys = nullptr) {
@@ -1404,7 +1478,6 @@ class KVCacheManager {
           return detail::block_identities(prompt, prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),
                                           config_.block_size, desc.layout, "plan_import");
         });
-    ext_.count_import(p.num_blocks * layout_.num_groups, p.skipped_blocks * layout_.num_groups);
     return p;
   }
  private:

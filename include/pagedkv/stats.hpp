@@ -31,8 +31,8 @@ struct ExternalKvCounters {
   std::uint64_t duplicate_signals = 0;   ///< Second signals for a fill or hold that ended by its signal.
   std::uint64_t unknown_signals = 0;     ///< Signals naming an id never issued.
   std::uint64_t stale_generations = 0;   ///< Block references refused for a generation that is not current.
-  std::uint64_t blocks_transferred = 0;  ///< Import plans: blocks to transfer (all groups).
-  std::uint64_t blocks_skipped = 0;      ///< Import plans: blocks not transferred thanks to the local prefix hit.
+  std::uint64_t blocks_transferred = 0;  ///< Admitted imports (with a plan): blocks to transfer (all groups).
+  std::uint64_t blocks_skipped = 0;      ///< Admitted imports: blocks not transferred thanks to the local prefix hit.
   std::size_t fills_in_flight = 0;       ///< Now: fills not yet completed.
   std::size_t holds_active = 0;          ///< Now: leases, save pins and orphan holds.
   std::size_t blocks_held = 0;           ///< Now: distinct blocks with at least one external reference.

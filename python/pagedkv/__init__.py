@@ -30,6 +30,8 @@ from ._pagedkv import (  # noqa: F401  (re-exported)
     CacheStats,
     CapacityQuery,
     CapacityStatus,
+    ClaimCheck,
+    ClaimStatus,
     DEFAULT_RETENTION_PRIORITY,
     DoubleFreeError,
     DuplicateSequenceError,

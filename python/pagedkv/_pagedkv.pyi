@@ -1212,9 +1212,16 @@ class KVCacheManager:
         The build of a manager with KV-cache groups: `groups[g]` holds group g's output arrays, as a dict of the one-group call's buffer keywords (BatchMetadataBuffers.kwargs()) or a BatchMetadataBuffers; one entry per group (num_groups). Each group gets its own page table (the null block 0 before a windowed group's window), slot mapping and copy list; seq_lens and qo_indptr are equal in every group; the host tier's swap lists go into group 0's buffers. Returns the sizes written, one per group. Written in place with the GIL released, as the one-group call. Raises TypeError (an unknown key, an array of the wrong dtype, layout or writability), BadShapeError (len(groups) != num_groups, a buffer too small) and as the one-group call; then nothing is written and nothing changes.
         """
 
+    @overload
     def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
         """
         Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. Every group must be full attention today. Raises as try_admit, and InvalidArgumentError for a group kind external KV does not support.
+        """
+
+    @overload
+    def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], plan: ImportPlan, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
+        """
+        Consumer: try_admit_external of the tokens import `plan` (plan_import's, for this prompt and keys) provides; the ticket pairs one to one with plan.remote_blocks. Counts the import's blocks (transferred, skipped) when admitted, never at plan time. Raises InvalidArgumentError, nothing changed, when the local prefix hit changed since the plan (plan again) or the plan does not fit this pool or prompt.
         """
 
     def complete_external_fill(self, fill_id: int, num_valid_blocks: int | None = None, *, failed_blocks: Sequence[int] | None = None, policy: ExternalFailurePolicy = ExternalFailurePolicy.RECOMPUTE) -> ExternalCompletion:
@@ -1265,6 +1272,16 @@ class KVCacheManager:
         Whether (block, generation) is a reference an external hold keeps now; a stale one is counted (stale_generations) and must be refused by the transfer.
         """
 
+    def check_claim(self, hold_id: int, blocks: Sequence[int], generations: Sequence[int]) -> ClaimCheck:
+        """
+        Producer: check a consumer's claim in one call (lease or save pin `hold_id`, entries (blocks[i], generations[i]), any subset, any order): a ClaimCheck, OK or the first failing entry and why (UNKNOWN_HOLD, NOT_IN_HOLD, STALE_GENERATION: counted in stale_generations). Raises InvalidArgumentError when the lists differ in length.
+        """
+
+    def evict_cached_block(self, block: int) -> bool:
+        """
+        Evict `block`'s hash now (vLLM's evict_blocks after a failed load): it leaves the prefix index (BlockRemoved event); a cached block becomes free, a block still in a table or a hold stays there, never matchable again. Returns whether it was registered. Raises BlockOutOfRangeError.
+        """
+
     def reap_external(self, now: float) -> int:
         """
         External clock tick (seconds): ends every lease, save pin and orphan hold whose deadline is at or before `now`; returns how many ended. Call it every step.
@@ -1277,7 +1294,7 @@ class KVCacheManager:
 
     def plan_import(self, desc: HandoffDescriptor, ours: KvLayoutFingerprint, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None) -> ImportPlan:
         """
-        Consumer: what to transfer of hand-off `desc` for `prompt`: the fingerprints first (a mismatch raises InvalidArgumentError naming the field), then the descriptor's shape from its token count, then the identities against this prompt's. Only the blocks after this pool's own prefix hit are planned, up to importable_tokens. Counts blocks transferred and skipped.
+        Consumer: what to transfer of hand-off `desc` for `prompt`: the fingerprints first (a mismatch raises InvalidArgumentError naming the field), then the descriptor's shape from its token count, then the identities against this prompt's. Only the blocks after this pool's own prefix hit are planned, up to importable_tokens. Counts nothing: try_admit_external with the plan counts the blocks transferred and skipped when admitted.
         """
 
     def external_counters(self) -> ExternalKvCounters:
@@ -1675,11 +1692,11 @@ class ExternalKvCounters:
 
     @property
     def blocks_transferred(self) -> int:
-        """Import plans: blocks to transfer."""
+        """Admitted imports: blocks to transfer."""
 
     @property
     def blocks_skipped(self) -> int:
-        """Import plans: blocks served by the local hit."""
+        """Admitted imports: blocks served by the local hit."""
 
     @property
     def fills_in_flight(self) -> int:
@@ -1692,6 +1709,48 @@ class ExternalKvCounters:
     @property
     def blocks_held(self) -> int:
         """Now: distinct blocks with an external reference."""
+
+class ClaimStatus(enum.IntEnum):
+    """Why a consumer's claim on a producer hold is refused (check_claim)."""
+
+    OK = 0
+    """Every entry names a block of the hold at its current generation."""
+
+    UNKNOWN_HOLD = 1
+    """
+    No live lease or save pin has that id (never issued, released, expired, or an orphan hold).
+    """
+
+    NOT_IN_HOLD = 2
+    """The entry's block is not one of the hold's blocks."""
+
+    STALE_GENERATION = 3
+    """
+    The entry's block is in the hold at another generation (a reference from an earlier hold).
+    """
+
+class ClaimCheck:
+    """Result of check_claim: the first failing entry and why."""
+
+    @property
+    def status(self) -> ClaimStatus:
+        """OK, or why the claim is refused."""
+
+    @property
+    def entry(self) -> int:
+        """
+        The first failing entry's index (0 for UNKNOWN_HOLD; the number of entries when OK).
+        """
+
+    @property
+    def current_generation(self) -> int:
+        """STALE_GENERATION: the block's generation now."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the claim holds."""
+
+    def __repr__(self) -> str: ...
 
 def importable_tokens(producer_tokens: int, prompt_len: int, local_hit_tokens: int) -> int:
     """

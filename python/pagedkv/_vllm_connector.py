@@ -18,9 +18,8 @@ external-KV lifecycle (issue 33: ``try_admit_external``, ``complete_external_fil
   transfer_quiescent=True)``: vLLM frees a receiving request only after its worker reported the receive finished
   (``finished_recving``) or failed, so no transfer writes its blocks any more;
 - ``evict_blocks(block_ids)`` (sync load failures under the fail policy): the blocks' hashes must not be served.
-  pagedkv's C++ manager has no eviction by block id; the adapter remembers each block with the hash it held and caps
-  every later lookup before the first such block while it still holds that hash (``_cap_hit``); a block that is
-  reused or re-registered with other content is served again.
+  ``evict_cached_block`` per block: the hash leaves pagedkv's prefix index at once (a BlockRemoved event); a block
+  still in a table stays there, never matchable again.
 
 The rest of the connector-facing interface was there already: ``get_computed_blocks_for_connector``,
 ``get_block_ids`` / ``get_blocks`` (update_state_after_alloc), ``get_block_ids_for_computed_tokens``
@@ -42,7 +41,7 @@ class ConnectorMixin:
 
     def _connector_init(self) -> None:
         self._fill_of_seq: dict[int, tuple[int, int, int]] = {}  # seq -> (fill id, the ticket's token range)
-        self._evicted: dict[int, bytes] = {}  # block id -> the hash it held when evict_blocks named it
+        self._evicted: dict[int, bytes] = {}  # always empty: evict_blocks evicts in the manager (vllm.py tests it)
         self._fill_built: dict[int, int] = {}  # seq -> positions built (a completed fill's end), more pending
         self._fill_blocks: dict[int, list[int]] = {}  # seq -> its open fill's blocks (each holds a reference)
         attach_views(self)
@@ -200,30 +199,16 @@ class ConnectorMixin:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         """Stop serving the cached content of `block_ids` (vLLM: failed sync KV loads under the fail policy, the
-        invalid blocks and those after them). Each block is remembered with the hash it holds now; later lookups
-        stop before it while it holds that hash (pagedkv has no eviction by block id: the hash stays in its index
-        until the block is reused). Blocks without a hash are ignored, as vLLM's block pool ignores them."""
+        invalid blocks and those after them): each block's hash leaves the prefix index now
+        (``evict_cached_block``, a BlockRemoved event); a block still in a table stays there, unmatchable. Blocks
+        without a hash, and ids outside the pool, are ignored, as vLLM's block pool ignores them."""
         for b in block_ids:
             b = int(b)
-            if not 0 < b < len(self._blocks):
-                continue
-            h = self._pk.block_hash(b)
-            if h is not None:
-                self._evicted[b] = h
+            if 0 < b < len(self._blocks):
+                self._pk.evict_cached_block(b)
 
     def _cap_hit(self, hit: int, ids):
-        """A lookup's hit capped before the first block evict_blocks named that still holds the hash it held."""
-        if not self._evicted or not hit:
-            return hit, ids
-        n = hit // self.block_size
-        for i, b in enumerate(ids[0][:n]):
-            h = self._evicted.get(b)
-            if h is None:
-                continue
-            if self._pk.block_hash(b) != h:
-                del self._evicted[b]  # reused since: its new content is served
-                continue
-            return i * self.block_size, tuple(list(g[:i]) for g in ids)
+        """The hit unchanged (evict_blocks evicts in the manager; kept for vllm.py's call while _evicted is empty)."""
         return hit, ids
 
 
@@ -317,8 +302,7 @@ def _block_state_class():
         def block_hash(self):
             if self.block_id == 0:
                 return None
-            h = self._owner._pk.block_hash(self.block_id)
-            return None if h is not None and self._owner._evicted.get(self.block_id) == h else h
+            return self._owner._pk.block_hash(self.block_id)
 
         @property
         def _block_hash(self):
@@ -354,8 +338,8 @@ class _BlocksView:
 
 
 class _CachedHashesView:
-    """block_pool.cached_block_hash_to_block: only its size (blocks registered in the prefix index, less those
-    evict_blocks named); its entries are NotProvided."""
+    """block_pool.cached_block_hash_to_block: only its size (blocks registered in the prefix index); its entries
+    are NotProvided."""
 
     def __init__(self, owner):
         self._owner = owner
@@ -369,9 +353,7 @@ class _CachedHashesView:
 
     def __len__(self):
         pk = self._owner._pk
-        ev = self._owner._evicted
-        return sum(1 for b in range(1, len(self._owner._blocks))
-                   if (h := pk.block_hash(b)) is not None and ev.get(b) != h)
+        return sum(1 for b in range(1, len(self._owner._blocks)) if pk.block_hash(b) is not None)
 
 
 def attach_views(owner) -> None:

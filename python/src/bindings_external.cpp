@@ -229,11 +229,32 @@ void bind_types(nb::module_& m) {
       .def_ro("unknown_signals", &ExternalKvCounters::unknown_signals)
       .def_ro("stale_generations", &ExternalKvCounters::stale_generations,
               "Block references refused by is_current_block.")
-      .def_ro("blocks_transferred", &ExternalKvCounters::blocks_transferred, "Import plans: blocks to transfer.")
-      .def_ro("blocks_skipped", &ExternalKvCounters::blocks_skipped, "Import plans: blocks served by the local hit.")
+      .def_ro("blocks_transferred", &ExternalKvCounters::blocks_transferred, "Admitted imports: blocks to transfer.")
+      .def_ro("blocks_skipped", &ExternalKvCounters::blocks_skipped,
+              "Admitted imports: blocks served by the local hit.")
       .def_ro("fills_in_flight", &ExternalKvCounters::fills_in_flight, "Now: fills not yet completed.")
       .def_ro("holds_active", &ExternalKvCounters::holds_active, "Now: leases, save pins and orphan holds.")
       .def_ro("blocks_held", &ExternalKvCounters::blocks_held, "Now: distinct blocks with an external reference.");
+
+  nb::enum_<ClaimStatus>(m, "ClaimStatus", nb::is_arithmetic(),
+                         "Why a consumer's claim on a producer hold is refused (check_claim).")
+      .value("OK", ClaimStatus::kOk, "Every entry names a block of the hold at its current generation.")
+      .value("UNKNOWN_HOLD", ClaimStatus::kUnknownHold,
+             "No live lease or save pin has that id (never issued, released, expired, or an orphan hold).")
+      .value("NOT_IN_HOLD", ClaimStatus::kNotInHold, "The entry's block is not one of the hold's blocks.")
+      .value("STALE_GENERATION", ClaimStatus::kStaleGeneration,
+             "The entry's block is in the hold at another generation (a reference from an earlier hold).");
+  nb::class_<ClaimCheck>(m, "ClaimCheck", "Result of check_claim: the first failing entry and why.")
+      .def_ro("status", &ClaimCheck::status, "OK, or why the claim is refused.")
+      .def_ro("entry", &ClaimCheck::entry,
+              "The first failing entry's index (0 for UNKNOWN_HOLD; the number of entries when OK).")
+      .def_ro("current_generation", &ClaimCheck::current_generation,
+              "STALE_GENERATION: the block's generation now.")
+      .def_prop_ro("ok", &ClaimCheck::ok, "Whether the claim holds.")
+      .def("__repr__", [](const ClaimCheck& c) {
+        return std::string("ClaimCheck(status=") + to_string(c.status) + ", entry=" + std::to_string(c.entry) +
+               ", current_generation=" + std::to_string(c.current_generation) + ")";
+      });
 
   m.def("importable_tokens", &importable_tokens, "producer_tokens"_a, "prompt_len"_a, "local_hit_tokens"_a,
         "The external tokens an import may provide after a local hit: min(producer_tokens, prompt_len - 1) - "
@@ -262,6 +283,24 @@ void bind_methods(nb::class_<Manager>& cls) {
          "are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. "
          "Every group must be full attention today. Raises as try_admit, and InvalidArgumentError for a group kind "
          "external KV does not support.")
+      .def(
+          "try_admit_external",
+          [](Manager& s, SeqId seq, const Tokens& prompt, const Plan& plan, const RequestKeys* keys,
+             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
+             std::size_t headroom_blocks) {
+            AdmitOptions o;
+            o.max_cached_tokens = max_cached_tokens;
+            o.num_reserved_tokens = num_reserved_tokens;
+            return s.work([&](auto& mm) {
+              return mm.try_admit_external(seq, prompt.span(), plan, keys, o, headroom_blocks);
+            });
+          },
+          "seq"_a, "prompt"_a, "plan"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(), "headroom_blocks"_a = 0,
+          "Consumer: try_admit_external of the tokens import `plan` (plan_import's, for this prompt and keys) "
+          "provides; the ticket pairs one to one with plan.remote_blocks. Counts the import's blocks (transferred, "
+          "skipped) when admitted, never at plan time. Raises InvalidArgumentError, nothing changed, when the local "
+          "prefix hit changed since the plan (plan again) or the plan does not fit this pool or prompt.")
       .def(
           "complete_external_fill",
           [](Manager& s, std::uint64_t fill_id, std::optional<std::size_t> num_valid_blocks,
@@ -362,6 +401,26 @@ void bind_methods(nb::class_<Manager>& cls) {
           "Whether (block, generation) is a reference an external hold keeps now; a stale one is counted "
           "(stale_generations) and must be refused by the transfer.")
       .def(
+          "check_claim",
+          [](Manager& s, std::uint64_t hold_id, const std::vector<std::uint32_t>& blocks,
+             const std::vector<std::uint32_t>& generations) {
+            return s.work([&](auto& mm) { return mm.check_claim(hold_id, blocks, generations); });
+          },
+          "hold_id"_a, "blocks"_a, "generations"_a,
+          "Producer: check a consumer's claim in one call (lease or save pin `hold_id`, entries (blocks[i], "
+          "generations[i]), any subset, any order): a ClaimCheck, OK or the first failing entry and why "
+          "(UNKNOWN_HOLD, NOT_IN_HOLD, STALE_GENERATION: counted in stale_generations). Raises "
+          "InvalidArgumentError when the lists differ in length.")
+      .def(
+          "evict_cached_block",
+          [](Manager& s, std::uint32_t block) {
+            return s.work([&](auto& mm) { return mm.evict_cached_block(block); });
+          },
+          "block"_a,
+          "Evict `block`'s hash now (vLLM's evict_blocks after a failed load): it leaves the prefix index "
+          "(BlockRemoved event); a cached block becomes free, a block still in a table or a hold stays there, never "
+          "matchable again. Returns whether it was registered. Raises BlockOutOfRangeError.")
+      .def(
           "reap_external",
           [](Manager& s, double now) {
             const auto t = to_time(now);
@@ -393,7 +452,8 @@ void bind_methods(nb::class_<Manager>& cls) {
           "Consumer: what to transfer of hand-off `desc` for `prompt`: the fingerprints first (a mismatch raises "
           "InvalidArgumentError naming the field), then the descriptor's shape from its token count, then the "
           "identities against this prompt's. Only the blocks after this pool's own prefix hit are planned, up to "
-          "importable_tokens. Counts blocks transferred and skipped.")
+          "importable_tokens. Counts nothing: try_admit_external with the plan counts the blocks transferred "
+          "and skipped when admitted.")
       .def(
           "external_counters",
           [](Manager& s) { return s.work([](auto& mm) { return mm.stats().external; }); },

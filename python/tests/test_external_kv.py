@@ -231,7 +231,8 @@ def test_import_plan_transfers_only_what_the_consumer_lacks(trial):
     assert (plan.first_token, plan.end_token, plan.skipped_blocks) == (local, local + n, local // BS)
     assert plan.remote_blocks == d.blocks[plan.first_block:plan.first_block + plan.num_blocks]
     assert plan.remote_generations == d.generations[plan.first_block:plan.first_block + plan.num_blocks]
-    r = cons.try_admit_external(2, p, plan.end_token - plan.first_token)
+    assert cons.external_counters().blocks_transferred == 0  # counted at admission, never at plan time
+    r = cons.try_admit_external(2, p, plan)
     if plan.num_blocks == 0:
         assert r.ticket is None
     else:
@@ -285,3 +286,71 @@ def test_block_refcount_counts_tables_and_holds():
     assert [m.block_refcount(b) for b in ids] == [0, 0, 0]
     with pytest.raises(pagedkv.BlockOutOfRangeError, match="block 8 >= num_blocks = 8"):
         m.block_refcount(8)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_check_claim_names_the_failing_entry(trial):
+    rng = np.random.default_rng(300 + trial)
+    prod = make()
+    p = rand_prompt(rng, int(rng.integers(9, 40)))
+    prod.try_admit(1, p)
+    build(prod, 1)
+    d = prod.finish_with_lease(1, prod.layout_fingerprint("nhd", "bf16", 2, 64), None)
+    order = rng.permutation(len(d.blocks))
+    blocks = [d.blocks[i] for i in order]
+    gens = [d.generations[i] for i in order]
+    c = prod.check_claim(d.hold_id, blocks, gens)
+    assert c.ok and c.status == pagedkv.ClaimStatus.OK and c.entry == len(blocks)
+    bad = int(rng.integers(0, len(blocks)))
+    stale = list(gens)
+    stale[bad] += 1
+    c = prod.check_claim(d.hold_id, blocks, stale)
+    assert (c.status, c.entry, c.current_generation) == (pagedkv.ClaimStatus.STALE_GENERATION, bad, gens[bad])
+    other = list(blocks)
+    other[bad] = next(b for b in range(1, 48) if b not in d.blocks)
+    c = prod.check_claim(d.hold_id, other, gens)
+    assert (c.status, c.entry) == (pagedkv.ClaimStatus.NOT_IN_HOLD, bad)
+    assert prod.check_claim(d.hold_id + 7, blocks, gens).status == pagedkv.ClaimStatus.UNKNOWN_HOLD
+    with pytest.raises(pagedkv.InvalidArgumentError, match="blocks but"):
+        prod.check_claim(d.hold_id, blocks, gens[:-1])
+    prod.release_lease(d.hold_id)
+    assert prod.check_claim(d.hold_id, blocks, gens).status == pagedkv.ClaimStatus.UNKNOWN_HOLD
+
+
+def test_admission_with_a_stale_plan_is_refused():
+    rng = np.random.default_rng(11)
+    prod, cons = make(), make()
+    p = rand_prompt(rng, 21)
+    prod.try_admit(1, p)
+    build(prod, 1)
+    fp = prod.layout_fingerprint("nhd", "bf16", 2, 64)
+    plan = cons.plan_import(prod.finish_with_lease(1, fp, None), fp, p)
+    cache_prefix(cons, 50, p[:9])  # two blocks registered after the plan
+    with pytest.raises(pagedkv.InvalidArgumentError, match=r"0 tokens then, 8 now"):
+        cons.try_admit_external(2, p, plan)
+    assert not cons.contains(2) and cons.external_counters().blocks_transferred == 0
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_evict_cached_block_leaves_the_index_now(trial):
+    rng = np.random.default_rng(400 + trial)
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=48, block_size=BS, enable_events=True))
+    p = rand_prompt(rng, int(rng.integers(13, 40)))
+    m.try_admit(1, p)
+    build(m, 1)
+    ids = m.block_ids(1).tolist()
+    live = bool(trial % 2)
+    if not live:
+        m.free(1)
+    m.drain_events()
+    victim = int(rng.integers(0, len(p) // BS))
+    assert m.evict_cached_block(ids[victim])
+    assert m.block_hash(ids[victim]) is None
+    assert m.lookup(p) == victim * BS
+    ev = m.drain_events()
+    assert [e.type for e in ev] == [pagedkv.KVEventType.BLOCK_REMOVED]
+    assert not m.evict_cached_block(ids[victim])
+    if live:
+        assert m.block_ids(1).tolist()[victim] == ids[victim]
+    with pytest.raises(pagedkv.BlockOutOfRangeError):
+        m.evict_cached_block(48)

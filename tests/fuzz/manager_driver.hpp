@@ -147,6 +147,7 @@ class Driver {
       case Op::kExtSignal: op_ext_signal(r); break;
       case Op::kExtReap: op_ext_reap(r); break;
       case Op::kExtStale: op_ext_stale(r); break;
+      case Op::kExtClaim: op_ext_claim(r); break;
       case Op::kCount: break;
     }
   }
@@ -1674,6 +1675,68 @@ class Driver {
     log_.result(got ? "true" : "false");
     expect(got == want, "is_current_block(" + std::to_string(blk) + ", " + std::to_string(gen) + ") answered " +
                             std::to_string(got) + ": a stale reference must be refused, a held one served");
+    x_sync_and_check();
+  }
+
+  /// check_claim of `entries` of a hold's blocks (or an ended / unknown id), with at most one fault; the expected
+  /// answer is computed from the mirror, entry by entry (first block not in a live lease or pin, first stale one).
+  void op_ext_claim(ByteReader& r) {
+    const std::uint8_t pick = r.u8();  // < 192 with holds live: the (pick % holds)-th live hold; else any id
+    std::uint64_t id = x_pick(pick);
+    if (pick < 192 && !x_holds_.empty()) id = std::next(x_holds_.begin(), pick % x_holds_.size())->first;
+    const std::size_t entries = r.u8() % 9;
+    const std::uint8_t fault = r.u8() % 3;
+    const std::uint8_t pos = r.u8();
+    const auto it = x_holds_.find(id);
+    std::vector<Id> blocks;
+    std::vector<std::uint32_t> gens;
+    if (it != x_holds_.end() && !it->second.blocks.empty()) {
+      const Blocks& hb = it->second.blocks;
+      for (std::size_t i = 0; i < entries; ++i) {
+        const std::uint64_t b = hb[(pos + 7 * i) % hb.size()];
+        blocks.push_back(static_cast<Id>(b));
+        gens.push_back(x_gen_[b]);
+      }
+      if (!blocks.empty() && fault == 1) ++gens[pos % blocks.size()];
+      if (!blocks.empty() && fault == 2) {
+        for (std::uint64_t b = 1; b <= model_.usable(); ++b) {
+          if (std::find(hb.begin(), hb.end(), b) == hb.end()) {
+            blocks[pos % blocks.size()] = static_cast<Id>(b);
+            break;
+          }
+        }
+      }
+    } else if (model_.usable() != 0) {
+      for (std::size_t i = 0; i < entries; ++i) {
+        blocks.push_back(static_cast<Id>(1 + (pos + i) % model_.usable()));
+        gens.push_back(0);
+      }
+    }
+    pagedkv::ClaimCheck want{pagedkv::ClaimStatus::kOk, blocks.size(), 0};
+    if (it == x_holds_.end() || it->second.kind == XKind::kOrphan) {
+      want = {pagedkv::ClaimStatus::kUnknownHold, 0, 0};
+    } else {
+      const Blocks& hb = it->second.blocks;
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        if (std::find(hb.begin(), hb.end(), std::uint64_t{blocks[i]}) == hb.end()) {
+          want = {pagedkv::ClaimStatus::kNotInHold, i, 0};
+          break;
+        }
+        if (x_gen_[blocks[i]] != gens[i]) {
+          want = {pagedkv::ClaimStatus::kStaleGeneration, i, x_gen_[blocks[i]]};
+          ++x_stale_;
+          break;
+        }
+      }
+    }
+    log_.add("m.check_claim(" + std::to_string(id) + ", " + std::to_string(blocks.size()) + " entries, fault " +
+             std::to_string(fault) + ")");
+    const pagedkv::ClaimCheck got = m().check_claim(id, blocks, gens);
+    log_.result(std::string(pagedkv::to_string(got.status)) + " at " + std::to_string(got.entry));
+    expect(got.status == want.status && got.entry == want.entry && got.current_generation == want.current_generation,
+           std::string("check_claim answered ") + pagedkv::to_string(got.status) + " at entry " +
+               std::to_string(got.entry) + ", expected " + pagedkv::to_string(want.status) + " at entry " +
+               std::to_string(want.entry));
     x_sync_and_check();
   }
 

@@ -91,6 +91,9 @@ enum class Op : std::uint8_t {
   kExtReap,       // u8 (< 224: the external clock advances b s; else goes back (b - 223) s): reap_external
   kExtStale,      // u8 (< 250: a (block, generation) pair handed out earlier, pick b; else a made-up one):
                   // is_current_block
+  kExtClaim,      // u8 pick (< 192: a live hold, else an id as kExtSignal's), u8 entries (% 9), u8 fault (% 3:
+                  // none, one stale generation, one block not in the hold), u8 position: check_claim of the hold's
+                  // blocks
   kCount
 };
 

@@ -87,7 +87,8 @@ TEST_CASE("P/D hand-off: lease, import plan, fill, completion registers the vali
   CHECK(plan.first_token == 0);
   CHECK(plan.end_token == 17);  // the last prompt token is computed here
   CHECK(plan.num_blocks == 5);
-  auto r = cons.try_admit_external(7, prompt, plan.end_token - plan.first_token);
+  CHECK(cons.stats().external.blocks_transferred == 0);  // counted at admission, not at plan time
+  auto r = cons.try_admit_external(7, prompt, plan);
   REQUIRE(r.admit.admitted());
   REQUIRE(r.ticket.fill_id != 0);
   CHECK(r.ticket.num_blocks() == plan.num_blocks);
@@ -130,8 +131,8 @@ TEST_CASE("P/D hand-off: lease, import plan, fill, completion registers the vali
   CHECK(plan2.first_token == 16);
   CHECK(plan2.num_blocks == 3);  // tokens [16, 25)
   const auto s = cons.stats().external;
-  CHECK(s.blocks_skipped == 4);
-  CHECK(s.blocks_transferred == 8);
+  CHECK(s.blocks_skipped == 0);  // plan2 is not admitted: only the first import counts
+  CHECK(s.blocks_transferred == 5);
   CHECK(s.fills_started == 1);
   CHECK(s.fills_completed == 1);
   CHECK(s.duplicate_signals == 1);

@@ -124,6 +124,30 @@ class ExternalKvState {
     return ok;
   }
 
+  /// A consumer's claim on lease or save pin `hold_id`: entry i names (blocks[i], generations[i]). kOk when every
+  /// block is one of the hold's at its current generation; otherwise the first failing entry and why (an orphan
+  /// hold is no hold a consumer may read: kUnknownHold). A stale entry is counted (stale_generations). Throws
+  /// kInvalidArgument when the two spans differ in length. O(hold blocks x log + entries x log); allocates.
+  [[nodiscard]] ClaimCheck check_claim(std::uint64_t hold_id, std::span<const Id> blocks,
+                                       std::span<const std::uint32_t> generations) {
+    if (blocks.size() != generations.size()) {
+      detail::raise(Errc::kInvalidArgument, "check_claim: " + std::to_string(blocks.size()) + " blocks but " +
+                                                std::to_string(generations.size()) + " generations");
+    }
+    const auto it = holds_.find(hold_id);
+    if (it == holds_.end() || it->second.kind == HoldKind::kOrphan) return {ClaimStatus::kUnknownHold, 0, 0};
+    std::vector<Id> mine(it->second.blocks);
+    std::sort(mine.begin(), mine.end());
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (!std::binary_search(mine.begin(), mine.end(), blocks[i])) return {ClaimStatus::kNotInHold, i, 0};
+      if (generation(blocks[i]) != generations[i]) {
+        ++c_.stale_generations;
+        return {ClaimStatus::kStaleGeneration, i, generation(blocks[i])};
+      }
+    }
+    return {ClaimStatus::kOk, blocks.size(), 0};
+  }
+
   /// Start fill `seq` over `blocks` ([num_groups x n] group-major, every one held by the caller's table), taking one
   /// reference each through `acquire(b)`. Returns the fill id. Throws kDuplicateSequence when `seq` already waits
   /// for a fill, kInvalidArgument for a null or out-of-range block or a shape not a multiple of num_groups; an
@@ -426,7 +450,7 @@ class ExternalKvState {
     }
   }
 
-  /// Count an import plan's blocks (transferred vs skipped thanks to the local hit).
+  /// Count an admitted import's blocks (transferred vs skipped thanks to the local hit; all groups).
   void count_import(std::size_t transferred, std::size_t skipped) noexcept {
     c_.blocks_transferred += transferred;
     c_.blocks_skipped += skipped;
@@ -628,6 +652,31 @@ inline void check_external_groups(const CacheConfig& config, const GroupLayout& 
       x.external_tokens == 0 ? 0 : (hit + x.external_tokens + block_size - 1) / block_size - x.first_external_block;
   x.local = std::move(local);
   return x;
+}
+
+/// Throws kInvalidArgument (named "try_admit_external") unless import `plan` fits a pool of `num_groups` groups of
+/// `block_size` tokens, a prompt of `prompt_len` tokens and the local hit now, `hit_tokens` (the plan's
+/// first_token: a hit that changed since the plan would pair the ticket's blocks with the wrong remote blocks). Pure.
+template <BlockIdType Id>
+void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std::size_t block_size,
+                        std::size_t prompt_len, std::size_t hit_tokens) {
+  const bool shape = plan.num_groups == num_groups && plan.first_token <= plan.end_token &&
+                     plan.end_token + 1 <= std::max<std::size_t>(prompt_len, 1) &&
+                     plan.first_block == plan.first_token / block_size &&
+                     plan.remote_blocks.size() == plan.num_blocks * num_groups &&
+                     plan.remote_generations.size() == plan.remote_blocks.size();
+  if (!shape) {
+    detail::raise(Errc::kInvalidArgument,
+                  "try_admit_external: import plan of tokens [" + std::to_string(plan.first_token) + ", " +
+                      std::to_string(plan.end_token) + ") over " + std::to_string(plan.num_groups) + " groups, " +
+                      std::to_string(plan.remote_blocks.size()) + " remote blocks does not fit a prompt of " +
+                      std::to_string(prompt_len) + " tokens over " + std::to_string(num_groups) + " groups");
+  }
+  if (hit_tokens != plan.first_token) {
+    detail::raise(Errc::kInvalidArgument, "try_admit_external: the local prefix hit changed since the import plan (" +
+                                              std::to_string(plan.first_token) + " tokens then, " +
+                                              std::to_string(hit_tokens) + " now): plan again");
+  }
 }
 
 /// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over `num_groups` groups of
