@@ -4,7 +4,7 @@
 // --role prefill: an engine (engine.hpp) that listens on 127.0.0.1 for one decode engine, shakes hands (its layout
 //   fingerprint and NIXL agent metadata), then for each request computes the prompt's blocks, keeps them under a
 //   lease (KVCacheManager::finish_with_lease) and answers with the hand-off descriptor; it checks each claim's
-//   (block, generation) pairs (is_current_block) before the decode engine READs, releases the lease on the READ's
+//   (block, generation) pairs (check_claim) before the decode engine READs, releases the lease on the READ's
 //   notification (read-done) and expires leases whose notification never comes (reap_external).
 // --role decode: connects, checks the fingerprint (a mismatch is refused at hand-shake, naming the field), and for
 //   each request: plan_import (only the blocks it lacks: its own prefix hit is not moved again),
@@ -241,13 +241,33 @@ int run_prefill(const Options& o) {
         ++claims;
         const std::uint64_t hold = r.u64();
         const std::uint64_t n = r.u64();
-        std::string stale;
+        std::vector<std::uint32_t> blocks(n), gens(n);
         for (std::uint64_t i = 0; i < n; ++i) {
-          const auto b = static_cast<std::uint32_t>(r.u64());
-          const auto g = static_cast<std::uint32_t>(r.u64());
-          if (stale.empty() && !m.is_current_block(b, g)) {
-            stale = "block " + std::to_string(b) + " generation " + std::to_string(g) +
-                    " is not current (lease " + std::to_string(hold) + " ended; the block may have been reused)";
+          blocks[i] = static_cast<std::uint32_t>(r.u64());
+          gens[i] = static_cast<std::uint32_t>(r.u64());
+        }
+        // The whole claim in one call: every entry a block of this hold at its current generation.
+        const pagedkv::ClaimCheck cc = m.check_claim(hold, blocks, gens);
+        std::string stale;
+        if (!cc.ok()) {
+          static constexpr const char* kWhy[] = {"ok", "unknown hold (lease ended, expired or never issued)",
+                                                 "block not in the hold", "stale generation"};
+          stale = std::string(kWhy[static_cast<int>(cc.status)]) + " at entry " + std::to_string(cc.entry) +
+                  " of lease " + std::to_string(hold);
+          if (cc.entry < n) {
+            stale += ": block " + std::to_string(blocks[cc.entry]) + " generation " + std::to_string(gens[cc.entry]);
+          }
+          if (cc.status == pagedkv::ClaimStatus::kStaleGeneration) {
+            stale += " (now " + std::to_string(cc.current_generation) + ")";
+          }
+          if (cc.status == pagedkv::ClaimStatus::kUnknownHold) {  // an ended lease: are its blocks reused?
+            for (std::uint64_t i = 0; i < n; ++i) {
+              if (!m.is_current_block(blocks[i], gens[i])) {
+                stale += "; block " + std::to_string(blocks[i]) + " generation " + std::to_string(gens[i]) +
+                         " is no longer current (reused)";
+                break;
+              }
+            }
           }
         }
         if (!stale.empty()) {
@@ -657,12 +677,10 @@ int run_decode(const Options& o) {
       decode_here(i);
       continue;
     }
-    const auto adm = m.try_admit_external(seq, prompt, plan.end_token - plan.first_token);
+    // The plan overload: the ticket pairs with the plan (or it throws, nothing changed, when the local hit moved).
+    const auto adm = m.try_admit_external(seq, prompt, plan);
     if (!adm.admit.admitted()) throw std::runtime_error("decode: no capacity for request " + std::to_string(i));
     const auto& tk = adm.ticket;
-    if (tk.fill_id == 0 || tk.first_block != plan.first_block || tk.blocks.size() != plan.remote_blocks.size()) {
-      throw std::runtime_error("decode: the fill ticket does not pair with the import plan");
-    }
     Writer c;
     c.u64(wd.desc.hold_id);
     c.u64(plan.remote_blocks.size());
@@ -675,7 +693,7 @@ int run_decode(const Options& o) {
     const auto cb = expect(ch, agent, Msg::kClaimOk, Msg::kClaimStale, &ans, 30000);
     if (ans == Msg::kClaimStale) {
       Reader cr{cb};
-      std::printf("decode: request %zu: claim refused by generation: %s; recomputing it here\n", i, cr.str().c_str());
+      std::printf("decode: request %zu: claim refused: %s; recomputing it here\n", i, cr.str().c_str());
       m.abort_sequence(seq, /*transfer_quiescent=*/true);  // no READ was posted
       if (!m.try_admit(seq, prompt).admitted()) throw std::runtime_error("decode: readmission failed");
       ++rep.recomputed;

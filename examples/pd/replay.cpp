@@ -89,7 +89,8 @@ int run_replay(const ReplayOptions& o) {
     skipped += plan.skipped_blocks;
     const std::size_t importable = (pagedkv::importable_tokens(desc.num_tokens, prompt.size(), 0) + 15) / 16;
     moved_no_hits += importable;
-    const auto r = cons.try_admit_external(seq, prompt, plan.end_token - plan.first_token);
+    const auto r = plan.num_blocks == 0 ? cons.try_admit_external(seq, prompt, 0)
+                                        : cons.try_admit_external(seq, prompt, plan);
     if (!r.admit.admitted()) throw std::runtime_error("replay: the decode pool cannot hold request " + std::to_string(i));
     if (r.ticket.fill_id != 0) {
       ++handoffs;

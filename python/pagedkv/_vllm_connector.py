@@ -41,7 +41,6 @@ class ConnectorMixin:
 
     def _connector_init(self) -> None:
         self._fill_of_seq: dict[int, tuple[int, int, int]] = {}  # seq -> (fill id, the ticket's token range)
-        self._evicted: dict[int, bytes] = {}  # always empty: evict_blocks evicts in the manager (vllm.py tests it)
         self._fill_built: dict[int, int] = {}  # seq -> positions built (a completed fill's end), more pending
         self._fill_blocks: dict[int, list[int]] = {}  # seq -> its open fill's blocks (each holds a reference)
         attach_views(self)
@@ -206,10 +205,6 @@ class ConnectorMixin:
             b = int(b)
             if 0 < b < len(self._blocks):
                 self._pk.evict_cached_block(b)
-
-    def _cap_hit(self, hit: int, ids):
-        """The hit unchanged (evict_blocks evicts in the manager; kept for vllm.py's call while _evicted is empty)."""
-        return hit, ids
 
 
 # -- read-only views of vLLM internals the KV-connector tests read (leak checks) -----------------------------------

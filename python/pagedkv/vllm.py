@@ -538,8 +538,6 @@ class KVCacheManager(ConnectorMixin):
         # Hashed once (kept for the admission); the hit and its blocks in one crossing. EAGLE recomputes the last
         # matched block (its hidden states are not cached): vLLM drops it.
         hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
-        if self._evicted:  # evict_blocks named blocks of cached content: not served
-            hit, ids = self._cap_hit(hit, ids)
         return self._blocks_of(ids), hit, 0
 
     def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
