@@ -139,7 +139,8 @@ TEST_CASE("try_admit_external with the plan: counted when admitted, refused when
     compute(prod, 1, prompt);
     const auto d = prod.finish_with_lease(1, fp(prod), std::nullopt);
     // The consumer holds a random part of the prefix already.
-    const std::size_t local_blocks = rng() % (prompt.size() / 4 + 1);
+    // At most (size - 1) / 4 blocks, so the local prompt (those blocks and one token) fits inside the prompt.
+    const std::size_t local_blocks = rng() % ((prompt.size() - 1) / 4 + 1);
     if (local_blocks != 0) {
       compute(cons, 50, std::vector<TokenId>(prompt.begin(), prompt.begin() + local_blocks * 4 + 1));
       cons.free(50);
