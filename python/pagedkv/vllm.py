@@ -309,10 +309,10 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
     pages hold `f` match blocks; the adapter caps its hits to multiples of `scheduler_block_size`
     (KVCacheManager._aligned_hit), so a hit never ends inside a page, as in vLLM. Refused by name: a larger block
     size on a group that is not full attention (pagedkv's coarse pages serve full-attention groups; a window's
-    release rule is per match block), a block size the smallest does not divide, a hash block size other than the
-    smallest with prefix caching on, EAGLE (vLLM drops one block per EAGLE group, of that group's size, before aligning: a per-group drop
-    pagedkv's single hit does not express) and KV events (a coarse page is re-keyed as it fills: its events are
-    not vLLM's one BlockStored per full block)."""
+    release rule is per match block), a block size the smallest does not divide, and with prefix caching on: a hash
+    block size other than the smallest, EAGLE (vLLM drops one block per EAGLE group, of that group's size, before
+    aligning: a per-group drop pagedkv's single hit does not express) and KV events (a coarse page is re-keyed as it
+    fills: its events are not vLLM's one BlockStored per full block)."""
     coarse = {}
     for g, spec in enumerate(specs):
         if isinstance(spec, MambaSpec) or spec.block_size == block_size:
