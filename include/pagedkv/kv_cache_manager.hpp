@@ -24,6 +24,7 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/external_kv.hpp>
+#include <pagedkv/detail/external_kv_handoff.hpp>
 #include <pagedkv/detail/hit_search.hpp>
 #include <pagedkv/detail/host_offload.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
@@ -1211,9 +1212,10 @@ class KVCacheManager {
 
   // ---------------------------------------------------------------------------------------------------------------
   // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
-  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state and the pure hand-off pieces are
-  // detail/external_kv.hpp; these calls forward to it. Today every group must be plain full attention (one or
-  // more full groups with the pool's block size); other kinds are refused with kInvalidArgument naming the group.
+  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state is detail/external_kv.hpp, the
+  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Today every group must be plain
+  // full attention (one or more full groups with the pool's block size); other kinds are refused with
+  // kInvalidArgument naming the group.
 
   /// Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens from an external source after
   /// the local prefix hit (vLLM's `num_external_computed_tokens` after `get_num_new_matched_tokens`; clamped so the
