@@ -146,8 +146,9 @@ class ExternalKvState {
   }
 
   /// Start fill `seq` over `blocks` ([num_groups x n] group-major, every one held by the caller's table), taking one
-  /// reference each through `acquire(b)`. Returns the fill id. Throws kDuplicateSequence when `seq` already waits
-  /// for a fill, kInvalidArgument for a null or out-of-range block or a shape not a multiple of num_groups; an
+  /// reference each through `acquire(b)`; a null entry (block 0: a window group's block outside the window of the
+  /// first query, never transferred) takes none. Returns the fill id. Throws kDuplicateSequence when `seq` already
+  /// waits for a fill, kInvalidArgument for an out-of-range block or a shape not a multiple of num_groups; an
   /// exception of `acquire` is rethrown after the references taken are dropped through `release`: nothing changes.
   template <class Acquire, class Release>
   std::uint64_t begin_fill(SeqId seq, std::size_t num_groups, std::size_t first_block, std::size_t first_token,
@@ -161,7 +162,7 @@ class ExternalKvState {
                                                 std::to_string(num_groups) + " groups, tokens [" +
                                                 std::to_string(first_token) + ", " + std::to_string(end_token) + ")");
     }
-    check_blocks(blocks, "begin_fill");
+    check_blocks(blocks, "begin_fill", /*allow_null=*/true);
     const std::uint64_t id = next_id_;
     Fill f{seq, num_groups, first_block, first_token, end_token, std::vector<Id>(blocks.begin(), blocks.end())};
     by_seq_.reserve(by_seq_.size() + 1);
@@ -175,7 +176,7 @@ class ExternalKvState {
     by_seq_.emplace(seq, id);  // reserved: cannot throw
     ++next_id_;
     ++c_.fills_started;
-    c_.fill_blocks += blocks.size();
+    c_.fill_blocks += blocks.size() - static_cast<std::size_t>(std::count(blocks.begin(), blocks.end(), Id{0}));
     return id;
   }
 
@@ -319,11 +320,14 @@ class ExternalKvState {
 
   /// Start the fill of admitted `seq`'s positions [first_token, first_token + num_tokens) (first_token: its local
   /// hit, whole blocks of `block_size`): every group's blocks of those positions, read from `blocks_of(g)` (the
-  /// group's block table, a span of Id), are held as begin_fill holds them. Returns the ticket (blocks and their
-  /// generations). Throws as begin_fill; nothing changes then.
-  template <class BlocksOf, class Acquire, class Release>
+  /// group's block table, a span of Id), are held as begin_fill holds them, but for the logical blocks before
+  /// `first_sent(g)` (a window group's blocks outside the window of the query at the fill's end: null in the
+  /// ticket, never transferred, left in the table for a recompute). Returns the ticket (blocks and their
+  /// generations, 0 for a null entry). Throws as begin_fill; nothing changes then.
+  template <class BlocksOf, class FirstSent, class Acquire, class Release>
   FillTicket<Id> open_fill(SeqId seq, std::size_t num_groups, std::size_t block_size, std::size_t first_token,
-                           std::size_t num_tokens, BlocksOf&& blocks_of, Acquire&& acquire, Release&& release) {
+                           std::size_t num_tokens, BlocksOf&& blocks_of, FirstSent&& first_sent, Acquire&& acquire,
+                           Release&& release) {
     FillTicket<Id> t;
     t.seq = seq;
     t.num_groups = num_groups;
@@ -335,7 +339,9 @@ class ExternalKvState {
     t.generations.reserve(nb * num_groups);
     for (std::size_t g = 0; g < num_groups; ++g) {
       const std::span<const Id> blocks = std::span<const Id>(blocks_of(g)).subspan(t.first_block, nb);
-      t.blocks.insert(t.blocks.end(), blocks.begin(), blocks.end());
+      const std::size_t sent = std::clamp(first_sent(g), t.first_block, t.first_block + nb) - t.first_block;
+      t.blocks.insert(t.blocks.end(), sent, Id{0});
+      t.blocks.insert(t.blocks.end(), blocks.begin() + static_cast<std::ptrdiff_t>(sent), blocks.end());
     }
     t.fill_id = begin_fill(seq, num_groups, t.first_block, t.first_token, t.end_token, std::span<const Id>(t.blocks),
                            acquire, release);
@@ -372,25 +378,34 @@ class ExternalKvState {
     return valid;
   }
 
-  /// Producer: lease `seq`'s blocks of positions [0, num_tokens) (every group's, read from `blocks_of(g)`, all of
-  /// its table) until release_hold or reap at `deadline`, and describe them: blocks, their generations, the given
-  /// `identities` and `layout`. Throws as add_hold; nothing changes then.
-  template <class BlocksOf, class Acquire, class Release>
-  HandoffDescriptor<Id> open_lease(SeqId seq, std::size_t num_tokens, std::size_t num_groups, BlocksOf&& blocks_of,
-                                   std::vector<BlockIdentity> identities, const KvLayoutFingerprint& layout,
-                                   std::optional<ExternalTimePoint> deadline, Acquire&& acquire, Release&& release) {
+  /// Producer: lease `seq`'s blocks of positions [0, num_tokens) (every group's `[ceil(num_tokens / block_size)]`
+  /// logical blocks, each read as `block_at(g, i)`: the block to hand off, or 0 when the consumer needs none there,
+  /// e.g. a window group's block outside the window) until release_hold or reap at `deadline`, and describe them:
+  /// blocks (0 kept as 0), their generations (0 for a null entry), the given `identities` and `layout`. Throws as
+  /// add_hold; nothing changes then.
+  template <class BlockAt, class Acquire, class Release>
+  HandoffDescriptor<Id> open_lease(SeqId seq, std::size_t num_tokens, std::size_t num_groups, std::size_t block_size,
+                                   BlockAt&& block_at, std::vector<BlockIdentity> identities,
+                                   const KvLayoutFingerprint& layout, std::optional<ExternalTimePoint> deadline,
+                                   Acquire&& acquire, Release&& release) {
     HandoffDescriptor<Id> d;
     d.num_tokens = num_tokens;
     d.num_groups = num_groups;
     d.layout = layout;
     d.identities = std::move(identities);
+    const std::size_t nb = (num_tokens + block_size - 1) / block_size;
+    d.blocks.reserve(nb * num_groups);
+    std::vector<Id> held;
+    held.reserve(nb * num_groups);
     for (std::size_t g = 0; g < num_groups; ++g) {
-      const std::span<const Id> blocks(blocks_of(g));
-      d.blocks.insert(d.blocks.end(), blocks.begin(), blocks.end());
+      for (std::size_t i = 0; i < nb; ++i) {
+        d.blocks.push_back(block_at(g, i));
+        if (d.blocks.back() != Id{0}) held.push_back(d.blocks.back());
+      }
     }
     d.generations.reserve(d.blocks.size());
-    d.hold_id = add_hold(HoldKind::kLease, seq, std::span<const Id>(d.blocks), deadline, acquire, release);
-    for (Id b : d.blocks) d.generations.push_back(generation(b));  // reserved: cannot throw
+    d.hold_id = add_hold(HoldKind::kLease, seq, std::span<const Id>(held), deadline, acquire, release);
+    for (Id b : d.blocks) d.generations.push_back(b == Id{0} ? 0 : generation(b));  // reserved: cannot throw
     return d;
   }
   /// Pin the first `num_blocks` blocks of every group of `seq` (from `blocks_of(g)`; null entries skipped) for a
@@ -480,9 +495,9 @@ class ExternalKvState {
  private:
   enum class End : std::uint8_t { kSignalled, kAborted, kExpired };
 
-  void check_blocks(std::span<const Id> blocks, const char* what) const {
+  void check_blocks(std::span<const Id> blocks, const char* what, bool allow_null = false) const {
     for (Id b : blocks) {
-      if (b == Id{0} || b >= num_blocks_) {
+      if ((b == Id{0} && !allow_null) || b >= num_blocks_) {
         detail::raise(Errc::kInvalidArgument, std::string(what) + ": block " + std::to_string(b) + " outside [1, " +
                                                   std::to_string(num_blocks_) + ")");
       }
@@ -497,6 +512,7 @@ class ExternalKvState {
     std::size_t done = 0;
     try {
       for (; done < blocks.size(); ++done) {
+        if (blocks[done] == Id{0}) continue;  // a fill's null entry: no reference
         acquire(blocks[done]);
         if (refs_[blocks[done]]++ == 0) ++blocks_held_;
       }
@@ -507,6 +523,7 @@ class ExternalKvState {
   }
   template <class Release>
   void drop_ref(Id b, Release& release) {
+    if (b == Id{0}) return;  // a fill's null entry: no reference
     if (--refs_[b] == 0) {
       ++gen_[b];
       --blocks_held_;

@@ -48,18 +48,48 @@ inline void check_pool_layout(const CacheConfig& config, const KvLayoutFingerpri
                     layout, what);
 }
 
-/// Throws kInvalidArgument naming the first group external KV does not support yet (only full attention at the
-/// pool's block size: windows, recurrent state and coarse pages need their own hand-off rules).
+/// Throws kInvalidArgument naming the first group external KV does not support yet. Supported: full attention and
+/// windowed attention (sliding window, chunked-local: a hand-off carries only the blocks inside the window of the
+/// consumer's first query), at the pool's block size. Refused: recurrent state (its working state and last
+/// checkpoint need their own hand-off rule) and coarse pages.
 inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what) {
   for (std::size_t g = 0; g < layout.num_groups; ++g) {
     const KVCacheGroupSpec& s = config.groups[g];
-    if (s.kind != AttentionKind::kFull || layout.page_tokens[g] != config.block_size) {
+    if (s.kind == AttentionKind::kRecurrent || layout.page_tokens[g] != config.block_size) {
       detail::raise(Errc::kInvalidArgument,
                     std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
                         (layout.page_tokens[g] != config.block_size ? " with coarse pages" : "") +
-                        ": external KV supports only full-attention groups at the pool's block size yet (issue 33)");
+                        ": external KV supports full-attention and windowed groups at the pool's block size, not "
+                        "recurrent groups or coarse pages yet (issue 33)");
     }
   }
+}
+
+/// The first logical block of each group a consumer whose first query sits at `end_token` must hold: blocks before
+/// it are wholly outside that query's window (first_kept_block; 0 for full attention), so a hand-off neither
+/// describes nor transfers them and the consumer's table holds the null block there (as after a window group's
+/// hit). Hand-off rule of a window group (vLLM: SlidingWindowManager's skipped blocks; SGLang's SWA radix cache).
+[[nodiscard]] inline std::size_t handoff_first_block(const AttentionWindow& w, std::size_t end_token,
+                                                     std::uint32_t block_size) noexcept {
+  return first_kept_block(w, end_token, block_size);
+}
+
+/// The valid blocks (per group, from the fill's first_block) that a completion may keep when `num_valid` of the
+/// fill's `num_blocks` blocks hold K/V: `num_valid`, unless the query at the position it would leave computed
+/// (first_token + num_valid blocks) sees a window block that was never transferred (a window group's blocks in
+/// [first_block, handoff_first_block(end_token)) are left out of the transfer), in which case 0: the whole fill is
+/// recomputed from the local hit, whose window blocks the table still holds. Pure.
+[[nodiscard]] inline std::size_t window_valid_blocks(std::span<const AttentionWindow> windows, std::size_t first_block,
+                                                     std::size_t first_token, std::size_t end_token,
+                                                     std::size_t num_blocks, std::size_t num_valid,
+                                                     std::uint32_t block_size) noexcept {
+  if (num_valid >= num_blocks) return num_valid;
+  const std::size_t at = first_token + num_valid * block_size;
+  for (const AttentionWindow& w : windows) {
+    const std::size_t sent = handoff_first_block(w, end_token, block_size);
+    if (sent > first_block && first_kept_block(w, at, block_size) < sent) return 0;
+  }
+  return num_valid;
 }
 
 /// The identities of the full blocks of `tokens` (`[tokens.size() / block_size]`) under `layout.hash_algorithm`:
@@ -132,16 +162,20 @@ void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std:
   }
 }
 
-/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over `num_groups` groups of
-/// `block_size` tokens per block. Checks the descriptor's shape first (blocks per group = ceil(num_tokens /
-/// block_size), from the token count, never trusted: vLLM #50558), then asks `local_hit()` for the consumer's own
-/// prefix hit (tokens, whole blocks: not transferred again), then, when blocks are to be transferred, checks their
-/// identities against `mine()` (the prompt's identities under desc's convention, computed only then). Throws
-/// kInvalidArgument naming the values. Pure but for the two callables.
+/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over groups whose hit windows
+/// are `windows` (`[num_groups]`, GroupLayout::windows) and blocks of `block_size` tokens. Checks the descriptor's
+/// shape first (blocks per group = ceil(num_tokens / block_size), from the token count, never trusted: vLLM
+/// #50558), then asks `local_hit()` for the consumer's own prefix hit (tokens, whole blocks: not transferred
+/// again), then, when blocks are to be transferred, checks their identities against `mine()` (the prompt's
+/// identities under desc's convention, computed only then). A window group's blocks before
+/// handoff_first_block(end_token) are null in the plan (never transferred); when the descriptor lacks one inside
+/// that window (null: the producer no longer had it), the plan imports nothing. Throws kInvalidArgument naming the
+/// values. Pure but for the two callables.
 template <BlockIdType Id, class LocalHit, class Mine>
-[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc, std::size_t num_groups,
-                                              std::size_t block_size, std::size_t prompt_len, LocalHit&& local_hit,
-                                              Mine&& mine) {
+[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc,
+                                              std::span<const AttentionWindow> windows, std::size_t block_size,
+                                              std::size_t prompt_len, LocalHit&& local_hit, Mine&& mine) {
+  const std::size_t num_groups = windows.size();
   const std::size_t bs = block_size;
   const std::size_t per_group = (desc.num_tokens + bs - 1) / bs;
   if (desc.num_groups != num_groups || desc.blocks.size() != per_group * num_groups ||
@@ -160,6 +194,17 @@ template <BlockIdType Id, class LocalHit, class Mine>
   p.num_groups = num_groups;
   p.first_token = hit;
   p.end_token = hit + importable_tokens(desc.num_tokens, prompt_len, hit);
+  // A window group's blocks inside the consumer's first window must all be described (the producer leased them);
+  // else nothing is imported (the consumer computes the prompt itself: a shorter end needs earlier blocks still).
+  for (std::size_t g = 0; g < num_groups && p.end_token > hit; ++g) {
+    const std::size_t from = std::max(handoff_first_block(windows[g], p.end_token, block_size), hit / bs);
+    for (std::size_t i = from; i < (p.end_token + bs - 1) / bs; ++i) {
+      if (desc.blocks[g * per_group + i] == Id{0}) {
+        p.end_token = hit;
+        break;
+      }
+    }
+  }
   p.first_block = hit / bs;
   p.skipped_blocks = p.first_block;
   p.num_blocks = p.end_token == hit ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
@@ -174,9 +219,11 @@ template <BlockIdType Id, class LocalHit, class Mine>
     }
   }
   for (std::size_t g = 0; g < num_groups; ++g) {
+    const std::size_t sent = handoff_first_block(windows[g], p.end_token, block_size);
     for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
-      p.remote_blocks.push_back(desc.blocks[g * per_group + i]);
-      p.remote_generations.push_back(desc.generations[g * per_group + i]);
+      const bool out = i < sent;  // outside the window of the consumer's first query: never transferred
+      p.remote_blocks.push_back(out ? Id{0} : desc.blocks[g * per_group + i]);
+      p.remote_generations.push_back(out ? 0 : desc.generations[g * per_group + i]);
     }
   }
   return p;
