@@ -1384,9 +1384,10 @@ class KVCacheManager {
   /// every group's blocks of positions [0, num_tokens) with their generations, the full blocks' identities under
   /// `layout.hash_algorithm`, `layout`. A window group's entries are those inside the window of the query at
   /// num_tokens - 1 (a consumer recomputes its last prompt token), taken back from the cache when the last build's
-  /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. Throws kUnknownSequence; kInvalidArgument (layout's block_size, groups or
-  /// hash fields differ from this pool's: named; the sequence is not settled or waits for a fill; vLLM identities
-  /// of a request with extra keys) before anything changes.
+  /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. Throws
+  /// kUnknownSequence; kInvalidArgument (layout's block_size, groups or hash fields differ from this pool's: named;
+  /// the sequence is not settled or waits for a fill; vLLM identities of a request with extra keys; a recurrent
+  /// group or coarse pages) before anything changes.
   HandoffDescriptor<Id> finish_with_lease(SeqId seq, const KvLayoutFingerprint& layout,
                                           std::optional<ExternalTimePoint> lease_deadline) {
     detail::check_external_groups(config_, layout_, "finish_with_lease");

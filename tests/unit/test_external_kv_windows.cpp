@@ -30,7 +30,9 @@ using pagedkv::SeqId;
 using pagedkv::TokenId;
 using Mgr = pagedkv::KVCacheManager<>;
 
-std::int64_t kv(TokenId t, std::size_t p) { return static_cast<std::int64_t>(t) * 100003 + static_cast<std::int64_t>(p) + 1; }
+std::int64_t kv(TokenId t, std::size_t p) {
+  return static_cast<std::int64_t>(t) * 100003 + static_cast<std::int64_t>(p) + 1;
+}
 
 /// One engine: a manager and the shadow of its pool's K/V (block -> [block_size] values, -1 never written).
 struct Engine {
@@ -80,7 +82,8 @@ Step build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t
       REQUIRE(slot != -7);
       if (slot < 0) continue;  // switched to a registered duplicate: its content is there already
       const auto bs = static_cast<std::int64_t>(e.m.block_size());
-      e.page(static_cast<std::uint32_t>(slot / bs))[static_cast<std::size_t>(slot % bs)] = kv(prompt[first + k], first + k);
+      const std::int64_t value = kv(prompt[first + k], first + k);
+      e.page(static_cast<std::uint32_t>(slot / bs))[static_cast<std::size_t>(slot % bs)] = value;
     }
   }
   return s;
@@ -130,7 +133,8 @@ void check_same_step(Engine& a, const Step& x, Engine& b, const Step& y, std::si
       const auto pa = static_cast<std::uint32_t>(x.indices[g][static_cast<std::size_t>(j)]);
       const auto pb = static_cast<std::uint32_t>(y.indices[g][static_cast<std::size_t>(j)]);
       REQUIRE((pa == 0) == (pb == 0));
-      if (pa != 0) CHECK(content(a, pa, static_cast<std::size_t>(j), end) == content(b, pb, static_cast<std::size_t>(j), end));
+      const auto i = static_cast<std::size_t>(j);
+      if (pa != 0) CHECK(content(a, pa, i, end) == content(b, pb, i, end));
     }
   }
 }
@@ -198,7 +202,9 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the cons
         }
         CHECK(prod.m.allocator().refcount(b) == 1);  // the lease's reference only (the sequence is freed)
         CHECK(prod.m.is_current_block(b, desc.generations[g * nb + i]));
-        for (std::size_t p = i * bs; p < std::min(L, (i + 1) * bs); ++p) CHECK(prod.page(b)[p - i * bs] == kv(prompt[p], p));
+        for (std::size_t p = i * bs; p < std::min(L, (i + 1) * bs); ++p) {
+          CHECK(prod.page(b)[p - i * bs] == kv(prompt[p], p));
+        }
       }
     }
 
@@ -292,4 +298,44 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the cons
   CHECK(partial_recomputed > 0);
   WARN("cases " << cases << ", taken back " << taken_back << ", partial kept " << partial_kept << ", recomputed "
                 << partial_recomputed << ", empty plans " << empty_plans);
+}
+
+TEST_CASE("window-group fills: aborts, late signals and save pins leave nothing held", "[external_kv][manager]") {
+  pagedkv::CacheConfig c;
+  c.num_blocks = 64;
+  c.block_size = 4;
+  c.groups.resize(2);
+  c.groups[1].kind = AttentionKind::kSlidingWindow;
+  c.groups[1].window_tokens = 5;  // the query at 23 sees [19, 23]: blocks 4 and 5 of the window group
+  Engine e(c);
+  std::vector<TokenId> prompt(24);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>(7 + i);
+  for (const bool quiescent : {true, false}) {
+    CAPTURE(quiescent);
+    auto r = e.m.try_admit_external(1, prompt, 23);
+    REQUIRE(r.ticket.fill_id != 0);
+    REQUIRE(r.ticket.num_blocks() == 6);
+    const auto w = r.ticket.group_blocks(1);
+    CHECK(std::count(w.begin(), w.end(), 0U) == 4);  // blocks 0..3: outside the window at 23, not in the fill
+    CHECK(e.m.stats().external.fill_blocks == (quiescent ? 8U : 16U));
+    for (std::size_t i = 0; i < 6; ++i) CHECK(e.m.allocator().refcount(e.m.block_ids(1, 1)[i]) == (i < 4 ? 1 : 2));
+    e.m.abort_sequence(1, quiescent);
+    CHECK(e.m.stats().blocks_used == (quiescent ? 0U : 8U));  // an orphan hold keeps the fill's 6 + 2 blocks only
+    if (!quiescent) {
+      CHECK(e.m.complete_external_fill(r.ticket.fill_id, 6).signal == ExternalSignal::kLate);
+      CHECK(e.m.stats().blocks_used == 0);
+    }
+  }
+  // A save pin of a window group's sequence pins the blocks its table holds (null entries skipped).
+  REQUIRE(e.m.try_admit(2, prompt).admitted());
+  std::mt19937 rng(3);
+  build_to(e, 2, prompt, 24, rng);
+  const std::size_t held = e.m.stats().blocks_used;
+  const auto pin = e.m.pin_for_save(2);
+  e.m.free(2);
+  CHECK(held == 7);  // 6 full-attention blocks, 1 window block (the query at 24 sees [20, 24])
+  CHECK(e.m.stats().blocks_used == held);  // all pinned past the free
+  CHECK(e.m.stats().external.blocks_held == held);
+  CHECK(e.m.end_save(pin) == ExternalSignal::kApplied);
+  CHECK(e.m.stats().blocks_used == 0);
 }
