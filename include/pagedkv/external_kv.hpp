@@ -204,7 +204,8 @@ struct ExternalAdmitExplanation {
   std::size_t clamped_tokens = 0;      ///< External tokens offered but not taken: under the local hit, or the last
                                        ///< prompt token (always computed here, for its logits).
   std::size_t first_external_block = 0;  ///< = local.hit_tokens / block_size: the first block a fill writes.
-  std::size_t external_blocks = 0;     ///< Blocks per group a fill would hold (0 when external_tokens is 0).
+  std::size_t external_blocks = 0;     ///< Blocks per group of a fill's ticket (0 when external_tokens is 0; a
+                                       ///< window group's entries outside the window are null, not held).
   std::size_t skipped_blocks = 0;      ///< Blocks per group not transferred thanks to the local hit (= first block).
   /// Positions computed before the first step: local hit + external tokens.
   [[nodiscard]] std::size_t computed_tokens() const noexcept { return local.hit_tokens + external_tokens; }

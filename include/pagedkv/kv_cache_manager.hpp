@@ -1287,7 +1287,10 @@ class KVCacheManager {
                         " tokens, the import plan's local hit is " + std::to_string(plan.first_token) +
                         ": plan again (the admission was undone)");
     }
-    ext_.count_import(plan.num_blocks * layout_.num_groups, plan.skipped_blocks * layout_.num_groups);
+    // Transferred: the plan's non-null pairs (a window group's blocks outside the window are not moved).
+    const auto not_sent = std::count(plan.remote_blocks.begin(), plan.remote_blocks.end(), Id{0});
+    ext_.count_import(plan.remote_blocks.size() - static_cast<std::size_t>(not_sent),
+                      plan.skipped_blocks * layout_.num_groups);
     return r;
   }
 

@@ -211,8 +211,13 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the cons
     // Consumer: plan, admit, transfer only the planned (non-null) pairs, complete.
     const auto plan = cons.m.plan_import(desc, fp(cons.m), prompt);
     CHECK(plan.first_token == cons.m.lookup(prompt));
+    const auto moved_before = cons.m.stats().external.blocks_transferred;
     auto r = cons.m.try_admit_external(7, prompt, plan);
     REQUIRE(r.admit.admitted());
+    // Counted as transferred: only the plan's non-null pairs.
+    CHECK(cons.m.stats().external.blocks_transferred - moved_before ==
+          static_cast<std::size_t>(std::count_if(plan.remote_blocks.begin(), plan.remote_blocks.end(),
+                                                 [](std::uint32_t b) { return b != 0; })));
     REQUIRE(ref.m.try_admit(7, prompt).admitted());
     REQUIRE(ref.m.num_built(7) == plan.first_token);
     ++cases;
