@@ -155,7 +155,7 @@ pagedkv::CacheConfig hybrid(std::mt19937& rng, std::uint32_t bs) {
 
 TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the consumer equals local compute",
           "[external_kv][manager][kv_cache_groups]") {
-  std::size_t cases = 0, taken_back = 0, partial_kept = 0, partial_recomputed = 0, empty_plans = 0;
+  std::size_t cases = 0, taken_back = 0, partial_kept = 0, partial_recomputed = 0, empty_plans = 0, holed_plans = 0;
   for (std::uint32_t seed = 1; seed <= 60; ++seed) {
     CAPTURE(seed);
     std::mt19937 rng(seed);
@@ -211,6 +211,22 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the cons
     // Consumer: plan, admit, transfer only the planned (non-null) pairs, complete.
     const auto plan = cons.m.plan_import(desc, fp(cons.m), prompt);
     CHECK(plan.first_token == cons.m.lookup(prompt));
+    // A descriptor missing a block inside a window group's window (the producer's copy was evicted) plans nothing.
+    if (plan.num_blocks != 0) {
+      const std::size_t g = 1 + rng() % (G - 1);
+      const std::size_t i = std::max(plan.first_block,
+                                     pagedkv::detail::first_kept_block(cons.m.window(g), plan.end_token, bs)) +
+                            rng() % 2;
+      if (i < (plan.end_token + bs - 1) / bs) {
+        auto holed = desc;
+        holed.blocks[g * nb + i] = 0;
+        const auto empty = cons.m.plan_import(holed, fp(cons.m), prompt);
+        CHECK(empty.num_blocks == 0);
+        CHECK(empty.end_token == plan.first_token);
+        CHECK(empty.remote_blocks.empty());
+        ++holed_plans;
+      }
+    }
     const auto moved_before = cons.m.stats().external.blocks_transferred;
     auto r = cons.m.try_admit_external(7, prompt, plan);
     REQUIRE(r.admit.admitted());
@@ -301,8 +317,9 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the cons
   CHECK(taken_back > 0);
   CHECK(partial_kept > 0);
   CHECK(partial_recomputed > 0);
+  CHECK(holed_plans > 0);
   WARN("cases " << cases << ", taken back " << taken_back << ", partial kept " << partial_kept << ", recomputed "
-                << partial_recomputed << ", empty plans " << empty_plans);
+                << partial_recomputed << ", empty plans " << empty_plans << ", holed plans " << holed_plans);
 }
 
 TEST_CASE("window-group fills: aborts, late signals and save pins leave nothing held", "[external_kv][manager]") {
