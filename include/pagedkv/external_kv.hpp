@@ -125,7 +125,9 @@ struct FillTicket {
   std::size_t first_block = 0;   ///< Logical index of the first filled block (= local hit tokens / block_size).
   std::size_t first_token = 0;   ///< Token range the fill writes: [first_token, end_token).
   std::size_t end_token = 0;
-  /// `[num_groups x num_blocks()]` group-major: the pool blocks to write, logical blocks first_block ...
+  /// `[num_groups x num_blocks()]` group-major: the pool blocks to write, logical blocks first_block ...; 0 (the
+  /// null block, not held by the fill, never written) for a window group's blocks outside the window of the query
+  /// at end_token.
   std::vector<Id> blocks;
   /// Generation of each block of `blocks` (same shape): a transfer that writes with a stale one is refused.
   std::vector<std::uint32_t> generations;
@@ -146,7 +148,8 @@ struct HandoffDescriptor {
   std::uint64_t hold_id = 0;      ///< The producer's lease on the blocks (0 = none: the blocks may go at any time).
   std::size_t num_tokens = 0;     ///< Tokens whose K/V the blocks hold (positions [0, num_tokens)).
   std::size_t num_groups = 0;     ///< KV-cache groups.
-  /// `[num_groups x ceil(num_tokens / block_size)]` group-major: the producer's pool blocks.
+  /// `[num_groups x ceil(num_tokens / block_size)]` group-major: the producer's pool blocks; 0 (generation 0, not
+  /// leased) for a window group's blocks outside the window of the query at num_tokens - 1, or one no longer cached.
   std::vector<Id> blocks;
   /// Generation of each block (same shape): the producer refuses a read whose generation is not the block's now.
   std::vector<std::uint32_t> generations;
@@ -167,7 +170,8 @@ struct ImportPlan {
   std::size_t end_token = 0;
   std::size_t skipped_blocks = 0;  ///< Leading blocks served by the consumer's own prefix hit.
   std::size_t num_groups = 0;
-  std::vector<Id> remote_blocks;   ///< `[num_groups x num_blocks]` the producer's blocks (source of the READ).
+  std::vector<Id> remote_blocks;   ///< `[num_groups x num_blocks]` the producer's blocks (source of the READ); 0 for
+                                   ///< a window group's block outside the window at end_token: skip the pair.
   std::vector<std::uint32_t> remote_generations;  ///< Same shape: their generations.
   /// The destination is the fill ticket of the admission that takes these tokens (try_admit_external with
   /// end_token - first_token external tokens): its blocks pair one to one with remote_blocks when its first_block
@@ -200,7 +204,8 @@ struct ExternalAdmitExplanation {
   std::size_t clamped_tokens = 0;      ///< External tokens offered but not taken: under the local hit, or the last
                                        ///< prompt token (always computed here, for its logits).
   std::size_t first_external_block = 0;  ///< = local.hit_tokens / block_size: the first block a fill writes.
-  std::size_t external_blocks = 0;     ///< Blocks per group a fill would hold (0 when external_tokens is 0).
+  std::size_t external_blocks = 0;     ///< Blocks per group of a fill's ticket (0 when external_tokens is 0; a
+                                       ///< window group's entries outside the window are null, not held).
   std::size_t skipped_blocks = 0;      ///< Blocks per group not transferred thanks to the local hit (= first block).
   /// Positions computed before the first step: local hit + external tokens.
   [[nodiscard]] std::size_t computed_tokens() const noexcept { return local.hit_tokens + external_tokens; }

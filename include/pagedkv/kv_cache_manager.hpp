@@ -24,6 +24,7 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/external_kv.hpp>
+#include <pagedkv/detail/external_kv_handoff.hpp>
 #include <pagedkv/detail/hit_search.hpp>
 #include <pagedkv/detail/host_offload.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
@@ -1211,9 +1212,11 @@ class KVCacheManager {
 
   // ---------------------------------------------------------------------------------------------------------------
   // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
-  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state and the pure hand-off pieces are
-  // detail/external_kv.hpp; these calls forward to it. Today every group must be plain full attention (one or
-  // more full groups with the pool's block size); other kinds are refused with kInvalidArgument naming the group.
+  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state is detail/external_kv.hpp, the
+  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Full-attention and windowed
+  // groups (sliding window, chunked-local) take part: a window group hands off only the blocks inside the window of
+  // the consumer's first query (handoff_first_block). Recurrent groups and coarse pages are refused with
+  // kInvalidArgument naming the group.
 
   /// Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens from an external source after
   /// the local prefix hit (vLLM's `num_external_computed_tokens` after `get_num_new_matched_tokens`; clamped so the
@@ -1223,7 +1226,9 @@ class KVCacheManager {
   /// (conservative). When external tokens remain after the clamp, the result carries a FillTicket: the blocks of
   /// positions [first_token, end_token) are held by the fill (one reference each), never registered, matched,
   /// evicted or reported (no event) until `complete_external_fill`; the sequence waits for it (a build refuses
-  /// it, naming it). `opts.num_reserved_tokens`, when given, is raised to cover the external tokens.
+  /// it, naming it). A window group's blocks outside the window of the query at end_token are null in the ticket
+  /// (never transferred; they stay in the table, unfilled, for a recompute, and become null at completion).
+  /// `opts.num_reserved_tokens`, when given, is raised to cover the external tokens.
   /// Throws as try_admit, and kInvalidArgument for a group kind external KV does not support yet.
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
                                              std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
@@ -1245,8 +1250,10 @@ class KVCacheManager {
     if (!r.admit.admitted() || n == 0) return r;
     try {
       const sequence_type& q = live(seq, "try_admit_external");
-      r.ticket = ext_.open_fill(seq, layout_.num_groups, config_.block_size, h, n,
-                                [&](std::size_t g) { return q.table_of(g).blocks(); }, ext_acquire(), ext_release());
+      r.ticket = ext_.open_fill(
+          seq, layout_.num_groups, config_.block_size, h, n, [&](std::size_t g) { return q.table_of(g).blocks(); },
+          [&](std::size_t g) { return detail::handoff_first_block(layout_.windows[g], h + n, config_.block_size); },
+          ext_acquire(), ext_release());
     } catch (...) {
       free(seq);  // bad_alloc: undo the admission
       throw;
@@ -1280,7 +1287,10 @@ class KVCacheManager {
                         " tokens, the import plan's local hit is " + std::to_string(plan.first_token) +
                         ": plan again (the admission was undone)");
     }
-    ext_.count_import(plan.num_blocks * layout_.num_groups, plan.skipped_blocks * layout_.num_groups);
+    // Transferred: the plan's non-null pairs (a window group's blocks outside the window are not moved).
+    const auto not_sent = std::count(plan.remote_blocks.begin(), plan.remote_blocks.end(), Id{0});
+    ext_.count_import(plan.remote_blocks.size() - static_cast<std::size_t>(not_sent),
+                      plan.skipped_blocks * layout_.num_groups);
     return r;
   }
 
@@ -1290,7 +1300,10 @@ class KVCacheManager {
   /// end_token when every block is valid) and its full blocks are registered now (deduplicated against blocks
   /// registered meanwhile, BlockStored events), as a build registers its own. With failed blocks, `policy`:
   /// kRecompute keeps the sequence (the positions from the first failed block on stay pending in their blocks: the
-  /// scheduler computes them); kFail frees the sequence and reports it failed. A signal for a fill that is not live
+  /// scheduler computes them); kFail frees the sequence and reports it failed. With a window group, a valid prefix
+  /// whose next query would see a block left out of the transfer (detail::window_valid_blocks) counts as 0 valid
+  /// blocks under kRecompute: the positions after the local hit are all recomputed. Blocks outside the window of
+  /// the next query become null (as after a build). A signal for a fill that is not live
   /// is counted and changes nothing (late: its sequence was aborted, and an orphan hold ends now; duplicate;
   /// unknown), never thrown. Throws kInvalidArgument (num_valid_blocks beyond the fill's blocks) for a live fill;
   /// nothing changes then.
@@ -1303,15 +1316,21 @@ class KVCacheManager {
     ExternalCompletion out{sig.status};
     if (sig.status != ExternalSignal::kApplied) return out;
     out.seq = sig.fill->seq;
-    out.num_valid_blocks = num_valid_blocks;
     out.sequence_failed = num_valid_blocks < nb && policy == ExternalFailurePolicy::kFail;
-    ext_.count_completion(num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
+    // A window group's next query must see only transferred blocks; else the fill is recomputed from the hit.
+    const auto& f = *sig.fill;
+    out.num_valid_blocks = layout_.simple ? num_valid_blocks
+                                          : detail::window_valid_blocks(layout_.windows, f.first_block, f.first_token,
+                                                                        f.end_token, nb, num_valid_blocks,
+                                                                        config_.block_size);
+    ext_.count_completion(out.num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
     if (out.sequence_failed) {
       free(out.seq);
       return out;
     }
     sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
-    q.num_built = std::max(q.num_built, sig.fill->computed_end(num_valid_blocks, config_.block_size));
+    q.num_built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
+    if (!layout_.simple) release_out_of_window(q);  // never-transferred window blocks: null before registration
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       switched_scratch_.clear();
       register_full_blocks(q, g);
@@ -1366,17 +1385,29 @@ class KVCacheManager {
   /// never evicted or reused) until `release_lease` (the consumer's read-done; vLLM `finished_sending`),
   /// `reap_external` past `lease_deadline` (heartbeats move it: `extend_lease`), and return what the consumer needs:
   /// every group's blocks of positions [0, num_tokens) with their generations, the full blocks' identities under
-  /// `layout.hash_algorithm`, `layout`. Throws kUnknownSequence; kInvalidArgument (layout's block_size, groups or
-  /// hash fields differ from this pool's: named; the sequence is not settled or waits for a fill; vLLM identities
-  /// of a request with extra keys) before anything changes.
+  /// `layout.hash_algorithm`, `layout`. A window group's entries are those inside the window of the query at
+  /// num_tokens - 1 (a consumer recomputes its last prompt token), taken back from the cache when the last build's
+  /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. Throws
+  /// kUnknownSequence; kInvalidArgument (layout's block_size, groups or hash fields differ from this pool's: named;
+  /// the sequence is not settled or waits for a fill; vLLM identities of a request with extra keys; a recurrent
+  /// group or coarse pages) before anything changes.
   HandoffDescriptor<Id> finish_with_lease(SeqId seq, const KvLayoutFingerprint& layout,
                                           std::optional<ExternalTimePoint> lease_deadline) {
     detail::check_external_groups(config_, layout_, "finish_with_lease");
     const sequence_type& q = live(seq, "finish_with_lease");
     detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
     ext_.check_settled(seq, settled(q), "finish_with_lease");
+    const std::size_t last = q.num_known() == 0 ? 0 : q.num_known() - 1;  // the consumer's first query, at most
+    auto block_at = [&](std::size_t g, std::size_t i) -> Id {
+      if (i < detail::handoff_first_block(layout_.windows[g], last, config_.block_size)) return Id{0};
+      const auto blocks = q.table_of(g).blocks();
+      const Id b = i < blocks.size() ? blocks[i] : Id{0};
+      if (b != Id{0} || i >= q.hashes.size()) return b;
+      const auto c = ix(g).find(q.hashes[i]);  // released by the last build's window, still cached
+      return c ? *c : Id{0};
+    };
     HandoffDescriptor<Id> d = ext_.open_lease(
-        seq, q.num_known(), layout_.num_groups, [&](std::size_t g) { return q.table_of(g).blocks(); },
+        seq, q.num_known(), layout_.num_groups, config_.block_size, block_at,
         detail::block_identities(q.tokens, q.hashes, q.keys && !q.keys->empty(), config_.block_size, layout,
                                  "finish_with_lease"),
         layout, lease_deadline, ext_acquire(), ext_release());
@@ -1463,7 +1494,9 @@ class KVCacheManager {
   /// vLLM #42895), then the descriptor's shape (blocks per group = ceil(num_tokens / block_size), computed from the
   /// token count, never trusted: vLLM #50558), then the identities of the blocks to transfer against this prompt's.
   /// Only the blocks after this pool's own prefix hit are planned (the hit is not transferred again), up to
-  /// importable_tokens (the last prompt token is computed here). Counts nothing: the blocks transferred and
+  /// importable_tokens (the last prompt token is computed here); a window group's blocks outside the window of the
+  /// query at the plan's end are null in remote_blocks (never transferred), and a descriptor that lacks one inside
+  /// that window makes an empty plan (the consumer computes the prompt). Counts nothing: the blocks transferred and
   /// skipped are counted by the admission that takes the plan (try_admit_external with the plan). Throws
   /// kInvalidArgument (each check above, naming the values; an unsupported group kind).
   ImportPlan<Id> plan_import(const HandoffDescriptor<Id>& desc, const KvLayoutFingerprint& ours,
@@ -1472,7 +1505,7 @@ class KVCacheManager {
     detail::check_pool_layout(config_, ours, "plan_import: this pool vs `ours`");
     detail::check_external_groups(config_, layout_, "plan_import");
     ImportPlan<Id> p = detail::make_import_plan(
-        desc, layout_.num_groups, config_.block_size, prompt.size(),
+        desc, std::span<const AttentionWindow>(layout_.windows), config_.block_size, prompt.size(),
         [&] { return prompt.empty() ? std::size_t{0} : lookup(prompt, keys); },
         [&] {
           return detail::block_identities(prompt, prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),

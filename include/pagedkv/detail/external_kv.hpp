@@ -1,30 +1,27 @@
 // pagedkv/detail/external_kv.hpp: the state machine of external KV (fills in flight and the blocks they hold,
-// producer leases, save pins, orphan holds, per-block generations, the external clock, signal counters) and the
-// pure pieces of the hand-off (layout fingerprints, block identities, descriptor checks, import plans). A part of
+// producer leases, save pins, orphan holds, per-block generations, the external clock, signal counters). A part of
 // its own: the KVCacheManager holds one and forwards to it; it knows nothing of the manager (references are taken
 // and dropped through the caller's `acquire(b)` / `release(b)`, a sequence's blocks are read through the caller's
-// `blocks_of(g)`), so it is tested alone over a BlockAllocator.
+// `blocks_of(g)`), so it is tested alone over a BlockAllocator. The pure pieces of a hand-off (layout fingerprints,
+// block identities, descriptor checks, import plans) are detail/external_kv_handoff.hpp.
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
-#include <pagedkv/block_identity.hpp>
-#include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/external_kv.hpp>
-#include <pagedkv/group_policy.hpp>
-#include <pagedkv/hash.hpp>
+#include <pagedkv/stats.hpp>
 
 namespace pagedkv::detail {
 
@@ -149,8 +146,9 @@ class ExternalKvState {
   }
 
   /// Start fill `seq` over `blocks` ([num_groups x n] group-major, every one held by the caller's table), taking one
-  /// reference each through `acquire(b)`. Returns the fill id. Throws kDuplicateSequence when `seq` already waits
-  /// for a fill, kInvalidArgument for a null or out-of-range block or a shape not a multiple of num_groups; an
+  /// reference each through `acquire(b)`; a null entry (block 0: a window group's block outside the window of the
+  /// first query, never transferred) takes none. Returns the fill id. Throws kDuplicateSequence when `seq` already
+  /// waits for a fill, kInvalidArgument for an out-of-range block or a shape not a multiple of num_groups; an
   /// exception of `acquire` is rethrown after the references taken are dropped through `release`: nothing changes.
   template <class Acquire, class Release>
   std::uint64_t begin_fill(SeqId seq, std::size_t num_groups, std::size_t first_block, std::size_t first_token,
@@ -164,7 +162,7 @@ class ExternalKvState {
                                                 std::to_string(num_groups) + " groups, tokens [" +
                                                 std::to_string(first_token) + ", " + std::to_string(end_token) + ")");
     }
-    check_blocks(blocks, "begin_fill");
+    check_blocks(blocks, "begin_fill", /*allow_null=*/true);
     const std::uint64_t id = next_id_;
     Fill f{seq, num_groups, first_block, first_token, end_token, std::vector<Id>(blocks.begin(), blocks.end())};
     by_seq_.reserve(by_seq_.size() + 1);
@@ -178,7 +176,7 @@ class ExternalKvState {
     by_seq_.emplace(seq, id);  // reserved: cannot throw
     ++next_id_;
     ++c_.fills_started;
-    c_.fill_blocks += blocks.size();
+    c_.fill_blocks += blocks.size() - static_cast<std::size_t>(std::count(blocks.begin(), blocks.end(), Id{0}));
     return id;
   }
 
@@ -322,11 +320,14 @@ class ExternalKvState {
 
   /// Start the fill of admitted `seq`'s positions [first_token, first_token + num_tokens) (first_token: its local
   /// hit, whole blocks of `block_size`): every group's blocks of those positions, read from `blocks_of(g)` (the
-  /// group's block table, a span of Id), are held as begin_fill holds them. Returns the ticket (blocks and their
-  /// generations). Throws as begin_fill; nothing changes then.
-  template <class BlocksOf, class Acquire, class Release>
+  /// group's block table, a span of Id), are held as begin_fill holds them, but for the logical blocks before
+  /// `first_sent(g)` (a window group's blocks outside the window of the query at the fill's end: null in the
+  /// ticket, never transferred, left in the table for a recompute). Returns the ticket (blocks and their
+  /// generations, 0 for a null entry). Throws as begin_fill; nothing changes then.
+  template <class BlocksOf, class FirstSent, class Acquire, class Release>
   FillTicket<Id> open_fill(SeqId seq, std::size_t num_groups, std::size_t block_size, std::size_t first_token,
-                           std::size_t num_tokens, BlocksOf&& blocks_of, Acquire&& acquire, Release&& release) {
+                           std::size_t num_tokens, BlocksOf&& blocks_of, FirstSent&& first_sent, Acquire&& acquire,
+                           Release&& release) {
     FillTicket<Id> t;
     t.seq = seq;
     t.num_groups = num_groups;
@@ -338,7 +339,9 @@ class ExternalKvState {
     t.generations.reserve(nb * num_groups);
     for (std::size_t g = 0; g < num_groups; ++g) {
       const std::span<const Id> blocks = std::span<const Id>(blocks_of(g)).subspan(t.first_block, nb);
-      t.blocks.insert(t.blocks.end(), blocks.begin(), blocks.end());
+      const std::size_t sent = std::clamp(first_sent(g), t.first_block, t.first_block + nb) - t.first_block;
+      t.blocks.insert(t.blocks.end(), sent, Id{0});
+      t.blocks.insert(t.blocks.end(), blocks.begin() + static_cast<std::ptrdiff_t>(sent), blocks.end());
     }
     t.fill_id = begin_fill(seq, num_groups, t.first_block, t.first_token, t.end_token, std::span<const Id>(t.blocks),
                            acquire, release);
@@ -375,25 +378,34 @@ class ExternalKvState {
     return valid;
   }
 
-  /// Producer: lease `seq`'s blocks of positions [0, num_tokens) (every group's, read from `blocks_of(g)`, all of
-  /// its table) until release_hold or reap at `deadline`, and describe them: blocks, their generations, the given
-  /// `identities` and `layout`. Throws as add_hold; nothing changes then.
-  template <class BlocksOf, class Acquire, class Release>
-  HandoffDescriptor<Id> open_lease(SeqId seq, std::size_t num_tokens, std::size_t num_groups, BlocksOf&& blocks_of,
-                                   std::vector<BlockIdentity> identities, const KvLayoutFingerprint& layout,
-                                   std::optional<ExternalTimePoint> deadline, Acquire&& acquire, Release&& release) {
+  /// Producer: lease `seq`'s blocks of positions [0, num_tokens) (every group's `[ceil(num_tokens / block_size)]`
+  /// logical blocks, each read as `block_at(g, i)`: the block to hand off, or 0 when the consumer needs none there,
+  /// e.g. a window group's block outside the window) until release_hold or reap at `deadline`, and describe them:
+  /// blocks (0 kept as 0), their generations (0 for a null entry), the given `identities` and `layout`. Throws as
+  /// add_hold; nothing changes then.
+  template <class BlockAt, class Acquire, class Release>
+  HandoffDescriptor<Id> open_lease(SeqId seq, std::size_t num_tokens, std::size_t num_groups, std::size_t block_size,
+                                   BlockAt&& block_at, std::vector<BlockIdentity> identities,
+                                   const KvLayoutFingerprint& layout, std::optional<ExternalTimePoint> deadline,
+                                   Acquire&& acquire, Release&& release) {
     HandoffDescriptor<Id> d;
     d.num_tokens = num_tokens;
     d.num_groups = num_groups;
     d.layout = layout;
     d.identities = std::move(identities);
+    const std::size_t nb = (num_tokens + block_size - 1) / block_size;
+    d.blocks.reserve(nb * num_groups);
+    std::vector<Id> held;
+    held.reserve(nb * num_groups);
     for (std::size_t g = 0; g < num_groups; ++g) {
-      const std::span<const Id> blocks(blocks_of(g));
-      d.blocks.insert(d.blocks.end(), blocks.begin(), blocks.end());
+      for (std::size_t i = 0; i < nb; ++i) {
+        d.blocks.push_back(block_at(g, i));
+        if (d.blocks.back() != Id{0}) held.push_back(d.blocks.back());
+      }
     }
     d.generations.reserve(d.blocks.size());
-    d.hold_id = add_hold(HoldKind::kLease, seq, std::span<const Id>(d.blocks), deadline, acquire, release);
-    for (Id b : d.blocks) d.generations.push_back(generation(b));  // reserved: cannot throw
+    d.hold_id = add_hold(HoldKind::kLease, seq, std::span<const Id>(held), deadline, acquire, release);
+    for (Id b : d.blocks) d.generations.push_back(b == Id{0} ? 0 : generation(b));  // reserved: cannot throw
     return d;
   }
   /// Pin the first `num_blocks` blocks of every group of `seq` (from `blocks_of(g)`; null entries skipped) for a
@@ -483,9 +495,9 @@ class ExternalKvState {
  private:
   enum class End : std::uint8_t { kSignalled, kAborted, kExpired };
 
-  void check_blocks(std::span<const Id> blocks, const char* what) const {
+  void check_blocks(std::span<const Id> blocks, const char* what, bool allow_null = false) const {
     for (Id b : blocks) {
-      if (b == Id{0} || b >= num_blocks_) {
+      if ((b == Id{0} && !allow_null) || b >= num_blocks_) {
         detail::raise(Errc::kInvalidArgument, std::string(what) + ": block " + std::to_string(b) + " outside [1, " +
                                                   std::to_string(num_blocks_) + ")");
       }
@@ -500,6 +512,7 @@ class ExternalKvState {
     std::size_t done = 0;
     try {
       for (; done < blocks.size(); ++done) {
+        if (blocks[done] == Id{0}) continue;  // a fill's null entry: no reference
         acquire(blocks[done]);
         if (refs_[blocks[done]]++ == 0) ++blocks_held_;
       }
@@ -510,6 +523,7 @@ class ExternalKvState {
   }
   template <class Release>
   void drop_ref(Id b, Release& release) {
+    if (b == Id{0}) return;  // a fill's null entry: no reference
     if (--refs_[b] == 0) {
       ++gen_[b];
       --blocks_held_;
@@ -569,164 +583,5 @@ class ExternalKvState {
   ExternalClock::duration orphan_timeout_ = std::chrono::seconds(480);
   ExternalKvCounters c_;
 };
-
-/// The fingerprint of a pool configured by `config` (block_size, groups, hash seed) with the caller's page layout,
-/// dtype, KV heads and head_dim (KVCacheManager::layout_fingerprint). Pure; allocates.
-[[nodiscard]] inline KvLayoutFingerprint external_layout_fingerprint(const CacheConfig& config, std::string page_layout,
-                                                                     std::string dtype, std::uint32_t num_kv_heads,
-                                                                     std::uint32_t head_dim,
-                                                                     BlockIdentityConvention convention,
-                                                                     std::string_view vllm_seed) {
-  KvLayoutFingerprint fp{config.block_size, std::move(page_layout), std::move(dtype), num_kv_heads, head_dim,
-                         config.groups, convention, 0, {}};
-  if (convention == BlockIdentityConvention::kPagedkv) {
-    fp.hash_seed = config.hash_seed;
-  } else {
-    fp.hash_seed_text = std::string(vllm_seed);
-  }
-  return fp;
-}
-
-/// Throws kInvalidArgument unless `layout` (a caller's fingerprint) describes the pool of `config`: the pool's
-/// fingerprint with layout's caller fields, compared field by field (`what` names the call).
-inline void check_pool_layout(const CacheConfig& config, const KvLayoutFingerprint& layout, const char* what) {
-  check_same_layout(external_layout_fingerprint(config, layout.page_layout, layout.dtype, layout.num_kv_heads,
-                                                layout.head_dim, layout.hash_algorithm, layout.hash_seed_text),
-                    layout, what);
-}
-
-/// Throws kInvalidArgument naming the first group external KV does not support yet (only full attention at the
-/// pool's block size: windows, recurrent state and coarse pages need their own hand-off rules).
-inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what) {
-  for (std::size_t g = 0; g < layout.num_groups; ++g) {
-    const KVCacheGroupSpec& s = config.groups[g];
-    if (s.kind != AttentionKind::kFull || layout.page_tokens[g] != config.block_size) {
-      detail::raise(Errc::kInvalidArgument,
-                    std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
-                        (layout.page_tokens[g] != config.block_size ? " with coarse pages" : "") +
-                        ": external KV supports only full-attention groups at the pool's block size yet (issue 33)");
-    }
-  }
-}
-
-/// The identities of the full blocks of `tokens` (`[tokens.size() / block_size]`) under `layout.hash_algorithm`:
-/// pagedkv's from `hashes` (the chain hashes of those blocks; throws kInvalidArgument when fewer: prefix caching
-/// off), vLLM's sha256_cbor recomputed from the tokens (throws kInvalidArgument when `has_keys`: extra keys are not
-/// supported in that convention yet). `what` names the call in errors. Allocates.
-[[nodiscard]] inline std::vector<BlockIdentity> block_identities(std::span<const TokenId> tokens,
-                                                                 std::span<const BlockHash> hashes, bool has_keys,
-                                                                 std::size_t block_size,
-                                                                 const KvLayoutFingerprint& layout, const char* what) {
-  const std::size_t n = tokens.size() / block_size;
-  std::vector<BlockIdentity> out(n);
-  if (layout.hash_algorithm == BlockIdentityConvention::kPagedkv) {
-    if (hashes.size() < n) {
-      detail::raise(Errc::kInvalidArgument, std::string(what) + ": pagedkv identities need the block hashes "
-                                                                "(CacheConfig::enable_prefix_caching is off)");
-    }
-    for (std::size_t i = 0; i < n; ++i) std::copy(hashes[i].bytes.begin(), hashes[i].bytes.end(), out[i].begin());
-    return out;
-  }
-  if (has_keys) {
-    detail::raise(Errc::kInvalidArgument, std::string(what) + ": vLLM identities of a request with extra keys "
-                                                              "(salt, adapter, multimodal) are not supported yet");
-  }
-  const std::vector<std::uint32_t> toks(tokens.begin(), tokens.end());
-  const auto h = identity::vllm_request_block_hashes(toks, block_size, identity::VllmRequestKeys{},
-                                                     identity::vllm_none_hash(layout.hash_seed_text));
-  std::copy_n(h.begin(), n, out.begin());
-  return out;
-}
-
-/// The external part of an admission whose local explanation is `local`, offered `num_external_tokens` after the
-/// local hit, over blocks of `block_size` tokens (KVCacheManager::explain_admit_external). Pure.
-[[nodiscard]] inline ExternalAdmitExplanation explain_external(AdmitExplanation local, std::size_t num_external_tokens,
-                                                               std::size_t block_size) {
-  ExternalAdmitExplanation x;
-  const std::size_t hit = local.hit_tokens;
-  x.external_tokens = importable_tokens(hit + num_external_tokens, local.prompt_tokens, hit);
-  x.clamped_tokens = num_external_tokens - x.external_tokens;
-  x.first_external_block = hit / block_size;
-  x.skipped_blocks = x.first_external_block;
-  x.external_blocks =
-      x.external_tokens == 0 ? 0 : (hit + x.external_tokens + block_size - 1) / block_size - x.first_external_block;
-  x.local = std::move(local);
-  return x;
-}
-
-/// Throws kInvalidArgument (named "try_admit_external") unless import `plan` fits a pool of `num_groups` groups of
-/// `block_size` tokens, a prompt of `prompt_len` tokens and the local hit now, `hit_tokens` (the plan's
-/// first_token: a hit that changed since the plan would pair the ticket's blocks with the wrong remote blocks). Pure.
-template <BlockIdType Id>
-void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std::size_t block_size,
-                        std::size_t prompt_len, std::size_t hit_tokens) {
-  const bool shape = plan.num_groups == num_groups && plan.first_token <= plan.end_token &&
-                     plan.end_token + 1 <= std::max<std::size_t>(prompt_len, 1) &&
-                     plan.first_block == plan.first_token / block_size &&
-                     plan.remote_blocks.size() == plan.num_blocks * num_groups &&
-                     plan.remote_generations.size() == plan.remote_blocks.size();
-  if (!shape) {
-    detail::raise(Errc::kInvalidArgument,
-                  "try_admit_external: import plan of tokens [" + std::to_string(plan.first_token) + ", " +
-                      std::to_string(plan.end_token) + ") over " + std::to_string(plan.num_groups) + " groups, " +
-                      std::to_string(plan.remote_blocks.size()) + " remote blocks does not fit a prompt of " +
-                      std::to_string(prompt_len) + " tokens over " + std::to_string(num_groups) + " groups");
-  }
-  if (hit_tokens != plan.first_token) {
-    detail::raise(Errc::kInvalidArgument, "try_admit_external: the local prefix hit changed since the import plan (" +
-                                              std::to_string(plan.first_token) + " tokens then, " +
-                                              std::to_string(hit_tokens) + " now): plan again");
-  }
-}
-
-/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over `num_groups` groups of
-/// `block_size` tokens per block. Checks the descriptor's shape first (blocks per group = ceil(num_tokens /
-/// block_size), from the token count, never trusted: vLLM #50558), then asks `local_hit()` for the consumer's own
-/// prefix hit (tokens, whole blocks: not transferred again), then, when blocks are to be transferred, checks their
-/// identities against `mine()` (the prompt's identities under desc's convention, computed only then). Throws
-/// kInvalidArgument naming the values. Pure but for the two callables.
-template <BlockIdType Id, class LocalHit, class Mine>
-[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc, std::size_t num_groups,
-                                              std::size_t block_size, std::size_t prompt_len, LocalHit&& local_hit,
-                                              Mine&& mine) {
-  const std::size_t bs = block_size;
-  const std::size_t per_group = (desc.num_tokens + bs - 1) / bs;
-  if (desc.num_groups != num_groups || desc.blocks.size() != per_group * num_groups ||
-      desc.generations.size() != desc.blocks.size() || desc.identities.size() != desc.num_tokens / bs) {
-    detail::raise(Errc::kInvalidArgument,
-                  "plan_import: descriptor of " + std::to_string(desc.num_tokens) + " tokens holds " +
-                      std::to_string(desc.blocks.size()) + " blocks, " + std::to_string(desc.generations.size()) +
-                      " generations, " + std::to_string(desc.identities.size()) + " identities over " +
-                      std::to_string(desc.num_groups) + " groups; expected ceil(" + std::to_string(desc.num_tokens) +
-                      " / " + std::to_string(bs) + ") = " + std::to_string(per_group) + " blocks per group over " +
-                      std::to_string(num_groups) + " groups and " + std::to_string(desc.num_tokens / bs) +
-                      " identities");
-  }
-  const std::size_t hit = local_hit();
-  ImportPlan<Id> p;
-  p.num_groups = num_groups;
-  p.first_token = hit;
-  p.end_token = hit + importable_tokens(desc.num_tokens, prompt_len, hit);
-  p.first_block = hit / bs;
-  p.skipped_blocks = p.first_block;
-  p.num_blocks = p.end_token == hit ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
-  if (p.num_blocks != 0) {
-    const std::vector<BlockIdentity> m = mine();
-    for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
-      if (i < m.size() && i < desc.identities.size() && m[i] != desc.identities[i]) {
-        detail::raise(Errc::kInvalidArgument, "plan_import: block " + std::to_string(i) +
-                                                  "'s identity differs from this prompt's: the descriptor holds "
-                                                  "another prefix");
-      }
-    }
-  }
-  for (std::size_t g = 0; g < num_groups; ++g) {
-    for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
-      p.remote_blocks.push_back(desc.blocks[g * per_group + i]);
-      p.remote_generations.push_back(desc.generations[g * per_group + i]);
-    }
-  }
-  return p;
-}
 
 }  // namespace pagedkv::detail

@@ -1,0 +1,232 @@
+// pagedkv/detail/external_kv_handoff.hpp: the pure pieces of an external-KV hand-off (issue 33): the layout
+// fingerprint of a pool and its checks, the groups a hand-off supports, block identities in a declared convention,
+// the external part of an admission's explanation, and the consumer's import plan with its checks. No state: the
+// fills and holds these plans feed are detail/external_kv.hpp's ExternalKvState; the KVCacheManager calls both.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <pagedkv/block_identity.hpp>
+#include <pagedkv/cache_config.hpp>
+#include <pagedkv/config.hpp>
+#include <pagedkv/error.hpp>
+#include <pagedkv/external_kv.hpp>
+#include <pagedkv/group_policy.hpp>
+#include <pagedkv/hash.hpp>
+
+namespace pagedkv::detail {
+
+/// The fingerprint of a pool configured by `config` (block_size, groups, hash seed) with the caller's page layout,
+/// dtype, KV heads and head_dim (KVCacheManager::layout_fingerprint). Pure; allocates.
+[[nodiscard]] inline KvLayoutFingerprint external_layout_fingerprint(const CacheConfig& config, std::string page_layout,
+                                                                     std::string dtype, std::uint32_t num_kv_heads,
+                                                                     std::uint32_t head_dim,
+                                                                     BlockIdentityConvention convention,
+                                                                     std::string_view vllm_seed) {
+  KvLayoutFingerprint fp{config.block_size, std::move(page_layout), std::move(dtype), num_kv_heads, head_dim,
+                         config.groups, convention, 0, {}};
+  if (convention == BlockIdentityConvention::kPagedkv) {
+    fp.hash_seed = config.hash_seed;
+  } else {
+    fp.hash_seed_text = std::string(vllm_seed);
+  }
+  return fp;
+}
+
+/// Throws kInvalidArgument unless `layout` (a caller's fingerprint) describes the pool of `config`: the pool's
+/// fingerprint with layout's caller fields, compared field by field (`what` names the call).
+inline void check_pool_layout(const CacheConfig& config, const KvLayoutFingerprint& layout, const char* what) {
+  check_same_layout(external_layout_fingerprint(config, layout.page_layout, layout.dtype, layout.num_kv_heads,
+                                                layout.head_dim, layout.hash_algorithm, layout.hash_seed_text),
+                    layout, what);
+}
+
+/// Throws kInvalidArgument naming the first group external KV does not support yet. Supported: full attention and
+/// windowed attention (sliding window, chunked-local: a hand-off carries only the blocks inside the window of the
+/// consumer's first query), at the pool's block size. Refused: recurrent state (its working state and last
+/// checkpoint need their own hand-off rule) and coarse pages.
+inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what) {
+  for (std::size_t g = 0; g < layout.num_groups; ++g) {
+    const KVCacheGroupSpec& s = config.groups[g];
+    if (s.kind == AttentionKind::kRecurrent || layout.page_tokens[g] != config.block_size) {
+      detail::raise(Errc::kInvalidArgument,
+                    std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
+                        (layout.page_tokens[g] != config.block_size ? " with coarse pages" : "") +
+                        ": external KV supports full-attention and windowed groups at the pool's block size, not "
+                        "recurrent groups or coarse pages yet (issue 33)");
+    }
+  }
+}
+
+/// The first logical block of each group a consumer whose first query sits at `end_token` must hold: blocks before
+/// it are wholly outside that query's window (first_kept_block; 0 for full attention), so a hand-off neither
+/// describes nor transfers them and the consumer's table holds the null block there (as after a window group's
+/// hit). Hand-off rule of a window group (vLLM: SlidingWindowManager's skipped blocks; SGLang's SWA radix cache).
+[[nodiscard]] inline std::size_t handoff_first_block(const AttentionWindow& w, std::size_t end_token,
+                                                     std::uint32_t block_size) noexcept {
+  return first_kept_block(w, end_token, block_size);
+}
+
+/// The valid blocks (per group, from the fill's first_block) that a completion may keep when `num_valid` of the
+/// fill's `num_blocks` blocks hold K/V: `num_valid`, unless the query at the position it would leave computed
+/// (first_token + num_valid blocks) sees a window block that was never transferred (a window group's blocks in
+/// [first_block, handoff_first_block(end_token)) are left out of the transfer), in which case 0: the whole fill is
+/// recomputed from the local hit, whose window blocks the table still holds. Pure.
+[[nodiscard]] inline std::size_t window_valid_blocks(std::span<const AttentionWindow> windows, std::size_t first_block,
+                                                     std::size_t first_token, std::size_t end_token,
+                                                     std::size_t num_blocks, std::size_t num_valid,
+                                                     std::uint32_t block_size) noexcept {
+  if (num_valid >= num_blocks) return num_valid;
+  const std::size_t at = first_token + num_valid * block_size;
+  for (const AttentionWindow& w : windows) {
+    const std::size_t sent = handoff_first_block(w, end_token, block_size);
+    if (sent > first_block && first_kept_block(w, at, block_size) < sent) return 0;
+  }
+  return num_valid;
+}
+
+/// The identities of the full blocks of `tokens` (`[tokens.size() / block_size]`) under `layout.hash_algorithm`:
+/// pagedkv's from `hashes` (the chain hashes of those blocks; throws kInvalidArgument when fewer: prefix caching
+/// off), vLLM's sha256_cbor recomputed from the tokens (throws kInvalidArgument when `has_keys`: extra keys are not
+/// supported in that convention yet). `what` names the call in errors. Allocates.
+[[nodiscard]] inline std::vector<BlockIdentity> block_identities(std::span<const TokenId> tokens,
+                                                                 std::span<const BlockHash> hashes, bool has_keys,
+                                                                 std::size_t block_size,
+                                                                 const KvLayoutFingerprint& layout, const char* what) {
+  const std::size_t n = tokens.size() / block_size;
+  std::vector<BlockIdentity> out(n);
+  if (layout.hash_algorithm == BlockIdentityConvention::kPagedkv) {
+    if (hashes.size() < n) {
+      detail::raise(Errc::kInvalidArgument, std::string(what) + ": pagedkv identities need the block hashes "
+                                                                "(CacheConfig::enable_prefix_caching is off)");
+    }
+    for (std::size_t i = 0; i < n; ++i) std::copy(hashes[i].bytes.begin(), hashes[i].bytes.end(), out[i].begin());
+    return out;
+  }
+  if (has_keys) {
+    detail::raise(Errc::kInvalidArgument, std::string(what) + ": vLLM identities of a request with extra keys "
+                                                              "(salt, adapter, multimodal) are not supported yet");
+  }
+  const std::vector<std::uint32_t> toks(tokens.begin(), tokens.end());
+  const auto h = identity::vllm_request_block_hashes(toks, block_size, identity::VllmRequestKeys{},
+                                                     identity::vllm_none_hash(layout.hash_seed_text));
+  std::copy_n(h.begin(), n, out.begin());
+  return out;
+}
+
+/// The external part of an admission whose local explanation is `local`, offered `num_external_tokens` after the
+/// local hit, over blocks of `block_size` tokens (KVCacheManager::explain_admit_external). Pure.
+[[nodiscard]] inline ExternalAdmitExplanation explain_external(AdmitExplanation local, std::size_t num_external_tokens,
+                                                               std::size_t block_size) {
+  ExternalAdmitExplanation x;
+  const std::size_t hit = local.hit_tokens;
+  x.external_tokens = importable_tokens(hit + num_external_tokens, local.prompt_tokens, hit);
+  x.clamped_tokens = num_external_tokens - x.external_tokens;
+  x.first_external_block = hit / block_size;
+  x.skipped_blocks = x.first_external_block;
+  x.external_blocks =
+      x.external_tokens == 0 ? 0 : (hit + x.external_tokens + block_size - 1) / block_size - x.first_external_block;
+  x.local = std::move(local);
+  return x;
+}
+
+/// Throws kInvalidArgument (named "try_admit_external") unless import `plan` fits a pool of `num_groups` groups of
+/// `block_size` tokens, a prompt of `prompt_len` tokens and the local hit now, `hit_tokens` (the plan's
+/// first_token: a hit that changed since the plan would pair the ticket's blocks with the wrong remote blocks). Pure.
+template <BlockIdType Id>
+void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std::size_t block_size,
+                        std::size_t prompt_len, std::size_t hit_tokens) {
+  const bool shape = plan.num_groups == num_groups && plan.first_token <= plan.end_token &&
+                     plan.end_token + 1 <= std::max<std::size_t>(prompt_len, 1) &&
+                     plan.first_block == plan.first_token / block_size &&
+                     plan.remote_blocks.size() == plan.num_blocks * num_groups &&
+                     plan.remote_generations.size() == plan.remote_blocks.size();
+  if (!shape) {
+    detail::raise(Errc::kInvalidArgument,
+                  "try_admit_external: import plan of tokens [" + std::to_string(plan.first_token) + ", " +
+                      std::to_string(plan.end_token) + ") over " + std::to_string(plan.num_groups) + " groups, " +
+                      std::to_string(plan.remote_blocks.size()) + " remote blocks does not fit a prompt of " +
+                      std::to_string(prompt_len) + " tokens over " + std::to_string(num_groups) + " groups");
+  }
+  if (hit_tokens != plan.first_token) {
+    detail::raise(Errc::kInvalidArgument, "try_admit_external: the local prefix hit changed since the import plan (" +
+                                              std::to_string(plan.first_token) + " tokens then, " +
+                                              std::to_string(hit_tokens) + " now): plan again");
+  }
+}
+
+/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over groups whose hit windows
+/// are `windows` (`[num_groups]`, GroupLayout::windows) and blocks of `block_size` tokens. Checks the descriptor's
+/// shape first (blocks per group = ceil(num_tokens / block_size), from the token count, never trusted: vLLM
+/// #50558), then asks `local_hit()` for the consumer's own prefix hit (tokens, whole blocks: not transferred
+/// again), then, when blocks are to be transferred, checks their identities against `mine()` (the prompt's
+/// identities under desc's convention, computed only then). A window group's blocks before
+/// handoff_first_block(end_token) are null in the plan (never transferred); when the descriptor lacks one inside
+/// that window (null: the producer no longer had it), the plan imports nothing. Throws kInvalidArgument naming the
+/// values. Pure but for the two callables.
+template <BlockIdType Id, class LocalHit, class Mine>
+[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc,
+                                              std::span<const AttentionWindow> windows, std::size_t block_size,
+                                              std::size_t prompt_len, LocalHit&& local_hit, Mine&& mine) {
+  const std::size_t num_groups = windows.size();
+  const std::size_t bs = block_size;
+  const std::size_t per_group = (desc.num_tokens + bs - 1) / bs;
+  if (desc.num_groups != num_groups || desc.blocks.size() != per_group * num_groups ||
+      desc.generations.size() != desc.blocks.size() || desc.identities.size() != desc.num_tokens / bs) {
+    detail::raise(Errc::kInvalidArgument,
+                  "plan_import: descriptor of " + std::to_string(desc.num_tokens) + " tokens holds " +
+                      std::to_string(desc.blocks.size()) + " blocks, " + std::to_string(desc.generations.size()) +
+                      " generations, " + std::to_string(desc.identities.size()) + " identities over " +
+                      std::to_string(desc.num_groups) + " groups; expected ceil(" + std::to_string(desc.num_tokens) +
+                      " / " + std::to_string(bs) + ") = " + std::to_string(per_group) + " blocks per group over " +
+                      std::to_string(num_groups) + " groups and " + std::to_string(desc.num_tokens / bs) +
+                      " identities");
+  }
+  const std::size_t hit = local_hit();
+  ImportPlan<Id> p;
+  p.num_groups = num_groups;
+  p.first_token = hit;
+  p.end_token = hit + importable_tokens(desc.num_tokens, prompt_len, hit);
+  // A window group's blocks inside the consumer's first window must all be described (the producer leased them);
+  // else nothing is imported (the consumer computes the prompt itself: a shorter end needs earlier blocks still).
+  for (std::size_t g = 0; g < num_groups && p.end_token > hit; ++g) {
+    const std::size_t from = std::max(handoff_first_block(windows[g], p.end_token, block_size), hit / bs);
+    for (std::size_t i = from; i < (p.end_token + bs - 1) / bs; ++i) {
+      if (desc.blocks[g * per_group + i] == Id{0}) {
+        p.end_token = hit;
+        break;
+      }
+    }
+  }
+  p.first_block = hit / bs;
+  p.skipped_blocks = p.first_block;
+  p.num_blocks = p.end_token == hit ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
+  if (p.num_blocks != 0) {
+    const std::vector<BlockIdentity> m = mine();
+    for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
+      if (i < m.size() && i < desc.identities.size() && m[i] != desc.identities[i]) {
+        detail::raise(Errc::kInvalidArgument, "plan_import: block " + std::to_string(i) +
+                                                  "'s identity differs from this prompt's: the descriptor holds "
+                                                  "another prefix");
+      }
+    }
+  }
+  for (std::size_t g = 0; g < num_groups; ++g) {
+    const std::size_t sent = handoff_first_block(windows[g], p.end_token, block_size);
+    for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
+      const bool out = i < sent;  // outside the window of the consumer's first query: never transferred
+      p.remote_blocks.push_back(out ? Id{0} : desc.blocks[g * per_group + i]);
+      p.remote_generations.push_back(out ? 0 : desc.generations[g * per_group + i]);
+    }
+  }
+  return p;
+}
+
+}  // namespace pagedkv::detail
