@@ -30,6 +30,7 @@
 #include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/copy_list.hpp>
 #include <pagedkv/detail/device_pool.hpp>
+#include <pagedkv/detail/group_recurrent.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -387,7 +388,8 @@ class KVCacheManager {
         max_reg = std::max(max_reg, (old_known + a) / bs - std::min((old_known + a) / bs, q.registered_of(g)));
       }
     }
-    pool_.events().reserve_more(max_reg * layout_.num_groups * (layout_.any_coarse ? 4 : 1));  // a coarse page re-key: two events
+    // (a coarse page re-key: two events)
+    pool_.events().reserve_more(max_reg * layout_.num_groups * (layout_.any_coarse ? 4 : 1));
     pool_.switched().clear();
     pool_.switched().reserve(max_reg);
     if (layout_.any_recurrent) {  // a copy per recurrent group (resolve_drafts)
@@ -398,12 +400,12 @@ class KVCacheManager {
     const std::size_t rejected = q.num_lookahead - a;
     q.num_lookahead = 0;
     for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {
-      if (is_recurrent(g)) resolve_drafts(q, g, old_known, a);
+      if (is_recurrent(g)) recurrent(g).resolve_drafts(pool_, q, old_known, a);
     }
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).rewind(rejected, pool);
-      if (is_recurrent(g)) null_partial_checkpoint(q, g);
+      if (is_recurrent(g)) recurrent(g).null_partial_checkpoint(pool_, q);
     }
     q.num_built = std::min(q.num_built, q.num_slotted());
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {  // the accepted blocks whose writes were issued
@@ -467,7 +469,8 @@ class KVCacheManager {
     }
     sequence_type& q = live(seq, "free");
     if (ext_.num_fills() != 0) [[unlikely]] abort_external_fill(seq);  // external KV: an orphan hold
-    if (layout_.any_recurrent) pool_.events().reserve_more(layout_.num_groups);  // last checkpoints registered on the way out
+    // (last checkpoints registered on the way out)
+    if (layout_.any_recurrent) pool_.events().reserve_more(layout_.num_groups);
     release_all_groups(q);
     recycle(seqs_.extract(seq));
   }
@@ -582,7 +585,7 @@ class KVCacheManager {
     for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {
       if (!is_recurrent(g)) continue;
-      fresh += state_blocks(g);
+      fresh += recurrent(g).state_blocks();
       if (s.states[g] != Id{0} && !host_.tier().is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
     }
     held += fresh;
@@ -597,7 +600,8 @@ class KVCacheManager {
       if (!host_.tier().is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
       const std::size_t g = j / nb;
       const auto key = host_.tier().index().hash_of(hb);
-      if (const auto b = key ? pool_.ix(g).find(group_block_key(*key, g)) : std::nullopt) {  // the key unmixed: the hash
+      // (the key unmixed: the hash)
+      if (const auto b = key ? pool_.ix(g).find(group_block_key(*key, g)) : std::nullopt) {
         hit_scratch_[j] = *b;
         if (pool_.alloc().is_cached(*b)) ++evictable_hits;
       } else {
@@ -658,7 +662,7 @@ class KVCacheManager {
       st.state = allocate_one(g);
       st.state_valid = s.states[g] != Id{0};
       if (st.state_valid) queue_fill(st.state, s.states[g], TransferKind::kSwapIn, nullptr, false, g);
-      if (keeps_last(g)) st.last_block = allocate_one(g);
+      if (recurrent(g).keeps_last()) st.last_block = allocate_one(g);
     }
     for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) {
       if (*hb != Id{0}) host_.tier().release(*hb);
@@ -733,8 +737,9 @@ class KVCacheManager {
       t.rewind(drop, pool);
       if (is_coarse(g)) pool_.unkey_rewound_page(q, g, coarse_factor(g), len / config_.block_size);
       if (is_recurrent(g)) {
-        null_partial_checkpoint(q, g);
-        release_drafts(q.other_groups[g - 1], q.num_lookahead);  // the dropped lookahead slots' drafts
+        recurrent(g).null_partial_checkpoint(pool_, q);
+        // the dropped lookahead slots' drafts
+        recurrent_type::release_drafts(pool_, q.other_groups[g - 1], q.num_lookahead);
       }
     }
     q.tokens.resize(len);
@@ -1465,6 +1470,7 @@ class KVCacheManager {
  private:
   using index_view = GroupPrefixIndexView<index_type>;
   using pool_type = detail::DevicePool<Hasher, Id, Evict>;
+  using recurrent_type = detail::RecurrentGroup<Id>;
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
@@ -1587,7 +1593,7 @@ class KVCacheManager {
           std::size_t checkpoints = 0;
           for (std::size_t r = 0; r < B; ++r) {
             const std::size_t first = batch_scratch_[r]->num_built;
-            checkpoints += checkpoints_in_step(*batch_scratch_[r], g, first, first + qlen_scratch_[r]);
+            checkpoints += recurrent(g).checkpoints_in_step(*batch_scratch_[r], first, first + qlen_scratch_[r]);
           }
           const std::pair<std::size_t, std::size_t> need[] = {{buf.state_in.size(), B},
                                                                {buf.state_out.size(), B},
@@ -1662,7 +1668,7 @@ class KVCacheManager {
         detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
         if constexpr (!kOne) {
           if (is_recurrent(g)) {
-            write_state_row(q, g, b, first, seq_len, buf, sizes_out[g].num_checkpoints);
+            recurrent(g).write_state_row(q, b, first, seq_len, buf, sizes_out[g].num_checkpoints, pool_.switched());
             if (!buf.slot_mapping.empty()) std::fill_n(buf.slot_mapping.begin() + tok, q_len, std::int64_t{-1});
             tok += q_len;
             continue;
@@ -1680,7 +1686,7 @@ class KVCacheManager {
       BatchMetadataSizes& sz = sizes_out[g];
       detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
       sz.num_copies = detail::write_copies(buf, pool_.copies().taken(), static_cast<std::uint32_t>(g));
-      if (is_recurrent(g)) pad_state_outputs(buf, B, sz.num_checkpoints);
+      if (is_recurrent(g)) recurrent_type::pad_state_outputs(buf, B, sz.num_checkpoints);
     }
     for (const copy_type& c : pool_.copies().taken()) pool_.release_block(c.src);
     pool_.copies().clear_taken();
@@ -1889,7 +1895,8 @@ class KVCacheManager {
                             (tail != Id{0} && reserved > 0 && pool_.table_refcount(tail) > 0 ? 1 : 0);
         continue;
       }
-      new_table_blocks += is_recurrent(g) ? state_blocks(g) + checkpoints_between(g, k * bs, k * bs + reserved)
+      new_table_blocks += is_recurrent(g) ? recurrent(g).state_blocks() +
+                                                recurrent(g).checkpoints_between(k * bs, k * bs + reserved)
                                           : new_per_group;
     }
     const std::size_t new_blocks = new_table_blocks + host_hits;
@@ -1897,7 +1904,9 @@ class KVCacheManager {
     std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
     for (std::size_t g = 0; g < G; ++g) {
       const std::size_t gb = layout_.page_tokens[g];
-      lower_bound += is_recurrent(g) ? state_blocks(g) : layout_.windows[g].enabled() ? 1 : (prompt.size() + gb - 1) / gb;
+      lower_bound += is_recurrent(g)                ? recurrent(g).state_blocks()
+                     : layout_.windows[g].enabled() ? 1
+                                                    : (prompt.size() + gb - 1) / gb;
     }
     const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
     AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
@@ -2027,8 +2036,8 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) {
       if (is_recurrent(g)) {  // its working state, then its checkpoints (guaranteed by the capacity check)
         q.other_groups[g - 1].state = allocate_one(g);
-        if (keeps_last(g)) q.other_groups[g - 1].last_block = allocate_one(g);
-        grow_recurrent(q, g, plan.num_reserved);
+        if (recurrent(g).keeps_last()) q.other_groups[g - 1].last_block = allocate_one(g);
+        recurrent(g).grow(q, plan.num_reserved, taker(g));
         continue;
       }
       std::optional<copy_type> copy;
@@ -2182,10 +2191,10 @@ class KVCacheManager {
       if constexpr (!kOne) {
         if (is_recurrent(g)) {  // the checkpoints the growth completes, and a copy of a shared working state
           const GroupTableState<Id>& st = q.other_groups[g - 1];
-          const std::size_t ck = checkpoints_between(g, q.num_slotted(), q.num_slotted() + n);
+          const std::size_t ck = recurrent(g).checkpoints_between(q.num_slotted(), q.num_slotted() + n);
           needed += ck + drafts + (st.state != Id{0} && pool_.table_refcount(st.state) > 1 ? 1 : 0) +
                     (st.last_block != Id{0} && pool_.table_refcount(st.last_block) > 1 ? 1 : 0);
-          held_after += state_blocks(g) + ck + drafts;
+          held_after += recurrent(g).state_blocks() + ck + drafts;
           for (std::size_t i = q.released_of(g); i < nblocks; ++i) held_after += t.blocks()[i] != Id{0} ? 1 : 0;
           continue;
         }
@@ -2233,8 +2242,8 @@ class KVCacheManager {
     for (std::size_t g = 0; g < groups<kOne>(); ++g) {
       if constexpr (!kOne) {
         if (is_recurrent(g)) {
-          grow_recurrent(q, g, n);
-          copy_shared_state(q, g);
+          recurrent(g).grow(q, n, taker(g));
+          if (recurrent(g).copy_shared_state(pool_, q, taker(g))) ++stats_.cow_copies;
           continue;
         }
       }
@@ -2320,6 +2329,15 @@ class KVCacheManager {
 
   // One block of group g from the pool (capacity checked by the caller).
   Id allocate_one(std::size_t g) { return pool_.allocate_one(g, evictor()); }
+  // allocate_one(g) as a callable (a group kind's `take`).
+  auto taker(std::size_t g) {
+    return [this, g] { return allocate_one(g); };
+  }
+  // Recurrent group g as its kind (detail/group_recurrent.hpp). Precondition: is_recurrent(g).
+  [[nodiscard]] recurrent_type recurrent(std::size_t g) const noexcept {
+    return {g, config_.block_size, config_.groups[g].window_tokens, config_.enable_prefix_caching,
+            config_.groups[g].last_checkpoint};
+  }
   // Release every group's blocks of q, retention priorities first.
   void release_all_groups(sequence_type& q) {
     apply_retention(q, 0);
@@ -2331,55 +2349,10 @@ class KVCacheManager {
         q.other_groups[g - 1].state = Id{0};
         q.other_groups[g - 1].state_valid = false;
       }
-      if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) release_last_checkpoint(q, g);
-      if (g > 0 && !q.other_groups[g - 1].drafts.empty()) release_drafts(q.other_groups[g - 1], 0);
-    }
-  }
-  // A recurrent group's checkpoint block that a rewind left partial will not be written: null, as before it was
-  // completed (grow_recurrent takes a block again when a growth completes it).
-  // (Out of line, as the other recurrent-only paths below: the hot one-group paths stay small enough to inline.)
-  [[gnu::noinline]] void null_partial_checkpoint(sequence_type& q, std::size_t g) {
-    BlockTable<Id>& t = q.table_of(g);
-    if (t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
-      pool_.release_block(t.replace_block(t.num_blocks() - 1, Id{0}));
-    }
-  }
-  // commit_lookahead of recurrent group g of q: `accepted` of the lookahead slots after `base` known tokens were
-  // accepted. Of them, the first `built` = min(accepted, num_built - base) have their states in the drafts: the
-  // state after the last of them becomes the working state (block ids swapped), the last block boundary among them
-  // becomes the last checkpoint (KVCacheGroupSpec::last_checkpoint; when it is also the working state's position,
-  // the working state is filled by a copy of it, pending like a copy-on-write). Every other draft is released. Room
-  // for the copy reserved by the caller. Never throws.
-  [[gnu::noinline]] void resolve_drafts(sequence_type& q, std::size_t g, std::size_t base, std::size_t accepted) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    const std::size_t bs = config_.block_size;
-    const std::size_t built = std::min(accepted, q.num_built > base ? q.num_built - base : 0);
-    bool copied = false;
-    const std::size_t boundary = (base + built) / bs * bs;  // the last boundary the accepted drafts cross
-    if (built > 0 && keeps_last(g) && boundary > base) {
-      st.last_pos = 0;  // as a build: the table's checkpoint there, if any, is the last one
-      if (st.table.blocks()[boundary / bs - 1] == Id{0}) {
-        std::swap(st.last_block, st.drafts[boundary - base - 1]);
-        st.last_pos = boundary;
-        if (boundary == base + built) {  // the working state is the same state: a copy of the last checkpoint
-          pool_.acquire_block(st.last_block);  // the copy's hold on its source
-          queue_copy(q, copy_type{st.last_block, st.state, static_cast<std::uint32_t>(g)});
-          st.state_valid = true;
-          copied = true;
-        }
+      if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) recurrent(g).release_last_checkpoint(pool_, q);
+      if (g > 0 && !q.other_groups[g - 1].drafts.empty()) {
+        recurrent_type::release_drafts(pool_, q.other_groups[g - 1], 0);
       }
-    }
-    if (built > 0 && !copied) {
-      std::swap(st.state, st.drafts[built - 1]);
-      st.state_valid = true;
-    }
-    release_drafts(st, 0);
-  }
-  // Release the draft states of st from the `keep`-th on (lookahead slots dropped or resolved).
-  [[gnu::noinline]] void release_drafts(GroupTableState<Id>& st, std::size_t keep) {
-    while (st.drafts.size() > keep) {
-      pool_.release_block(st.drafts.back());
-      st.drafts.pop_back();
     }
   }
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
@@ -2408,91 +2381,11 @@ class KVCacheManager {
     }
   }
 
-  // The last checkpoint of q in recurrent group g, as q leaves the device: registered under the chain hash of the
-  // blocks before its position unless that state is registered already (or it holds none), then released (to the
-  // cache when registered). Room for its event reserved by the caller.
-  void release_last_checkpoint(sequence_type& q, std::size_t g) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    const Id b = st.last_block;
-    const std::size_t i = st.last_pos / config_.block_size;  // the state after blocks [0, i)
-    if (i > 0 && i <= q.hashes.size() && pool_.alloc().refcount(b) - pool_.pins(b) == 1 && !pool_.ix(g).find(q.hashes[i - 1])) {
-      (void)pool_.ix(g).insert(q.hashes[i - 1], b);
-      pool_.alloc().set_hashed(b, true);
-      if (pool_.events().enabled()) pool_.record_stored(q, i - 1, q.hashes[i - 1], g);
-    }
-    pool_.release_block(b);
-    st.last_block = Id{0};
-    st.last_pos = 0;
-  }
-  // Recurrent group g keeps the state at each sequence's last block boundary (KVCacheGroupSpec::last_checkpoint).
-  [[nodiscard]] bool keeps_last(std::size_t g) const noexcept {
-    return config_.enable_prefix_caching && config_.groups[g].last_checkpoint;
-  }
-  // Upper bound of the checkpoints a build lists for recurrent group g of q computing positions [first, end): the
-  // table's checkpoint blocks ending inside, the last checkpoint, and with lookahead positions inside, the working
-  // state at the last known token and one draft state per lookahead position.
-  [[nodiscard]] std::size_t checkpoints_in_step(const sequence_type& q, std::size_t g, std::size_t first,
-                                                std::size_t end) const noexcept {
-    const std::size_t bs = config_.block_size;
-    const auto blocks = q.table_of(g).blocks();
-    std::size_t n = keeps_last(g) ? 1 : 0;
-    for (std::size_t i = first / bs; (i + 1) * bs <= end; ++i) n += blocks[i] != Id{0} ? 1 : 0;
-    const std::size_t base = q.num_known();  // lookahead: the working state at base, a draft state per position
-    if (end > base) n += (first < base ? 1 : 0) + end - std::max(first, base);
-    return n;
-  }
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
   // Whether group g's pages are coarser than the match unit, and by how many match blocks per page.
   [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept { return layout_.coarse_factors(); }
   [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return layout_.is_coarse(g); }
   [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return layout_.coarse_factor(g); }
-  [[nodiscard]] std::size_t state_blocks(std::size_t g) const noexcept { return keeps_last(g) ? 2 : 1; }
-  // Recurrent group g: the checkpoints that positions (from, to] complete (multiples of its interval), with prefix
-  // caching on; 0 otherwise.
-  [[nodiscard]] std::size_t checkpoints_between(std::size_t g, std::size_t from, std::size_t to) const noexcept {
-    if (!config_.enable_prefix_caching) return 0;
-    const std::size_t interval = config_.groups[g].window_tokens;
-    return to / interval - from / interval;
-  }
-  // Grow recurrent group g's table of q by n positions: null entries, except a fresh block for each logical block
-  // the growth completes at a checkpoint (the state after its last token is kept there). Capacity checked and
-  // room reserved by the caller.
-  void grow_recurrent(sequence_type& q, std::size_t g, std::size_t n) {
-    BlockTable<Id>& t = q.table_of(g);
-    const std::size_t bs = config_.block_size;
-    const std::size_t from = t.num_tokens();
-    const std::size_t end = from + n;
-    const auto completes_checkpoint = [&](std::size_t i) {
-      return (i + 1) * bs > from && (i + 1) * bs <= end && checkpoints_between(g, i * bs + bs - 1, (i + 1) * bs) != 0;
-    };
-    if (from % bs != 0 && completes_checkpoint(from / bs)) {
-      const Id old = t.replace_block(from / bs, allocate_one(g));
-      (void)old;  // null: a checkpoint block is taken when its block is complete (rewind nulls a partial one)
-    }
-    t.extend(n, [&](std::size_t i) { return completes_checkpoint(i) ? allocate_one(g) : Id{0}; });
-  }
-  // Recurrent group g of q about to grow: a working state shared with a fork gets its own block, a copy of it when
-  // it holds the state (else the state is still the zero state or the hit's checkpoint, which the table keeps); a
-  // shared last checkpoint is left to the other side, this one starts a new one. Capacity checked and room
-  // reserved by the caller.
-  void copy_shared_state(sequence_type& q, std::size_t g) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    if (st.last_block != Id{0} && pool_.table_refcount(st.last_block) > 1) {  // a new last checkpoint, nothing in it yet
-      const Id old = st.last_block;
-      st.last_block = allocate_one(g);
-      st.last_pos = 0;
-      pool_.release_block(old);
-    }
-    if (st.state == Id{0} || pool_.table_refcount(st.state) <= 1) return;
-    const Id src = st.state;
-    st.state = allocate_one(g);
-    if (!st.state_valid) {
-      pool_.release_block(src);
-      return;
-    }
-    queue_copy(q, copy_type{src, st.state, static_cast<std::uint32_t>(g)});  // holds our reference on src
-    ++stats_.cow_copies;
-  }
 
   /// Queues copy c into one of q's blocks: handed out with the next build that includes q (its owner), counted in
   /// q.num_pending_copies. The hold on c.src is the caller's (acquired for the copy, or a reference handed over).
@@ -2511,9 +2404,9 @@ class KVCacheManager {
   }
 
   // Called by the allocator just before a cached block is reused: drop its hash (DevicePool::evictor); with a host
-  // tier and an offload policy, copy it there first (write-back) unless the host already has (or is filling) that hash. The copy reads
-  // the block at the start of the next build's step, before anything writes the block's new contents (the swap
-  // lists run first). The caller reserved room for the events and the transfer (reserve_for_allocations).
+  // tier and an offload policy, copy it there first (write-back) unless the host already has (or is filling) that
+  // hash. The copy reads the block at the start of the next build's step, before anything writes the block's new
+  // contents (the swap lists run first). The caller reserved room for the events and the transfer (reserve_for_allocations).
   auto evictor() {
     return pool_.evictor([this](Id b, const BlockHash& h, std::uint32_t g) {
       if (host_ && config_.offload != OffloadPolicy::kNone) {
@@ -2622,75 +2515,6 @@ class KVCacheManager {
   }
 
 
-  // Recurrent group g's outputs of batch row b (sequence q computing positions [first, seq_len)): the block its
-  // initial state is read from, its working state, and the checkpoints whose last position it computes (a block
-  // switched to an identical registered one by this build is not written: it holds that state already), in position
-  // order. A row reaching into lookahead positions (after the base = num_known known tokens) writes no state_out: the
-  // working state is a checkpoint entry at base, each lookahead position's state an entry into its draft block. Marks
-  // the working state valid when the row writes it. Room checked by the build.
-  [[gnu::noinline]] void write_state_row(sequence_type& q, std::size_t g, std::size_t b, std::size_t first,
-                                         std::size_t seq_len, const BatchMetadataBuffers& buf,
-                                         std::size_t& num_checkpoints) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    const auto blocks = st.table.blocks();
-    const std::size_t bs = config_.block_size;
-    const std::size_t base = q.num_known();
-    std::int32_t in = -1;  // the zero state
-    if (first > base) {
-      in = static_cast<std::int32_t>(st.drafts[first - base - 1]);
-    } else if (st.state_valid) {
-      in = static_cast<std::int32_t>(st.state);
-    } else if (first > 0) {
-      in = static_cast<std::int32_t>(blocks[first / bs - 1]);  // the hit's checkpoint
-    }
-    buf.state_in[b] = in;
-    buf.state_out[b] = seq_len <= base ? static_cast<std::int32_t>(st.state) : -1;
-    if (b == 0) buf.checkpoint_indptr[0] = 0;
-    const auto put = [&](std::size_t pos, Id block) {
-      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(pos);
-      buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(block);
-      ++num_checkpoints;
-    };
-    // The table's checkpoint blocks (of the interval, or marked) that end at position `pos` (a block boundary).
-    const auto table_entry = [&](std::size_t pos) {
-      const std::size_t i = pos / bs - 1;
-      const bool switched = std::find(pool_.switched().begin(), pool_.switched().end(), i) != pool_.switched().end();
-      if (blocks[i] != Id{0} && !switched) put(pos, blocks[i]);
-    };
-    const std::size_t known_end = std::min(seq_len, base);
-    for (std::size_t pos = (first / bs + 1) * bs; pos <= known_end; pos += bs) table_entry(pos);
-    // The last block boundary of the known positions this step crosses, into the last checkpoint (unless the table
-    // keeps a checkpoint there already).
-    const std::size_t boundary = known_end / bs * bs;
-    if (keeps_last(g) && boundary > first) {
-      st.last_pos = 0;
-      if (blocks[boundary / bs - 1] == Id{0}) {
-        put(boundary, st.last_block);
-        st.last_pos = boundary;
-      }
-    }
-    if (seq_len <= base || first < base) st.state_valid = true;
-    if (seq_len > base) {  // lookahead positions
-      if (first < base) put(base, st.state);
-      for (std::size_t pos = std::max(first, base) + 1; pos <= seq_len; ++pos) {
-        if (pos % bs == 0) table_entry(pos);
-        put(pos, st.drafts[pos - base - 1]);
-      }
-    }
-    buf.checkpoint_indptr[b + 1] = static_cast<std::int32_t>(num_checkpoints);
-  }
-  // Padding of a recurrent group's outputs after a build of `batch` rows and `n` checkpoints (see
-  // BatchMetadataBuffers).
-  static void pad_state_outputs(const BatchMetadataBuffers& buf, std::size_t batch, std::size_t n) {
-    detail::pad_from(buf.state_in, batch, -1);
-    detail::pad_from(buf.state_out, batch, -1);
-    if (!buf.checkpoint_indptr.empty()) {
-      buf.checkpoint_indptr[0] = batch == 0 ? 0 : buf.checkpoint_indptr[0];
-      detail::pad_from(buf.checkpoint_indptr, batch + 1, static_cast<std::int32_t>(n));
-    }
-    detail::pad_from(buf.checkpoint_positions, n, -1);
-    detail::pad_from(buf.checkpoint_blocks, n, -1);
-  }
 
   // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
   // per block: a vectorizable fill of consecutive slots.
