@@ -30,6 +30,8 @@
 #include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/copy_list.hpp>
+#include <pagedkv/detail/device_pool.hpp>
+#include <pagedkv/detail/group_recurrent.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -136,21 +138,12 @@ class KVCacheManager {
   explicit KVCacheManager(const CacheConfig& config)
       : config_(checked(config)),
         layout_(config_.groups, config_.block_size),
-        alloc_(config_.num_blocks),
-        index_(config_.num_blocks, config_.hash_seed),
+        pool_(config_, layout_),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
-        host_(config_.num_blocks, config_.num_host_blocks, config_.hash_seed, layout_.num_groups,
-              config_.enable_events),
-        events_(config_.enable_events),
-        history_(config_.eviction_history) {
+        host_(config_.num_host_blocks, config_.hash_seed, layout_.num_groups,
+              config_.enable_events) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
     if (layout_.any_coarse) coarse_indices_.assign(layout_.num_groups, 0);
-    if (layout_.num_groups > 1) {
-      group_cached_.assign(layout_.num_groups, 0);
-      group_of_.assign(config_.num_blocks, 0);
-    }
-    held_.assign(layout_.num_groups, 0);
-    peak_held_.assign(layout_.num_groups, 0);
     spare_.reserve(kMaxSpareSequences);
   }
 
@@ -241,9 +234,9 @@ class KVCacheManager {
     PreparedPrompt p;
     p.tokens.assign(prompt.begin(), prompt.end());
     if (keys != nullptr && !keys->empty()) p.keys = std::make_shared<const RequestKeys>(*keys);
-    p.root = index_.root();
+    p.root = pool_.index().root();
     p.block_size = config_.block_size;
-    if (config_.enable_prefix_caching) index_.hash_full_blocks(prompt, config_.block_size, keys, p.hashes);
+    if (config_.enable_prefix_caching) pool_.index().hash_full_blocks(prompt, config_.block_size, keys, p.hashes);
     return p;
   }
 
@@ -324,12 +317,12 @@ class KVCacheManager {
     const std::size_t i = pos / bs - 1;
     std::size_t need = 0;
     for (std::size_t g = 1; g < layout_.num_groups; ++g) need += is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0} ? 1 : 0;
-    if (need > alloc_.num_available_blocks()) return AppendStatus::kNoCapacity;
+    if (need > pool_.alloc().num_available_blocks()) return AppendStatus::kNoCapacity;
     reserve_for_allocations(need, 0);
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {
       if (is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0}) (void)q.table_of(g).replace_block(i, allocate_one(g));
     }
-    note_peak();
+    pool_.note_peak();
     return AppendStatus::kOk;
   }
 
@@ -351,7 +344,7 @@ class KVCacheManager {
     if (!cq.fits()) return {static_cast<AppendStatus>(cq.status), {}, std::nullopt, cq.num_missing_blocks};
     prepare_growth(q, k, k);
     if (layout_.any_recurrent) {  // the growth's copies (one per group) + a copy per recurrent group (below)
-      copies_.reserve_room(2 * layout_.num_groups);
+      pool_.copies().reserve_room(2 * layout_.num_groups);
     }
     AppendResult<Id> r = commit_growth(q, k, cq.num_blocks);
     for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {  // room reserved above
@@ -362,12 +355,12 @@ class KVCacheManager {
       // step computing only drafts would not write it, so it takes a copy of the checkpoint now.
       if (!st.state_valid && q.num_built == q.num_known() && q.num_built > 0) {
         const Id src = st.table.blocks()[q.num_built / config_.block_size - 1];
-        acquire_block(src);  // the copy's hold on its source
+        pool_.acquire_block(src);  // the copy's hold on its source
         queue_copy(q, copy_type{src, st.state, static_cast<std::uint32_t>(g)});
         st.state_valid = true;
       }
     }
-    note_peak();
+    pool_.note_peak();
     q.num_lookahead = k;
     return r;
   }
@@ -396,27 +389,28 @@ class KVCacheManager {
         max_reg = std::max(max_reg, (old_known + a) / bs - std::min((old_known + a) / bs, q.registered_of(g)));
       }
     }
-    events_.reserve_more(max_reg * layout_.num_groups * (layout_.any_coarse ? 4 : 1));  // a coarse page re-key: two events
-    switched_scratch_.clear();
-    switched_scratch_.reserve(max_reg);
+    // (a coarse page re-key: two events)
+    pool_.events().reserve_more(max_reg * layout_.num_groups * (layout_.any_coarse ? 4 : 1));
+    pool_.switched().clear();
+    pool_.switched().reserve(max_reg);
     if (layout_.any_recurrent) {  // a copy per recurrent group (resolve_drafts)
-      copies_.reserve_room(layout_.num_groups);
+      pool_.copies().reserve_room(layout_.num_groups);
     }
     append_known_tokens(q, accepted);
     // Nothing below throws.
     const std::size_t rejected = q.num_lookahead - a;
     q.num_lookahead = 0;
     for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {
-      if (is_recurrent(g)) resolve_drafts(q, g, old_known, a);
+      if (is_recurrent(g)) recurrent(g).resolve_drafts(pool_, q, old_known, a);
     }
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).rewind(rejected, pool);
-      if (is_recurrent(g)) null_partial_checkpoint(q, g);
+      if (is_recurrent(g)) recurrent(g).null_partial_checkpoint(pool_, q);
     }
     q.num_built = std::min(q.num_built, q.num_slotted());
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {  // the accepted blocks whose writes were issued
-      switched_scratch_.clear();
+      pool_.switched().clear();
       register_full_blocks(q, g);
     }
     if (layout_.any_recurrent) release_out_of_window(q);  // written checkpoints of accepted positions go to the cache
@@ -450,12 +444,12 @@ class KVCacheManager {
     (void)inserted;
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       for (Id b : it->second.table_of(g).blocks()) {
-        if (b != Id{0}) acquire_block(b);
+        if (b != Id{0}) pool_.acquire_block(b);
       }
       if (g > 0) {
         const GroupTableState<Id>& st = it->second.other_groups[g - 1];
-        if (st.state != Id{0}) acquire_block(st.state);
-        if (st.last_block != Id{0}) acquire_block(st.last_block);
+        if (st.state != Id{0}) pool_.acquire_block(st.state);
+        if (st.last_block != Id{0}) pool_.acquire_block(st.last_block);
       }
     }
   }
@@ -476,7 +470,8 @@ class KVCacheManager {
     }
     sequence_type& q = live(seq, "free");
     if (ext_.num_fills() != 0) [[unlikely]] abort_external_fill(seq);  // external KV: an orphan hold
-    if (layout_.any_recurrent) events_.reserve_more(layout_.num_groups);  // last checkpoints registered on the way out
+    // (last checkpoints registered on the way out)
+    if (layout_.any_recurrent) pool_.events().reserve_more(layout_.num_groups);
     release_all_groups(q);
     recycle(seqs_.extract(seq));
   }
@@ -525,7 +520,7 @@ class KVCacheManager {
     sw.host_blocks.assign(layout_.num_groups * nb, Id{0});
     if (layout_.any_recurrent) sw.states.assign(layout_.num_groups, Id{0});
     host_.transfers().reserve_more(to_fill);
-    events_.reserve_more(to_fill + layout_.num_groups);  // + the last checkpoints registered by the release
+    pool_.events().reserve_more(to_fill + layout_.num_groups);  // + the last checkpoints registered by the release
     auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
     SwappedSequence& dst = it->second;
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {  // shared host blocks first (allocations cannot evict them)
@@ -542,7 +537,7 @@ class KVCacheManager {
       const auto blocks = q.table_of(g).blocks();
       for (std::size_t i = 0; i < nb; ++i) {
         if (blocks[i] == Id{0} || dst.host_blocks[g * nb + i] != Id{0}) continue;  // null, or shared above
-        const auto h = ix(g).hash_of(blocks[i]);
+        const auto h = pool_.ix(g).hash_of(blocks[i]);
         const BlockHash key = h ? group_block_key(*h, g) : BlockHash{};
         const Id hb = *host_.tier().allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
         host_.tier().acquire(hb);  // the copy's own hold, released when it completes
@@ -591,12 +586,12 @@ class KVCacheManager {
     for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {
       if (!is_recurrent(g)) continue;
-      fresh += state_blocks(g);
+      fresh += recurrent(g).state_blocks();
       if (s.states[g] != Id{0} && !host_.tier().is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
     }
     held += fresh;
-    if (held > alloc_.num_usable_blocks()) {
-      return {AdmitStatus::kNeverFits, 0, 0, 0, held - alloc_.num_usable_blocks()};
+    if (held > pool_.alloc().num_usable_blocks()) {
+      return {AdmitStatus::kNeverFits, 0, 0, 0, held - pool_.alloc().num_usable_blocks()};
     }
     hit_scratch_.assign(n, Id{0});
     std::size_t to_fill = 0, evictable_hits = 0;
@@ -606,14 +601,15 @@ class KVCacheManager {
       if (!host_.tier().is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
       const std::size_t g = j / nb;
       const auto key = host_.tier().index().hash_of(hb);
-      if (const auto b = key ? ix(g).find(group_block_key(*key, g)) : std::nullopt) {  // the key unmixed: the hash
+      // (the key unmixed: the hash)
+      if (const auto b = key ? pool_.ix(g).find(group_block_key(*key, g)) : std::nullopt) {
         hit_scratch_[j] = *b;
-        if (alloc_.is_cached(*b)) ++evictable_hits;
+        if (pool_.alloc().is_cached(*b)) ++evictable_hits;
       } else {
         ++to_fill;
       }
     }
-    const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
+    const std::size_t available = pool_.alloc().num_available_blocks() - evictable_hits;
     if (to_fill + fresh > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill + fresh - available};
     // Commit. Reserve first.
     auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, layout_.num_groups, layout_.page_tokens));
@@ -629,7 +625,7 @@ class KVCacheManager {
       throw;
     }
     for (std::size_t j = 0; j < n; ++j) {
-      if (hit_scratch_[j] != Id{0}) acquire_block(hit_scratch_[j]);
+      if (hit_scratch_[j] != Id{0}) pool_.acquire_block(hit_scratch_[j]);
     }
     std::size_t host_tokens = 0;  // of the sequence's tokens, those in blocks copied back from the host tier
     for (std::size_t j = 0; j < n; ++j) {
@@ -667,7 +663,7 @@ class KVCacheManager {
       st.state = allocate_one(g);
       st.state_valid = s.states[g] != Id{0};
       if (st.state_valid) queue_fill(st.state, s.states[g], TransferKind::kSwapIn, nullptr, false, g);
-      if (keeps_last(g)) st.last_block = allocate_one(g);
+      if (recurrent(g).keeps_last()) st.last_block = allocate_one(g);
     }
     for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) {
       if (*hb != Id{0}) host_.tier().release(*hb);
@@ -676,7 +672,7 @@ class KVCacheManager {
       if (hb != Id{0}) host_.tier().release(hb);
     }
     swapped_.erase(sw);
-    note_peak();
+    pool_.note_peak();
     return {AdmitStatus::kAdmitted, num_tokens, host_tokens, to_fill + fresh, 0};
   }
 
@@ -735,15 +731,16 @@ class KVCacheManager {
     apply_retention(q, (keep_slotted + config_.block_size - 1) / config_.block_size);
     q.num_lookahead -= drop_lookahead;
     const std::size_t drop = q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead);
-    if (layout_.any_coarse) events_.reserve_more(layout_.num_groups);
+    if (layout_.any_coarse) pool_.events().reserve_more(layout_.num_groups);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
-      if (is_coarse(g)) unkey_rewound_page(q, g, len / config_.block_size);
+      if (is_coarse(g)) pool_.unkey_rewound_page(q, g, coarse_factor(g), len / config_.block_size);
       if (is_recurrent(g)) {
-        null_partial_checkpoint(q, g);
-        release_drafts(q.other_groups[g - 1], q.num_lookahead);  // the dropped lookahead slots' drafts
+        recurrent(g).null_partial_checkpoint(pool_, q);
+        // the dropped lookahead slots' drafts
+        recurrent_type::release_drafts(pool_, q.other_groups[g - 1], q.num_lookahead);
       }
     }
     q.tokens.resize(len);
@@ -805,11 +802,11 @@ class KVCacheManager {
     }
     const std::size_t bs = config_.block_size;
     const std::size_t cap = std::min(max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
-    BlockHash parent = index_.root();
+    BlockHash parent = pool_.index().root();
     std::size_t i = 0;
     for (; i < cap / bs; ++i) {
-      parent = index_.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys);
-      if (!index_.find(parent) && !(host_ && host_.tier().find_ready(parent))) break;
+      parent = pool_.index().hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys);
+      if (!pool_.index().find(parent) && !(host_ && host_.tier().find_ready(parent))) break;
     }
     return i * bs;
   }
@@ -839,7 +836,7 @@ class KVCacheManager {
       return x;
     }
     std::vector<BlockHash> hashes;
-    index_.hash_full_blocks(prompt, config_.block_size, keys, hashes);
+    pool_.index().hash_full_blocks(prompt, config_.block_size, keys, hashes);
     // tier(g, i): 1 = device, 2 = host (ready), 0 = neither.
     const auto tier_of = [&](const std::vector<BlockHash>& hs, std::size_t g, std::size_t i) -> int {
       return cached_at(hs[i], g).tier;
@@ -866,13 +863,13 @@ class KVCacheManager {
     x.first_miss_block = v.block;
     x.limiting_group = v.group;
     if (v.eviction) {
-      x.evictions_since = history_.evictions(v.eviction->tier) - v.eviction->eviction_number - 1;
+      x.evictions_since = pool_.history().evictions(v.eviction->tier) - v.eviction->eviction_number - 1;
       x.eviction = v.eviction;
     }
     const std::size_t miss_group = v.group, miss_block = v.block;
     if (x.cause == MissCause::kNotCached && keys != nullptr && !keys->empty()) {  // cached without the extra keys?
       std::vector<BlockHash> plain;
-      index_.hash_full_blocks(prompt.first((miss_block + 1) * bs), config_.block_size, nullptr, plain);
+      pool_.index().hash_full_blocks(prompt.first((miss_block + 1) * bs), config_.block_size, nullptr, plain);
       if (tier_of(plain, miss_group, miss_block) != 0) x.cause = MissCause::kKeyMismatch;
     }
     return x;
@@ -929,7 +926,7 @@ class KVCacheManager {
     return out;
   }
   /// Copy-on-write copies not yet handed out by build_batch_metadata. Valid until the next non-const call.
-  [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return copies_.copies(); }
+  [[nodiscard]] std::span<const copy_type> pending_copies() const noexcept { return pool_.copies().copies(); }
   /// The state of live sequence `seq` (read-only: cursors, hashes, keys; see SequenceState). Valid until the next
   /// non-const call. Throws kUnknownSequence.
   [[nodiscard]] const sequence_type& sequence(SeqId seq) const { return live(seq, "sequence"); }
@@ -950,20 +947,19 @@ class KVCacheManager {
   /// Blocks held (refcount > 0) by group g now, each shared block once. O(1). Throws kInvalidArgument (g).
   [[nodiscard]] std::size_t held_blocks(std::size_t g) const {
     check_group(g, "held_blocks");
-    return layout_.simple ? alloc_.num_used_blocks() : held_[g];
+    return layout_.simple ? pool_.alloc().num_used_blocks() : pool_.held(g);
   }
   /// The most blocks group g held at once since construction or reset_peaks() (with one full-attention group:
   /// sampled at the end of each call that takes blocks). Throws kInvalidArgument (g).
   [[nodiscard]] std::size_t peak_held_blocks(std::size_t g) const {
     check_group(g, "peak_held_blocks");
-    return layout_.simple ? peak_used_ : peak_held_[g];
+    return layout_.simple ? pool_.peak_used() : pool_.peak_held(g);
   }
   /// The most blocks all groups held at once since construction or reset_peaks().
-  [[nodiscard]] std::size_t peak_used_blocks() const noexcept { return peak_used_; }
+  [[nodiscard]] std::size_t peak_used_blocks() const noexcept { return pool_.peak_used(); }
   /// Restart the peaks at the current values.
   void reset_peaks() noexcept {
-    peak_held_ = held_;
-    peak_used_ = alloc_.num_used_blocks();
+    pool_.reset_peaks();
   }
   /// Bytes of the blocks group g holds: held_blocks(g) x bytes_per_block(). Throws kInvalidArgument (g).
   [[nodiscard]] std::size_t held_bytes(std::size_t g) const { return held_blocks(g) * bytes_per_block(); }
@@ -971,13 +967,13 @@ class KVCacheManager {
   /// Counters and block counts now.
   [[nodiscard]] CacheStats stats() const noexcept {
     CacheStats s = stats_;
-    s.num_usable_blocks = alloc_.num_usable_blocks();
-    s.blocks_used = alloc_.num_used_blocks();
-    s.blocks_cached = alloc_.num_cached_blocks();
-    s.blocks_free = alloc_.num_free_blocks();
+    s.num_usable_blocks = pool_.alloc().num_usable_blocks();
+    s.blocks_used = pool_.alloc().num_used_blocks();
+    s.blocks_cached = pool_.alloc().num_cached_blocks();
+    s.blocks_free = pool_.alloc().num_free_blocks();
     s.usage = static_cast<double>(s.blocks_used) / static_cast<double>(s.num_usable_blocks);
-    s.evictions = alloc_.num_evictions();
-    s.block_ops = alloc_.num_block_ops();
+    s.evictions = pool_.alloc().num_evictions();
+    s.block_ops = pool_.alloc().num_block_ops();
     if (host_) {
       const auto& h = host_.tier().allocator();
       s.host_num_usable_blocks = h.num_usable_blocks();
@@ -988,6 +984,7 @@ class KVCacheManager {
     s.transfers_in_flight = host_.transfers().in_flight().size();
     s.transfers_queued = host_.transfers().queued().size();
     s.external = ext_.counters();
+    s.dedup_blocks = pool_.dedup_blocks();
     return s;
   }
   /// Prefix-cache statistics since the previous call (vLLM's PrefixCacheStats: requests / queries / hits of new
@@ -998,20 +995,20 @@ class KVCacheManager {
     return out;
   }
   /// The allocator (read-only: refcounts, states, eviction order). Valid as long as the manager.
-  [[nodiscard]] const allocator_type& allocator() const noexcept { return alloc_; }
+  [[nodiscard]] const allocator_type& allocator() const noexcept { return pool_.alloc(); }
   /// The prefix index (read-only). With several groups it is shared by them: group g's blocks are keyed by
   /// `group_block_key(hash, g)` (group 0's by their hashes), one table sized for the pool; `prefix_index(g)` reads
   /// one group's part in its own hashes. Valid as long as the manager.
-  [[nodiscard]] const index_type& prefix_index() const noexcept { return index_; }
+  [[nodiscard]] const index_type& prefix_index() const noexcept { return pool_.index(); }
   /// Group g's part of the prefix index, read-only, in the group's own block hashes (`find(h)`, `hash_of(b)`,
   /// `size()`: the group's registered blocks). A small value (GroupPrefixIndexView), valid as long as the manager.
   /// Throws kInvalidArgument for g >= num_groups().
   [[nodiscard]] const_index_view prefix_index(std::size_t g) const {
     check_group(g, "prefix_index");
-    return ix(g);
+    return pool_.ix(g);
   }
   /// The group whose table holds (or last held) block b (0 with one group). Precondition: 0 < b < num_blocks.
-  [[nodiscard]] std::uint32_t group_of(Id b) const noexcept { return group_of_block(b); }
+  [[nodiscard]] std::uint32_t group_of(Id b) const noexcept { return pool_.group_of_block(b); }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Prefix cache maintenance and events
@@ -1020,23 +1017,23 @@ class KVCacheManager {
   /// when no block is referenced (no live sequence and no pending copy); otherwise returns false and changes
   /// nothing.
   bool reset_prefix_cache() {
-    if (alloc_.num_used_blocks() != 0) return false;
+    if (pool_.alloc().num_used_blocks() != 0) return false;
     if (host_ && (host_.tier().allocator().num_used_blocks() != 0 || !host_.transfers().queued().empty())) return false;
-    events_.reserve_more(2);
-    alloc_.clear_hashes([](Id) {});
-    index_.clear();
-    std::fill(group_cached_.begin(), group_cached_.end(), std::size_t{0});
-    history_.clear();  // the dropped hashes name content no longer meant to be served
+    pool_.events().reserve_more(2);
+    pool_.alloc().clear_hashes([](Id) {});
+    pool_.index().clear();
+    pool_.clear_group_counts();
+    pool_.history().clear();  // the dropped hashes name content no longer meant to be served
     for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
       for (std::size_t g = 0; g < layout_.num_groups; ++g) q.registered_of(g) = 0;
     }
     host_.recent_registered().clear();
     interval_.reset = true;
-    if (events_.enabled()) events_.push(KVEventType::kAllCleared);
+    if (pool_.events().enabled()) pool_.events().push(KVEventType::kAllCleared);
     if (host_) {
       host_.tier().clear([](Id, const BlockHash&) {});
       host_.clear_events();
-      if (events_.enabled()) events_.push(KVEventType::kAllCleared).medium = Medium::kCpu;
+      if (pool_.events().enabled()) pool_.events().push(KVEventType::kAllCleared).medium = Medium::kCpu;
     }
     return true;
   }
@@ -1050,13 +1047,13 @@ class KVCacheManager {
   /// here, so an engine calls this once per step with its steady clock (replays pass simulated time). Returns how
   /// many cached blocks changed priority; 0 without a RetentionEvictionPolicy. O(expired log cached).
   std::size_t expire_retention(RetentionTimePoint now) {
-    retention_now_ = std::max(retention_now_, now);
-    std::size_t n = alloc_.expire_retention(retention_now_);
-    if (host_) n += host_.tier().expire_retention(retention_now_);
+    const RetentionTimePoint t = pool_.advance_retention(now);
+    std::size_t n = pool_.alloc().expire_retention(t);
+    if (host_) n += host_.tier().expire_retention(t);
     return n;
   }
   /// The retention clock: the latest `now` given to expire_retention (the clock's epoch before the first call).
-  [[nodiscard]] RetentionTimePoint retention_now() const noexcept { return retention_now_; }
+  [[nodiscard]] RetentionTimePoint retention_now() const noexcept { return pool_.retention_now(); }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Host tier transfers
@@ -1073,7 +1070,7 @@ class KVCacheManager {
       detail::raise(Errc::kInvalidArgument, "complete_transfers: token " + std::to_string(token) +
                                                 " names no copies in flight (never issued, or completed already)");
     }
-    events_.reserve_more(host_.transfers().in_flight().size() + host_.num_held_back());
+    pool_.events().reserve_more(host_.transfers().in_flight().size() + host_.num_held_back());
     for (const Transfer<Id>& t : host_.take_completed(token)) {
       if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
         host_.tier().mark_ready(t.host);
@@ -1082,22 +1079,22 @@ class KVCacheManager {
         continue;
       }
       // onboard, swap-in: the device block is filled; register it if its hash is not registered yet
-      host_.end_fill(t.device);
-      if (t.hashed && !ix(t.group).hash_of(t.device)) {
-        const Id reg = ix(t.group).insert(t.hash, t.device);
+      pool_.end_fill(t.device);
+      if (t.hashed && !pool_.ix(t.group).hash_of(t.device)) {
+        const Id reg = pool_.ix(t.group).insert(t.hash, t.device);
         if (reg == t.device) {
-          alloc_.set_hashed(t.device, true);
-          if (events_.enabled()) {
-            auto e = events_.find_stored(t.hash, Medium::kCpu, t.group);
+          pool_.alloc().set_hashed(t.device, true);
+          if (pool_.events().enabled()) {
+            auto e = pool_.events().find_stored(t.hash, Medium::kCpu, t.group);
             if (!e && host_.is_held_back(t.host)) {  // its host copy was never reported: the content waited there
               if (const KVEvent* held = host_.held_content(t.host)) e = *held;
             }
-            if (e) host_.publish_kept(events_, std::move(*e)).medium = Medium::kGpu;
+            if (e) host_.publish_kept(pool_.events(), std::move(*e)).medium = Medium::kGpu;
           }
         }
       }
       host_.tier().release(t.host);   // the copy's pin on its source
-      release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
+      pool_.release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
     }
     retry_held_back();  // a copy whose parent completed after it in this call
     host_.clear_completed();
@@ -1129,17 +1126,17 @@ class KVCacheManager {
 
   /// Move the recorded events (oldest first) to the end of `out`, unbatched; returns how many. Events are recorded
   /// only with `enable_events`.
-  std::size_t drain_events(std::vector<KVEvent>& out) { return events_.drain(out); }
+  std::size_t drain_events(std::vector<KVEvent>& out) { return pool_.events().drain(out); }
 
   /// The events recorded since the last take or drain as the next numbered batch (vLLM's KVEventBatch; numbers
   /// 1, 2, 3, ... without gaps), stamped `ts` (vLLM: seconds since the epoch); nullopt when nothing happened.
   /// Call once per engine step, after the step's calls, and publish it. Allocates.
-  std::optional<KVEventBatch> take_event_batch(double ts) { return events_.take_batch(ts); }
+  std::optional<KVEventBatch> take_event_batch(double ts) { return pool_.events().take_batch(ts); }
 
   /// What the events taken so far say is cached: a stored event per cached (block hash, tier), at the number of the
   /// last batch taken. A consumer that joins late (or lost batches) applies it, then the batches after its number.
   /// O(cached blocks); allocates.
-  [[nodiscard]] KVEventSnapshot event_snapshot() const { return events_.snapshot(); }
+  [[nodiscard]] KVEventSnapshot event_snapshot() const { return pool_.events().snapshot(); }
 
   // ---------------------------------------------------------------------------------------------------------------
   // Batch metadata
@@ -1241,7 +1238,7 @@ class KVCacheManager {
       const CapacityQuery cq = query_admit(prompt, keys, o);
       const std::size_t need = cq.num_blocks + headroom_blocks +
                                lookup(prompt, keys, opts.max_cached_tokens) / config_.block_size * layout_.num_groups;
-      const std::size_t avail = alloc_.num_available_blocks();
+      const std::size_t avail = pool_.alloc().num_available_blocks();
       if (cq.fits() && avail < need) return {{AdmitStatus::kNoCapacity, 0, 0, 0, need - avail}, {}};
     }
     ExternalAdmitResult<Id> r{try_admit(seq, prompt, keys, o), {}};
@@ -1310,8 +1307,8 @@ class KVCacheManager {
   ExternalCompletion complete_external_fill(std::uint64_t fill_id, std::size_t num_valid_blocks,
                                             ExternalFailurePolicy policy = ExternalFailurePolicy::kRecompute) {
     const std::size_t nb = ext_.check_valid_blocks(fill_id, num_valid_blocks);
-    events_.reserve_more(nb * layout_.num_groups);
-    switched_scratch_.reserve(nb);
+    pool_.events().reserve_more(nb * layout_.num_groups);
+    pool_.switched().reserve(nb);
     auto sig = ext_.take_fill(fill_id, ext_release());
     ExternalCompletion out{sig.status};
     if (sig.status != ExternalSignal::kApplied) return out;
@@ -1332,7 +1329,7 @@ class KVCacheManager {
     q.num_built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
     if (!layout_.simple) release_out_of_window(q);  // never-transferred window blocks: null before registration
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      switched_scratch_.clear();
+      pool_.switched().clear();
       register_full_blocks(q, g);
     }
     out.num_computed_tokens = q.num_built;
@@ -1455,31 +1452,21 @@ class KVCacheManager {
   /// or b >= num_blocks); std::bad_alloc before any change. The host tier's copy of that hash, if any, is not
   /// touched (it holds the content written before the failed load).
   bool evict_cached_block(Id b) {
-    if (b == Id{0} || b >= alloc_.num_blocks()) {
+    if (b == Id{0} || b >= pool_.alloc().num_blocks()) {
       detail::raise(Errc::kBlockOutOfRange, "evict_cached_block: block " + std::to_string(b) + " outside [1, " +
-                                                std::to_string(alloc_.num_blocks()) + ")");
+                                                std::to_string(pool_.alloc().num_blocks()) + ")");
     }
-    if (!alloc_.is_hashed(b)) return false;
-    events_.reserve_more(1);
-    const std::uint32_t g = group_of_block(b);
-    const auto key = index_.erase_block(b);
-    if (key) {
-      const BlockHash h = layout_.num_groups > 1 ? unregistered_from_group(*key, g) : *key;
-      if (history_.enabled()) record_eviction(*key, EvictedTier::kDevice, g);
-      if (events_.enabled()) {
-        KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-        e.hash = h;
-        e.group = g;
-      }
-    }
-    if (alloc_.refcount(b) == 0) {  // cached: to the free list (an unhashed release frees)
-      alloc_.acquire(b);
-      alloc_.set_hashed(b, false);
-      alloc_.release(b);
+    if (!pool_.alloc().is_hashed(b)) return false;
+    pool_.events().reserve_more(1);
+    const bool registered = pool_.forget_registration(b).has_value();
+    if (pool_.alloc().refcount(b) == 0) {  // cached: to the free list (an unhashed release frees)
+      pool_.alloc().acquire(b);
+      pool_.alloc().set_hashed(b, false);
+      pool_.alloc().release(b);
     } else {
-      alloc_.set_hashed(b, false);
+      pool_.alloc().set_hashed(b, false);
     }
-    return key.has_value();
+    return registered;
   }
   /// External clock tick: ends every lease, save pin and orphan hold whose deadline is at or before `now`; records
   /// `now` for the orphan deadlines of later aborts. Returns how many ended. O(holds).
@@ -1515,6 +1502,8 @@ class KVCacheManager {
   }
  private:
   using index_view = GroupPrefixIndexView<index_type>;
+  using pool_type = detail::DevicePool<Hasher, Id, Evict>;
+  using recurrent_type = detail::RecurrentGroup<Id>;
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
@@ -1599,7 +1588,7 @@ class KVCacheManager {
                                                             batch_scratch_[r]->num_unslotted()));
     }
     // The copies this build hands out: its batch's own, and those reading a block it writes.
-    const std::size_t num_copies = copies_.select(
+    const std::size_t num_copies = pool_.copies().select(
         [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
         [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); });
     if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
@@ -1614,8 +1603,8 @@ class KVCacheManager {
     std::size_t write_through_blocks = 0;
     if (write_through) {
       for (const auto& [b, h] : host_.recent_registered()) {
-        const std::uint32_t g = group_of_block(b);
-        if (ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_.tier().find(group_block_key(h, g))) {
+        const std::uint32_t g = pool_.group_of_block(b);
+        if (pool_.ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_.tier().find(group_block_key(h, g))) {
           ++write_through_blocks;
         }
       }
@@ -1626,7 +1615,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       std::size_t group_copies = num_copies;
-      if constexpr (!kOne) group_copies = copies_.num_selected_in(static_cast<std::uint32_t>(g));
+      if constexpr (!kOne) group_copies = pool_.copies().num_selected_in(static_cast<std::uint32_t>(g));
       if (const auto bad = detail::buffer_shape_error(buf, B, is_coarse(g) ? coarse_indices_[g] : num_indices,
                                                       num_new_tokens, group_copies,
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
@@ -1637,7 +1626,7 @@ class KVCacheManager {
           std::size_t checkpoints = 0;
           for (std::size_t r = 0; r < B; ++r) {
             const std::size_t first = batch_scratch_[r]->num_built;
-            checkpoints += checkpoints_in_step(*batch_scratch_[r], g, first, first + qlen_scratch_[r]);
+            checkpoints += recurrent(g).checkpoints_in_step(*batch_scratch_[r], first, first + qlen_scratch_[r]);
           }
           const std::pair<std::size_t, std::size_t> need[] = {{buf.state_in.size(), B},
                                                                {buf.state_out.size(), B},
@@ -1658,10 +1647,10 @@ class KVCacheManager {
     }
     const BatchMetadataBuffers& buf0 = per_group[0];
     try {
-      events_.reserve_more(max_registrations + write_through_blocks + host_.num_held_back());
-      copies_.reserve_taken(num_copies);
-      switched_scratch_.clear();
-      switched_scratch_.reserve(layout_.simple ? max_registrations : max_blocks);
+      pool_.events().reserve_more(max_registrations + write_through_blocks + host_.num_held_back());
+      pool_.copies().reserve_taken(num_copies);
+      pool_.switched().clear();
+      pool_.switched().reserve(layout_.simple ? max_registrations : max_blocks);
       if (host_) {
         host_.transfers().reserve_more(write_through_blocks);
         host_.transfers().reserve_issue(write_through_blocks);
@@ -1677,8 +1666,8 @@ class KVCacheManager {
     // issues (switching duplicates to the registered block), then write. Nothing below throws.
     if (write_through) {
       for (const auto& [b, h] : host_.recent_registered()) {
-        const std::uint32_t g = group_of_block(b);
-        if (ix(g).hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h, g);
+        const std::uint32_t g = pool_.group_of_block(b);
+        if (pool_.ix(g).hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h, g);
       }
       host_.recent_registered().clear();
     }
@@ -1698,11 +1687,11 @@ class KVCacheManager {
         const BatchMetadataBuffers& buf = per_group[g];
         std::size_t& blk = sizes_out[g].num_indices;
         std::size_t& tok = sizes_out[g].num_new_tokens;
-        switched_scratch_.clear();
-        if (!kOne && is_coarse(g)) {  // (the dispatch here keeps register_full_blocks_in inlined)
-          register_coarse(q, g);
+        pool_.switched().clear();
+        if (!kOne && is_coarse(g)) {  // (the dispatch here keeps DevicePool::register_blocks inlined)
+          pool_.register_coarse(q, g, coarse_factor(g));
         } else {
-          register_full_blocks_in<kOne>(q, g);
+          pool_.template register_blocks<kOne>(q, g, layout_.windows[g], on_registered());
         }
         std::size_t gb = bs, gn = nblocks;  // a coarse group counts in its pages
         if (!kOne && is_coarse(g)) {
@@ -1712,7 +1701,7 @@ class KVCacheManager {
         detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
         if constexpr (!kOne) {
           if (is_recurrent(g)) {
-            write_state_row(q, g, b, first, seq_len, buf, sizes_out[g].num_checkpoints);
+            recurrent(g).write_state_row(q, b, first, seq_len, buf, sizes_out[g].num_checkpoints, pool_.switched());
             if (!buf.slot_mapping.empty()) std::fill_n(buf.slot_mapping.begin() + tok, q_len, std::int64_t{-1});
             tok += q_len;
             continue;
@@ -1724,16 +1713,16 @@ class KVCacheManager {
     }
     // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
     // release the references they held on their sources. The rest stay pending for their own batch's build.
-    copies_.take_selected();
+    pool_.copies().take_selected();
     for (std::size_t g = 0; g < G; ++g) {
       const BatchMetadataBuffers& buf = per_group[g];
       BatchMetadataSizes& sz = sizes_out[g];
       detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
-      sz.num_copies = detail::write_copies(buf, copies_.taken(), static_cast<std::uint32_t>(g));
-      if (is_recurrent(g)) pad_state_outputs(buf, B, sz.num_checkpoints);
+      sz.num_copies = detail::write_copies(buf, pool_.copies().taken(), static_cast<std::uint32_t>(g));
+      if (is_recurrent(g)) recurrent_type::pad_state_outputs(buf, B, sz.num_checkpoints);
     }
-    for (const copy_type& c : copies_.taken()) release_block(c.src);
-    copies_.clear_taken();
+    for (const copy_type& c : pool_.copies().taken()) pool_.release_block(c.src);
+    pool_.copies().clear_taken();
     // The swaps: every queued copy under this build's token, into group 0's buffers.
     if (host_) {
       const std::uint64_t token = host_.transfers().issue();
@@ -1761,7 +1750,7 @@ class KVCacheManager {
       for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
     }
     retry_held_back();  // a held-back host copy whose parent this build registered again
-    note_peak();
+    pool_.note_peak();
   }
 
   // The allocator as group g's BlockTable sees it: allocations are tagged with the group; the null block 0 (a
@@ -1770,32 +1759,32 @@ class KVCacheManager {
   struct Proxy {
     KVCacheManager* m;
     std::uint32_t g = 0;
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->pool_.table_refcount(b); }
     // A coarse group's partial page is keyed by the match block where its registered content ends, never beyond the
     // tokens of a table holding it: a hit takes a page only at its key, register_coarse moves the key only while one
     // table holds the page, a rewind below the key drops it. So appending after that content keeps the key true:
     // only sharing forces its copy-on-write.
-    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->alloc_.is_hashed(b); }
-    [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->alloc_.num_available_blocks(); }
+    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->pool_.alloc().is_hashed(b); }
+    [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->pool_.alloc().num_available_blocks(); }
     template <class F>
     [[nodiscard]] std::optional<Id> try_allocate_one(F&& f) {
-      const auto b = m->alloc_.try_allocate_one(f);
-      if (b && !m->layout_.simple) m->on_allocated(*b, g);
+      const auto b = m->pool_.alloc().try_allocate_one(f);
+      if (b && !m->layout_.simple) m->pool_.on_allocated(*b, g);
       return b;
     }
     template <class F>
     [[nodiscard]] bool try_allocate(std::span<Id> out, F&& f) {
-      if (!m->alloc_.try_allocate(out, f)) return false;
+      if (!m->pool_.alloc().try_allocate(out, f)) return false;
       if (!m->layout_.simple) {
-        for (Id b : out) m->on_allocated(b, g);
+        for (Id b : out) m->pool_.on_allocated(b, g);
       }
       return true;
     }
     void acquire(Id b) {
-      if (b != Id{0}) m->acquire_block(b);
+      if (b != Id{0}) m->pool_.acquire_block(b);
     }
     void release(Id b) {
-      if (b != Id{0}) m->release_block(b);
+      if (b != Id{0}) m->pool_.release_block(b);
     }
   };
 
@@ -1811,8 +1800,8 @@ class KVCacheManager {
   struct ConstProxy {
     const KVCacheManager* m;
     std::uint32_t g = 0;
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->table_refcount(b); }
-    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->alloc_.is_hashed(b); }
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->pool_.table_refcount(b); }
+    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->pool_.alloc().is_hashed(b); }
   };
 
   // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
@@ -1835,14 +1824,6 @@ class KVCacheManager {
     return false;
   }
 
-  // Block tables holding b, as copy-on-write sees them: a pending copy's reference on its source, or the reference
-  // of a host -> device fill that registers nothing on its destination, does not make the block shared (the step
-  // runs swap_in and the copies before its writes), so the one table still holding it may write in place (a
-  // resumed sequence appending to its swapped-in partial last block). A fill that registers its block under a hash
-  // when it completes keeps counting: writing into that block (after a rewind) would make the registered hash lie.
-  [[nodiscard]] std::uint32_t table_refcount(Id b) const {
-    return alloc_.refcount(b) - pins(b) - (is_unkeyed_fill(b) ? 1U : 0U);
-  }
 
   struct AdmitPlan {
     CapacityQuery query;
@@ -1857,7 +1838,7 @@ class KVCacheManager {
     validate_prompt(p.tokens, p.keys.get(), what, nullptr);
     // The block size is compared, not inferred from the hash count: 6 tokens hash 1 block at block size 4 and at 5,
     // and a block hashed over 4 tokens must never be registered for 5.
-    if (!(p.root == index_.root()) || p.block_size != config_.block_size ||
+    if (!(p.root == pool_.index().root()) || p.block_size != config_.block_size ||
         (config_.enable_prefix_caching && p.hashes.size() != p.tokens.size() / config_.block_size)) {
       detail::raise(Errc::kInvalidArgument, std::string(what) +
                                                 ": the prepared prompt was not prepared by a manager with this "
@@ -1890,7 +1871,7 @@ class KVCacheManager {
     if (!layout_.simple) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
     const std::size_t bs = config_.block_size;
     const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
-    const std::size_t usable = alloc_.num_usable_blocks();
+    const std::size_t usable = pool_.alloc().num_usable_blocks();
     sc.hits.clear();
     sc.on_host.clear();
     if (total_blocks > usable) {
@@ -1900,8 +1881,8 @@ class KVCacheManager {
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = std::min(full, cap / bs);
     const detail::HitCounts hit =
-        detail::one_group_hit(index_, host_.get(), prompt, bs, full, walk, keys, hashes, hashes_ready,
-                              [&](Id b) { return alloc_.is_cached(b); }, sc);
+        detail::one_group_hit(pool_.index(), host_.get(), prompt, bs, full, walk, keys, hashes, hashes_ready,
+                              [&](Id b) { return pool_.alloc().is_cached(b); }, sc);
     const std::size_t evictable_hits = hit.evictable;
     const std::size_t host_hits = hit.host;
     const std::size_t k = hit.k;
@@ -1909,7 +1890,7 @@ class KVCacheManager {
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
     // Device blocks: one per host hit (its onboarding destination) plus the new ones.
     const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - k + host_hits;
-    const std::size_t available = alloc_.num_available_blocks() - evictable_hits;
+    const std::size_t available = pool_.alloc().num_available_blocks() - evictable_hits;
     if (new_blocks > available) {
       return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved, host_hits, k,
               host_hits};
@@ -1927,12 +1908,12 @@ class KVCacheManager {
     const std::size_t G = layout_.num_groups;
     const std::size_t bs = config_.block_size;
     const std::size_t full = prompt.size() / bs;
-    if (config_.enable_prefix_caching && !hashes_ready) index_.hash_full_blocks(prompt, bs, keys, hashes);
+    if (config_.enable_prefix_caching && !hashes_ready) pool_.index().hash_full_blocks(prompt, bs, keys, hashes);
     const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
     const std::size_t walk = config_.enable_prefix_caching ? std::min(full, cap / bs) : 0;
     const detail::HitCounts hit = detail::groups_hit(
         layout_, walk, [&](std::size_t g, std::size_t i) { return cached_at(hashes[i], g); },
-        [&](Id b) { return alloc_.is_cached(b); }, sc);
+        [&](Id b) { return pool_.alloc().is_cached(b); }, sc);
     const std::size_t k = hit.k;
     const std::size_t held_hits = hit.held, host_hits = hit.host, host_hit_blocks = hit.host_blocks;
     const std::size_t evictable = hit.evictable;
@@ -1944,18 +1925,21 @@ class KVCacheManager {
         const std::size_t gb = layout_.page_tokens[g], held = (k * bs + gb - 1) / gb;
         const Id tail = k * bs % gb != 0 ? sc.hits[g * k + k - 1] : Id{0};
         new_table_blocks += (k * bs + reserved + gb - 1) / gb - held +
-                            (tail != Id{0} && reserved > 0 && table_refcount(tail) > 0 ? 1 : 0);
+                            (tail != Id{0} && reserved > 0 && pool_.table_refcount(tail) > 0 ? 1 : 0);
         continue;
       }
-      new_table_blocks += is_recurrent(g) ? state_blocks(g) + checkpoints_between(g, k * bs, k * bs + reserved)
+      new_table_blocks += is_recurrent(g) ? recurrent(g).state_blocks() +
+                                                recurrent(g).checkpoints_between(k * bs, k * bs + reserved)
                                           : new_per_group;
     }
     const std::size_t new_blocks = new_table_blocks + host_hits;
-    const std::size_t usable = alloc_.num_usable_blocks();
+    const std::size_t usable = pool_.alloc().num_usable_blocks();
     std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
     for (std::size_t g = 0; g < G; ++g) {
       const std::size_t gb = layout_.page_tokens[g];
-      lower_bound += is_recurrent(g) ? state_blocks(g) : layout_.windows[g].enabled() ? 1 : (prompt.size() + gb - 1) / gb;
+      lower_bound += is_recurrent(g)                ? recurrent(g).state_blocks()
+                     : layout_.windows[g].enabled() ? 1
+                                                    : (prompt.size() + gb - 1) / gb;
     }
     const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
     AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
@@ -1964,7 +1948,7 @@ class KVCacheManager {
       p.query.num_missing_blocks = never - usable;
       return p;
     }
-    const std::size_t available = alloc_.num_available_blocks() - evictable;
+    const std::size_t available = pool_.alloc().num_available_blocks() - evictable;
     if (new_blocks > available) {
       p.query.status = CapacityStatus::kNoCapacity;
       p.query.num_missing_blocks = new_blocks - available;
@@ -1992,8 +1976,8 @@ class KVCacheManager {
     }
     static_cast<detail::MissPoint&>(v) =
         detail::miss_point(layout_.windows, coarse_factors(), config_.block_size, full, walk, k, cached);
-    if (v.group_missed && history_.enabled()) {
-      if ((v.eviction = history_.find(group_block_key(hashes[v.block], v.group)))) v.cause = MissCause::kEvicted;
+    if (v.group_missed && pool_.history().enabled()) {
+      if ((v.eviction = pool_.history().find(group_block_key(hashes[v.block], v.group)))) v.cause = MissCause::kEvicted;
     }
     return v;
   }
@@ -2043,7 +2027,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);
     if (layout_.any_coarse) {  // a coarse group's copy of a shared hit page
-      copies_.reserve_room(G);
+      pool_.copies().reserve_room(G);
     }
     onboard_scratch_.assign(G * k, Id{0});
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
@@ -2055,7 +2039,7 @@ class KVCacheManager {
       if (on_host[j]) {
         host_.tier().acquire(hit[j]);  // the onboarding copy's pin on its source
       } else {
-        acquire_block(hit[j]);
+        pool_.acquire_block(hit[j]);
       }
     }
     for (std::size_t j = 0; j < G * k; ++j) {
@@ -2085,8 +2069,8 @@ class KVCacheManager {
     for (std::size_t g = 0; g < G; ++g) {
       if (is_recurrent(g)) {  // its working state, then its checkpoints (guaranteed by the capacity check)
         q.other_groups[g - 1].state = allocate_one(g);
-        if (keeps_last(g)) q.other_groups[g - 1].last_block = allocate_one(g);
-        grow_recurrent(q, g, plan.num_reserved);
+        if (recurrent(g).keeps_last()) q.other_groups[g - 1].last_block = allocate_one(g);
+        recurrent(g).grow(q, plan.num_reserved, taker(g));
         continue;
       }
       std::optional<copy_type> copy;
@@ -2100,7 +2084,7 @@ class KVCacheManager {
       }
     }
     if (readmission) preempted_.erase(seq);
-    note_peak();
+    pool_.note_peak();
 
     ++stats_.prefix_query_requests;
     stats_.prefix_query_tokens += prompt.size();
@@ -2166,7 +2150,7 @@ class KVCacheManager {
     q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
     if (!config_.enable_prefix_caching) return;
     try {
-      index_.hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
+      pool_.index().hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
     } catch (...) {
       q.tokens.resize(old_known);
       q.hashes.resize(old_hashes);
@@ -2240,10 +2224,10 @@ class KVCacheManager {
       if constexpr (!kOne) {
         if (is_recurrent(g)) {  // the checkpoints the growth completes, and a copy of a shared working state
           const GroupTableState<Id>& st = q.other_groups[g - 1];
-          const std::size_t ck = checkpoints_between(g, q.num_slotted(), q.num_slotted() + n);
-          needed += ck + drafts + (st.state != Id{0} && table_refcount(st.state) > 1 ? 1 : 0) +
-                    (st.last_block != Id{0} && table_refcount(st.last_block) > 1 ? 1 : 0);
-          held_after += state_blocks(g) + ck + drafts;
+          const std::size_t ck = recurrent(g).checkpoints_between(q.num_slotted(), q.num_slotted() + n);
+          needed += ck + drafts + (st.state != Id{0} && pool_.table_refcount(st.state) > 1 ? 1 : 0) +
+                    (st.last_block != Id{0} && pool_.table_refcount(st.last_block) > 1 ? 1 : 0);
+          held_after += recurrent(g).state_blocks() + ck + drafts;
           for (std::size_t i = q.released_of(g); i < nblocks; ++i) held_after += t.blocks()[i] != Id{0} ? 1 : 0;
           continue;
         }
@@ -2255,11 +2239,11 @@ class KVCacheManager {
       needed += new_blocks + (cow ? 1 : 0);
       held_after += nblocks - (kOne ? 0 : q.released_of(g)) + new_blocks + (hashed_partial ? 1 : 0);
     }
-    if (held_after > alloc_.num_usable_blocks()) {
-      return {CapacityStatus::kNeverFits, needed, held_after - alloc_.num_usable_blocks(), 0};
+    if (held_after > pool_.alloc().num_usable_blocks()) {
+      return {CapacityStatus::kNeverFits, needed, held_after - pool_.alloc().num_usable_blocks(), 0};
     }
-    if (needed > alloc_.num_available_blocks()) {
-      return {CapacityStatus::kNoCapacity, needed, needed - alloc_.num_available_blocks(), 0};
+    if (needed > pool_.alloc().num_available_blocks()) {
+      return {CapacityStatus::kNoCapacity, needed, needed - pool_.alloc().num_available_blocks(), 0};
     }
     return {CapacityStatus::kFits, needed, 0, 0};
   }
@@ -2270,7 +2254,7 @@ class KVCacheManager {
     const std::size_t bs = config_.block_size;
     const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
     const std::size_t G = layout_.num_groups;
-    copies_.reserve_room(G);
+    pool_.copies().reserve_room(G);
     for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
     if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
     slot_scratch_.clear();
@@ -2291,8 +2275,8 @@ class KVCacheManager {
     for (std::size_t g = 0; g < groups<kOne>(); ++g) {
       if constexpr (!kOne) {
         if (is_recurrent(g)) {
-          grow_recurrent(q, g, n);
-          copy_shared_state(q, g);
+          recurrent(g).grow(q, n, taker(g));
+          if (recurrent(g).copy_shared_state(pool_, q, taker(g))) ++stats_.cow_copies;
           continue;
         }
       }
@@ -2307,7 +2291,7 @@ class KVCacheManager {
         if (g == 0) copy0 = copy;
       }
     }
-    note_peak();
+    pool_.note_peak();
     return {AppendStatus::kOk, slot_scratch_, copy0, 0, num_new_blocks};
   }
 
@@ -2321,11 +2305,11 @@ class KVCacheManager {
   // (llm-d and Dynamo drop a BlockStored with an unknown parent) and event_snapshot stays what a consumer of the
   // stream holds. It is reported only by an onboarding that makes it a device block; its eviction reports nothing.
   void emit_stored_from(Id hb, const BlockHash& h, Medium to, std::uint32_t g) {
-    host_.emit_stored_from(events_, hb, h, to, g, reported(), stats_.events_held_back);
+    host_.emit_stored_from(pool_.events(), hb, h, to, g, reported(), stats_.events_held_back);
   }
   // Publish every held-back host block whose parent is reported by now (its own copy completed later in the same
   // call, or it was stored again), parents before children. Precondition: room for their events reserved.
-  void retry_held_back() noexcept { host_.retry_held_back(events_, reported()); }
+  void retry_held_back() noexcept { host_.retry_held_back(pool_.events(), reported()); }
   auto reported() const {
     return [this](const BlockHash& h, std::uint32_t g) { return reported_cached(h, g); };
   }
@@ -2339,7 +2323,7 @@ class KVCacheManager {
   // host block (block: the host block), 0 = neither (block 0). The device tier is probed first.
   using CachedAt = detail::CachedAt<Id>;
   [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const {
-    if (const auto b = ix(g).find(h)) return {1, *b};
+    if (const auto b = pool_.ix(g).find(h)) return {1, *b};
     if (host_) {
       if (const auto hb = host_.tier().find_ready(group_block_key(h, g))) return {2, *hb};
     }
@@ -2349,15 +2333,15 @@ class KVCacheManager {
   // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
   // `hb` once the copy into it completes.
   void remember_content(const BlockHash& h, Id hb, Medium from, std::size_t g) noexcept {
-    host_.remember_content(events_, h, hb, from, static_cast<std::uint32_t>(g), stats_.events_lost);
+    host_.remember_content(pool_.events(), h, hb, from, static_cast<std::uint32_t>(g), stats_.events_lost);
   }
 
   // External KV (the public block "External KV"): references through the pool's reference rules.
   auto ext_acquire() {
-    return [this](Id b) { acquire_block(b); };
+    return [this](Id b) { pool_.acquire_block(b); };
   }
   auto ext_release() {
-    return [this](Id b) { release_block(b); };
+    return [this](Id b) { pool_.release_block(b); };
   }
   [[gnu::cold, gnu::noinline]] void abort_external_fill(SeqId seq) { ext_.abort_fill(seq, false, ext_release()); }
 
@@ -2369,49 +2353,23 @@ class KVCacheManager {
                                                 std::to_string(layout_.num_groups) + " groups");
     }
   }
-  // Group g's part of the shared prefix index (keys mixed with g, registrations counted per group).
-  [[nodiscard]] index_view ix(std::size_t g) noexcept {
-    if (layout_.num_groups == 1) return index_view(index_, 0, nullptr, nullptr);
-    return index_view(index_, g, group_of_.data(), &group_cached_[g]);
-  }
-  [[nodiscard]] const_index_view ix(std::size_t g) const noexcept {
-    if (layout_.num_groups == 1) return const_index_view(index_, 0, nullptr, nullptr);
-    return const_index_view(index_, g, group_of_.data(), &group_cached_[g]);
-  }
-  [[nodiscard]] std::uint32_t group_of_block(Id b) const noexcept { return layout_.num_groups > 1 ? group_of_[b] : 0U; }
 
   // The host block holding group g's device block b (by its hash), if any.
   [[nodiscard]] std::optional<Id> host_copy_of(Id b, std::size_t g) const {
-    const auto h = ix(g).hash_of(b);
+    const auto h = pool_.ix(g).hash_of(b);
     return h ? host_.tier().find(group_block_key(*h, g)) : std::nullopt;
   }
 
-  // Held-block accounting per group (several groups or a windowed one; with one full group held = used).
-  void on_allocated(Id b, std::size_t g) noexcept {
-    if (layout_.num_groups > 1) group_of_[b] = static_cast<std::uint8_t>(g);
-    bump_held(g);
-  }
-  void bump_held(std::size_t g) noexcept {
-    peak_held_[g] = std::max(peak_held_[g], ++held_[g]);
-    peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
-  }
-  void note_peak() noexcept {
-    if (layout_.simple) peak_used_ = std::max(peak_used_, alloc_.num_used_blocks());
-  }
   // One block of group g from the pool (capacity checked by the caller).
-  Id allocate_one(std::size_t g) {
-    const Id b = *alloc_.try_allocate_one(evictor());
-    if (!layout_.simple) on_allocated(b, g);
-    return b;
+  Id allocate_one(std::size_t g) { return pool_.allocate_one(g, evictor()); }
+  // allocate_one(g) as a callable (a group kind's `take`).
+  auto taker(std::size_t g) {
+    return [this, g] { return allocate_one(g); };
   }
-  // One more reference on b (a cached block becomes held again).
-  void acquire_block(Id b) {
-    if (!layout_.simple && alloc_.refcount(b) == 0) {
-      alloc_.acquire(b);
-      bump_held(group_of_block(b));
-      return;
-    }
-    alloc_.acquire(b);
+  // Recurrent group g as its kind (detail/group_recurrent.hpp). Precondition: is_recurrent(g).
+  [[nodiscard]] recurrent_type recurrent(std::size_t g) const noexcept {
+    return {g, config_.block_size, config_.groups[g].window_tokens, config_.enable_prefix_caching,
+            config_.groups[g].last_checkpoint};
   }
   // Release every group's blocks of q, retention priorities first.
   void release_all_groups(sequence_type& q) {
@@ -2420,59 +2378,14 @@ class KVCacheManager {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).release_all(pool);
       if (g > 0 && q.other_groups[g - 1].state != Id{0}) {
-        release_block(q.other_groups[g - 1].state);
+        pool_.release_block(q.other_groups[g - 1].state);
         q.other_groups[g - 1].state = Id{0};
         q.other_groups[g - 1].state_valid = false;
       }
-      if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) release_last_checkpoint(q, g);
-      if (g > 0 && !q.other_groups[g - 1].drafts.empty()) release_drafts(q.other_groups[g - 1], 0);
-    }
-  }
-  // A recurrent group's checkpoint block that a rewind left partial will not be written: null, as before it was
-  // completed (grow_recurrent takes a block again when a growth completes it).
-  // (Out of line, as the other recurrent-only paths below: the hot one-group paths stay small enough to inline.)
-  [[gnu::noinline]] void null_partial_checkpoint(sequence_type& q, std::size_t g) {
-    BlockTable<Id>& t = q.table_of(g);
-    if (t.num_tokens() % config_.block_size != 0 && t.blocks().back() != Id{0}) {
-      release_block(t.replace_block(t.num_blocks() - 1, Id{0}));
-    }
-  }
-  // commit_lookahead of recurrent group g of q: `accepted` of the lookahead slots after `base` known tokens were
-  // accepted. Of them, the first `built` = min(accepted, num_built - base) have their states in the drafts: the
-  // state after the last of them becomes the working state (block ids swapped), the last block boundary among them
-  // becomes the last checkpoint (KVCacheGroupSpec::last_checkpoint; when it is also the working state's position,
-  // the working state is filled by a copy of it, pending like a copy-on-write). Every other draft is released. Room
-  // for the copy reserved by the caller. Never throws.
-  [[gnu::noinline]] void resolve_drafts(sequence_type& q, std::size_t g, std::size_t base, std::size_t accepted) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    const std::size_t bs = config_.block_size;
-    const std::size_t built = std::min(accepted, q.num_built > base ? q.num_built - base : 0);
-    bool copied = false;
-    const std::size_t boundary = (base + built) / bs * bs;  // the last boundary the accepted drafts cross
-    if (built > 0 && keeps_last(g) && boundary > base) {
-      st.last_pos = 0;  // as a build: the table's checkpoint there, if any, is the last one
-      if (st.table.blocks()[boundary / bs - 1] == Id{0}) {
-        std::swap(st.last_block, st.drafts[boundary - base - 1]);
-        st.last_pos = boundary;
-        if (boundary == base + built) {  // the working state is the same state: a copy of the last checkpoint
-          acquire_block(st.last_block);  // the copy's hold on its source
-          queue_copy(q, copy_type{st.last_block, st.state, static_cast<std::uint32_t>(g)});
-          st.state_valid = true;
-          copied = true;
-        }
+      if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) recurrent(g).release_last_checkpoint(pool_, q);
+      if (g > 0 && !q.other_groups[g - 1].drafts.empty()) {
+        recurrent_type::release_drafts(pool_, q.other_groups[g - 1], 0);
       }
-    }
-    if (built > 0 && !copied) {
-      std::swap(st.state, st.drafts[built - 1]);
-      st.state_valid = true;
-    }
-    release_drafts(st, 0);
-  }
-  // Release the draft states of st from the `keep`-th on (lookahead slots dropped or resolved).
-  [[gnu::noinline]] void release_drafts(GroupTableState<Id>& st, std::size_t keep) {
-    while (st.drafts.size() > keep) {
-      release_block(st.drafts.back());
-      st.drafts.pop_back();
     }
   }
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
@@ -2495,102 +2408,22 @@ class KVCacheManager {
       if (target > released) apply_retention_group(q, g, released, target);
       for (std::size_t i = released; i < target; ++i) {
         const Id old = t.replace_block(i, Id{0});
-        if (old != Id{0}) release_block(old);
+        if (old != Id{0}) pool_.release_block(old);
       }
       released = std::max(released, target);
     }
   }
 
-  // The last checkpoint of q in recurrent group g, as q leaves the device: registered under the chain hash of the
-  // blocks before its position unless that state is registered already (or it holds none), then released (to the
-  // cache when registered). Room for its event reserved by the caller.
-  void release_last_checkpoint(sequence_type& q, std::size_t g) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    const Id b = st.last_block;
-    const std::size_t i = st.last_pos / config_.block_size;  // the state after blocks [0, i)
-    if (i > 0 && i <= q.hashes.size() && alloc_.refcount(b) - pins(b) == 1 && !ix(g).find(q.hashes[i - 1])) {
-      (void)ix(g).insert(q.hashes[i - 1], b);
-      alloc_.set_hashed(b, true);
-      if (events_.enabled()) record_stored(q, i - 1, q.hashes[i - 1], g);
-    }
-    release_block(b);
-    st.last_block = Id{0};
-    st.last_pos = 0;
-  }
-  // Recurrent group g keeps the state at each sequence's last block boundary (KVCacheGroupSpec::last_checkpoint).
-  [[nodiscard]] bool keeps_last(std::size_t g) const noexcept {
-    return config_.enable_prefix_caching && config_.groups[g].last_checkpoint;
-  }
-  // Upper bound of the checkpoints a build lists for recurrent group g of q computing positions [first, end): the
-  // table's checkpoint blocks ending inside, the last checkpoint, and with lookahead positions inside, the working
-  // state at the last known token and one draft state per lookahead position.
-  [[nodiscard]] std::size_t checkpoints_in_step(const sequence_type& q, std::size_t g, std::size_t first,
-                                                std::size_t end) const noexcept {
-    const std::size_t bs = config_.block_size;
-    const auto blocks = q.table_of(g).blocks();
-    std::size_t n = keeps_last(g) ? 1 : 0;
-    for (std::size_t i = first / bs; (i + 1) * bs <= end; ++i) n += blocks[i] != Id{0} ? 1 : 0;
-    const std::size_t base = q.num_known();  // lookahead: the working state at base, a draft state per position
-    if (end > base) n += (first < base ? 1 : 0) + end - std::max(first, base);
-    return n;
-  }
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
   // Whether group g's pages are coarser than the match unit, and by how many match blocks per page.
   [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept { return layout_.coarse_factors(); }
   [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return layout_.is_coarse(g); }
   [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return layout_.coarse_factor(g); }
-  [[nodiscard]] std::size_t state_blocks(std::size_t g) const noexcept { return keeps_last(g) ? 2 : 1; }
-  // Recurrent group g: the checkpoints that positions (from, to] complete (multiples of its interval), with prefix
-  // caching on; 0 otherwise.
-  [[nodiscard]] std::size_t checkpoints_between(std::size_t g, std::size_t from, std::size_t to) const noexcept {
-    if (!config_.enable_prefix_caching) return 0;
-    const std::size_t interval = config_.groups[g].window_tokens;
-    return to / interval - from / interval;
-  }
-  // Grow recurrent group g's table of q by n positions: null entries, except a fresh block for each logical block
-  // the growth completes at a checkpoint (the state after its last token is kept there). Capacity checked and
-  // room reserved by the caller.
-  void grow_recurrent(sequence_type& q, std::size_t g, std::size_t n) {
-    BlockTable<Id>& t = q.table_of(g);
-    const std::size_t bs = config_.block_size;
-    const std::size_t from = t.num_tokens();
-    const std::size_t end = from + n;
-    const auto completes_checkpoint = [&](std::size_t i) {
-      return (i + 1) * bs > from && (i + 1) * bs <= end && checkpoints_between(g, i * bs + bs - 1, (i + 1) * bs) != 0;
-    };
-    if (from % bs != 0 && completes_checkpoint(from / bs)) {
-      const Id old = t.replace_block(from / bs, allocate_one(g));
-      (void)old;  // null: a checkpoint block is taken when its block is complete (rewind nulls a partial one)
-    }
-    t.extend(n, [&](std::size_t i) { return completes_checkpoint(i) ? allocate_one(g) : Id{0}; });
-  }
-  // Recurrent group g of q about to grow: a working state shared with a fork gets its own block, a copy of it when
-  // it holds the state (else the state is still the zero state or the hit's checkpoint, which the table keeps); a
-  // shared last checkpoint is left to the other side, this one starts a new one. Capacity checked and room
-  // reserved by the caller.
-  void copy_shared_state(sequence_type& q, std::size_t g) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    if (st.last_block != Id{0} && table_refcount(st.last_block) > 1) {  // a new last checkpoint, nothing in it yet
-      const Id old = st.last_block;
-      st.last_block = allocate_one(g);
-      st.last_pos = 0;
-      release_block(old);
-    }
-    if (st.state == Id{0} || table_refcount(st.state) <= 1) return;
-    const Id src = st.state;
-    st.state = allocate_one(g);
-    if (!st.state_valid) {
-      release_block(src);
-      return;
-    }
-    queue_copy(q, copy_type{src, st.state, static_cast<std::uint32_t>(g)});  // holds our reference on src
-    ++stats_.cow_copies;
-  }
 
   /// Queues copy c into one of q's blocks: handed out with the next build that includes q (its owner), counted in
   /// q.num_pending_copies. The hold on c.src is the caller's (acquired for the copy, or a reference handed over).
-  /// Room in copies_ is reserved by the caller.
-  void queue_copy(sequence_type& q, const copy_type& c) { copies_.push(c, q); }
+  /// Room in pool_.copies() is reserved by the caller.
+  void queue_copy(sequence_type& q, const copy_type& c) { pool_.copies().push(c, q); }
 
   sequence_type& live(SeqId seq, const char* what) {
     const auto it = seqs_.find(seq);
@@ -2603,40 +2436,21 @@ class KVCacheManager {
     return const_cast<KVCacheManager*>(this)->live(seq, what);
   }
 
-  // Group g's block left the shared index under `key`: one registration less for g; its hash (the key unmixed).
-  BlockHash unregistered_from_group(const BlockHash& key, std::uint32_t g) noexcept {
-    --group_cached_[g];
-    return group_block_key(key, g);
-  }
-  // Out of line: the eviction paths stay small enough to inline their index probes (measured: docs/benchmarks.md).
-  [[gnu::noinline]] void record_eviction(const BlockHash& key, EvictedTier t, std::uint32_t g) {
-    history_.record(key, t, g);
-  }
-  // Called by the allocator just before a cached block is reused: drop its hash; with a host tier and an offload
-  // policy, copy it there first (write-back) unless the host already has (or is filling) that hash. The copy reads
-  // the block at the start of the next build's step, before anything writes the block's new contents (the swap
-  // lists run first). The caller reserved room for the events and the transfer (reserve_for_allocations).
+  // Called by the allocator just before a cached block is reused: drop its hash (DevicePool::evictor); with a host
+  // tier and an offload policy, copy it there first (write-back) unless the host already has (or is filling) that
+  // hash. The copy reads the block at the start of the next build's step, before anything writes the block's new
+  // contents (the swap lists run first). The caller reserved room for the events and the transfer (reserve_for_allocations).
   auto evictor() {
-    return [this](Id b) {
-      const std::uint32_t g = group_of_block(b);
-      const auto key = index_.erase_block(b);  // inlined (always_inline; the view's would add no work here)
-      if (!key) return;
-      const BlockHash h = layout_.num_groups > 1 ? unregistered_from_group(*key, g) : *key;
-      if (history_.enabled()) record_eviction(*key, EvictedTier::kDevice, g);
-      if (events_.enabled()) {
-        KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-        e.hash = h;
-        e.group = g;
-      }
+    return pool_.evictor([this](Id b, const BlockHash& h, std::uint32_t g) {
       if (host_ && config_.offload != OffloadPolicy::kNone) {
-        const std::uint8_t prio = alloc_.last_evicted_priority();
+        const std::uint8_t prio = pool_.alloc().last_evicted_priority();
         if (prio < config_.min_offload_priority) {
           ++stats_.offloads_below_priority;
           return;
         }
         queue_offload(b, h, g, prio);
       }
-    };
+    });
   }
 
   // Retention: give every block of q from logical block `first` on the priority (and expiry, from the retention
@@ -2649,23 +2463,8 @@ class KVCacheManager {
     }
   }
   void apply_retention_group(const sequence_type& q, std::size_t g, std::size_t first, std::size_t end) {
-    if constexpr (RetentionEvictionPolicy<Evict, Id>) {
-      const auto blocks = q.table_of(g).blocks();
-      const std::size_t bs = layout_.page_tokens[g];
-      for (std::size_t i = first; i < end; ++i) {
-        if (blocks[i] == Id{0}) continue;
-        BlockRetention r;
-        if (q.retention) r = block_retention(*q.retention, i * bs, bs, q.num_prompt_tokens);
-        std::optional<RetentionTimePoint> at;
-        if (r.duration) at = retention_now_ + *r.duration;
-        alloc_.set_retention_priority(blocks[i], r.priority, at);
-      }
-    } else {
-      (void)q;
-      (void)g;
-      (void)first;
-      (void)end;
-    }
+    pool_.apply_retention(q.table_of(g).blocks(), layout_.page_tokens[g], q.retention.get(), q.num_prompt_tokens,
+                          first, end);
   }
 
   // Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
@@ -2689,11 +2488,11 @@ class KVCacheManager {
   auto host_evictor() {
     return [this](Id hb, const BlockHash& key) {
       ++stats_.host_evictions;
-      if (history_.enabled()) record_eviction(key, EvictedTier::kHost, host_.group_of(hb));
-      if (!events_.enabled()) return;
+      if (pool_.history().enabled()) pool_.record_eviction(key, EvictedTier::kHost, host_.group_of(hb));
+      if (!pool_.events().enabled()) return;
       if (host_.forget_held_back(hb)) return;  // never reported: nothing to remove
       const std::uint32_t g = host_.group_of(hb);
-      KVEvent& e = events_.push(KVEventType::kBlockRemoved);
+      KVEvent& e = pool_.events().push(KVEventType::kBlockRemoved);
       e.hash = group_block_key(key, g);  // the key unmixed: the block's hash
       e.medium = Medium::kCpu;
       e.group = g;
@@ -2705,21 +2504,18 @@ class KVCacheManager {
   // complete_transfers; `dst` is marked filling (no fork, no swap of a sequence holding it, never hit by others: it
   // is registered only when filled).
   void queue_fill(Id dst, Id src, TransferKind kind, const BlockHash* h, bool src_pinned, std::size_t g) {
-    alloc_.acquire(dst);
+    pool_.alloc().acquire(dst);
     if (!src_pinned) host_.tier().acquire(src);
-    host_.mark_fill(dst, h == nullptr);
+    pool_.mark_fill(dst, h == nullptr);
     host_.transfers().push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0, static_cast<std::uint32_t>(g)});
     ++(kind == TransferKind::kOnboard ? stats_.onboards : stats_.swap_ins);
   }
-  [[nodiscard]] bool is_filling(Id b) const noexcept { return host_.is_filling(b); }
-  // Filling by a copy that registers nothing when it completes (a swapped-in partial or unhashed block).
-  [[nodiscard]] bool is_unkeyed_fill(Id b) const noexcept { return host_.is_unkeyed_fill(b); }
   // Whether any block of `q` is being filled by a host -> device copy not yet completed.
   [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
-    if (stats_.onboards + stats_.swap_ins == host_.completed_fills()) return false;  // none in flight anywhere
+    if (stats_.onboards + stats_.swap_ins == pool_.completed_fills()) return false;  // none in flight anywhere
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       for (Id b : q.table_of(g).blocks()) {
-        if (b != Id{0} && is_filling(b)) return true;
+        if (b != Id{0} && pool_.is_filling(b)) return true;
       }
     }
     return false;
@@ -2728,203 +2524,30 @@ class KVCacheManager {
   // Make every allocation of up to `device_blocks` device blocks (and `fills` queued host -> device copies)
   // unable to throw: events of evictions in both tiers, and the transfers they may queue.
   void reserve_for_allocations(std::size_t device_blocks, std::size_t fills) {
-    events_.reserve_more(2 * device_blocks);
+    pool_.events().reserve_more(2 * device_blocks);
     if (host_) host_.transfers().reserve_more(device_blocks + fills);
   }
 
-  // Release one reference. A block that becomes unreferenced is no longer the destination of a pending copy
-  // (nobody needs its contents), so that copy is dropped and its source reference released.
-  void release_block(Id b) {
-    alloc_.release(b);
-    if (!layout_.simple && alloc_.refcount(b) == 0) --held_[group_of_block(b)];
-    if (copies_.empty() || alloc_.refcount(b) != 0) return;
-    if (const auto src = copies_.drop_into(b)) release_block(*src);
-  }
 
-  // Number of pending copies reading block b (each holds a reference on it).
-  [[nodiscard]] std::uint32_t pins(Id b) const noexcept { return copies_.pins(b); }
-
-  // Register group g's registrable full blocks of `q` beyond its registered cursor (see SequenceState). A block
-  // whose hash is already registered to another block is switched to that block when `q` is its only table holder:
-  // its own copy is released and its logical index recorded in switched_scratch_ (this build writes -1 for its
-  // slots: the registered block holds the same K/V, written in an earlier step or earlier in this step's
-  // write_kv). A shared duplicate stays as it is, unregistered. A null entry, or a block that can never serve a hit
-  // in its group (detail::block_can_serve_hit), is skipped. Precondition: room reserved in switched_scratch_ and
-  // the event log.
+  // Register group g's registrable full blocks of `q` beyond its registered cursor (DevicePool::register_blocks,
+  // register_coarse by the group's kind). Precondition: room reserved in pool_.switched() and the event log.
   void register_full_blocks(sequence_type& q, std::size_t g) {
     if (layout_.simple) {
-      register_full_blocks_in<true>(q, g);
+      pool_.template register_blocks<true>(q, g, layout_.windows[g], on_registered());
     } else if (is_coarse(g)) {
-      register_coarse(q, g);
+      pool_.register_coarse(q, g, coarse_factor(g));
     } else {
-      register_full_blocks_in<false>(q, g);
+      pool_.template register_blocks<false>(q, g, layout_.windows[g], on_registered());
     }
   }
-  // Always inlined into its two callers (the build's per-row loop, where it is hot, and register_full_blocks): out
-  // of line, the view's hash_of below is no longer inlined either and computes the unmixed hash it discards.
-  template <bool kOne>
-  [[gnu::always_inline]] void register_full_blocks_in(sequence_type& q, std::size_t g) {
-    if (!config_.enable_prefix_caching) return;
-    index_view index = kOne ? index_view(index_, 0, nullptr, nullptr) : ix(g);
-    BlockTable<Id>& table = table_in<kOne>(q, g);
-    std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
-    const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
-    for (std::size_t i = registered; i < end; ++i) {
-      if (i + 1 < end) index.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
-      const BlockHash& h = q.hashes[i];
-      const Id own = table.blocks()[i];
-      if constexpr (!kOne) {
-        if (own == Id{0} || !detail::block_can_serve_hit(layout_.windows[g], i, config_.block_size)) continue;
-      }
-      if (index.hash_of(own)) continue;  // already registered (by a sequence sharing it)
-      const Id reg = index.insert(h, own);  // one map probe: inserts, or finds the registered block
-      if (reg == own) {
-        alloc_.set_hashed(own, true);
-        if (events_.enabled()) record_stored(q, i, h, g);
-        if (host_ && config_.offload == OffloadPolicy::kWriteThrough) host_.recent_registered().emplace_back(own, h);
-        continue;
-      }
-      if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
-      // Duplicate content: switch to the registered block, free ours.
-      acquire_block(reg);
-      table.replace_block(i, reg);
-      release_block(own);
-      ++stats_.dedup_blocks;
-      switched_scratch_.push_back(i);
-    }
-    registered = std::max(registered, end);
+  // With a host tier under write-through: each block registered is queued for its copy to the host (next build).
+  auto on_registered() {
+    return [this](Id own, const BlockHash& h) {
+      if (host_ && config_.offload == OffloadPolicy::kWriteThrough) host_.recent_registered().emplace_back(own, h);
+    };
   }
 
-  // Coarse group g (docs/groups.md, "Coarse pages"): key each page of `q` that holds registrable match blocks beyond
-  // the registered cursor by the hash of the last of them: a full page by its last match block, the page being
-  // filled by where its registrable content ends (a partial entry), re-keyed as it fills (one key per page: the
-  // old one goes, BlockRemoved then BlockStored). A page whose new key another page holds keeps its old key: no
-  // switch to the other (their contents after the key differ); so does a page another table holds (a lost entry,
-  // never a wrong one). Room for two events per page reserved by the build.
-  [[gnu::noinline]] void register_coarse(sequence_type& q, std::size_t g) {
-    if (!config_.enable_prefix_caching) return;
-    std::size_t& registered = q.registered_of(g);
-    const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
-    if (end <= registered) return;
-    index_view index = ix(g);
-    const auto blocks = q.table_of(g).blocks();
-    const std::size_t f = coarse_factor(g);
-    const auto gk = static_cast<std::uint32_t>(g);
-    for (std::size_t c = registered / f; c * f < end; ++c) {
-      const std::size_t j = std::min((c + 1) * f, end) - 1;
-      const BlockHash& h = q.hashes[j];
-      const Id own = blocks[c];
-      // Keys as the shared index holds them (group-mixed): the view's hash_of stays with its hot caller, inlined.
-      const std::optional<BlockHash> old = index_.hash_of(own);
-      if (old == group_block_key(h, gk) || index_.find(group_block_key(h, gk))) continue;
-      // A page another table holds keeps its key: that table may end where the key ends now (it took the page by
-      // a hit there), and its appends go in place once it is the page's only holder (Proxy::is_hashed).
-      if (table_refcount(own) > 1) continue;
-      if (old) unregister_page(own, g, false);
-      index.insert(h, own);
-      alloc_.set_hashed(own, true);
-      if (events_.enabled()) record_stored(q, j, h, g);
-    }
-    registered = end;
-  }
-  // After a rewind of `q` to `kept` known match blocks: coarse group g's last page, left partial, loses a key beyond
-  // those blocks (its content there may be overwritten in place: only sharing forces a copy of a coarse page; a
-  // sharer's copy of that content then goes unregistered too, a lost entry, never a wrong one).
-  void unkey_rewound_page(sequence_type& q, std::size_t g, std::size_t kept) {
-    BlockTable<Id>& t = q.table_of(g);
-    if (t.num_tokens() % t.block_size() == 0) return;
-    const Id last = t.blocks().back();
-    const std::optional<BlockHash> key = index_.hash_of(last);  // group-mixed
-    if (!key) return;
-    const std::size_t f = coarse_factor(g), c = t.num_blocks() - 1;
-    for (std::size_t j = c * f; j < std::min(kept, (c + 1) * f); ++j) {
-      if (group_block_key(q.hashes[j], static_cast<std::uint32_t>(g)) == *key) return;
-    }
-    unregister_page(last, g, true);
-  }
-  // Drop coarse group g's key of page b (a re-key, or a rewind below its key), reporting BlockRemoved.
-  // `forget`: also clear its hashed bit (the page stays unregistered).
-  void unregister_page(Id b, std::size_t g, bool forget) {
-    const std::optional<BlockHash> key = index_.erase_block(b);
-    if (!key) return;
-    const BlockHash h = unregistered_from_group(*key, static_cast<std::uint32_t>(g));  // (a coarse pool has G > 1)
-    if (forget) alloc_.set_hashed(b, false);
-    if (events_.enabled()) {
-      KVEvent& e = events_.push(KVEventType::kBlockRemoved);
-      e.hash = h;
-      e.group = static_cast<std::uint32_t>(g);
-    }
-  }
 
-  // Recurrent group g's outputs of batch row b (sequence q computing positions [first, seq_len)): the block its
-  // initial state is read from, its working state, and the checkpoints whose last position it computes (a block
-  // switched to an identical registered one by this build is not written: it holds that state already), in position
-  // order. A row reaching into lookahead positions (after the base = num_known known tokens) writes no state_out: the
-  // working state is a checkpoint entry at base, each lookahead position's state an entry into its draft block. Marks
-  // the working state valid when the row writes it. Room checked by the build.
-  [[gnu::noinline]] void write_state_row(sequence_type& q, std::size_t g, std::size_t b, std::size_t first,
-                                         std::size_t seq_len, const BatchMetadataBuffers& buf,
-                                         std::size_t& num_checkpoints) {
-    GroupTableState<Id>& st = q.other_groups[g - 1];
-    const auto blocks = st.table.blocks();
-    const std::size_t bs = config_.block_size;
-    const std::size_t base = q.num_known();
-    std::int32_t in = -1;  // the zero state
-    if (first > base) {
-      in = static_cast<std::int32_t>(st.drafts[first - base - 1]);
-    } else if (st.state_valid) {
-      in = static_cast<std::int32_t>(st.state);
-    } else if (first > 0) {
-      in = static_cast<std::int32_t>(blocks[first / bs - 1]);  // the hit's checkpoint
-    }
-    buf.state_in[b] = in;
-    buf.state_out[b] = seq_len <= base ? static_cast<std::int32_t>(st.state) : -1;
-    if (b == 0) buf.checkpoint_indptr[0] = 0;
-    const auto put = [&](std::size_t pos, Id block) {
-      buf.checkpoint_positions[num_checkpoints] = static_cast<std::int32_t>(pos);
-      buf.checkpoint_blocks[num_checkpoints] = static_cast<std::int32_t>(block);
-      ++num_checkpoints;
-    };
-    // The table's checkpoint blocks (of the interval, or marked) that end at position `pos` (a block boundary).
-    const auto table_entry = [&](std::size_t pos) {
-      const std::size_t i = pos / bs - 1;
-      const bool switched = std::find(switched_scratch_.begin(), switched_scratch_.end(), i) != switched_scratch_.end();
-      if (blocks[i] != Id{0} && !switched) put(pos, blocks[i]);
-    };
-    const std::size_t known_end = std::min(seq_len, base);
-    for (std::size_t pos = (first / bs + 1) * bs; pos <= known_end; pos += bs) table_entry(pos);
-    // The last block boundary of the known positions this step crosses, into the last checkpoint (unless the table
-    // keeps a checkpoint there already).
-    const std::size_t boundary = known_end / bs * bs;
-    if (keeps_last(g) && boundary > first) {
-      st.last_pos = 0;
-      if (blocks[boundary / bs - 1] == Id{0}) {
-        put(boundary, st.last_block);
-        st.last_pos = boundary;
-      }
-    }
-    if (seq_len <= base || first < base) st.state_valid = true;
-    if (seq_len > base) {  // lookahead positions
-      if (first < base) put(base, st.state);
-      for (std::size_t pos = std::max(first, base) + 1; pos <= seq_len; ++pos) {
-        if (pos % bs == 0) table_entry(pos);
-        put(pos, st.drafts[pos - base - 1]);
-      }
-    }
-    buf.checkpoint_indptr[b + 1] = static_cast<std::int32_t>(num_checkpoints);
-  }
-  // Padding of a recurrent group's outputs after a build of `batch` rows and `n` checkpoints (see
-  // BatchMetadataBuffers).
-  static void pad_state_outputs(const BatchMetadataBuffers& buf, std::size_t batch, std::size_t n) {
-    detail::pad_from(buf.state_in, batch, -1);
-    detail::pad_from(buf.state_out, batch, -1);
-    if (!buf.checkpoint_indptr.empty()) {
-      buf.checkpoint_indptr[0] = batch == 0 ? 0 : buf.checkpoint_indptr[0];
-      detail::pad_from(buf.checkpoint_indptr, batch + 1, static_cast<std::int32_t>(n));
-    }
-    detail::pad_from(buf.checkpoint_positions, n, -1);
-    detail::pad_from(buf.checkpoint_blocks, n, -1);
-  }
 
   // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
   // per block: a vectorizable fill of consecutive slots.
@@ -2939,8 +2562,8 @@ class KVCacheManager {
       const std::size_t blk = p / bs;
       const std::size_t off = p - blk * bs;
       const std::size_t run = std::min(bs - off, first + n - p);
-      while (k < switched_scratch_.size() && switched_scratch_[k] < blk) ++k;
-      if (k < switched_scratch_.size() && switched_scratch_[k] == blk) {
+      while (k < pool_.switched().size() && pool_.switched()[k] < blk) ++k;
+      if (k < pool_.switched().size() && pool_.switched()[k] == blk) {
         std::fill_n(w, run, std::int64_t{-1});
       } else {
         const std::int64_t base = static_cast<std::int64_t>(blocks[blk]) * static_cast<std::int64_t>(bs) +
@@ -2952,40 +2575,24 @@ class KVCacheManager {
     }
   }
 
-  void record_stored(const sequence_type& q, std::size_t i, const BlockHash& h, std::size_t g) {
-    KVEvent& e = events_.push(KVEventType::kBlockStored);
-    detail::fill_stored_event(e, h, i, config_.block_size, q.tokens, q.hashes, q.keys.get());
-    e.group = static_cast<std::uint32_t>(g);
-  }
 
   CacheConfig config_;                                 // groups filled in: one full group when none was given
   GroupLayout layout_;                                 // what each group is (windows, pages; simple = kOne)
-  allocator_type alloc_;
-  index_type index_;                                   // the prefix index, shared by the groups (keys: group_block_key)
-  std::vector<std::size_t> group_cached_;              // [G] when G > 1: blocks registered per group
+  pool_type pool_;                                     // allocator, shared index, reference rules, events, history
   std::vector<std::size_t> coarse_indices_;            // [G] a build's page-table entries per coarse group
-  std::vector<std::uint8_t> group_of_;                 // [num_blocks] when G > 1: the group a block was last taken for
-  std::vector<std::size_t> held_;                      // [G] blocks held per group (unless layout_.simple)
-  std::vector<std::size_t> peak_held_;                 // [G]
-  std::size_t peak_used_ = 0;
   PlanScratch plan_scratch_;                           // admission: hits and the fixed point's scratch
   std::size_t max_tokens_per_seq_;
   seq_map_type seqs_;                                  // node-based: SequenceState addresses are stable
   std::vector<seq_node_type> spare_;                   // freed sequences' nodes, reused by admissions
-  detail::CopyList<copy_type, sequence_type> copies_;  // pending copy-on-writes, their owners, a build's selection
   std::vector<BlockHash> hash_scratch_;                // admission: the prompt's block hashes
   std::vector<Id> hit_scratch_;                        // try_resume: [groups x blocks] device hits
   std::vector<sequence_type*> batch_scratch_;
-  std::vector<std::size_t> switched_scratch_;
   std::vector<std::int64_t> slot_scratch_;             // AppendResult::slots
   std::vector<std::uint32_t> qlen_scratch_;            // build: tokens scheduled per batch row
   std::unordered_set<SeqId> preempted_;                // preempted ids not yet re-admitted
   std::vector<Id> onboard_scratch_;                    // admission, resume: [groups x blocks] device blocks
   detail::HostOffload<Id, host_tier_type> host_;       // host tier, transfers, fills, held-back host events
   std::unordered_map<SeqId, SwappedSequence> swapped_;  // preempted by swapping, resumable
-  EventLog events_;
-  EvictionHistory history_;                            // recent evictions, for miss causes (capacity 0 = off)
-  RetentionTimePoint retention_now_{};                 // the retention clock (expire_retention)
   CacheStats stats_;
   PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()
   detail::ExternalKvState<Id> ext_{config_.num_blocks};  // external KV: fills, leases, save pins, orphan holds

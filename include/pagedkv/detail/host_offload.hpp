@@ -1,6 +1,5 @@
 // pagedkv/detail/host_offload.hpp: the host tier's part of the cache manager (issue 32, docs/design.md "The manager
-// in parts"): the host tier and the transfer queue, the device blocks a host -> device copy fills, the group each
-// host block was taken for, the write-through list, and the held-back host events (a host copy's BlockStored kept
+// in parts"): the host tier and the transfer queue, the group each host block was taken for, the write-through list, and the held-back host events (a host copy's BlockStored kept
 // aside until its parent is reported). It owns that state; the facade orchestrates offload, onboarding, swap and
 // completion over it and the device pool. Nothing here knows the manager: the event log, the counters and the
 // "is it reported" probe are passed in.
@@ -24,16 +23,14 @@
 
 namespace pagedkv::detail {
 
-/// The host-offload state of a manager over `num_device_blocks` device blocks and `num_host_blocks` host blocks (0 =
-/// no host tier: the queue and the fill marks still exist, empty). `Tier`: HostTier<Hasher, Id, HostEvict>.
+/// The host-offload state of a manager with `num_host_blocks` host blocks (0 = no host tier: the queue still exists,
+/// empty). The device blocks a host -> device copy fills are marked in the device pool (DevicePool::mark_fill: they
+/// are a reference rule). `Tier`: HostTier<Hasher, Id, HostEvict>.
 template <class Id, class Tier>
 class HostOffload {
  public:
-  HostOffload(std::size_t num_device_blocks, std::size_t num_host_blocks, std::uint64_t hash_seed,
-              std::size_t num_groups, bool events)
-      : tier_(num_host_blocks != 0 ? std::make_unique<Tier>(num_host_blocks, hash_seed) : nullptr),
-        filling_((num_device_blocks + 63) / 64, 0),
-        unkeyed_fill_((num_device_blocks + 63) / 64, 0) {
+  HostOffload(std::size_t num_host_blocks, std::uint64_t hash_seed, std::size_t num_groups, bool events)
+      : tier_(num_host_blocks != 0 ? std::make_unique<Tier>(num_host_blocks, hash_seed) : nullptr) {
     if (tier_ && num_groups > 1) group_of_.assign(num_host_blocks, 0);
     if (tier_ && events) held_back_.assign((num_host_blocks + 63) / 64, 0);
   }
@@ -54,24 +51,6 @@ class HostOffload {
     if (!group_of_.empty()) group_of_[hb] = static_cast<std::uint8_t>(g);
   }
   [[nodiscard]] std::uint32_t group_of(Id hb) const noexcept { return group_of_.empty() ? 0U : group_of_[hb]; }
-
-  // --- Fills: device blocks a host -> device copy (onboarding, swap-in) targets, until it completes ---
-  /// Mark device block `dst` filling; `unkeyed`: its copy registers nothing when it completes (a swapped-in partial
-  /// or unhashed block: a table reference the block's refcount carries beyond its tables).
-  void mark_fill(Id dst, bool unkeyed) noexcept {
-    filling_[dst / 64] |= std::uint64_t{1} << (dst % 64);
-    if (unkeyed) unkeyed_fill_[dst / 64] |= std::uint64_t{1} << (dst % 64);
-  }
-  /// The fill into `dst` completed.
-  void end_fill(Id dst) noexcept {
-    filling_[dst / 64] &= ~(std::uint64_t{1} << (dst % 64));
-    unkeyed_fill_[dst / 64] &= ~(std::uint64_t{1} << (dst % 64));
-    ++completed_fills_;
-  }
-  [[nodiscard]] bool is_filling(Id b) const noexcept { return ((filling_[b / 64] >> (b % 64)) & 1U) != 0; }
-  [[nodiscard]] bool is_unkeyed_fill(Id b) const noexcept { return ((unkeyed_fill_[b / 64] >> (b % 64)) & 1U) != 0; }
-  /// Fills completed so far (onboard + swap-in transfers).
-  [[nodiscard]] std::uint64_t completed_fills() const noexcept { return completed_fills_; }
 
   // --- Write-through: the (device block, hash) pairs the last build registered, offloaded by the next ---
   [[nodiscard]] std::vector<std::pair<Id, BlockHash>>& recent_registered() noexcept { return recent_registered_; }
@@ -189,9 +168,6 @@ class HostOffload {
  private:
   std::unique_ptr<Tier> tier_;                                // null = no host tier
   TransferQueue<Id> transfers_;
-  std::vector<std::uint64_t> filling_;                        // [ceil(num_blocks / 64)] device blocks a fill targets
-  std::vector<std::uint64_t> unkeyed_fill_;                   // [ceil(num_blocks / 64)] of those, fills with no hash
-  std::uint64_t completed_fills_ = 0;                         // onboard + swap-in transfers completed
   std::vector<std::uint8_t> group_of_;                        // [num_host_blocks] when G > 1 with a host tier
   std::vector<std::pair<Id, BlockHash>> recent_registered_;   // write-through: registered by the last build
   std::vector<Transfer<Id>> completed_;                       // complete_transfers' scratch
