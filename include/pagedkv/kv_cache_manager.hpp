@@ -1400,7 +1400,7 @@ class KVCacheManager {
       const auto blocks = q.table_of(g).blocks();
       const Id b = i < blocks.size() ? blocks[i] : Id{0};
       if (b != Id{0} || i >= q.hashes.size()) return b;
-      const auto c = ix(g).find(q.hashes[i]);  // released by the last build's window, still cached
+      const auto c = pool_.ix(g).find(q.hashes[i]);  // released by the last build's window, still cached
       return c ? *c : Id{0};
     };
     HandoffDescriptor<Id> d = ext_.open_lease(
