@@ -12,7 +12,7 @@
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package, whose code is the
 #     README's snippet: scripts/check-readme-snippet.sh), and the CUDA and events_zmq component consumers
 #  4. a short pagedkv-replay smoke run on each bundled trace, and decode_loop on the CPU reference
-#  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: the five fuzz targets, two at a time, PAGEDKV_FUZZ_SECONDS (80) each
+#  5. pagedkv-replay's argument refusals, then scripts/fuzz.sh: the five fuzz targets, two at a time, PAGEDKV_FUZZ_SECONDS (60) each
 #  6. the Python bindings (PAGEDKV_BUILD_PYTHON=ON) and their pytest suite (python/tests, docs/python.md)
 #  7. vLLM 0.32.0's own scheduler and prefix-cache tests with its KVCacheManager replaced by pagedkv.vllm
 #     (scripts/vllm-tests.sh; the table is in docs/python.md)
@@ -116,9 +116,9 @@ stage "decode_loop (manager + CPU reference kernels, checked against float64 eve
 build-ci/examples/decode_loop --block-size 16
 build-ci/examples/decode_loop --block-size 1 --dtype bf16 --forks 3
 build-ci/examples/decode_loop --block-size 4 --gpu-blocks 70 --host-blocks 256 --steps 40   # swap to a host tier
-stage "5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 5 minutes)"
+stage "5 fuzzing: pagedkv-replay refuses bad arguments; libFuzzer targets under ASan + UBSan (about 7 minutes with their build)"
 tests/fuzz/check_replay_args.sh build-ci/examples/pagedkv-replay
-scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-80}"
+scripts/fuzz.sh "${PAGEDKV_FUZZ_SECONDS:-60}"
 stage "router example: 2 engine processes publishing KV events over ZeroMQ on loopback + a KV-aware router (bounded)"
 timeout 60 build-ci/examples/pagedkv-router --instances 2 --limit 300 --capacity-tokens 2e5 --timeout-s 20
 stage "Python bindings: pagedkv._pagedkv (PAGEDKV_BUILD_PYTHON=ON, nanobind) + pytest python/tests"

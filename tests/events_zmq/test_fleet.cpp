@@ -27,6 +27,7 @@
 #include <pagedkv/events_zmq/topic.hpp>
 #include <pagedkv/events_zmq/wire.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 
 #include "router_models.hpp"
 

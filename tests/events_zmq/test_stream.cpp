@@ -20,6 +20,7 @@
 #include <pagedkv/events_zmq/subscriber.hpp>
 #include <pagedkv/events_zmq/wire.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 
 namespace {
 

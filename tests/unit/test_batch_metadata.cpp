@@ -18,6 +18,7 @@
 #include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 
 namespace {
 

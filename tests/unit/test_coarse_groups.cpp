@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 
 #include "test_support.hpp"
 

@@ -20,6 +20,7 @@
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 #include <pagedkv/prefix_hash_index.hpp>
 
 namespace {

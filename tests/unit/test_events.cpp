@@ -14,6 +14,7 @@
 #include "test_support.hpp"
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 #include <pagedkv/prefix_hash_index.hpp>
 
 #ifndef PAGEDKV_HASH_PRINT_EXE

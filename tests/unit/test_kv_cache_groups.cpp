@@ -54,6 +54,7 @@
 #include <pagedkv/eviction_priority.hpp>
 #include <pagedkv/kernel_params.hpp>
 #include <pagedkv/kv_cache_groups.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 #include <pagedkv/reference/decode.hpp>
 #include <pagedkv/reference/write_kv.hpp>
 

@@ -16,6 +16,7 @@
 #include <pagedkv/error.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 
 namespace {
 

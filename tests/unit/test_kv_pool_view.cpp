@@ -14,6 +14,7 @@
 #include "test_support.hpp"
 #include <pagedkv/kv_cache_groups.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 #include <pagedkv/kv_pool_view.hpp>
 #include <pagedkv/reference/write_kv.hpp>
 

@@ -22,6 +22,7 @@
 #include <pagedkv/error.hpp>
 #include <pagedkv/hash.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 #include <pagedkv/prefix_hash_index.hpp>
 
 namespace {

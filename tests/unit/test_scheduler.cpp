@@ -15,6 +15,7 @@
 #include "test_support.hpp"
 #include <pagedkv/kernel_params.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
+#include "support/manager_instances.hpp"  // KVCacheManager<> and <Xxh3Hasher> are compiled once (CI build time)
 #include <pagedkv/reference/copy_blocks.hpp>
 #include <pagedkv/reference/prefill.hpp>
 #include <pagedkv/reference/write_kv.hpp>

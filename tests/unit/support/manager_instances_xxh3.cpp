@@ -1,0 +1,5 @@
+// The one definition of KVCacheManager<Xxh3Hasher> (uint32 ids, LRU) for the unit-test binary: see
+// manager_instances.hpp.
+#include "manager_instances.hpp"
+
+template class pagedkv::KVCacheManager<pagedkv::Xxh3Hasher>;
