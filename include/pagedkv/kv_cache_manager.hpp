@@ -463,16 +463,7 @@ class KVCacheManager {
   /// its pending slots. Full blocks stay cached until evicted. Copies in flight keep their own pins: a block a copy
   /// still reads or fills is released when the copy completes. Throws kUnknownSequence (also on a double free).
   void free(SeqId seq) {
-    if (const auto sw = swapped_.find(seq); sw != swapped_.end()) {
-      for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
-        if (*it != Id{0}) host_.tier().release(*it);
-      }
-      for (Id hb : sw->second.states) {
-        if (hb != Id{0}) host_.tier().release(hb);
-      }
-      swapped_.erase(sw);
-      return;
-    }
+    if (!swapped_.empty() && free_swapped(seq)) return;
     sequence_type& q = live(seq, "free");
     if (ext_.num_fills() != 0) [[unlikely]] abort_external_fill(seq);  // external KV: an orphan hold
     if (layout_.any_recurrent) events_.reserve_more(layout_.num_groups);  // last checkpoints registered on the way out
@@ -2394,6 +2385,22 @@ class KVCacheManager {
       if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) release_last_checkpoint(q, g);
       if (g > 0 && !q.other_groups[g - 1].drafts.empty()) release_drafts(q.other_groups[g - 1], 0);
     }
+  }
+  // free() of a sequence preempted by swapping: release its host blocks (last block first) and forget it; false,
+  // changing nothing, when `seq` is not swapped. Out of line (rare): with it inline, free() passed GCC 12's
+  // max-inline-insns-single after external KV's hook and was no longer inlined into pagedkv-replay's prefix loop
+  // (callgrind, replay-xxh3 row of docs/benchmarks.md "Manager split gate": 2,471,415,585 -> 2,466,138,816 Ir).
+  [[gnu::noinline]] bool free_swapped(SeqId seq) {
+    const auto sw = swapped_.find(seq);
+    if (sw == swapped_.end()) return false;
+    for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
+      if (*it != Id{0}) host_.tier().release(*it);
+    }
+    for (Id hb : sw->second.states) {
+      if (hb != Id{0}) host_.tier().release(hb);
+    }
+    swapped_.erase(sw);
+    return true;
   }
   // A recurrent group's checkpoint block that a rewind left partial will not be written: null, as before it was
   // completed (grow_recurrent takes a block again when a growth completes it).
