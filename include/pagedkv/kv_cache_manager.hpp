@@ -2708,10 +2708,13 @@ class KVCacheManager {
 
   // Release one reference. A block that becomes unreferenced is no longer the destination of a pending copy
   // (nobody needs its contents), so that copy is dropped and its source reference released.
-  void release_block(Id b) {
+  [[gnu::always_inline]] void release_block(Id b) {
     alloc_.release(b);
     if (!layout_.simple && alloc_.refcount(b) == 0) --held_[group_of_block(b)];
     if (copies_.empty() || alloc_.refcount(b) != 0) return;
+    drop_copy_into(b);
+  }
+  [[gnu::noinline]] void drop_copy_into(Id b) {
     if (const auto src = copies_.drop_into(b)) release_block(*src);
   }
 
