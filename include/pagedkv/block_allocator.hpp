@@ -134,7 +134,7 @@ class BlockAllocator {
 
   /// Drop one reference. At refcount 0 a hashed block becomes cached (most recently released), an unhashed one
   /// free. Throws kBlockOutOfRange, or kDoubleFree when the refcount is already 0.
-  void release(Id b) {
+  [[gnu::always_inline]] void release(Id b) {
     check_range(b, "release");
     const word_type w = state_[b];
     if (ref_of(w) == 0) {

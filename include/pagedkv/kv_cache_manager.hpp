@@ -458,16 +458,7 @@ class KVCacheManager {
   /// its pending slots. Full blocks stay cached until evicted. Copies in flight keep their own pins: a block a copy
   /// still reads or fills is released when the copy completes. Throws kUnknownSequence (also on a double free).
   void free(SeqId seq) {
-    if (const auto sw = swapped_.find(seq); sw != swapped_.end()) {
-      for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
-        if (*it != Id{0}) host_.tier().release(*it);
-      }
-      for (Id hb : sw->second.states) {
-        if (hb != Id{0}) host_.tier().release(hb);
-      }
-      swapped_.erase(sw);
-      return;
-    }
+    if (!swapped_.empty() && free_swapped(seq)) return;
     sequence_type& q = live(seq, "free");
     if (ext_.num_fills() != 0) [[unlikely]] abort_external_fill(seq);  // external KV: an orphan hold
     // (last checkpoints registered on the way out)
@@ -2387,6 +2378,22 @@ class KVCacheManager {
         recurrent_type::release_drafts(pool_, q.other_groups[g - 1], 0);
       }
     }
+  }
+  // free() of a sequence preempted by swapping: release its host blocks (last block first) and forget it; false,
+  // changing nothing, when `seq` is not swapped. Out of line (rare): with it inline, free() passed GCC 12's
+  // max-inline-insns-single after external KV's hook and was no longer inlined into pagedkv-replay's prefix loop
+  // (callgrind, replay-xxh3 row of docs/benchmarks.md "Manager split gate": 2,471,415,585 -> 2,466,138,816 Ir).
+  [[gnu::noinline]] bool free_swapped(SeqId seq) {
+    const auto sw = swapped_.find(seq);
+    if (sw == swapped_.end()) return false;
+    for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
+      if (*it != Id{0}) host_.tier().release(*it);
+    }
+    for (Id hb : sw->second.states) {
+      if (hb != Id{0}) host_.tier().release(hb);
+    }
+    swapped_.erase(sw);
+    return true;
   }
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
   // min(num_built, num_known): built lookahead positions do not count, since commit_lookahead may reject them and
