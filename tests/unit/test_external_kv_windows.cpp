@@ -153,7 +153,7 @@ pagedkv::CacheConfig hybrid(std::mt19937& rng, std::uint32_t bs) {
 
 }  // namespace
 
-TEST_CASE("P/D hand-off with window groups: only in-window blocks move; the consumer equals local compute",
+TEST_CASE("P/D hand-off with window groups: only in-window blocks move - the consumer equals local compute",
           "[external_kv][manager][kv_cache_groups]") {
   std::size_t cases = 0, taken_back = 0, partial_kept = 0, partial_recomputed = 0, empty_plans = 0, holed_plans = 0;
   for (std::uint32_t seed = 1; seed <= 60; ++seed) {
