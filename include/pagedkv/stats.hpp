@@ -58,7 +58,8 @@ struct CacheStats {
   std::uint64_t readmitted_requests = 0;      ///< admissions of a sequence id preempted before (recompute)
   std::uint64_t readmitted_query_tokens = 0;  ///< their prompt tokens
   std::uint64_t readmitted_hit_tokens = 0;    ///< of which found in the cache
-  std::uint64_t evictions = 0;
+  std::uint64_t evictions = 0;  ///< cached device blocks whose hash was dropped so the allocator could reuse them
+                                ///< (capacity evictions; evict_cached_block's removals are not counted)
   std::uint64_t cow_copies = 0;
   std::uint64_t dedup_blocks = 0;  ///< newly full blocks switched to an identical cached block
   std::uint64_t preemptions = 0;

@@ -193,6 +193,11 @@ class Seed {
     op(Op::kExtReap).w_.u8(b);
     return *this;
   }
+  /// evict_cached_block(1 + b % usable) (b < 250; 250: block 0; above: out of range)
+  Seed& evict(std::uint8_t b) {
+    op(Op::kEvictBlock).w_.u8(b);
+    return *this;
+  }
   Seed& ext_stale(std::uint8_t b) {
     op(Op::kExtStale).w_.u8(b);
     return *this;
@@ -236,6 +241,11 @@ std::vector<std::pair<std::string, Seed>> seeds() {
       Seed(0, kBs4, 16).append(3, 1).free(3).preempt(12).rewind(13, 0).fork(14, 1).query(15).admit(1, 0, 4).admit(1, 0, 4).fork(1, 1).rewind(1, 255).step());
   add("per_sequence_limit", Seed(kLimit, kBs4, 32, 20).admit(1, 0, 18).step().append(1, 5).admit_long(2, 30).append(1, 2).step());
   add("never_fits_prompt", Seed(0, kBs8, 5).admit_long(1, 40).admit_long(2, 33).admit_long(3, 32).step());
+  // evict_cached_block (vLLM's evict_blocks after a failed load): a block held by two tables leaves the index and
+  // stays in both, unmatchable, until freed; then a cached block becomes free; ids 0 and past the pool throw.
+  add("evict_held_then_cached_block",
+      Seed(0, kBs4, 16).admit(1, 0, 12).step().fork(1, 2).evict(0).append(1, 1).step().free(1).free(2).admit(3, 0, 12)
+          .step().evict(1).evict(1).evict(250).evict(255).lookup(0, 12).drain());
   add("empty_prompt", Seed(0, kBs4, 8).admit_raw(1, {}, {kNoKeys}).step());
   add("build_faults",
       Seed(0, kBs4, 32).admit(1, 0, 9).step().fork(1, 2).build(0, {}, 0, 1, 200).build(0, {}, 0, 0, 201).build(0, {}, 0, 0, 206).build(0, {}, 0, 0, 208).build(0, {}, 0, 0, 209).build(0, {}, 0, 0, 210).build(6, {0, 9}, 0, 0, 0).build(7, {0}, 0, 0, 0).step());

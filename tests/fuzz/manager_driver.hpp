@@ -148,6 +148,7 @@ class Driver {
       case Op::kExtReap: op_ext_reap(r); break;
       case Op::kExtStale: op_ext_stale(r); break;
       case Op::kExtClaim: op_ext_claim(r); break;
+      case Op::kEvictBlock: op_evict_block(r); break;
       case Op::kCount: break;
     }
   }
@@ -1655,6 +1656,41 @@ class Driver {
     for (auto id : ends) x_end_hold(id, false);
     x_now_ = x_clock_ ? std::max(x_now_, now) : now;
     x_clock_ = true;
+    x_sync_and_check();
+  }
+
+  /// evict_cached_block: a registered block leaves the index at once (answer: whether it was registered); cached,
+  /// it becomes free; held (a table, a pending copy, an external hold), it stays there, never matchable again, until
+  /// its last release. An id outside [1, num_blocks) throws kBlockOutOfRange and changes nothing.
+  void op_evict_block(ByteReader& r) {
+    const std::uint8_t v = r.u8();
+    const std::uint64_t nb = model_.usable() + 1;
+    const std::uint64_t b = v < 250 ? 1 + v % model_.usable() : v == 250 ? 0 : nb + (v - 251);
+    if (b > std::numeric_limits<Id>::max()) return;
+    const Id id = static_cast<Id>(b);
+    log_.add("m.evict_cached_block(" + std::to_string(b) + ")");
+    if (b == 0 || b >= nb) {
+      const bool returned = call({Errc::kBlockOutOfRange}, "block " + std::to_string(b), [&] {
+        (void)m().evict_cached_block(id);
+      });
+      expect(!returned, "evict_cached_block(" + std::to_string(b) + ") of " + std::to_string(nb) +
+                            " blocks returned instead of throwing kBlockOutOfRange");
+      return;
+    }
+    const auto& a = m().allocator();
+    const bool hashed = a.is_hashed(id);
+    const bool held = a.refcount(id) != 0;
+    const std::size_t index_size = m().prefix_index().size();
+    const bool got = m().evict_cached_block(id);
+    log_.result(got ? "true" : "false");
+    expect(got == hashed, "evict_cached_block(" + std::to_string(b) + ") answered " + std::to_string(got) +
+                              " for a block " + (hashed ? "registered" : "not registered"));
+    expect(!a.is_hashed(id) && !m().prefix_index().hash_of(id) &&
+               m().prefix_index().size() == index_size - (hashed ? 1 : 0),
+           "block " + std::to_string(b) + " is still registered after evict_cached_block");
+    expect(held == (a.refcount(id) != 0), "evict_cached_block changed block " + std::to_string(b) + "'s holders");
+    if (hashed && held) model_.unkeyed.insert(b);
+    if (hashed) ++model_.removed_by_id;
     x_sync_and_check();
   }
 

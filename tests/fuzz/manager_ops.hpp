@@ -94,6 +94,8 @@ enum class Op : std::uint8_t {
   kExtClaim,      // u8 pick (< 192: a live hold, else an id as kExtSignal's), u8 entries (% 9), u8 fault (% 3:
                   // none, one stale generation, one block not in the hold), u8 position: check_claim of the hold's
                   // blocks
+  kEvictBlock,    // u8 (< 250: block 1 + b % usable; 250: 0; else num_blocks + b - 251, out of range):
+                  // evict_cached_block (vLLM's evict_blocks after a failed load)
   kCount
 };
 
