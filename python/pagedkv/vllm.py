@@ -497,8 +497,10 @@ class KVCacheManager(ConnectorMixin):
             return None
         return _pk.RequestKeys(adapter_id=adapter, salt=salt, multimodal=items)
 
-    def _known_tokens(self, request: Request, n: int):
-        return _np.asarray(request.all_token_ids[:n], dtype=_np.int32)
+    def _known_tokens(self, request: Request, n: int) -> list[int]:
+        """The first `n` token ids of `request`, a list: the bindings convert it in C++ (range-checked), about 3x
+        faster than numpy.asarray of it (2048 tokens: prepare_prompt of the list 23 us, of asarray(list) 71 us)."""
+        return request.all_token_ids[:n]
 
     def _prepare(self, request: Request, n: int):
         """The first `n` tokens of `request` with its keys, validated and hashed once (pagedkv prepare_prompt); kept
@@ -714,7 +716,7 @@ class KVCacheManager(ConnectorMixin):
             # ones (their K/V is in the lookahead slots); the other lookahead slots are rewound. This allocates
             # nothing, so it precedes the capacity check.
             acc = request.all_token_ids[known:min(n_known, known + s.lookahead)]
-            self._pk.commit_lookahead(seq, _np.asarray(acc, dtype=_np.int32))
+            self._pk.commit_lookahead(seq, acc)  # a list: converted in C++
             s.lookahead = 0
             known += len(acc)
             s.known = known
@@ -736,8 +738,7 @@ class KVCacheManager(ConnectorMixin):
         lookahead = need_end - tail if need_end > tail else 0
         limit = free - watermark if free is not None else None
         ok, ids, copies, num_tokens, full, built = self._pk._vllm_grow(
-            seq, reserve, _np.array(new, dtype=_np.int32) if new else _EMPTY_TOKENS, lookahead, limit,
-            s.built_full, not self._fast)
+            seq, reserve, new, lookahead, limit, s.built_full, not self._fast)  # `new`: a list, converted in C++
         if not ok:
             return None
         if self._order is not None:
