@@ -26,6 +26,8 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
+from _pairs import free_pair, free_random
+
 init_none_hash(sha256)
 
 
@@ -214,14 +216,9 @@ def test_differential_against_vllms_own_manager(seed, spec):
                     ra.num_computed_tokens += accepted
                     rb.num_computed_tokens += accepted
             else:  # preempt, as the scheduler does
-                ours.free(ra)
-                theirs.free(rb)
-                del live[rid]
+                free_pair(ours, theirs, live, rid)
         else:
-            rid = rng.choice(sorted(live))
-            ra, rb = live.pop(rid)
-            ours.free(ra)
-            theirs.free(rb)
+            free_random(rng, ours, theirs, live)
         if spec:
             assert ours.block_pool.get_num_free_blocks() >= theirs.block_pool.get_num_free_blocks(), f"step {step}"
         else:
