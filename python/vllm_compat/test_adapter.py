@@ -26,6 +26,8 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
+from _pairs import free_pair, free_random
+
 init_none_hash(sha256)
 
 
@@ -214,14 +216,9 @@ def test_differential_against_vllms_own_manager(seed, spec):
                     ra.num_computed_tokens += accepted
                     rb.num_computed_tokens += accepted
             else:  # preempt, as the scheduler does
-                ours.free(ra)
-                theirs.free(rb)
-                del live[rid]
+                free_pair(ours, theirs, live, rid)
         else:
-            rid = rng.choice(sorted(live))
-            ra, rb = live.pop(rid)
-            ours.free(ra)
-            theirs.free(rb)
+            free_random(rng, ours, theirs, live)
         if spec:
             assert ours.block_pool.get_num_free_blocks() >= theirs.block_pool.get_num_free_blocks(), f"step {step}"
         else:
@@ -392,24 +389,26 @@ def test_install_warns_when_the_engine_is_out_of_reach():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-def test_decode_fast_path_queues_and_flushes():
-    """A decode token that needs no block and fills none is answered without a crossing and queued; the queue
-    reaches pagedkv at new_step_starts (one append_tokens) or before a call on that request; a token that fills a
-    block takes the full path and registers it (a hit for the next request), as vLLM caches it."""
+def test_decode_fast_path_lags_and_catches_up():
+    """A decode token that needs no block and fills none is answered from the mirror alone (no crossing, pagedkv
+    unchanged, also across new_step_starts); the request's next growth (the token that fills the block) hands the
+    lagging tokens to pagedkv with its own, registers the block (a hit for the next request, as vLLM caches it at
+    allocation); a call that reads the sequence first takes the lag out of the mirror; free drops it."""
     m = _manager(pv.KVCacheManager, 64)
     r = _request("a", range(100, 106))  # 6 prompt tokens, block size 4
     assert m.allocate_slots(r, 6) is not None
     r.num_computed_tokens = 6
-    seq = m._seqs["a"].seq
+    s = m._seqs["a"]
+    seq = s.seq
     r.append_output_token_ids([7])  # position 6: inside block 1, fills nothing
     assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
-    assert m._pk.num_tokens(seq) == 6 and m._queue_tokens == [7]  # queued, not in pagedkv yet
+    assert m._pk.num_tokens(seq) == 6 and s.lag == 1 and s.slotted == s.known == 7  # not in pagedkv yet
     m.new_step_starts()
-    assert m._pk.num_tokens(seq) == 7 and m._pk.token_ids(seq)[-1] == 7 and not m._queue_tokens
+    assert m._pk.num_tokens(seq) == 6 and s.lag == 1
     r.num_computed_tokens = 7
-    r.append_output_token_ids([8])  # position 7 fills block 1: the full path, registered at once
+    r.append_output_token_ids([8])  # position 7 fills block 1: the full path carries both tokens, registered at once
     assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
-    assert not m._queue_tokens and m._pk.num_tokens(seq) == 8
+    assert s.lag == 0 and m._pk.num_tokens(seq) == 8 and list(m._pk.token_ids(seq)[-3:]) == [105, 7, 8]
     _, hit, _ = m.get_computed_blocks(_request("b", list(range(100, 106)) + [7, 8, 1]))
     assert hit == 8
     r.num_computed_tokens = 8
@@ -417,7 +416,22 @@ def test_decode_fast_path_queues_and_flushes():
     blocks = m.allocate_slots(r, 1)
     assert [len(g) for g in blocks.get_block_ids()] == [1]
     r.num_computed_tokens = 9
-    r.append_output_token_ids([10])  # queued, then freed without a step: the queue goes first
-    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks and m._queue_tokens == [10]
+    r.append_output_token_ids([10])  # position 9: lags
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks and s.lag == 1
+    assert m.coordinator.get_num_blocks_to_allocate("a", 13, (), 0, 9, 9, 13) == 1  # reads pagedkv: lag out first
+    assert s.lag == 0 and s.slotted == s.known == 9 == m._pk.num_tokens(seq)
+    r.num_computed_tokens = 10
+    r.append_output_token_ids([11])  # position 10 after the lag left the mirror: the full path carries 9 and 10
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks
+    assert m._pk.num_tokens(seq) == 11 and list(m._pk.token_ids(seq)[-3:]) == [9, 10, 11]
+    r.num_computed_tokens = 11
+    r.append_output_token_ids([12])  # position 11 fills block 2: full path
+    m.allocate_slots(r, 1)
+    r.num_computed_tokens = 12
+    r.append_output_token_ids([13])  # position 12: a new block
+    m.allocate_slots(r, 1)
+    r.num_computed_tokens = 13
+    r.append_output_token_ids([14])  # position 13: lags, then freed
+    assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks and s.lag == 1
     m.free(r)
-    assert not m._queue_tokens and seq not in m._pk
+    assert seq not in m._pk and "a" not in m._seqs

@@ -34,6 +34,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from _pairs import free_pair, free_random, next_tokens
+
 init_none_hash(sha256)
 
 BS = 4  # the smallest block size: vLLM's hash block size, pagedkv's match unit (tokens)
@@ -138,16 +140,9 @@ def test_different_block_sizes_differential_against_vllms_own_manager(layout, nu
         elif op < 0.85:
             rid = rng.choice(sorted(live))
             ra, rb = live[rid]
-            remaining = ra.num_tokens - ra.num_computed_tokens
-            if remaining == 0:
-                if ra.num_tokens >= MAX_LEN - 1:
-                    continue
-                t = rng.randrange(50)
-                ra.append_output_token_ids([t])
-                rb.append_output_token_ids([t])
-                n = 1
-            else:
-                n = rng.randrange(1, remaining + 1)
+            n = next_tokens(rng, ra, rb, MAX_LEN - 1, 50)
+            if n is None:
+                continue
             theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)  # as vLLM's scheduler does each step
             a = ours.allocate_slots(ra, n)
             b = theirs.allocate_slots(rb, n)
@@ -160,14 +155,9 @@ def test_different_block_sizes_differential_against_vllms_own_manager(layout, nu
                 want = [cdiv(ra.num_computed_tokens, s.block_size) for s in specs]
                 assert [len(x) for x in ids] == want, f"step {step}: tables {ids} for {ra.num_computed_tokens}"
             else:  # preempt, as the scheduler does
-                ours.free(ra)
-                theirs.free(rb)
-                del live[rid]
+                free_pair(ours, theirs, live, rid)
         else:
-            rid = rng.choice(sorted(live))
-            ra, rb = live.pop(rid)
-            ours.free(ra)
-            theirs.free(rb)
+            free_random(rng, ours, theirs, live)
         if not windowed and big:
             # Never more blocks held than vLLM's; fewer by the full blocks a build deduplicated (a block past the
             # aligned hit that is cached already: the request's table takes the cached block, docs/python.md).

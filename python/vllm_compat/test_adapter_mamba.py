@@ -32,6 +32,8 @@ from vllm.v1.kv_cache_interface import (
 _SWA = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8)
 from vllm.v1.request import Request
 
+from _pairs import free_pair, free_random, next_tokens
+
 init_none_hash(sha256)
 
 BS = 4  # attention block size (tokens)
@@ -104,16 +106,9 @@ def test_mamba_none_mode_differential_against_vllms_own_manager(seed, layout):
         elif op < 0.8:
             rid = rng.choice(sorted(live))
             ra, rb, states = live[rid]
-            remaining = ra.num_tokens - ra.num_computed_tokens
-            if remaining == 0:
-                if ra.num_tokens >= MAX_LEN:
-                    continue
-                t = rng.randrange(1000)
-                ra.append_output_token_ids([t])
-                rb.append_output_token_ids([t])
-                n = 1
-            else:
-                n = rng.randrange(1, remaining + 1)
+            n = next_tokens(rng, ra, rb, MAX_LEN, 1000)
+            if n is None:
+                continue
             a = ours.allocate_slots(ra, n)
             b = theirs.allocate_slots(rb, n)
             assert (a is None) == (b is None), f"step {step}: growth {a} vs vLLM's {b}"
@@ -125,14 +120,9 @@ def test_mamba_none_mode_differential_against_vllms_own_manager(seed, layout):
                 ra.num_computed_tokens += n
                 rb.num_computed_tokens += n
             else:  # preempt, as the scheduler does
-                ours.free(ra)
-                theirs.free(rb)
-                del live[rid]
+                free_pair(ours, theirs, live, rid)
         else:
-            rid = rng.choice(sorted(live))
-            ra, rb, _ = live.pop(rid)
-            ours.free(ra)
-            theirs.free(rb)
+            free_random(rng, ours, theirs, live)
         assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks(), f"step {step}"
         # With Mamba layers vLLM zeroes the new attention blocks (take_new_block_ids): as many here, all held.
         zero_a, zero_b = ours.take_new_block_ids(), theirs.take_new_block_ids()
