@@ -82,7 +82,7 @@ class BlockAllocator {
     return static_cast<std::uint32_t>(ref_of(state_[b]));
   }
   /// Whether block `b` carries a block hash (registered in a prefix index). Throws kBlockOutOfRange.
-  [[nodiscard]] bool is_hashed(Id b) const {
+  [[nodiscard, gnu::always_inline]] bool is_hashed(Id b) const {
     check_range(b, "is_hashed");
     return hashed_of(state_[b]);
   }

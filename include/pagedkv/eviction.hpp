@@ -62,7 +62,7 @@ class LruEviction {
     --size_;
   }
   /// Remove and return the least recently released block, or nullopt when the set is empty.
-  [[nodiscard]] std::optional<Id> pop_victim() noexcept {
+  [[nodiscard, gnu::always_inline]] std::optional<Id> pop_victim() noexcept {
     const Id head = next_[0];
     if (head == 0) return std::nullopt;
     erase(head);

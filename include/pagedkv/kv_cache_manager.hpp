@@ -27,6 +27,7 @@
 #include <pagedkv/detail/external_kv_handoff.hpp>
 #include <pagedkv/detail/hit_search.hpp>
 #include <pagedkv/detail/host_offload.hpp>
+#include <pagedkv/detail/host_swap.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/copy_list.hpp>
@@ -490,66 +491,25 @@ class KVCacheManager {
                                                 " is not settled (unbuilt slots, lookahead or a copy outstanding): "
                                                 "swap it after its step's metadata was built and its copies completed");
     }
-    // Plan: host blocks to share (the hash is there) or to fill (a copy each), every group's non-null blocks.
+    // Plan: host blocks to share (the hash is there) or to fill (a copy each), every group's non-null blocks, and
+    // the recurrent groups' working states (detail/host_swap.hpp).
     const std::size_t nb = q.table.num_blocks();  // every group's table has as many entries
-    std::size_t to_fill = 0, shared_cached = 0;
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      for (Id b : q.table_of(g).blocks()) {
-        if (b == Id{0}) continue;
-        const auto hb = host_copy_of(b, g);
-        if (!hb) {
-          ++to_fill;
-        } else if (host_.tier().allocator().is_cached(*hb)) {
-          ++shared_cached;
-        }
-      }
-    }
-    for (std::size_t g = 1; g < layout_.num_groups; ++g) to_fill += is_recurrent(g) && q.other_groups[g - 1].state_valid ? 1 : 0;
-    if (to_fill > host_.tier().allocator().num_available_blocks() - shared_cached) return false;
+    const auto table = [&](std::size_t g) { return q.table_of(g).blocks(); };
+    const auto state = [&](std::size_t g) {
+      return is_recurrent(g) && q.other_groups[g - 1].state_valid ? q.other_groups[g - 1].state : Id{0};
+    };
+    const auto to_fill = detail::plan_swap_out(host_, pool_, layout_.num_groups, table, state);
+    if (!to_fill) return false;
     // Commit. Reserve first: nothing below throws.
     SwappedSequence sw{sequence_type(config_.block_size), {}, q.num_slotted(), {}};
     sw.host_blocks.assign(layout_.num_groups * nb, Id{0});
     if (layout_.any_recurrent) sw.states.assign(layout_.num_groups, Id{0});
-    host_.transfers().reserve_more(to_fill);
-    pool_.events().reserve_more(to_fill + layout_.num_groups);  // + the last checkpoints registered by the release
+    host_.transfers().reserve_more(*to_fill);
+    pool_.events().reserve_more(*to_fill + layout_.num_groups);  // + the last checkpoints registered by the release
     auto [it, inserted] = swapped_.try_emplace(seq, std::move(sw));
     SwappedSequence& dst = it->second;
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {  // shared host blocks first (allocations cannot evict them)
-      const auto blocks = q.table_of(g).blocks();
-      for (std::size_t i = 0; i < nb; ++i) {
-        if (blocks[i] == Id{0}) continue;
-        if (const auto hb = host_copy_of(blocks[i], g)) {
-          host_.tier().acquire(*hb);
-          dst.host_blocks[g * nb + i] = *hb;
-        }
-      }
-    }
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      const auto blocks = q.table_of(g).blocks();
-      for (std::size_t i = 0; i < nb; ++i) {
-        if (blocks[i] == Id{0} || dst.host_blocks[g * nb + i] != Id{0}) continue;  // null, or shared above
-        const auto h = pool_.ix(g).hash_of(blocks[i]);
-        const BlockHash key = h ? group_block_key(*h, g) : BlockHash{};
-        const Id hb = *host_.tier().allocate(h ? &key : nullptr, host_evictor());  // guaranteed by the plan
-        host_.tier().acquire(hb);  // the copy's own hold, released when it completes
-        host_.set_group(hb, g);
-        dst.host_blocks[g * nb + i] = hb;
-        if (h) remember_content(*h, hb, Medium::kGpu, g);
-        host_.transfers().push({blocks[i], hb, TransferKind::kSwapOut, h.has_value(), h ? *h : BlockHash{}, 0,
-                         static_cast<std::uint32_t>(g)});
-        ++stats_.swap_outs;
-      }
-    }
-    for (std::size_t g = 1; g < layout_.num_groups; ++g) {  // working states (unhashed: always copied)
-      if (!is_recurrent(g) || !q.other_groups[g - 1].state_valid) continue;
-      const Id hb = *host_.tier().allocate(nullptr, host_evictor());  // guaranteed by the plan
-      host_.tier().acquire(hb);
-      host_.set_group(hb, g);
-      dst.states[g] = hb;
-      host_.transfers().push({q.other_groups[g - 1].state, hb, TransferKind::kSwapOut, false, BlockHash{}, 0,
-                       static_cast<std::uint32_t>(g)});
-      ++stats_.swap_outs;
-    }
+    detail::swap_out(host_, pool_, stats_, layout_.num_groups, nb, table, state, std::span<Id>(dst.host_blocks),
+                     std::span<Id>(dst.states));
     release_all_groups(q);
     dst.state = std::move(q);
     seqs_.erase(seq);
@@ -584,23 +544,11 @@ class KVCacheManager {
     if (held > pool_.alloc().num_usable_blocks()) {
       return {AdmitStatus::kNeverFits, 0, 0, 0, held - pool_.alloc().num_usable_blocks()};
     }
-    hit_scratch_.assign(n, Id{0});
-    std::size_t to_fill = 0, evictable_hits = 0;
-    for (std::size_t j = 0; j < n; ++j) {
-      const Id hb = s.host_blocks[j];
-      if (hb == Id{0}) continue;
-      if (!host_.tier().is_ready(hb)) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
-      const std::size_t g = j / nb;
-      const auto key = host_.tier().index().hash_of(hb);
-      // (the key unmixed: the hash)
-      if (const auto b = key ? pool_.ix(g).find(group_block_key(*key, g)) : std::nullopt) {
-        hit_scratch_[j] = *b;
-        if (pool_.alloc().is_cached(*b)) ++evictable_hits;
-      } else {
-        ++to_fill;
-      }
-    }
-    const std::size_t available = pool_.alloc().num_available_blocks() - evictable_hits;
+    const detail::ResumePlan plan =
+        detail::plan_resume(host_, pool_, std::span<const Id>(s.host_blocks), nb, hit_scratch_);
+    if (plan.pending) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
+    const std::size_t to_fill = plan.to_fill;
+    const std::size_t available = pool_.alloc().num_available_blocks() - plan.evictable_hits;
     if (to_fill + fresh > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill + fresh - available};
     // Commit. Reserve first.
     auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, layout_.num_groups, layout_.page_tokens));
@@ -615,32 +563,11 @@ class KVCacheManager {
       seqs_.erase(it);
       throw;
     }
-    for (std::size_t j = 0; j < n; ++j) {
-      if (hit_scratch_[j] != Id{0}) pool_.acquire_block(hit_scratch_[j]);
-    }
-    std::size_t host_tokens = 0;  // of the sequence's tokens, those in blocks copied back from the host tier
-    for (std::size_t j = 0; j < n; ++j) {
-      if (s.host_blocks[j] == Id{0}) continue;
-      if (hit_scratch_[j] != Id{0}) {
-        onboard_scratch_[j] = hit_scratch_[j];
-        continue;
-      }
-      const std::size_t g = j / nb;
-      const Id dst = allocate_one(g);  // guaranteed by the capacity check
-      const auto key = host_.tier().index().hash_of(s.host_blocks[j]);
-      const BlockHash h = key ? group_block_key(*key, g) : BlockHash{};
-      queue_fill(dst, s.host_blocks[j], TransferKind::kSwapIn, key ? &h : nullptr, /*src_pinned=*/false, g);
-      onboard_scratch_[j] = dst;
-    }
-    // Tokens of the logical blocks some group copies back, not blocks times block size: the last may be partial.
-    for (std::size_t i = 0; i < nb; ++i) {
-      for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-        const std::size_t j = g * nb + i;
-        if (s.host_blocks[j] == Id{0} || hit_scratch_[j] != Id{0}) continue;
-        host_tokens += std::min(bs, s.num_tokens - std::min(s.num_tokens, i * bs));
-        break;
-      }
-    }
+    // of the sequence's tokens, those in blocks copied back from the host tier
+    const std::size_t host_tokens =
+        detail::resume(host_, pool_, stats_, std::span<const Id>(s.host_blocks), nb, s.num_tokens, bs,
+                       std::span<const Id>(hit_scratch_), std::span<Id>(onboard_scratch_),
+                       [this](std::size_t g) { return allocate_one(g); });
     const std::size_t num_tokens = s.num_tokens;
     q = std::move(s.state);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
@@ -653,15 +580,12 @@ class KVCacheManager {
       GroupTableState<Id>& st = q.other_groups[g - 1];
       st.state = allocate_one(g);
       st.state_valid = s.states[g] != Id{0};
-      if (st.state_valid) queue_fill(st.state, s.states[g], TransferKind::kSwapIn, nullptr, false, g);
+      if (st.state_valid) {
+        host_.queue_fill(pool_, stats_, st.state, s.states[g], TransferKind::kSwapIn, nullptr, false, g);
+      }
       if (recurrent(g).keeps_last()) st.last_block = allocate_one(g);
     }
-    for (auto hb = s.host_blocks.rbegin(); hb != s.host_blocks.rend(); ++hb) {
-      if (*hb != Id{0}) host_.tier().release(*hb);
-    }
-    for (Id hb : s.states) {
-      if (hb != Id{0}) host_.tier().release(hb);
-    }
+    detail::release_swapped(host_, std::span<const Id>(s.host_blocks), std::span<const Id>(s.states));
     swapped_.erase(sw);
     pool_.note_peak();
     return {AdmitStatus::kAdmitted, num_tokens, host_tokens, to_fill + fresh, 0};
@@ -965,15 +889,7 @@ class KVCacheManager {
     s.usage = static_cast<double>(s.blocks_used) / static_cast<double>(s.num_usable_blocks);
     s.evictions = pool_.alloc().num_evictions();
     s.block_ops = pool_.alloc().num_block_ops();
-    if (host_) {
-      const auto& h = host_.tier().allocator();
-      s.host_num_usable_blocks = h.num_usable_blocks();
-      s.host_blocks_used = h.num_used_blocks();
-      s.host_blocks_cached = h.num_cached_blocks();
-      s.host_blocks_free = h.num_free_blocks();
-    }
-    s.transfers_in_flight = host_.transfers().in_flight().size();
-    s.transfers_queued = host_.transfers().queued().size();
+    host_.add_gauges(s);
     s.external = ext_.counters();
     s.dedup_blocks = pool_.dedup_blocks();
     return s;
@@ -1009,7 +925,7 @@ class KVCacheManager {
   /// nothing.
   bool reset_prefix_cache() {
     if (pool_.alloc().num_used_blocks() != 0) return false;
-    if (host_ && (host_.tier().allocator().num_used_blocks() != 0 || !host_.transfers().queued().empty())) return false;
+    if (!host_.can_clear()) return false;
     pool_.events().reserve_more(2);
     pool_.alloc().clear_hashes([](Id) {});
     pool_.index().clear();
@@ -1018,14 +934,9 @@ class KVCacheManager {
     for (auto& [id, q] : seqs_) {  // (all empty: nothing is referenced)
       for (std::size_t g = 0; g < layout_.num_groups; ++g) q.registered_of(g) = 0;
     }
-    host_.recent_registered().clear();
     interval_.reset = true;
     if (pool_.events().enabled()) pool_.events().push(KVEventType::kAllCleared);
-    if (host_) {
-      host_.tier().clear([](Id, const BlockHash&) {});
-      host_.clear_events();
-      if (pool_.events().enabled()) pool_.events().push(KVEventType::kAllCleared).medium = Medium::kCpu;
-    }
+    host_.clear(pool_.events());
     return true;
   }
 
@@ -1061,34 +972,7 @@ class KVCacheManager {
       detail::raise(Errc::kInvalidArgument, "complete_transfers: token " + std::to_string(token) +
                                                 " names no copies in flight (never issued, or completed already)");
     }
-    pool_.events().reserve_more(host_.transfers().in_flight().size() + host_.num_held_back());
-    for (const Transfer<Id>& t : host_.take_completed(token)) {
-      if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
-        host_.tier().mark_ready(t.host);
-        if (t.hashed) emit_stored_from(t.host, t.hash, Medium::kCpu, t.group);
-        host_.tier().release(t.host);  // the copy's hold
-        continue;
-      }
-      // onboard, swap-in: the device block is filled; register it if its hash is not registered yet
-      pool_.end_fill(t.device);
-      if (t.hashed && !pool_.ix(t.group).hash_of(t.device)) {
-        const Id reg = pool_.ix(t.group).insert(t.hash, t.device);
-        if (reg == t.device) {
-          pool_.alloc().set_hashed(t.device, true);
-          if (pool_.events().enabled()) {
-            auto e = pool_.events().find_stored(t.hash, Medium::kCpu, t.group);
-            if (!e && host_.is_held_back(t.host)) {  // its host copy was never reported: the content waited there
-              if (const KVEvent* held = host_.held_content(t.host)) e = *held;
-            }
-            if (e) host_.publish_kept(pool_.events(), std::move(*e)).medium = Medium::kGpu;
-          }
-        }
-      }
-      host_.tier().release(t.host);   // the copy's pin on its source
-      pool_.release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
-    }
-    retry_held_back();  // a copy whose parent completed after it in this call
-    host_.clear_completed();
+    host_.complete(token, pool_, stats_);
   }
 
   /// Whether sequence `seq` is swapped out (preempted by kSwap, resumable).
@@ -1591,15 +1475,7 @@ class KVCacheManager {
     // Swaps: the queued ones, plus (write-through) an offload per block the previous build registered that the
     // host does not hold yet (an upper bound: the host may run out of blocks for some).
     const bool write_through = host_ && config_.offload == OffloadPolicy::kWriteThrough;
-    std::size_t write_through_blocks = 0;
-    if (write_through) {
-      for (const auto& [b, h] : host_.recent_registered()) {
-        const std::uint32_t g = pool_.group_of_block(b);
-        if (pool_.ix(g).hash_of(b) == std::optional<BlockHash>(h) && !host_.tier().find(group_block_key(h, g))) {
-          ++write_through_blocks;
-        }
-      }
-    }
+    const std::size_t write_through_blocks = write_through ? host_.num_write_through(pool_) : 0;
     const std::size_t max_out = host_ ? host_.transfers().num_queued(true) + write_through_blocks : 0;
     const std::size_t num_in = host_ ? host_.transfers().num_queued(false) : 0;
     const std::size_t B = batch.size();
@@ -1642,11 +1518,7 @@ class KVCacheManager {
       pool_.copies().reserve_taken(num_copies);
       pool_.switched().clear();
       pool_.switched().reserve(layout_.simple ? max_registrations : max_blocks);
-      if (host_) {
-        host_.transfers().reserve_more(write_through_blocks);
-        host_.transfers().reserve_issue(write_through_blocks);
-      }
-      if (write_through) host_.recent_registered().reserve(host_.recent_registered().size() + max_registrations);
+      if (host_) host_.reserve_build(write_through_blocks, write_through ? max_registrations : 0);
     } catch (...) {
       for (sequence_type* p : batch_scratch_) p->in_batch = false;
       throw;
@@ -1655,13 +1527,7 @@ class KVCacheManager {
     // Validated. Write-through: offload what the previous build registered (its K/V is written by now). Then per
     // sequence: mark the scheduled slots built; per group register the full blocks whose last write this build
     // issues (switching duplicates to the registered block), then write. Nothing below throws.
-    if (write_through) {
-      for (const auto& [b, h] : host_.recent_registered()) {
-        const std::uint32_t g = pool_.group_of_block(b);
-        if (pool_.ix(g).hash_of(b) == std::optional<BlockHash>(h)) queue_offload(b, h, g);
-      }
-      host_.recent_registered().clear();
-    }
+    if (write_through) host_.offload_registered(pool_, stats_);
     for (std::size_t g = 0; g < G; ++g) {
       sizes_out[g] = BatchMetadataSizes{};
       sizes_out[g].batch_size = B;
@@ -1716,23 +1582,9 @@ class KVCacheManager {
     pool_.copies().clear_taken();
     // The swaps: every queued copy under this build's token, into group 0's buffers.
     if (host_) {
-      const std::uint64_t token = host_.transfers().issue();
-      std::size_t o = 0, i = 0;
-      for (const Transfer<Id>& t : host_.transfers().in_flight()) {
-        if (token == 0 || t.token != token) continue;
-        if (is_device_to_host(t.kind)) {
-          buf0.swap_out[2 * o] = static_cast<std::int32_t>(t.device);
-          buf0.swap_out[2 * o + 1] = static_cast<std::int32_t>(t.host);
-          ++o;
-        } else {
-          buf0.swap_in[2 * i] = static_cast<std::int32_t>(t.host);
-          buf0.swap_in[2 * i + 1] = static_cast<std::int32_t>(t.device);
-          ++i;
-        }
-      }
+      const std::uint64_t token =
+          host_.issue(buf0.swap_out, buf0.swap_in, sizes_out[0].num_swap_out, sizes_out[0].num_swap_in);
       for (std::size_t g = 0; g < G; ++g) sizes_out[g].transfer_token = token;
-      sizes_out[0].num_swap_out = o;
-      sizes_out[0].num_swap_in = i;
     }
     detail::pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, -1);
     detail::pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, -1);
@@ -1740,7 +1592,7 @@ class KVCacheManager {
     if constexpr (!kOne) {
       for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
     }
-    retry_held_back();  // a held-back host copy whose parent this build registered again
+    host_.retry_held_back(pool_);  // a held-back host copy whose parent this build registered again
     pool_.note_peak();
   }
 
@@ -1779,13 +1631,7 @@ class KVCacheManager {
     }
   };
 
-  // A sequence preempted by swapping: its state without device blocks, and the host block of each logical block.
-  struct SwappedSequence {
-    sequence_type state;          // tokens, hashes, keys, cursors (tables empty)
-    std::vector<Id> host_blocks;  // [groups x blocks] held once each by this sequence (0: a null entry)
-    std::size_t num_tokens = 0;   // positions (all built)
-    std::vector<Id> states;       // [groups] a recurrent group's working state on the host, held once (0: none)
-  };
+  using SwappedSequence = detail::SwappedSequence<Id>;  // preempted by swapping (detail/host_swap.hpp)
 
   // The allocator as capacity queries see it (read-only).
   struct ConstProxy {
@@ -2024,25 +1870,15 @@ class KVCacheManager {
     const bool readmission = !preempted_.empty() && preempted_.contains(seq);
     sequence_type& q = seqs_.insert(std::move(node)).position->second;
     // Hits first, in both tiers (so the allocations below, and the write-back offloads their evictions queue,
-    // cannot evict them), then a device block per host hit, then the tables in order.
+    // cannot evict them), then a device block per host hit (HostOffload::onboard), then the tables in order.
     for (std::size_t j = 0; j < G * k; ++j) {
-      if (hit[j] == Id{0}) continue;
-      if (on_host[j]) {
-        host_.tier().acquire(hit[j]);  // the onboarding copy's pin on its source
-      } else {
-        pool_.acquire_block(hit[j]);
-      }
+      if (hit[j] == Id{0} || on_host[j]) continue;
+      pool_.acquire_block(hit[j]);
+      onboard_scratch_[j] = hit[j];
     }
-    for (std::size_t j = 0; j < G * k; ++j) {
-      if (hit[j] == Id{0}) continue;
-      if (!on_host[j]) {
-        onboard_scratch_[j] = hit[j];
-        continue;
-      }
-      const std::size_t g = j / k;
-      const Id dst = allocate_one(g);  // guaranteed by the capacity check
-      onboard_scratch_[j] = dst;
-      queue_fill(dst, hit[j], TransferKind::kOnboard, &hashes[j % k], /*src_pinned=*/true, g);
+    if (host_hits != 0) {
+      host_.onboard(pool_, stats_, hit, on_host, hashes, k, onboard_scratch_,
+                    [this](std::size_t g) { return allocate_one(g); });
     }
     for (std::size_t g = 0; g < G; ++g) {
       BlockTable<Id>& t = q.table_of(g);
@@ -2289,43 +2125,9 @@ class KVCacheManager {
   // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
   [[nodiscard]] bool settled(const sequence_type& q) const noexcept { return q.settled() && !has_filling_block(q); }
 
-  // With events on: the stored event of host block `hb` (hash `h`, tier `to`) whose copy just completed, with the
-  // content remembered when the copy was queued.
-  // A host block whose parent is cached in no tier (a write-back copy that completed after its parent left both
-  // tiers) is held back (HostOffload keeps its event), so the stream never reports a block no router could place
-  // (llm-d and Dynamo drop a BlockStored with an unknown parent) and event_snapshot stays what a consumer of the
-  // stream holds. It is reported only by an onboarding that makes it a device block; its eviction reports nothing.
-  void emit_stored_from(Id hb, const BlockHash& h, Medium to, std::uint32_t g) {
-    host_.emit_stored_from(pool_.events(), hb, h, to, g, reported(), stats_.events_held_back);
-  }
-  // Publish every held-back host block whose parent is reported by now (its own copy completed later in the same
-  // call, or it was stored again), parents before children. Precondition: room for their events reserved.
-  void retry_held_back() noexcept { host_.retry_held_back(pool_.events(), reported()); }
-  auto reported() const {
-    return [this](const BlockHash& h, std::uint32_t g) { return reported_cached(h, g); };
-  }
-  // Whether group g's block with hash h is cached in a tier and its BlockStored was published: a device-registered
-  // block, or a ready host block not held back.
-  [[nodiscard]] bool reported_cached(const BlockHash& h, std::uint32_t g) const {
-    const CachedAt c = cached_at(h, g);
-    return c.tier == 1 || (c.tier == 2 && !host_.is_held_back(c.block));
-  }
-  // Where group g's block with hash h is cached: tier 1 = the device pool (block: its device block), 2 = a ready
-  // host block (block: the host block), 0 = neither (block 0). The device tier is probed first.
+  // Where group g's block with hash h is cached (HostOffload::cached_at: 1 device, 2 a ready host block, 0 neither).
   using CachedAt = detail::CachedAt<Id>;
-  [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const {
-    if (const auto b = pool_.ix(g).find(h)) return {1, *b};
-    if (host_) {
-      if (const auto hb = host_.tier().find_ready(group_block_key(h, g))) return {2, *hb};
-    }
-    return {};
-  }
-
-  // With events on: keep the stored event of hash `h` in `from` (its content) for the stored event of host block
-  // `hb` once the copy into it completes.
-  void remember_content(const BlockHash& h, Id hb, Medium from, std::size_t g) noexcept {
-    host_.remember_content(pool_.events(), h, hb, from, static_cast<std::uint32_t>(g), stats_.events_lost);
-  }
+  [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const { return host_.cached_at(pool_, h, g); }
 
   // External KV (the public block "External KV"): references through the pool's reference rules.
   auto ext_acquire() {
@@ -2345,11 +2147,6 @@ class KVCacheManager {
     }
   }
 
-  // The host block holding group g's device block b (by its hash), if any.
-  [[nodiscard]] std::optional<Id> host_copy_of(Id b, std::size_t g) const {
-    const auto h = pool_.ix(g).hash_of(b);
-    return h ? host_.tier().find(group_block_key(*h, g)) : std::nullopt;
-  }
 
   // One block of group g from the pool (capacity checked by the caller).
   Id allocate_one(std::size_t g) { return pool_.allocate_one(g, evictor()); }
@@ -2386,12 +2183,7 @@ class KVCacheManager {
   [[gnu::noinline]] bool free_swapped(SeqId seq) {
     const auto sw = swapped_.find(seq);
     if (sw == swapped_.end()) return false;
-    for (auto it = sw->second.host_blocks.rbegin(); it != sw->second.host_blocks.rend(); ++it) {
-      if (*it != Id{0}) host_.tier().release(*it);
-    }
-    for (Id hb : sw->second.states) {
-      if (hb != Id{0}) host_.tier().release(hb);
-    }
+    detail::release_swapped(host_, std::span<const Id>(sw->second.host_blocks), std::span<const Id>(sw->second.states));
     swapped_.erase(sw);
     return true;
   }
@@ -2450,12 +2242,8 @@ class KVCacheManager {
   auto evictor() {
     return pool_.evictor([this](Id b, const BlockHash& h, std::uint32_t g) {
       if (host_ && config_.offload != OffloadPolicy::kNone) {
-        const std::uint8_t prio = pool_.alloc().last_evicted_priority();
-        if (prio < config_.min_offload_priority) {
-          ++stats_.offloads_below_priority;
-          return;
-        }
-        queue_offload(b, h, g, prio);
+        host_.offload_evicted(pool_, stats_, b, h, g, pool_.alloc().last_evicted_priority(),
+                              config_.min_offload_priority);
       }
     });
   }
@@ -2474,58 +2262,9 @@ class KVCacheManager {
                           first, end);
   }
 
-  // Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
-  // (not ready) and held by the transfer until complete_transfers. Dropped when every host block is held.
-  void queue_offload(Id b, const BlockHash& h, std::uint32_t g, std::uint8_t priority = kDefaultRetentionPriority) {
-    const BlockHash key = group_block_key(h, g);
-    if (host_.tier().find(key)) return;
-    const auto hb = host_.tier().allocate(&key, host_evictor());
-    if (!hb) {
-      ++stats_.offloads_dropped;
-      return;
-    }
-    host_.set_group(*hb, g);
-    host_.tier().set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
-    remember_content(h, *hb, Medium::kGpu, g);
-    host_.transfers().push({b, *hb, TransferKind::kOffload, true, h, 0, g});
-    ++stats_.offloads;
-  }
-
-  // Called when the host tier evicts a cached host block.
-  auto host_evictor() {
-    return [this](Id hb, const BlockHash& key) {
-      ++stats_.host_evictions;
-      if (pool_.history().enabled()) pool_.record_eviction(key, EvictedTier::kHost, host_.group_of(hb));
-      if (!pool_.events().enabled()) return;
-      if (host_.forget_held_back(hb)) return;  // never reported: nothing to remove
-      const std::uint32_t g = host_.group_of(hb);
-      KVEvent& e = pool_.events().push(KVEventType::kBlockRemoved);
-      e.hash = group_block_key(key, g);  // the key unmixed: the block's hash
-      e.medium = Medium::kCpu;
-      e.group = g;
-    };
-  }
-
-  // Queue a host -> device copy into device block `dst` (onboarding or swap-in) from host block `src`: both are
-  // pinned by the transfer (one more reference each; `src_pinned`: the caller took the source's already) until
-  // complete_transfers; `dst` is marked filling (no fork, no swap of a sequence holding it, never hit by others: it
-  // is registered only when filled).
-  void queue_fill(Id dst, Id src, TransferKind kind, const BlockHash* h, bool src_pinned, std::size_t g) {
-    pool_.alloc().acquire(dst);
-    if (!src_pinned) host_.tier().acquire(src);
-    pool_.mark_fill(dst, h == nullptr);
-    host_.transfers().push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0, static_cast<std::uint32_t>(g)});
-    ++(kind == TransferKind::kOnboard ? stats_.onboards : stats_.swap_ins);
-  }
   // Whether any block of `q` is being filled by a host -> device copy not yet completed.
   [[nodiscard]] bool has_filling_block(const sequence_type& q) const noexcept {
-    if (stats_.onboards + stats_.swap_ins == pool_.completed_fills()) return false;  // none in flight anywhere
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      for (Id b : q.table_of(g).blocks()) {
-        if (b != Id{0} && pool_.is_filling(b)) return true;
-      }
-    }
-    return false;
+    return decltype(host_)::has_filling_block(pool_, stats_, q, layout_.num_groups);
   }
 
   // Make every allocation of up to `device_blocks` device blocks (and `fills` queued host -> device copies)

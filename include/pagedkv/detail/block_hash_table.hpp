@@ -73,7 +73,7 @@ class BlockHashTable {
 
   /// Insert `id`, whose key `hashes[id]` is `h`, unless an id with key `h` is present: returns that id, or `id`
   /// when inserted. Precondition: fewer than the construction's max_entries ids are present.
-  Id insert(const BlockHash& h, Id id, const BlockHash* hashes) noexcept {
+  [[gnu::always_inline]] Id insert(const BlockHash& h, Id id, const BlockHash* hashes) noexcept {
     if (size_ + tombstones_ + 1 > max_fill()) rehash_in_place(hashes);
     const std::uint8_t h2 = tag(h);
     std::size_t g = home(h);

@@ -1,8 +1,10 @@
 // pagedkv/detail/host_offload.hpp: the host tier's part of the cache manager (issue 32, docs/design.md "The manager
-// in parts"): the host tier and the transfer queue, the group each host block was taken for, the write-through list, and the held-back host events (a host copy's BlockStored kept
-// aside until its parent is reported). It owns that state; the facade orchestrates offload, onboarding, swap and
-// completion over it and the device pool. Nothing here knows the manager: the event log, the counters and the
-// "is it reported" probe are passed in.
+// in parts"): the host tier and the transfer queue, the group each host block was taken for, the write-through list,
+// and the held-back host events (a host copy's BlockStored kept aside until its parent is reported); and the host
+// work over that state and the device pool: completion of transfers, write-back / write-through offload, onboarding
+// fills, the host tier's eviction hook, and swap out / resume on a flat [groups x blocks] list
+// (detail/host_swap.hpp). Nothing here knows the manager: the device pool (DevicePool) and the counters
+// (CacheStats) are passed in; the facade checks arguments and calls these per call.
 #pragma once
 
 #include <algorithm>
@@ -15,10 +17,16 @@
 #include <utility>
 #include <vector>
 
+#include <pagedkv/detail/hit_search.hpp>  // CachedAt
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
+#include <pagedkv/eviction.hpp>
+#include <pagedkv/eviction_history.hpp>
 #include <pagedkv/hash.hpp>
+#include <pagedkv/prefix_hash_index.hpp>
+#include <pagedkv/sequence_state.hpp>
+#include <pagedkv/stats.hpp>
 #include <pagedkv/transfer_queue.hpp>
 
 namespace pagedkv::detail {
@@ -66,6 +74,246 @@ class HostOffload {
     return completed_;
   }
   void clear_completed() noexcept { completed_.clear(); }
+
+  // --- The two tiers' probes (Pool: DevicePool) ---
+  /// Where group g's block with hash h is cached: tier 1 = the device pool (block: its device block), 2 = a ready
+  /// host block (block: the host block), 0 = neither (block 0). The device tier is probed first.
+  template <class Pool>
+  [[nodiscard]] CachedAt<Id> cached_at(const Pool& pool, const BlockHash& h, std::size_t g) const {
+    if (const auto b = pool.ix(g).find(h)) return {1, *b};
+    if (tier_) {
+      if (const auto hb = tier_->find_ready(group_block_key(h, g))) return {2, *hb};
+    }
+    return {};
+  }
+  /// Whether group g's block with hash h is cached in a tier and its BlockStored was published: a device-registered
+  /// block, or a ready host block not held back.
+  template <class Pool>
+  [[nodiscard]] bool reported_cached(const Pool& pool, const BlockHash& h, std::uint32_t g) const {
+    const CachedAt<Id> c = cached_at(pool, h, g);
+    return c.tier == 1 || (c.tier == 2 && !is_held_back(c.block));
+  }
+  /// The host block holding group g's device block b (by its hash), if any. Precondition: a host tier exists.
+  template <class Pool>
+  [[nodiscard]] std::optional<Id> copy_of(const Pool& pool, Id b, std::size_t g) const {
+    const auto h = pool.ix(g).hash_of(b);
+    return h ? tier_->find(group_block_key(*h, g)) : std::nullopt;
+  }
+
+  // --- Completion ---
+  /// complete_transfers(token) after its check (precondition: `token` is in flight): a device -> host copy makes
+  /// its host block ready (its kept stored event published, medium CPU, or held back); a host -> device copy ends
+  /// its fill and registers the device block unless its hash was registered meanwhile (the stored event re-published
+  /// with medium GPU); both copies' pins are released. Reserves first: may throw std::bad_alloc before anything
+  /// changed.
+  template <class Pool>
+  [[gnu::noinline]] void complete(std::uint64_t token, Pool& pool, CacheStats& stats) {
+    EventLog& events = pool.events();
+    events.reserve_more(transfers_.in_flight().size() + num_held_back());
+    const auto reported = [&](const BlockHash& h, std::uint32_t g) { return reported_cached(pool, h, g); };
+    for (const Transfer<Id>& t : take_completed(token)) {
+      if (is_device_to_host(t.kind)) {  // offload, swap-out: the host block is filled
+        tier_->mark_ready(t.host);
+        if (t.hashed) emit_stored_from(events, t.host, t.hash, Medium::kCpu, t.group, reported, stats.events_held_back);
+        tier_->release(t.host);  // the copy's hold
+        continue;
+      }
+      // onboard, swap-in: the device block is filled; register it if its hash is not registered yet
+      pool.end_fill(t.device);
+      if (t.hashed && !pool.ix(t.group).hash_of(t.device)) {
+        const Id reg = pool.ix(t.group).insert(t.hash, t.device);
+        if (reg == t.device) {
+          pool.alloc().set_hashed(t.device, true);
+          if (events.enabled()) {
+            auto e = events.find_stored(t.hash, Medium::kCpu, t.group);
+            if (!e && is_held_back(t.host)) {  // its host copy was never reported: the content waited there
+              if (const KVEvent* held = held_content(t.host)) e = *held;
+            }
+            if (e) publish_kept(events, std::move(*e)).medium = Medium::kGpu;
+          }
+        }
+      }
+      tier_->release(t.host);        // the copy's pin on its source
+      pool.release_block(t.device);  // the copy's pin on its destination (the sequence may be gone)
+    }
+    retry_held_back(events, reported);  // a copy whose parent completed after it in this call
+    clear_completed();
+  }
+
+  // --- Offload (device -> host) ---
+  /// The host tier's eviction hook: counts the eviction, records it in the pool's eviction history, and reports
+  /// kBlockRemoved (medium CPU) unless its stored event was held back (never reported).
+  template <class Pool>
+  auto evictor(Pool& pool, CacheStats& stats) {
+    return [this, &pool, &stats](Id hb, const BlockHash& key) {
+      ++stats.host_evictions;
+      if (pool.history().enabled()) pool.record_eviction(key, EvictedTier::kHost, group_of(hb));
+      if (!pool.events().enabled()) return;
+      if (forget_held_back(hb)) return;  // never reported: nothing to remove
+      const std::uint32_t g = group_of(hb);
+      KVEvent& e = pool.events().push(KVEventType::kBlockRemoved);
+      e.hash = group_block_key(key, g);  // the key unmixed: the block's hash
+      e.medium = Medium::kCpu;
+      e.group = g;
+    };
+  }
+  /// Write-back: device block b (hash h, group g) is being evicted with retention priority `prio`; copy it to the
+  /// host first unless `prio` < `min_priority` (counted in offloads_below_priority). Precondition: a host tier.
+  template <class Pool>
+  [[gnu::noinline]] void offload_evicted(Pool& pool, CacheStats& stats, Id b, const BlockHash& h, std::uint32_t g,
+                                        std::uint8_t prio, std::uint8_t min_priority) {
+    if (prio < min_priority) {
+      ++stats.offloads_below_priority;
+      return;
+    }
+    offload(pool, stats, b, h, g, prio);
+  }
+  /// Copy device block `b` holding hash `h` to the host tier unless the host has it; the host block is registered
+  /// (not ready, retention `priority`) and held by the transfer until completion. Dropped (counted in
+  /// offloads_dropped) when every host block is held. Precondition: a host tier; room reserved for the transfer and
+  /// the host eviction's event.
+  template <class Pool>
+  void offload(Pool& pool, CacheStats& stats, Id b, const BlockHash& h, std::uint32_t g,
+               std::uint8_t priority = kDefaultRetentionPriority) {
+    const BlockHash key = group_block_key(h, g);
+    if (tier_->find(key)) return;
+    const auto hb = tier_->allocate(&key, evictor(pool, stats));
+    if (!hb) {
+      ++stats.offloads_dropped;
+      return;
+    }
+    set_group(*hb, g);
+    tier_->set_retention_priority(*hb, priority, std::nullopt);  // the device block's (its expiry is not carried)
+    remember_content(pool.events(), h, *hb, Medium::kGpu, g, stats.events_lost);
+    transfers_.push({b, *hb, TransferKind::kOffload, true, h, 0, g});
+    ++stats.offloads;
+  }
+  /// Write-through: how many blocks the last build registered are still registered under their hash and not on the
+  /// host (an upper bound of the offloads offload_registered() queues).
+  template <class Pool>
+  [[nodiscard, gnu::noinline]] std::size_t num_write_through(const Pool& pool) const {
+    std::size_t n = 0;
+    for (const auto& [b, h] : recent_registered_) {
+      const std::uint32_t g = pool.group_of_block(b);
+      if (pool.ix(g).hash_of(b) == std::optional<BlockHash>(h) && !tier_->find(group_block_key(h, g))) ++n;
+    }
+    return n;
+  }
+  /// Write-through: offload every block the last build registered (its K/V is written by now) that is still
+  /// registered under its hash, and empty the list. Precondition: room reserved for num_write_through() offloads.
+  template <class Pool>
+  [[gnu::noinline]] void offload_registered(Pool& pool, CacheStats& stats) {
+    for (const auto& [b, h] : recent_registered_) {
+      const std::uint32_t g = pool.group_of_block(b);
+      if (pool.ix(g).hash_of(b) == std::optional<BlockHash>(h)) offload(pool, stats, b, h, g);
+    }
+    recent_registered_.clear();
+  }
+
+  // --- Onboarding (host -> device) ---
+  /// Queue a host -> device copy into device block `dst` (onboarding or swap-in) from host block `src`: both are
+  /// pinned by the transfer (one more reference each; `src_pinned`: the caller took the source's already) until
+  /// completion; `dst` is marked filling (no fork, no swap of a sequence holding it, never hit by others: it is
+  /// registered only when filled). Precondition: room reserved in the queue.
+  template <class Pool>
+  void queue_fill(Pool& pool, CacheStats& stats, Id dst, Id src, TransferKind kind, const BlockHash* h,
+                  bool src_pinned, std::size_t g) {
+    pool.alloc().acquire(dst);
+    if (!src_pinned) tier_->acquire(src);
+    pool.mark_fill(dst, h == nullptr);
+    transfers_.push({dst, src, kind, h != nullptr, h != nullptr ? *h : BlockHash{}, 0, static_cast<std::uint32_t>(g)});
+    ++(kind == TransferKind::kOnboard ? stats.onboards : stats.swap_ins);
+  }
+  /// Onboard an admission's host hits: `hits` [groups x k] with `on_host[j]` for a host block, hashes[i] the hash
+  /// of match block i. Holds each host hit (the copy's pin on its source), then per host hit in order allocates a
+  /// device block (`take(g)`) into out[j] and queues its kOnboard fill. The device hits are the caller's.
+  /// Precondition: capacity checked, room reserved for the allocations and copies. Nothing throws.
+  template <class Pool, class Take>
+  [[gnu::noinline]] void onboard(Pool& pool, CacheStats& stats, std::span<const Id> hits,
+                                const std::vector<bool>& on_host, std::span<const BlockHash> hashes, std::size_t k,
+                                std::span<Id> out, Take&& take) {
+    for (std::size_t j = 0; j < hits.size(); ++j) {
+      if (hits[j] != Id{0} && on_host[j]) tier_->acquire(hits[j]);
+    }
+    for (std::size_t j = 0; j < hits.size(); ++j) {
+      if (hits[j] == Id{0} || !on_host[j]) continue;
+      const std::size_t g = j / k;
+      const Id dst = take(g);  // guaranteed by the capacity check
+      out[j] = dst;
+      queue_fill(pool, stats, dst, hits[j], TransferKind::kOnboard, &hashes[j % k], /*src_pinned=*/true, g);
+    }
+  }
+  /// Whether any block of `q`'s `num_groups` tables is being filled by a host -> device copy not yet completed.
+  template <class Pool>
+  [[nodiscard]] static bool has_filling_block(const Pool& pool, const CacheStats& stats, const SequenceState<Id>& q,
+                                              std::size_t num_groups) noexcept {
+    if (stats.onboards + stats.swap_ins == pool.completed_fills()) return false;  // none in flight anywhere
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      for (Id b : q.table_of(g).blocks()) {
+        if (b != Id{0} && pool.is_filling(b)) return true;
+      }
+    }
+    return false;
+  }
+
+  // --- Build, statistics, reset ---
+  /// Room for a build: `write_through` offloads queued and issued, `registrations` more write-through entries.
+  /// May throw std::bad_alloc. Precondition: a host tier.
+  [[gnu::noinline]] void reserve_build(std::size_t write_through, std::size_t registrations) {
+    transfers_.reserve_more(write_through);
+    transfers_.reserve_issue(write_through);
+    if (registrations != 0) recent_registered_.reserve(recent_registered_.size() + registrations);
+  }
+  /// The host tier's gauges into `s` (its blocks, and the copies queued and in flight).
+  [[gnu::noinline]] void add_gauges(CacheStats& s) const noexcept {
+    if (tier_) {
+      const auto& h = tier_->allocator();
+      s.host_num_usable_blocks = h.num_usable_blocks();
+      s.host_blocks_used = h.num_used_blocks();
+      s.host_blocks_cached = h.num_cached_blocks();
+      s.host_blocks_free = h.num_free_blocks();
+    }
+    s.transfers_in_flight = transfers_.in_flight().size();
+    s.transfers_queued = transfers_.queued().size();
+  }
+  /// Whether a reset may clear the host tier: no host block held and no copy queued (true without a host tier).
+  [[nodiscard]] bool can_clear() const noexcept {
+    return !tier_ || (tier_->allocator().num_used_blocks() == 0 && transfers_.queued().empty());
+  }
+  /// Reset: drop the write-through list; with a host tier, drop every host hash and kept event and report
+  /// kAllCleared (medium CPU) when events are on. Precondition: can_clear(); room for one event reserved.
+  [[gnu::noinline]] void clear(EventLog& events) noexcept {
+    recent_registered_.clear();
+    if (!tier_) return;
+    tier_->clear([](Id, const BlockHash&) {});
+    clear_events();
+    if (events.enabled()) events.push(KVEventType::kAllCleared).medium = Medium::kCpu;
+  }
+
+  // --- Issue ---
+  /// Issue every queued copy under a new token (0: none queued) and write them as (device, host) pairs into
+  /// `swap_out` and (host, device) pairs into `swap_in`; `num_out` / `num_in`: the pairs written. Precondition: the
+  /// buffers hold num_queued(true) / num_queued(false) pairs; room reserved by reserve_issue.
+  [[gnu::noinline]] std::uint64_t issue(std::span<std::int32_t> swap_out, std::span<std::int32_t> swap_in,
+                                        std::size_t& num_out, std::size_t& num_in) {
+    const std::uint64_t token = transfers_.issue();
+    std::size_t o = 0, i = 0;
+    for (const Transfer<Id>& t : transfers_.in_flight()) {
+      if (token == 0 || t.token != token) continue;
+      if (is_device_to_host(t.kind)) {
+        swap_out[2 * o] = static_cast<std::int32_t>(t.device);
+        swap_out[2 * o + 1] = static_cast<std::int32_t>(t.host);
+        ++o;
+      } else {
+        swap_in[2 * i] = static_cast<std::int32_t>(t.host);
+        swap_in[2 * i + 1] = static_cast<std::int32_t>(t.device);
+        ++i;
+      }
+    }
+    num_out = o;
+    num_in = i;
+    return token;
+  }
 
   // --- Held-back host events (events on, with a host tier) ---
   /// Keep the stored event of hash `h` in `from` (its content, from `events`) for the stored event of host block
@@ -123,6 +371,12 @@ class HostOffload {
         pending_content_.erase(it);
       }
     }
+  }
+  /// retry_held_back over the two tiers of `pool` and this host tier (reported_cached). Precondition: room for
+  /// num_held_back() events reserved in pool.events().
+  template <class Pool>
+  void retry_held_back(Pool& pool) noexcept {
+    retry_held_back(pool.events(), [&](const BlockHash& h, std::uint32_t g) { return reported_cached(pool, h, g); });
   }
   /// Whether host block hb's stored event is held back.
   [[nodiscard]] bool is_held_back(Id hb) const noexcept {
