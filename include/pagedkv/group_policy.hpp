@@ -99,15 +99,20 @@ struct GroupLayout {
   std::vector<AttentionWindow> windows;      ///< [G] the hit rule's window (KVCacheGroupSpec::hit_window).
   std::vector<std::uint32_t> page_tokens;    ///< [G] tokens per block of each group's pages.
   std::vector<std::uint32_t> page_factors;   ///< [G] page_tokens[g] / block_size.
+  std::vector<KVCacheGroupSpec> specs;       ///< [G] the group specs (visit_group builds each kind from its own).
+  bool prefix_caching = false;               ///< CacheConfig::enable_prefix_caching (a recurrent kind's checkpoints).
 
   GroupLayout() = default;
-  /// The layout of `groups` (empty: one full-attention group) over match unit `match_block_size` (> 0).
-  GroupLayout(std::span<const KVCacheGroupSpec> groups, std::uint32_t match_block_size)
+  /// The layout of `groups` (empty: one full-attention group) over match unit `match_block_size` (> 0), with prefix
+  /// caching on or off.
+  GroupLayout(std::span<const KVCacheGroupSpec> groups, std::uint32_t match_block_size, bool with_prefix_caching = false)
       : num_groups(groups.empty() ? 1 : groups.size()),
         simple(groups.size() <= 1 && (groups.empty() || groups[0].kind == AttentionKind::kFull)),
-        block_size(match_block_size) {
+        block_size(match_block_size),
+        prefix_caching(with_prefix_caching) {
     const KVCacheGroupSpec one{};
     for (const KVCacheGroupSpec& g : groups.empty() ? std::span<const KVCacheGroupSpec>(&one, 1) : groups) {
+      specs.push_back(g);
       windows.push_back(g.hit_window());
       any_recurrent = any_recurrent || g.recurrent();
       page_tokens.push_back(g.block_size != 0 ? g.block_size : match_block_size);
@@ -127,6 +132,59 @@ struct GroupLayout {
 };
 
 namespace detail {
+
+template <class Id>
+struct FullGroup;  // detail/group_full.hpp
+template <class Id>
+struct WindowGroup;  // detail/group_window.hpp
+template <class Id>
+struct CoarseGroup;  // detail/group_coarse.hpp
+template <class Id>
+struct RecurrentGroup;  // detail/group_recurrent.hpp
+
+/// Call `f` with group g of `layout` as its kind, a small value built here once (issue 32; vLLM V1's one
+/// SingleTypeKVCacheManager per group, a value instead of a subclass): detail::WindowGroup for sliding-window and
+/// chunked-local groups, detail::RecurrentGroup for recurrent ones, detail::CoarseGroup for a full group with pages
+/// coarser than the match unit, detail::FullGroup otherwise. Every kind's hooks share names (a hook a kind does not
+/// override is the full kind's), so `f` is a generic callable; its result is returned (the same type for every
+/// kind). One switch per call: run it once per call and group, never per block. The includer of this call's
+/// instantiation includes the four kind headers (the facade does). Precondition: g < layout.num_groups.
+template <class Id, class F>
+decltype(auto) visit_group(const GroupLayout& layout, std::size_t g, F&& f) {
+  const KVCacheGroupSpec& spec = layout.specs[g];
+  const std::size_t bs = layout.block_size;
+  switch (spec.kind) {
+    case AttentionKind::kSlidingWindow:
+    case AttentionKind::kChunkedLocal: {
+      WindowGroup<Id> w{};
+      w.g = g;
+      w.block_size = bs;
+      w.attention = spec.window();
+      return f(static_cast<const WindowGroup<Id>&>(w));
+    }
+    case AttentionKind::kRecurrent: {
+      RecurrentGroup<Id> r{};
+      r.g = g;
+      r.block_size = bs;
+      r.interval = spec.window_tokens;
+      r.prefix_caching = layout.prefix_caching;
+      r.last_checkpoint = spec.last_checkpoint;
+      return f(static_cast<const RecurrentGroup<Id>&>(r));
+    }
+    case AttentionKind::kFull: break;
+  }
+  if (layout.is_coarse(g)) {
+    CoarseGroup<Id> c{};
+    c.g = g;
+    c.block_size = bs;
+    c.factor = layout.coarse_factor(g);
+    return f(static_cast<const CoarseGroup<Id>&>(c));
+  }
+  FullGroup<Id> full{};
+  full.g = g;
+  full.block_size = bs;
+  return f(static_cast<const FullGroup<Id>&>(full));
+}
 
 /// First logical block a group with window `w` must still hold for a sequence whose next query is at position
 /// `first_query_pos` (tokens): floor(w.first_visible(first_query_pos) / block_size); 0 for full attention. Every

@@ -32,7 +32,10 @@
 #include <pagedkv/detail/miss_cause.hpp>
 #include <pagedkv/detail/copy_list.hpp>
 #include <pagedkv/detail/device_pool.hpp>
+#include <pagedkv/detail/group_coarse.hpp>
+#include <pagedkv/detail/group_full.hpp>
 #include <pagedkv/detail/group_recurrent.hpp>
+#include <pagedkv/detail/group_window.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -138,7 +141,7 @@ class KVCacheManager {
   /// anything.
   explicit KVCacheManager(const CacheConfig& config)
       : config_(checked(config)),
-        layout_(config_.groups, config_.block_size),
+        layout_(config_.groups, config_.block_size, config_.enable_prefix_caching),
         pool_(config_, layout_),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
         host_(config_.num_host_blocks, config_.hash_seed, layout_.num_groups,
@@ -349,17 +352,7 @@ class KVCacheManager {
     }
     AppendResult<Id> r = commit_growth(q, k, cq.num_blocks);
     for (std::size_t g = 1; g < layout_.num_groups && layout_.any_recurrent; ++g) {  // room reserved above
-      if (!is_recurrent(g)) continue;
-      GroupTableState<Id>& st = q.other_groups[g - 1];
-      for (std::size_t j = 0; j < k; ++j) st.drafts.push_back(allocate_one(g));
-      // Every known position built but the working state not written yet (the hit's checkpoint holds the state): a
-      // step computing only drafts would not write it, so it takes a copy of the checkpoint now.
-      if (!st.state_valid && q.num_built == q.num_known() && q.num_built > 0) {
-        const Id src = st.table.blocks()[q.num_built / config_.block_size - 1];
-        pool_.acquire_block(src);  // the copy's hold on its source
-        queue_copy(q, copy_type{src, st.state, static_cast<std::uint32_t>(g)});
-        st.state_valid = true;
-      }
+      if (is_recurrent(g)) recurrent(g).take_drafts(pool_, q, k, taker(g));
     }
     pool_.note_peak();
     q.num_lookahead = k;
@@ -624,20 +617,19 @@ class KVCacheManager {
       const std::size_t new_built = std::min(q.num_built, keep_slotted);
       const std::size_t built_known = std::min(q.num_built, q.num_known());  // lookahead positions may go
       for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-        if (is_recurrent(g)) {
-          if (len >= built_known) continue;
+        if (is_recurrent(g) && len < built_known) {
           detail::raise(Errc::kLimitExceeded,
                         "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
                             " tokens would take the state of recurrent group " + std::to_string(g) + " back from " +
                             std::to_string(built_known) + " built positions to " + std::to_string(len) +
                             ": a recurrent state cannot be rewound (only unbuilt or lookahead positions can)");
         }
-        const std::size_t need = detail::first_kept_block(layout_.windows[g], new_built, config_.block_size);
-        if (q.released_of(g) > need) {
+        const auto need = visit_kind(g, [&](const auto& kind) { return kind.rewind_needs_released(q, new_built); });
+        if (need) {
           detail::raise(Errc::kLimitExceeded,
                         "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
-                            " tokens needs logical block " + std::to_string(need) + " of group " + std::to_string(g) +
-                            " (" + to_string(config_.groups[g].kind) + " " +
+                            " tokens needs logical block " + std::to_string(*need) + " of group " +
+                            std::to_string(g) + " (" + to_string(config_.groups[g].kind) + " " +
                             std::to_string(config_.groups[g].window_tokens) +
                             "), released when its window moved past it");
         }
@@ -651,12 +643,7 @@ class KVCacheManager {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
-      if (is_coarse(g)) pool_.unkey_rewound_page(q, g, coarse_factor(g), len / config_.block_size);
-      if (is_recurrent(g)) {
-        recurrent(g).null_partial_checkpoint(pool_, q);
-        // the dropped lookahead slots' drafts
-        recurrent_type::release_drafts(pool_, q.other_groups[g - 1], q.num_lookahead);
-      }
+      visit_kind(g, [&](const auto& kind) { kind.after_rewind(pool_, q, len / config_.block_size); });
     }
     q.tokens.resize(len);
     q.hashes.resize(std::min(q.hashes.size(), len / config_.block_size));
@@ -1379,6 +1366,8 @@ class KVCacheManager {
   using index_view = GroupPrefixIndexView<index_type>;
   using pool_type = detail::DevicePool<Hasher, Id, Evict>;
   using recurrent_type = detail::RecurrentGroup<Id>;
+  using full_type = detail::FullGroup<Id>;
+  using coarse_type = detail::CoarseGroup<Id>;
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
@@ -1439,13 +1428,14 @@ class KVCacheManager {
         for (std::size_t g = 0; g < G; ++g) {
           const std::size_t registered = kOne ? q.num_registered : q.registered_of(g);
           // a coarse group: at most one page per match block + 1, each BlockRemoved + BlockStored on a re-key
-          max_registrations += (reg_end - std::min(reg_end, registered)) * (!kOne && is_coarse(g) ? 4 : 1);
+          max_registrations += (reg_end - std::min(reg_end, registered)) *
+                               (!kOne && is_coarse(g) ? coarse_type::events_per_registration() : 1);
         }
       }
       for (std::size_t g = 0; g < per_group.size(); ++g) {
         const BatchMetadataBuffers& buf = per_group[g];
         std::size_t gblocks = blocks;
-        if (!kOne && is_coarse(g)) {
+        if (!kOne && is_coarse(g)) {  // a coarse group counts its pages
           gblocks = (seq_len + layout_.page_tokens[g] - 1) / layout_.page_tokens[g];
           coarse_indices_[g] += gblocks;
         }
@@ -1488,27 +1478,9 @@ class KVCacheManager {
                                                       g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
         fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + *bad);
       }
-      if constexpr (!kOne) {
-        if (is_recurrent(g) && B > 0) {  // its state and checkpoint outputs cannot be dropped
-          std::size_t checkpoints = 0;
-          for (std::size_t r = 0; r < B; ++r) {
-            const std::size_t first = batch_scratch_[r]->num_built;
-            checkpoints += recurrent(g).checkpoints_in_step(*batch_scratch_[r], first, first + qlen_scratch_[r]);
-          }
-          const std::pair<std::size_t, std::size_t> need[] = {{buf.state_in.size(), B},
-                                                               {buf.state_out.size(), B},
-                                                               {buf.checkpoint_indptr.size(), B + 1},
-                                                               {buf.checkpoint_positions.size(), checkpoints},
-                                                               {buf.checkpoint_blocks.size(), checkpoints}};
-          const char* names[] = {"state_in", "state_out", "checkpoint_indptr", "checkpoint_positions",
-                                 "checkpoint_blocks"};
-          for (std::size_t i = 0; i < 5; ++i) {
-            if (need[i].first >= need[i].second) continue;
-            fail(Errc::kBadShape, "group " + std::to_string(g) + " (recurrent): " + names[i] + " holds " +
-                                      std::to_string(need[i].first) + " entries, needs " +
-                                      std::to_string(need[i].second) + " (a recurrent group's state and checkpoint "
-                                      "outputs cannot be dropped)");
-          }
+      if constexpr (!kOne) {  // a kind's own outputs (a recurrent group's states and checkpoints)
+        if (auto bad = visit_kind(g, [&](const auto& kind) { return kind.buffer_error(buf, batch_scratch_, qlen_scratch_); })) {
+          fail(Errc::kBadShape, std::move(*bad));
         }
       }
     }
@@ -1541,6 +1513,8 @@ class KVCacheManager {
       const std::size_t seq_len = q.num_built;
       const std::size_t nblocks = (seq_len + bs - 1) / bs;
       for (std::size_t g = 0; g < G; ++g) {
+        // Per row and group: the kinds' register_new and page size dispatched inline, not by visit_group (a visit
+        // per row cost +1.6% instructions on the gate's groups1 row: docs/benchmarks.md "Manager split gate").
         const BatchMetadataBuffers& buf = per_group[g];
         std::size_t& blk = sizes_out[g].num_indices;
         std::size_t& tok = sizes_out[g].num_new_tokens;
@@ -1755,29 +1729,16 @@ class KVCacheManager {
     const std::size_t held_hits = hit.held, host_hits = hit.host, host_hit_blocks = hit.host_blocks;
     const std::size_t evictable = hit.evictable;
     const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - k * bs);
-    const std::size_t new_per_group = (k * bs + reserved + bs - 1) / bs - k;
-    std::size_t new_table_blocks = 0;  // a recurrent group: its state + the checkpoints the reservation completes
+    std::size_t new_table_blocks = 0;  // per group as its kind: the blocks after the hit
+    std::size_t lower_bound = 0;       // blocks the prompt needs at least, however it is reserved
     for (std::size_t g = 0; g < G; ++g) {
-      if (is_coarse(g)) {  // its pages; + a copy of a hit page that ends inside and that a table holds
-        const std::size_t gb = layout_.page_tokens[g], held = (k * bs + gb - 1) / gb;
-        const Id tail = k * bs % gb != 0 ? sc.hits[g * k + k - 1] : Id{0};
-        new_table_blocks += (k * bs + reserved + gb - 1) / gb - held +
-                            (tail != Id{0} && reserved > 0 && pool_.table_refcount(tail) > 0 ? 1 : 0);
-        continue;
-      }
-      new_table_blocks += is_recurrent(g) ? recurrent(g).state_blocks() +
-                                                recurrent(g).checkpoints_between(k * bs, k * bs + reserved)
-                                          : new_per_group;
+      visit_kind(g, [&](const auto& kind) {
+        new_table_blocks += kind.admit_need(pool_, k, reserved, std::span<const Id>(sc.hits).subspan(g * k, k));
+        lower_bound += kind.min_need(prompt.size());
+      });
     }
     const std::size_t new_blocks = new_table_blocks + host_hits;
     const std::size_t usable = pool_.alloc().num_usable_blocks();
-    std::size_t lower_bound = 0;  // blocks the prompt needs at least, however it is reserved
-    for (std::size_t g = 0; g < G; ++g) {
-      const std::size_t gb = layout_.page_tokens[g];
-      lower_bound += is_recurrent(g)                ? recurrent(g).state_blocks()
-                     : layout_.windows[g].enabled() ? 1
-                                                    : (prompt.size() + gb - 1) / gb;
-    }
     const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
     AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
     if (never > usable) {
@@ -1880,24 +1841,18 @@ class KVCacheManager {
       host_.onboard(pool_, stats_, hit, on_host, hashes, k, onboard_scratch_,
                     [this](std::size_t g) { return allocate_one(g); });
     }
-    for (std::size_t g = 0; g < G; ++g) {
-      BlockTable<Id>& t = q.table_of(g);
-      if (is_coarse(g)) {  // page c is the hit's entry at the match block where page c (or the hit) ends
-        const std::size_t f = coarse_factor(g);
-        t.extend(k * bs, [&](std::size_t c) { return onboard_scratch_[g * k + std::min((c + 1) * f, k) - 1]; });
-        q.registered_of(g) = k;
-        continue;
+    for (std::size_t g = 0; g < G; ++g) {  // the hit's blocks of each group, as its kind takes them
+      const std::span<const Id> row = std::span<const Id>(onboard_scratch_).subspan(g * k, k);
+      if (layout_.simple) {
+        full_type{g, bs}.take_hit(q, row, true);
+      } else {
+        visit_kind(g, [&](const auto& kind) { kind.take_hit(q, row, false); });
       }
-      for (std::size_t i = 0; i < k; ++i) t.append_full_block(onboard_scratch_[g * k + i]);
-      if (!layout_.simple) q.released_of(g) = detail::first_kept_block(layout_.windows[g], k * bs, config_.block_size);
-      q.registered_of(g) = k;  // device hits are registered; onboarded blocks are registered when filled
     }
     q.num_built = k * bs;  // an onboarded block is filled by this step's swap_in, before its kernels
     for (std::size_t g = 0; g < G; ++g) {
-      if (is_recurrent(g)) {  // its working state, then its checkpoints (guaranteed by the capacity check)
-        q.other_groups[g - 1].state = allocate_one(g);
-        if (recurrent(g).keeps_last()) q.other_groups[g - 1].last_block = allocate_one(g);
-        recurrent(g).grow(q, plan.num_reserved, taker(g));
+      if (is_recurrent(g)) {  // guaranteed by the capacity check
+        recurrent(g).admit(q, plan.num_reserved, taker(g));
         continue;
       }
       std::optional<copy_type> copy;
@@ -2039,7 +1994,12 @@ class KVCacheManager {
   // by a hash not).
   // `drafts`: lookahead slots among the n (a draft state each in every recurrent group).
   [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n, std::size_t drafts = 0) const {
-    return layout_.simple ? query_growth_in<true>(q, n, 0) : query_growth_in<false>(q, n, drafts);
+    return layout_.simple ? query_growth_in<true>(q, n, 0) : query_growth_groups(q, n, drafts);
+  }
+  // The several-groups case, kept out of line: inlined into try_append's caller it cost the one-group decode step
+  // 12.5 instructions per append (register pressure; the gate's decode rows, issue 32 move 7b).
+  [[gnu::noinline]] CapacityQuery query_growth_groups(const sequence_type& q, std::size_t n, std::size_t drafts) const {
+    return query_growth_in<false>(q, n, drafts);
   }
   template <bool kOne>
   [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n, std::size_t drafts) const {
@@ -2049,13 +2009,8 @@ class KVCacheManager {
       const BlockTable<Id>& t = table_in<kOne>(q, g);
       const std::size_t nblocks = t.num_blocks();
       if constexpr (!kOne) {
-        if (is_recurrent(g)) {  // the checkpoints the growth completes, and a copy of a shared working state
-          const GroupTableState<Id>& st = q.other_groups[g - 1];
-          const std::size_t ck = recurrent(g).checkpoints_between(q.num_slotted(), q.num_slotted() + n);
-          needed += ck + drafts + (st.state != Id{0} && pool_.table_refcount(st.state) > 1 ? 1 : 0) +
-                    (st.last_block != Id{0} && pool_.table_refcount(st.last_block) > 1 ? 1 : 0);
-          held_after += recurrent(g).state_blocks() + ck + drafts;
-          for (std::size_t i = q.released_of(g); i < nblocks; ++i) held_after += t.blocks()[i] != Id{0} ? 1 : 0;
+        if (is_recurrent(g)) {
+          recurrent(g).growth_need(pool_, q, n, drafts, needed, held_after);
           continue;
         }
       }
@@ -2102,8 +2057,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < groups<kOne>(); ++g) {
       if constexpr (!kOne) {
         if (is_recurrent(g)) {
-          recurrent(g).grow(q, n, taker(g));
-          if (recurrent(g).copy_shared_state(pool_, q, taker(g))) ++stats_.cow_copies;
+          stats_.cow_copies += recurrent(g).grow_shared(pool_, q, n, taker(g)) ? 1 : 0;
           continue;
         }
       }
@@ -2156,8 +2110,13 @@ class KVCacheManager {
   }
   // Recurrent group g as its kind (detail/group_recurrent.hpp). Precondition: is_recurrent(g).
   [[nodiscard]] recurrent_type recurrent(std::size_t g) const noexcept {
-    return {g, config_.block_size, config_.groups[g].window_tokens, config_.enable_prefix_caching,
+    return {{g, config_.block_size}, config_.groups[g].window_tokens, config_.enable_prefix_caching,
             config_.groups[g].last_checkpoint};
+  }
+  // Group g as its kind (detail/group_*.hpp): f(kind), one switch (detail::visit_group). Never per block.
+  template <class F>
+  decltype(auto) visit_kind(std::size_t g, F&& f) const {
+    return detail::visit_group<Id>(layout_, g, std::forward<F>(f));
   }
   // Release every group's blocks of q, retention priorities first.
   void release_all_groups(sequence_type& q) {
@@ -2165,15 +2124,7 @@ class KVCacheManager {
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       q.table_of(g).release_all(pool);
-      if (g > 0 && q.other_groups[g - 1].state != Id{0}) {
-        pool_.release_block(q.other_groups[g - 1].state);
-        q.other_groups[g - 1].state = Id{0};
-        q.other_groups[g - 1].state_valid = false;
-      }
-      if (g > 0 && q.other_groups[g - 1].last_block != Id{0}) recurrent(g).release_last_checkpoint(pool_, q);
-      if (g > 0 && !q.other_groups[g - 1].drafts.empty()) {
-        recurrent_type::release_drafts(pool_, q.other_groups[g - 1], 0);
-      }
+      if (g > 0) recurrent(g).release_states(pool_, q);  // (none held in a group of another kind)
     }
   }
   // free() of a sequence preempted by swapping: release its host blocks (last block first) and forget it; false,
@@ -2190,26 +2141,12 @@ class KVCacheManager {
   // The release rule for every windowed group of `q`: blocks wholly before first_visible(p) become null, where p =
   // min(num_built, num_known): built lookahead positions do not count, since commit_lookahead may reject them and
   // the next query then sits at the first rejected position, whose window reaches further back.
+  // Each kind's `release` (detail/group_window.hpp, detail/group_recurrent.hpp; nothing for the others).
   void release_out_of_window(sequence_type& q) {
     const std::size_t committed = std::min(q.num_built, q.num_known());
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       if (!layout_.windows[g].enabled()) continue;
-      BlockTable<Id>& t = q.table_of(g);
-      // A recurrent group keeps no block for the next query (its working state is apart): its checkpoints go to the
-      // cache once written; but the hit's checkpoint stays while it holds the state (no build wrote the working
-      // state yet: a commit_lookahead that accepted nothing built).
-      const std::size_t kept = is_recurrent(g) && !q.other_groups[g - 1].state_valid && committed > 0 ? 1 : 0;
-      const std::size_t target =
-          std::min(is_recurrent(g) ? committed / config_.block_size - kept
-                                   : detail::first_kept_block(layout_.windows[g], committed, config_.block_size),
-                   t.num_blocks());
-      std::size_t& released = q.released_of(g);
-      if (target > released) apply_retention_group(q, g, released, target);
-      for (std::size_t i = released; i < target; ++i) {
-        const Id old = t.replace_block(i, Id{0});
-        if (old != Id{0}) pool_.release_block(old);
-      }
-      released = std::max(released, target);
+      visit_kind(g, [&](const auto& kind) { kind.release(pool_, q, committed); });
     }
   }
 
@@ -2279,11 +2216,9 @@ class KVCacheManager {
   // register_coarse by the group's kind). Precondition: room reserved in pool_.switched() and the event log.
   void register_full_blocks(sequence_type& q, std::size_t g) {
     if (layout_.simple) {
-      pool_.template register_blocks<true>(q, g, layout_.windows[g], on_registered());
-    } else if (is_coarse(g)) {
-      pool_.register_coarse(q, g, coarse_factor(g));
+      full_type{g, config_.block_size}.template register_new<true>(pool_, q, on_registered());
     } else {
-      pool_.template register_blocks<false>(q, g, layout_.windows[g], on_registered());
+      visit_kind(g, [&](const auto& kind) { kind.template register_new<false>(pool_, q, on_registered()); });
     }
   }
   // With a host tier under write-through: each block registered is queued for its copy to the host (next build).

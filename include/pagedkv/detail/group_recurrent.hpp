@@ -9,12 +9,16 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
 #include <utility>
 
 #include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/block_table.hpp>
+#include <pagedkv/detail/group_full.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
+#include <pagedkv/group_policy.hpp>
 #include <pagedkv/sequence_state.hpp>
 
 namespace pagedkv::detail {
@@ -24,15 +28,58 @@ namespace pagedkv::detail {
 /// and registered only with it), `last_checkpoint` (KVCacheGroupSpec::last_checkpoint). A sequence's group state is
 /// its GroupTableState (table, state, last_block / last_pos, drafts). `Pool`: the manager's DevicePool. Hooks never
 /// allocate memory; block allocation goes through the caller's `take()` (capacity checked by the caller).
+// A hook it does not override is the full kind's (detail/group_full.hpp).
 template <class Id>
-struct RecurrentGroup {
-  using sequence_type = SequenceState<Id>;
+struct RecurrentGroup : FullGroup<Id> {
+  using base = FullGroup<Id>;
+  using typename base::sequence_type;
+  using base::block_size;
+  using base::g;
+  static constexpr bool kRecurrent = true;
 
-  std::size_t g = 0;
-  std::size_t block_size = 0;
   std::size_t interval = 0;
   bool prefix_caching = false;
   bool last_checkpoint = false;
+
+  /// The window of the hit and registration rules (KVCacheGroupSpec::hit_window): a sliding window of 2 tokens, so
+  /// a hit of k blocks needs the checkpoint kept with block k - 1 only.
+  [[nodiscard]] static constexpr AttentionWindow window() noexcept {
+    AttentionWindow w;
+    w.sliding_window_tokens = 2;
+    return w;
+  }
+  /// Blocks an admission hitting `k` match blocks and reserving `reserved` tokens takes in this group: its state
+  /// blocks and the checkpoints the reservation completes.
+  template <class Pool>
+  [[nodiscard]] std::size_t admit_need(const Pool&, std::size_t k, std::size_t reserved, std::span<const Id>) const {
+    return state_blocks() + checkpoints_between(k * block_size, k * block_size + reserved);
+  }
+  /// Blocks a prompt needs in this group at least: its state blocks.
+  [[nodiscard]] std::size_t min_need(std::size_t) const noexcept { return state_blocks(); }
+  /// The admission's hit: the full kind's; every checkpoint before the hit's last one counts released.
+  void take_hit(sequence_type& q, std::span<const Id> hit, bool simple) const {
+    base::take_hit(q, hit, simple);
+    q.released_of(g) = first_kept_block(window(), hit.size() * block_size, static_cast<std::uint32_t>(block_size));
+  }
+  /// DevicePool::register_blocks under the hit window (checkpoint blocks; null entries skipped).
+  template <bool kOne, class Pool, class OnRegistered>
+  void register_new(Pool& pool, sequence_type& q, OnRegistered&& on_registered) const {
+    pool.template register_blocks<kOne>(q, g, window(), on_registered);
+  }
+  /// The release rule: no block is kept for the next query (the working state is apart); the written checkpoints
+  /// before `committed` go to the cache, but the hit's checkpoint stays while it holds the state (no build wrote the
+  /// working state yet: a commit_lookahead that accepted nothing built).
+  template <class Pool>
+  void release(Pool& pool, sequence_type& q, std::size_t committed) const {
+    const std::size_t kept = !q.other_groups[g - 1].state_valid && committed > 0 ? 1 : 0;
+    base::release_before(pool, q, g, committed / block_size - kept);
+  }
+  /// After a rewind: a checkpoint block left partial is nulled, the dropped lookahead slots' drafts released.
+  template <class Pool>
+  void after_rewind(Pool& pool, sequence_type& q, std::size_t) const {
+    null_partial_checkpoint(pool, q);
+    release_drafts(pool, q.other_groups[g - 1], q.num_lookahead);
+  }
 
   /// Whether the group keeps the state at each sequence's last block boundary (KVCacheGroupSpec::last_checkpoint).
   [[nodiscard]] bool keeps_last() const noexcept { return prefix_caching && last_checkpoint; }
@@ -56,6 +103,92 @@ struct RecurrentGroup {
     const std::size_t base = q.num_known();  // lookahead: the working state at base, a draft state per position
     if (end > base) n += (first < base ? 1 : 0) + end - std::max(first, base);
     return n;
+  }
+
+  /// An admission's states in this group (after take_hit): its working state, its last checkpoint when it keeps
+  /// one, then the checkpoints the `reserved` tokens complete. Capacity checked by the caller (admit_need).
+  template <class Take>
+  void admit(sequence_type& q, std::size_t reserved, Take&& take) const {
+    q.other_groups[g - 1].state = take();
+    if (keeps_last()) q.other_groups[g - 1].last_block = take();
+    grow(q, reserved, take);
+  }
+  /// What growing q by n positions (`drafts` of them lookahead slots) takes in this group: into `needed` the
+  /// checkpoints the growth completes, a draft state per lookahead slot, and a copy of a shared working state or
+  /// last checkpoint; into `held_after` the blocks q holds in the group afterwards.
+  template <class Pool>
+  void growth_need(const Pool& pool, const sequence_type& q, std::size_t n, std::size_t drafts, std::size_t& needed,
+                   std::size_t& held_after) const {
+    const GroupTableState<Id>& st = q.other_groups[g - 1];
+    const BlockTable<Id>& t = st.table;
+    const std::size_t ck = checkpoints_between(q.num_slotted(), q.num_slotted() + n);
+    needed += ck + drafts + (st.state != Id{0} && pool.table_refcount(st.state) > 1 ? 1 : 0) +
+              (st.last_block != Id{0} && pool.table_refcount(st.last_block) > 1 ? 1 : 0);
+    held_after += state_blocks() + ck + drafts;
+    for (std::size_t i = q.released_of(g); i < t.num_blocks(); ++i) held_after += t.blocks()[i] != Id{0} ? 1 : 0;
+  }
+  /// Grow q by n positions in this group (grow), then give a shared working state its own block
+  /// (copy_shared_state). Returns whether a copy-on-write was queued. Capacity checked, room reserved by the caller.
+  template <class Pool, class Take>
+  bool grow_shared(Pool& pool, sequence_type& q, std::size_t n, Take&& take) const {
+    grow(q, n, take);
+    return copy_shared_state(pool, q, take);
+  }
+  /// A draft state per lookahead slot of q's `k` new ones. With every known position built but the working state
+  /// not written yet (the hit's checkpoint holds the state), a step computing only drafts would not write it, so it
+  /// takes a copy of the checkpoint now (pending like a copy-on-write). Room reserved by the caller.
+  template <class Pool, class Take>
+  void take_drafts(Pool& pool, sequence_type& q, std::size_t k, Take&& take) const {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    for (std::size_t j = 0; j < k; ++j) st.drafts.push_back(take());
+    if (!st.state_valid && q.num_built == q.num_known() && q.num_built > 0) {
+      const Id src = st.table.blocks()[q.num_built / block_size - 1];
+      pool.acquire_block(src);  // the copy's hold on its source
+      pool.copies().push(BlockCopy<Id>{src, st.state, static_cast<std::uint32_t>(g)}, q);
+      st.state_valid = true;
+    }
+  }
+  /// q leaving the device in this group: its working state released, its last checkpoint registered and released
+  /// (release_last_checkpoint), its draft states released. Holds nothing in a group of another kind (g >= 1), so
+  /// the caller may call it for every g >= 1. Room for the events reserved by the caller.
+  template <class Pool>
+  [[gnu::noinline]] void release_states(Pool& pool, sequence_type& q) const {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    if (st.state != Id{0}) {
+      pool.release_block(st.state);
+      st.state = Id{0};
+      st.state_valid = false;
+    }
+    if (st.last_block != Id{0}) release_last_checkpoint(pool, q);
+    if (!st.drafts.empty()) release_drafts(pool, st, 0);
+  }
+
+  /// A build's check of this group's buffers beyond the page table's: the state and checkpoint outputs of the
+  /// batch `rows` (`q_lens`: tokens each computes) cannot be dropped. The kBadShape message naming the first short
+  /// buffer, or none. Nothing changes.
+  [[nodiscard]] std::optional<std::string> buffer_error(const BatchMetadataBuffers& buf,
+                                                        std::span<sequence_type* const> rows,
+                                                        std::span<const std::uint32_t> q_lens) const {
+    const std::size_t B = rows.size();
+    if (B == 0) return std::nullopt;
+    std::size_t checkpoints = 0;
+    for (std::size_t r = 0; r < B; ++r) {
+      const std::size_t first = rows[r]->num_built;
+      checkpoints += checkpoints_in_step(*rows[r], first, first + q_lens[r]);
+    }
+    const std::pair<std::size_t, std::size_t> need[] = {{buf.state_in.size(), B},
+                                                         {buf.state_out.size(), B},
+                                                         {buf.checkpoint_indptr.size(), B + 1},
+                                                         {buf.checkpoint_positions.size(), checkpoints},
+                                                         {buf.checkpoint_blocks.size(), checkpoints}};
+    const char* names[] = {"state_in", "state_out", "checkpoint_indptr", "checkpoint_positions", "checkpoint_blocks"};
+    for (std::size_t i = 0; i < 5; ++i) {
+      if (need[i].first >= need[i].second) continue;
+      return "group " + std::to_string(g) + " (recurrent): " + names[i] + " holds " + std::to_string(need[i].first) +
+             " entries, needs " + std::to_string(need[i].second) +
+             " (a recurrent group's state and checkpoint outputs cannot be dropped)";
+    }
+    return std::nullopt;
   }
 
   // Grow this group's table of q by n positions: null entries, except a fresh block for each logical block
