@@ -28,8 +28,6 @@ namespace pagedkv::detail {
 template <class Id>
 struct FullGroup {
   using sequence_type = SequenceState<Id>;
-  /// Whether the kind keeps a recurrent state beside its table (detail/group_recurrent.hpp); false here.
-  static constexpr bool kRecurrent = false;
 
   std::size_t g = 0;
   std::size_t block_size = 0;

@@ -35,7 +35,6 @@ struct RecurrentGroup : FullGroup<Id> {
   using typename base::sequence_type;
   using base::block_size;
   using base::g;
-  static constexpr bool kRecurrent = true;
 
   std::size_t interval = 0;
   bool prefix_caching = false;
