@@ -125,6 +125,18 @@ struct GroupLayout {
   [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return any_coarse && page_tokens[g] != block_size; }
   /// Match blocks per page of group g. Precondition: g < num_groups.
   [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return page_tokens[g] / block_size; }
+  /// Whether group g is a recurrent-state group (AttentionKind::kRecurrent). Precondition: g < num_groups.
+  [[nodiscard]] bool is_recurrent(std::size_t g) const noexcept { return specs[g].recurrent(); }
+  /// The groups a loop compiled for `kOne` visits: 1 (statically group 0, the one full-attention group of a simple
+  /// layout) or num_groups.
+  template <bool kOne>
+  [[nodiscard]] std::size_t groups() const noexcept {
+    if constexpr (kOne) {
+      return 1;
+    } else {
+      return num_groups;
+    }
+  }
   /// [G] match blocks per page of every group, or empty when no group is coarse (fixed_point_hit_blocks' `coarse`).
   [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept {
     return any_coarse ? std::span<const std::uint32_t>(page_factors) : std::span<const std::uint32_t>();
@@ -141,6 +153,19 @@ template <class Id>
 struct CoarseGroup;  // detail/group_coarse.hpp
 template <class Id>
 struct RecurrentGroup;  // detail/group_recurrent.hpp
+
+/// Recurrent group g of `layout` as its kind (detail/group_recurrent.hpp; the includer includes it). Precondition:
+/// layout.is_recurrent(g).
+template <class Id>
+[[nodiscard]] RecurrentGroup<Id> recurrent_group(const GroupLayout& layout, std::size_t g) noexcept {
+  RecurrentGroup<Id> r{};
+  r.g = g;
+  r.block_size = layout.block_size;
+  r.interval = layout.specs[g].window_tokens;
+  r.prefix_caching = layout.prefix_caching;
+  r.last_checkpoint = layout.specs[g].last_checkpoint;
+  return r;
+}
 
 /// Call `f` with group g of `layout` as its kind, a small value built here once (issue 32; vLLM V1's one
 /// SingleTypeKVCacheManager per group, a value instead of a subclass): detail::WindowGroup for sliding-window and
@@ -163,13 +188,8 @@ decltype(auto) visit_group(const GroupLayout& layout, std::size_t g, F&& f) {
       return f(static_cast<const WindowGroup<Id>&>(w));
     }
     case AttentionKind::kRecurrent: {
-      RecurrentGroup<Id> r{};
-      r.g = g;
-      r.block_size = bs;
-      r.interval = spec.window_tokens;
-      r.prefix_caching = layout.prefix_caching;
-      r.last_checkpoint = spec.last_checkpoint;
-      return f(static_cast<const RecurrentGroup<Id>&>(r));
+      const RecurrentGroup<Id> r = recurrent_group<Id>(layout, g);
+      return f(r);
     }
     case AttentionKind::kFull: break;
   }

@@ -183,7 +183,7 @@ class KVCacheManager {
     return page * m;
   }
   /// Whether group g is a recurrent-state group (AttentionKind::kRecurrent). Precondition: g < num_groups().
-  [[nodiscard]] bool is_recurrent(std::size_t g) const noexcept { return config_.groups[g].recurrent(); }
+  [[nodiscard]] bool is_recurrent(std::size_t g) const noexcept { return layout_.is_recurrent(g); }
   /// The footprint bound of a windowed group g growing by `chunk_tokens` per build: ceil((W - 1 + chunk) /
   /// block_size) + 1 blocks per sequence (chunked-local: C - 1 in place of W - 1); nullopt for a full or a recurrent
   /// group (a recurrent group holds its state plus the checkpoints its unbuilt positions will write).
@@ -1380,7 +1380,7 @@ class KVCacheManager {
   template <bool kOne>
   void build_groups_in(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                        std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
-    const std::size_t G = groups<kOne>();
+    const std::size_t G = layout_.groups<kOne>();
     if (per_group.size() != G || sizes_out.size() != G) {
       detail::raise(Errc::kBadShape, "build_batch_metadata: " + std::to_string(per_group.size()) +
                                          " buffer sets and " + std::to_string(sizes_out.size()) + " sizes for " +
@@ -1529,7 +1529,7 @@ class KVCacheManager {
           gb = layout_.page_tokens[g];
           gn = (seq_len + gb - 1) / gb;
         }
-        detail::write_page_table_row(buf, b, table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
+        detail::write_page_table_row(buf, b, detail::table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
         if constexpr (!kOne) {
           if (is_recurrent(g)) {
             recurrent(g).write_state_row(q, b, first, seq_len, buf, sizes_out[g].num_checkpoints, pool_.switched());
@@ -1624,7 +1624,7 @@ class KVCacheManager {
       const sequence_type& q = *batch_scratch_[r];
       const std::size_t n = qlen_scratch_[r];
       if (n == 0) continue;
-      const auto blocks = table_in<kOne>(q, g).blocks();
+      const auto blocks = detail::table_in<kOne>(q, g).blocks();
       for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
         if (blocks[i] == b) return true;
       }
@@ -1962,33 +1962,6 @@ class KVCacheManager {
 
   // The coordinator's loops are compiled twice: kOne = one full-attention group (layout_.simple: group 0 only, no null
   // entries, the loops unrolled to the plain pool's code) and the general form; each call picks one from layout_.simple.
-  template <bool kOne>
-  [[nodiscard]] std::size_t groups() const noexcept {
-    if constexpr (kOne) {
-      return 1;
-    } else {
-      return layout_.num_groups;
-    }
-  }
-  template <bool kOne>
-  [[nodiscard]] static BlockTable<Id>& table_in(sequence_type& q, std::size_t g) noexcept {
-    if constexpr (kOne) {
-      (void)g;
-      return q.table;
-    } else {
-      return q.table_of(g);
-    }
-  }
-  template <bool kOne>
-  [[nodiscard]] static const BlockTable<Id>& table_in(const sequence_type& q, std::size_t g) noexcept {
-    if constexpr (kOne) {
-      (void)g;
-      return q.table;
-    } else {
-      return q.table_of(g);
-    }
-  }
-
   // What growing `q` by n > 0 slots takes now, over every group. Never fits: even with every other sequence gone,
   // `q` would hold more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced
   // by a hash not).
@@ -2005,8 +1978,8 @@ class KVCacheManager {
   [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n, std::size_t drafts) const {
     const std::size_t bs = config_.block_size;
     std::size_t needed = 0, held_after = 0;
-    for (std::size_t g = 0; g < groups<kOne>(); ++g) {
-      const BlockTable<Id>& t = table_in<kOne>(q, g);
+    for (std::size_t g = 0; g < layout_.groups<kOne>(); ++g) {
+      const BlockTable<Id>& t = detail::table_in<kOne>(q, g);
       const std::size_t nblocks = t.num_blocks();
       if constexpr (!kOne) {
         if (is_recurrent(g)) {
@@ -2054,7 +2027,7 @@ class KVCacheManager {
   template <bool kOne>
   AppendResult<Id> commit_growth_in(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
     std::optional<copy_type> copy0;
-    for (std::size_t g = 0; g < groups<kOne>(); ++g) {
+    for (std::size_t g = 0; g < layout_.groups<kOne>(); ++g) {
       if constexpr (!kOne) {
         if (is_recurrent(g)) {
           stats_.cow_copies += recurrent(g).grow_shared(pool_, q, n, taker(g)) ? 1 : 0;
@@ -2063,7 +2036,7 @@ class KVCacheManager {
       }
       Proxy pool{this, static_cast<std::uint32_t>(g)};
       std::optional<copy_type> copy;
-      const bool ok = table_in<kOne>(q, g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
+      const bool ok = detail::table_in<kOne>(q, g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
       (void)ok;
       if (copy) {
         copy->group = static_cast<std::uint32_t>(g);
@@ -2109,10 +2082,7 @@ class KVCacheManager {
     return [this, g] { return allocate_one(g); };
   }
   // Recurrent group g as its kind (detail/group_recurrent.hpp). Precondition: is_recurrent(g).
-  [[nodiscard]] recurrent_type recurrent(std::size_t g) const noexcept {
-    return {{g, config_.block_size}, config_.groups[g].window_tokens, config_.enable_prefix_caching,
-            config_.groups[g].last_checkpoint};
-  }
+  [[nodiscard]] recurrent_type recurrent(std::size_t g) const noexcept { return detail::recurrent_group<Id>(layout_, g); }
   // Group g as its kind (detail/group_*.hpp): f(kind), one switch (detail::visit_group). Never per block.
   template <class F>
   decltype(auto) visit_kind(std::size_t g, F&& f) const {
@@ -2236,7 +2206,7 @@ class KVCacheManager {
   void write_slots(const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
                    std::span<std::int64_t> out) const {
     const std::size_t bs = kOne ? config_.block_size : layout_.page_tokens[g];
-    const auto blocks = table_in<kOne>(q, g).blocks();
+    const auto blocks = detail::table_in<kOne>(q, g).blocks();
     std::int64_t* w = out.data();
     std::size_t k = 0;  // next switched block to consider (ascending)
     for (std::size_t p = first; p < first + n;) {

@@ -141,4 +141,18 @@ struct SequenceState {
   [[nodiscard]] std::int64_t slot(std::size_t pos) const noexcept { return table.slot(pos); }
 };
 
+namespace detail {
+/// Group g's block table of `q`. kOne: the loop is compiled for one full-attention group (statically `q.table`, g
+/// unused); otherwise `q.table_of(g)`. Precondition: g < the sequence's groups.
+template <bool kOne, class Seq>
+[[nodiscard]] auto& table_in(Seq& q, std::size_t g) noexcept {
+  if constexpr (kOne) {
+    (void)g;
+    return q.table;
+  } else {
+    return q.table_of(g);
+  }
+}
+}  // namespace detail
+
 }  // namespace pagedkv
