@@ -36,6 +36,7 @@
 #include <fstream>
 #include <optional>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -460,6 +461,26 @@ class RawNixl {
 // pagedkv's submit / poll / release, raw NIXL (RawNixl::read: the same call sequence, a fresh request per READ),
 // and the old baselines, one request re-posted (made from the prepared lists; created from plain lists). The
 // ratio is the median over rounds of pagedkv's GB/s over raw's in the same round. Returns false on a failed READ.
+// The (local, remote) block pairs one READ moves. A pair with the null block 0 on either side holds nothing to move:
+// a window group's blocks outside the consumer's first window are null in the descriptor, the plan and the ticket
+// (docs/disaggregation.md). Precondition: local.size() == remote.size() (the ticket pairs with the plan).
+struct BlockPairs {
+  std::vector<tx::BlockId> local, remote;
+};
+BlockPairs non_null_pairs(std::span<const tx::BlockId> local, std::span<const tx::BlockId> remote) {
+  if (local.size() != remote.size()) {
+    throw std::runtime_error("decode: " + std::to_string(local.size()) + " local blocks for " +
+                             std::to_string(remote.size()) + " remote blocks");
+  }
+  BlockPairs p;
+  for (std::size_t k = 0; k < local.size(); ++k) {
+    if (local[k] == 0 || remote[k] == 0) continue;
+    p.local.push_back(local[k]);
+    p.remote.push_back(remote[k]);
+  }
+  return p;
+}
+
 bool time_reads(tx::NixlAgent& agent, RawNixl& raw, const tx::PoolDesc& local, const tx::PoolDesc& remote,
                 std::span<const tx::BlockId> lb, std::span<const tx::BlockId> rb, const std::string& peer, int reps,
                 DecodeReport& rep) {
@@ -700,14 +721,15 @@ int run_decode(const Options& o) {
       decode_here(i);
       continue;
     }
+    const BlockPairs pairs = non_null_pairs(tk.blocks, plan.remote_blocks);
     if (!faulty || o.fault == "none")
-      if (!time_reads(agent, *raw, e.pool_desc(), agent.remote_pools(peer)[0], tk.blocks, plan.remote_blocks, peer,
+      if (!time_reads(agent, *raw, e.pool_desc(), agent.remote_pools(peer)[0], pairs.local, pairs.remote, peer,
                       o.reps, rep))
         throw std::runtime_error("decode: a timed READ failed: " + agent.last_error());
     const std::string note = faulty && o.fault == "drop-notify" ? "" : "read-done:" + std::to_string(wd.desc.hold_id);
     ++rep.handoffs;
-    inflight.push_back({i, agent.submit({tx::TransferOp::kRead, 0, tk.blocks, peer, 0, plan.remote_blocks, note}),
-                        tk.fill_id, tk.num_blocks(), tk.blocks.size(), Clock::now() + std::chrono::seconds(5)});
+    inflight.push_back({i, agent.submit({tx::TransferOp::kRead, 0, pairs.local, peer, 0, pairs.remote, note}),
+                        tk.fill_id, tk.num_blocks(), pairs.local.size(), Clock::now() + std::chrono::seconds(5)});
     max_inflight = std::max(max_inflight, inflight.size());
     if (faulty && o.fault == "kill") {
       ::kill(prefill_pid, SIGKILL);
