@@ -3,6 +3,7 @@
 # default build-python); sets root, build, venv, py and out (BUILD_DIR/$tool, emptied) and exports the offline
 # Hugging Face and import-path settings. Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default
 # ~/.cache/pagedkv/vllm-0.32.0-venv).
+: "${tool:?vllm-env.sh: set tool to the calling script name before sourcing (its output folder BUILD_DIR/tool is emptied)}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$(pwd)
 build=$(cd "${1:-build-python}" && pwd)
