@@ -23,6 +23,7 @@
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
+#include <pagedkv/detail/admission_plan.hpp>
 #include <pagedkv/detail/external_kv.hpp>
 #include <pagedkv/detail/external_kv_handoff.hpp>
 #include <pagedkv/detail/hit_search.hpp>
@@ -702,15 +703,8 @@ class KVCacheManager {
       PlanScratch scratch;
       return plan_admit_into(prompt, keys, o, hashes, false, scratch).query.num_cached_tokens;
     }
-    const std::size_t bs = config_.block_size;
     const std::size_t cap = std::min(max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
-    BlockHash parent = pool_.index().root();
-    std::size_t i = 0;
-    for (; i < cap / bs; ++i) {
-      parent = pool_.index().hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys);
-      if (!pool_.index().find(parent) && !(host_ && host_.tier().find_ready(parent))) break;
-    }
-    return i * bs;
+    return detail::one_group_lookup(pool_.index(), host_.get(), prompt, config_.block_size, cap, keys);
   }
 
   /// Why admitting `prompt` (with `keys`, `opts`) now would hit what it hits (issue 20, "hits that explain
@@ -722,59 +716,7 @@ class KVCacheManager {
   [[nodiscard]] AdmitExplanation explain_admit(std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                                                const AdmitOptions& opts = {}) const {
     validate_prompt(prompt, keys, "explain_admit", nullptr);
-    AdmitExplanation x;
-    const std::size_t bs = config_.block_size;
-    const std::size_t G = layout_.num_groups;
-    x.prompt_tokens = prompt.size();
-    x.cap_tokens = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
-    x.group_cached_run_tokens.assign(G, 0);
-    if (!config_.enable_prefix_caching) {
-      x.cause = MissCause::kPrefixCachingOff;
-      return x;
-    }
-    const std::size_t full = prompt.size() / bs;
-    if (full == 0) {
-      x.cause = MissCause::kShortPrompt;
-      return x;
-    }
-    std::vector<BlockHash> hashes;
-    pool_.index().hash_full_blocks(prompt, config_.block_size, keys, hashes);
-    // tier(g, i): 1 = device, 2 = host (ready), 0 = neither.
-    const auto tier_of = [&](const std::vector<BlockHash>& hs, std::size_t g, std::size_t i) -> int {
-      return cached_at(hs[i], g).tier;
-    };
-    std::vector<std::uint8_t> tier(G * full);
-    for (std::size_t g = 0; g < G; ++g) {
-      for (std::size_t i = 0; i < full; ++i) tier[g * full + i] = static_cast<std::uint8_t>(tier_of(hashes, g, i));
-      const std::size_t run = detail::cached_run_blocks(full, is_coarse(g) ? coarse_factor(g) : 1,
-                                                        [&](std::size_t i) { return tier[g * full + i] != 0; });
-      x.group_cached_run_tokens[g] = run * bs;
-    }
-    const auto cached = [&](std::size_t g, std::size_t i) { return tier[g * full + i] != 0; };
-    const auto hit_blocks = [&](std::size_t max_blocks) {
-      if (layout_.simple) return std::min(max_blocks, x.group_cached_run_tokens[0] / bs);
-      return detail::fixed_point_hit_blocks(layout_.windows, config_.block_size, max_blocks, cached, coarse_factors());
-    };
-    const std::size_t walk = std::min(full, x.cap_tokens / bs);
-    const std::size_t k = hit_blocks(walk);
-    x.hit_tokens = k * bs;
-    x.host_hit_tokens = detail::host_hit_tokens(layout_.windows, config_.block_size, k,
-                                                [&](std::size_t g, std::size_t i) { return tier[g * full + i]; });
-    const MissVerdict v = classify_miss(hashes, full, walk, k, cached);
-    x.cause = v.cause;
-    x.first_miss_block = v.block;
-    x.limiting_group = v.group;
-    if (v.eviction) {
-      x.evictions_since = pool_.history().evictions(v.eviction->tier) - v.eviction->eviction_number - 1;
-      x.eviction = v.eviction;
-    }
-    const std::size_t miss_group = v.group, miss_block = v.block;
-    if (x.cause == MissCause::kNotCached && keys != nullptr && !keys->empty()) {  // cached without the extra keys?
-      std::vector<BlockHash> plain;
-      pool_.index().hash_full_blocks(prompt.first((miss_block + 1) * bs), config_.block_size, nullptr, plain);
-      if (tier_of(plain, miss_group, miss_block) != 0) x.cause = MissCause::kKeyMismatch;
-    }
-    return x;
+    return detail::explain_admission(pool_, host_, layout_, config_, prompt, keys, opts);
   }
 
   /// Whether `seq` is live.
@@ -1636,13 +1578,7 @@ class KVCacheManager {
   }
 
 
-  struct AdmitPlan {
-    CapacityQuery query;
-    std::size_t num_reserved = 0;   // uncached prompt tokens that get slots now
-    std::size_t num_host_hits = 0;  // hit blocks served by the host tier (each needs a device block + a swap_in)
-    std::size_t hit_blocks = 0;     // k: logical blocks served by the cache
-    std::size_t host_hit_blocks = 0;  // logical blocks of the hit some group serves from the host tier
-  };
+  using AdmitPlan = detail::AdmitPlan;  // detail/admission_plan.hpp
   using PlanScratch = detail::HitScratch<Id>;  // an admission plan's hits, the fixed point's scratch
 
   void check_prepared(const PreparedPrompt& p, const char* what) const {
@@ -1673,123 +1609,11 @@ class KVCacheManager {
     if (keys != nullptr && !keys->multimodal.empty()) validate_request_keys(keys, prompt.size(), who().c_str());
   }
 
-  // Plan an admission of a validated prompt: the prompt's block hashes appended to `hashes` (unless `hashes_ready`:
-  // a PreparedPrompt's, then `hashes` is only read), the hit blocks into `sc.hits` / `sc.on_host`, what it would take. Pure. One full-attention
-  // group: the pipelined walk over both tiers (detail::one_group_hit). Otherwise: the fixed point over groups
-  // (plan_groups). The search finds the hit; what it costs each group is counted here.
+  // Plan an admission of a validated prompt (detail::plan_admission): the prompt's block hashes appended to
+  // `hashes` unless `hashes_ready`, the hit blocks into `sc`, what it would take. Pure.
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
                             std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
-    if (!layout_.simple) return plan_groups(prompt, keys, opts, hashes, hashes_ready, sc);
-    const std::size_t bs = config_.block_size;
-    const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
-    const std::size_t usable = pool_.alloc().num_usable_blocks();
-    sc.hits.clear();
-    sc.on_host.clear();
-    if (total_blocks > usable) {
-      return {{CapacityStatus::kNeverFits, total_blocks, total_blocks - usable, 0}, 0, 0, 0, 0};
-    }
-    const std::size_t full = config_.enable_prefix_caching ? prompt.size() / bs : 0;
-    const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
-    const std::size_t walk = std::min(full, cap / bs);
-    const detail::HitCounts hit =
-        detail::one_group_hit(pool_.index(), host_.get(), prompt, bs, full, walk, keys, hashes, hashes_ready,
-                              [&](Id b) { return pool_.alloc().is_cached(b); }, sc);
-    const std::size_t evictable_hits = hit.evictable;
-    const std::size_t host_hits = hit.host;
-    const std::size_t k = hit.k;
-    const std::size_t cached = k * bs;
-    const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - cached);
-    // Device blocks: one per host hit (its onboarding destination) plus the new ones.
-    const std::size_t new_blocks = (cached + reserved + bs - 1) / bs - k + host_hits;
-    const std::size_t available = pool_.alloc().num_available_blocks() - evictable_hits;
-    if (new_blocks > available) {
-      return {{CapacityStatus::kNoCapacity, new_blocks, new_blocks - available, cached}, reserved, host_hits, k,
-              host_hits};
-    }
-    return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved, host_hits, k, host_hits};
-  }
-
-  // plan_admit_into with several groups or a windowed one (vLLM's hybrid KVCacheCoordinator): the hit length is the
-  // fixed point over groups, where group g has block i cached when its device index holds the hash, or (with a host
-  // tier) the host tier holds the hash mixed with g, ready; a windowed group takes only the blocks its first
-  // computed query sees. kNeverFits: the blocks the admission holds, or the blocks the prompt needs at least (each
-  // full group ceil(prompt_len / block_size), each windowed group 1), exceed the pool.
-  AdmitPlan plan_groups(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                        std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
-    const std::size_t G = layout_.num_groups;
-    const std::size_t bs = config_.block_size;
-    const std::size_t full = prompt.size() / bs;
-    if (config_.enable_prefix_caching && !hashes_ready) pool_.index().hash_full_blocks(prompt, bs, keys, hashes);
-    const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt.size() - 1), prompt.size());
-    const std::size_t walk = config_.enable_prefix_caching ? std::min(full, cap / bs) : 0;
-    const detail::HitCounts hit = detail::groups_hit(
-        layout_, walk, [&](std::size_t g, std::size_t i) { return cached_at(hashes[i], g); },
-        [&](Id b) { return pool_.alloc().is_cached(b); }, sc);
-    const std::size_t k = hit.k;
-    const std::size_t held_hits = hit.held, host_hits = hit.host, host_hit_blocks = hit.host_blocks;
-    const std::size_t evictable = hit.evictable;
-    const std::size_t reserved = std::min(opts.num_reserved_tokens.value_or(prompt.size()), prompt.size() - k * bs);
-    std::size_t new_table_blocks = 0;  // per group as its kind: the blocks after the hit
-    std::size_t lower_bound = 0;       // blocks the prompt needs at least, however it is reserved
-    for (std::size_t g = 0; g < G; ++g) {
-      visit_kind(g, [&](const auto& kind) {
-        new_table_blocks += kind.admit_need(pool_, k, reserved, std::span<const Id>(sc.hits).subspan(g * k, k));
-        lower_bound += kind.min_need(prompt.size());
-      });
-    }
-    const std::size_t new_blocks = new_table_blocks + host_hits;
-    const std::size_t usable = pool_.alloc().num_usable_blocks();
-    const std::size_t never = std::max(lower_bound, held_hits + new_table_blocks);
-    AdmitPlan p{{CapacityStatus::kFits, new_blocks, 0, k * bs}, reserved, host_hits, k, host_hit_blocks};
-    if (never > usable) {
-      p.query.status = CapacityStatus::kNeverFits;
-      p.query.num_missing_blocks = never - usable;
-      return p;
-    }
-    const std::size_t available = pool_.alloc().num_available_blocks() - evictable;
-    if (new_blocks > available) {
-      p.query.status = CapacityStatus::kNoCapacity;
-      p.query.num_missing_blocks = new_blocks - available;
-    }
-    return p;
-  }
-
-  // Why a hit of k blocks ends there (explain_admit and the counters share it; detail::miss_point, with prefix
-  // caching off and short prompts first): `cached(g, i)`: group g has block i in a tier. A group missing block k
-  // names the cause evicted when the history has the block's key.
-  struct MissVerdict : detail::MissPoint {
-    std::optional<EvictionRecord> eviction;
-  };
-  template <class Cached>
-  [[nodiscard]] MissVerdict classify_miss(std::span<const BlockHash> hashes, std::size_t full, std::size_t walk,
-                                          std::size_t k, Cached&& cached) const {
-    MissVerdict v;
-    if (!config_.enable_prefix_caching) {
-      v.cause = MissCause::kPrefixCachingOff;
-      return v;
-    }
-    if (full == 0) {
-      v.cause = MissCause::kShortPrompt;
-      return v;
-    }
-    static_cast<detail::MissPoint&>(v) =
-        detail::miss_point(layout_.windows, coarse_factors(), config_.block_size, full, walk, k, cached);
-    if (v.group_missed && pool_.history().enabled()) {
-      if ((v.eviction = pool_.history().find(group_block_key(hashes[v.block], v.group)))) v.cause = MissCause::kEvicted;
-    }
-    return v;
-  }
-  // The miss cause of an admission that hits `k` blocks (for the counters). Out of line: admit_prompt stays small
-  // enough to inline its hashing.
-  [[nodiscard, gnu::noinline]] MissCause admission_miss_cause(std::size_t prompt_len, std::span<const BlockHash> hashes,
-                                               std::size_t k, const AdmitOptions& opts) const {
-    const std::size_t bs = config_.block_size;
-    const std::size_t full = config_.enable_prefix_caching ? prompt_len / bs : 0;
-    const std::size_t cap = std::min(opts.max_cached_tokens.value_or(prompt_len - 1), prompt_len);
-    const std::size_t walk = std::min(full, cap / bs);
-    return classify_miss(hashes, full, walk, k,
-                         [&](std::size_t g, std::size_t i) { return cached_at(hashes[i], g).tier != 0; })
-        .cause;
+    return detail::plan_admission<Id>(pool_, host_, layout_, config_, prompt, keys, opts, hashes, hashes_ready, sc);
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
@@ -1803,8 +1627,10 @@ class KVCacheManager {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
     }
     // The miss cause, before the commit's allocations can evict a block it would name (counted below).
-    const MissCause cause = config_.count_miss_causes ? admission_miss_cause(prompt.size(), hashes, plan.hit_blocks, opts)
-                                                      : MissCause::kNone;
+    const MissCause cause = config_.count_miss_causes
+                                ? detail::admission_miss_cause(pool_, host_, layout_, config_, prompt.size(), hashes,
+                                                               plan.hit_blocks, opts)
+                                : MissCause::kNone;
     const std::size_t bs = config_.block_size;
     const std::size_t G = layout_.num_groups;
     const std::size_t k = plan.hit_blocks;
@@ -2052,10 +1878,6 @@ class KVCacheManager {
   // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
   [[nodiscard]] bool settled(const sequence_type& q) const noexcept { return q.settled() && !has_filling_block(q); }
 
-  // Where group g's block with hash h is cached (HostOffload::cached_at: 1 device, 2 a ready host block, 0 neither).
-  using CachedAt = detail::CachedAt<Id>;
-  [[nodiscard]] CachedAt cached_at(const BlockHash& h, std::size_t g) const { return host_.cached_at(pool_, h, g); }
-
   // External KV (the public block "External KV"): references through the pool's reference rules.
   auto ext_acquire() {
     return [this](Id b) { pool_.acquire_block(b); };
@@ -2122,7 +1944,6 @@ class KVCacheManager {
 
   // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
   // Whether group g's pages are coarser than the match unit, and by how many match blocks per page.
-  [[nodiscard]] std::span<const std::uint32_t> coarse_factors() const noexcept { return layout_.coarse_factors(); }
   [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return layout_.is_coarse(g); }
   [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return layout_.coarse_factor(g); }
 

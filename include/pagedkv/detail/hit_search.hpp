@@ -108,6 +108,23 @@ template <class Index, class Host, class Evictable, class Id>
   return c;
 }
 
+/// lookup's walk of one full-attention group: the cached prefix of `prompt` (with `keys`) in tokens, whole blocks
+/// [0, i) each in the device index `index` or (when `host` is not null) ready in the host tier, within the first
+/// `cap_tokens / block_size` blocks. Hashes as it walks and stops at the first miss in both tiers (no prefetch, no
+/// hash kept: nothing allocated). Pure. Precondition: cap_tokens <= prompt.size().
+template <class Index, class Host>
+[[nodiscard]] std::size_t one_group_lookup(const Index& index, const Host* host, std::span<const TokenId> prompt,
+                                           std::size_t block_size, std::size_t cap_tokens, const RequestKeys* keys) {
+  const std::size_t bs = block_size;
+  BlockHash parent = index.root();
+  std::size_t i = 0;
+  for (; i < cap_tokens / bs; ++i) {
+    parent = index.hash_block(parent, prompt.subspan(i * bs, bs), i * bs, keys);
+    if (!index.find(parent) && !(host && host->find_ready(parent))) break;
+  }
+  return i * bs;
+}
+
 /// The hit over the groups of `layout` (vLLM's hybrid KVCacheCoordinator): the fixed point k <= `walk` where every
 /// group g has every block it needs cached (fixed_point_hit_blocks), group g having block i when `probe(g, i)`
 /// (a CachedAt<Id>: device first, then a ready host block) says a tier holds it; each (group, block) is probed at
