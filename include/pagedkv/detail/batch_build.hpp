@@ -56,7 +56,7 @@ class BatchBuild {
   /// gate").
   template <bool kOne, class Seqs, class Pool, class Host, class OnRegistered, class Release>
   void build(const CacheConfig& config, const GroupLayout& layout, Seqs& seqs, Pool& pool, Host& host,
-             CacheStats& stats, OnRegistered&& on_registered, Release&& release_out_of_window,
+             CacheStats& stats, OnRegistered on_registered, Release release_out_of_window,
              std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
              std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     const std::size_t G = layout.groups<kOne>();
