@@ -254,9 +254,11 @@ class BatchBuild {
 
  private:
   // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
-  // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
+  // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes). This and
+  // write_slots are always inlined: left to GCC, the move pushed the gate driver's unit past its inline-unit-growth
+  // budget and one_group_hit's push_back went out of line (admitfree-xxh3 +0.56% Ir; docs/design.md, move 8a).
   template <bool kOne>
-  [[nodiscard]] bool batch_writes(const CacheConfig& config, const GroupLayout& layout, Id b,
+  [[nodiscard, gnu::always_inline]] bool batch_writes(const CacheConfig& config, const GroupLayout& layout, Id b,
                                   std::size_t g) const noexcept {
     const std::size_t bs = kOne ? config.block_size : layout.page_tokens[g];
     for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
@@ -277,7 +279,7 @@ class BatchBuild {
   // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build
   // (`switched`: ascending block indices). One run per block: a vectorizable fill of consecutive slots.
   template <bool kOne>
-  static void write_slots(const CacheConfig& config, const GroupLayout& layout, const std::vector<std::size_t>& switched,
+  [[gnu::always_inline]] static void write_slots(const CacheConfig& config, const GroupLayout& layout, const std::vector<std::size_t>& switched,
                           const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
                           std::span<std::int64_t> out) {
     const std::size_t bs = kOne ? config.block_size : layout.page_tokens[g];
