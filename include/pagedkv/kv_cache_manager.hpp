@@ -24,6 +24,7 @@
 #include <pagedkv/cache_config.hpp>
 #include <pagedkv/config.hpp>
 #include <pagedkv/detail/admission_plan.hpp>
+#include <pagedkv/detail/batch_build.hpp>
 #include <pagedkv/detail/external_kv.hpp>
 #include <pagedkv/detail/external_kv_handoff.hpp>
 #include <pagedkv/detail/hit_search.hpp>
@@ -144,11 +145,11 @@ class KVCacheManager {
       : config_(checked(config)),
         layout_(config_.groups, config_.block_size, config_.enable_prefix_caching),
         pool_(config_, layout_),
+        build_(layout_),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
         host_(config_.num_host_blocks, config_.hash_seed, layout_.num_groups,
               config_.enable_events) {
     if (config_.groups.empty()) config_.groups.push_back(KVCacheGroupSpec{});
-    if (layout_.any_coarse) coarse_indices_.assign(layout_.num_groups, 0);
     spare_.reserve(kMaxSpareSequences);
   }
 
@@ -1313,203 +1314,15 @@ class KVCacheManager {
   void build_groups(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
+    // The build (detail/batch_build.hpp) over this manager's sequences, pool, host part and counters.
+    const auto release = [this](sequence_type& q) { release_out_of_window(q); };
     if (layout_.simple) {
-      build_groups_in<true>(batch, per_group, num_scheduled_tokens, sizes_out);
+      build_.template build<true>(config_, layout_, seqs_, pool_, host_, stats_, on_registered(), release, batch,
+                                  per_group, num_scheduled_tokens, sizes_out);
     } else {
-      build_groups_in<false>(batch, per_group, num_scheduled_tokens, sizes_out);
+      build_.template build<false>(config_, layout_, seqs_, pool_, host_, stats_, on_registered(), release, batch,
+                                   per_group, num_scheduled_tokens, sizes_out);
     }
-  }
-  template <bool kOne>
-  void build_groups_in(std::span<const SeqId> batch, std::span<const BatchMetadataBuffers> per_group,
-                       std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
-    const std::size_t G = layout_.groups<kOne>();
-    if (per_group.size() != G || sizes_out.size() != G) {
-      detail::raise(Errc::kBadShape, "build_batch_metadata: " + std::to_string(per_group.size()) +
-                                         " buffer sets and " + std::to_string(sizes_out.size()) + " sizes for " +
-                                         std::to_string(G) + " groups");
-    }
-    if (!num_scheduled_tokens.empty() && num_scheduled_tokens.size() != batch.size()) {
-      detail::raise(Errc::kBadShape, "build_batch_metadata: num_scheduled_tokens holds " +
-                                         std::to_string(num_scheduled_tokens.size()) + " entries for a batch of " +
-                                         std::to_string(batch.size()));
-    }
-    batch_scratch_.clear();
-    batch_scratch_.reserve(batch.size());
-    qlen_scratch_.clear();
-    qlen_scratch_.reserve(batch.size());
-    std::size_t num_indices = 0, num_new_tokens = 0;
-    const std::size_t bs = config_.block_size;
-    if (layout_.any_coarse) std::fill(coarse_indices_.begin(), coarse_indices_.end(), std::size_t{0});
-    std::size_t max_registrations = 0, max_blocks = 0;
-    const auto fail = [&](Errc c, std::string msg) {
-      for (sequence_type* p : batch_scratch_) p->in_batch = false;
-      detail::raise(c, "build_batch_metadata: " + std::move(msg));
-    };
-    std::size_t b_in = 0;
-    for (SeqId id : batch) {
-      const auto it = seqs_.find(id);
-      if (it == seqs_.end()) fail(Errc::kUnknownSequence, "sequence " + std::to_string(id) + " is not live");
-      sequence_type& q = it->second;
-      if (q.in_batch) fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " appears twice");
-      q.in_batch = true;
-      batch_scratch_.push_back(&q);
-      const std::size_t q_len = num_scheduled_tokens.empty() ? q.num_pending() : num_scheduled_tokens[b_in];
-      if (q_len > q.num_pending()) {
-        fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " is scheduled " + std::to_string(q_len) +
-                                         " tokens but has " + std::to_string(q.num_pending()) + " pending slots");
-      }
-      qlen_scratch_.push_back(static_cast<std::uint32_t>(q_len));
-      ++b_in;
-      const std::size_t seq_len = q.num_built + q_len;
-      const std::size_t blocks = (seq_len + bs - 1) / bs;
-      num_indices += blocks;
-      num_new_tokens += q_len;
-      max_blocks = std::max(max_blocks, blocks);
-      if (config_.enable_prefix_caching) {
-        const std::size_t reg_end = std::min({seq_len, q.num_known()}) / bs;
-        for (std::size_t g = 0; g < G; ++g) {
-          const std::size_t registered = kOne ? q.num_registered : q.registered_of(g);
-          // a coarse group: at most one page per match block + 1, each BlockRemoved + BlockStored on a re-key
-          max_registrations += (reg_end - std::min(reg_end, registered)) *
-                               (!kOne && is_coarse(g) ? coarse_type::events_per_registration() : 1);
-        }
-      }
-      for (std::size_t g = 0; g < per_group.size(); ++g) {
-        const BatchMetadataBuffers& buf = per_group[g];
-        std::size_t gblocks = blocks;
-        if (!kOne && is_coarse(g)) {  // a coarse group counts its pages
-          gblocks = (seq_len + layout_.page_tokens[g] - 1) / layout_.page_tokens[g];
-          coarse_indices_[g] += gblocks;
-        }
-        if (!buf.block_tables.empty() && gblocks > static_cast<std::size_t>(buf.max_blocks_per_seq)) {
-          fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + "sequence " +
-                                    std::to_string(id) + " has " + std::to_string(gblocks) +
-                                    " blocks > max_blocks_per_seq = " + std::to_string(buf.max_blocks_per_seq));
-        }
-      }
-    }
-    // Every row computes something (after the checks of ids, so an unknown or repeated id is named first).
-    for (std::size_t r = 0; r < batch.size(); ++r) {
-      if (qlen_scratch_[r] != 0) continue;
-      fail(Errc::kInvalidArgument, detail::idle_row_message(batch[r], r, !num_scheduled_tokens.empty(),
-                                                            batch_scratch_[r]->num_unslotted()));
-    }
-    // The copies this build hands out: its batch's own, and those reading a block it writes.
-    const std::size_t num_copies = pool_.copies().select(
-        [](const sequence_type& owner) { return owner.in_batch || owner.num_pending() == 0; },
-        [&](const copy_type& c) { return batch_writes<kOne>(c.src, c.group); });
-    if (num_indices > kMaxMetadataValue || num_new_tokens > kMaxMetadataValue) {
-      for (sequence_type* p : batch_scratch_) p->in_batch = false;
-      detail::check_metadata_value(num_indices, "build_batch_metadata: total blocks of the batch (indptr[batch])");
-      detail::check_metadata_value(num_new_tokens,
-                                   "build_batch_metadata: total new tokens of the batch (qo_indptr[batch])");
-    }
-    // Swaps: the queued ones, plus (write-through) an offload per block the previous build registered that the
-    // host does not hold yet (an upper bound: the host may run out of blocks for some).
-    const bool write_through = host_ && config_.offload == OffloadPolicy::kWriteThrough;
-    const std::size_t write_through_blocks = write_through ? host_.num_write_through(pool_) : 0;
-    const std::size_t max_out = host_ ? host_.transfers().num_queued(true) + write_through_blocks : 0;
-    const std::size_t num_in = host_ ? host_.transfers().num_queued(false) : 0;
-    const std::size_t B = batch.size();
-    for (std::size_t g = 0; g < G; ++g) {
-      const BatchMetadataBuffers& buf = per_group[g];
-      std::size_t group_copies = num_copies;
-      if constexpr (!kOne) group_copies = pool_.copies().num_selected_in(static_cast<std::uint32_t>(g));
-      if (const auto bad = detail::buffer_shape_error(buf, B, is_coarse(g) ? coarse_indices_[g] : num_indices,
-                                                      num_new_tokens, group_copies,
-                                                      g == 0 ? max_out : 0, g == 0 ? num_in : 0)) {
-        fail(Errc::kBadShape, (G > 1 ? "group " + std::to_string(g) + ": " : std::string()) + *bad);
-      }
-      if constexpr (!kOne) {  // a kind's own outputs (a recurrent group's states and checkpoints)
-        if (auto bad = visit_kind(g, [&](const auto& kind) { return kind.buffer_error(buf, batch_scratch_, qlen_scratch_); })) {
-          fail(Errc::kBadShape, std::move(*bad));
-        }
-      }
-    }
-    const BatchMetadataBuffers& buf0 = per_group[0];
-    try {
-      pool_.events().reserve_more(max_registrations + write_through_blocks + host_.num_held_back());
-      pool_.copies().reserve_taken(num_copies);
-      pool_.switched().clear();
-      pool_.switched().reserve(layout_.simple ? max_registrations : max_blocks);
-      if (host_) host_.reserve_build(write_through_blocks, write_through ? max_registrations : 0);
-    } catch (...) {
-      for (sequence_type* p : batch_scratch_) p->in_batch = false;
-      throw;
-    }
-
-    // Validated. Write-through: offload what the previous build registered (its K/V is written by now). Then per
-    // sequence: mark the scheduled slots built; per group register the full blocks whose last write this build
-    // issues (switching duplicates to the registered block), then write. Nothing below throws.
-    if (write_through) host_.offload_registered(pool_, stats_);
-    for (std::size_t g = 0; g < G; ++g) {
-      sizes_out[g] = BatchMetadataSizes{};
-      sizes_out[g].batch_size = B;
-    }
-    for (std::size_t b = 0; b < B; ++b) {
-      sequence_type& q = *batch_scratch_[b];
-      q.in_batch = false;
-      const std::size_t first = q.num_built;
-      const std::size_t q_len = qlen_scratch_[b];
-      q.num_built += q_len;
-      const std::size_t seq_len = q.num_built;
-      const std::size_t nblocks = (seq_len + bs - 1) / bs;
-      for (std::size_t g = 0; g < G; ++g) {
-        // Per row and group: the kinds' register_new and page size dispatched inline, not by visit_group (a visit
-        // per row cost +1.6% instructions on the gate's groups1 row: docs/benchmarks.md "Manager split gate").
-        const BatchMetadataBuffers& buf = per_group[g];
-        std::size_t& blk = sizes_out[g].num_indices;
-        std::size_t& tok = sizes_out[g].num_new_tokens;
-        pool_.switched().clear();
-        if (!kOne && is_coarse(g)) {  // (the dispatch here keeps DevicePool::register_blocks inlined)
-          pool_.register_coarse(q, g, coarse_factor(g));
-        } else {
-          pool_.template register_blocks<kOne>(q, g, layout_.windows[g], on_registered());
-        }
-        std::size_t gb = bs, gn = nblocks;  // a coarse group counts in its pages
-        if (!kOne && is_coarse(g)) {
-          gb = layout_.page_tokens[g];
-          gn = (seq_len + gb - 1) / gb;
-        }
-        detail::write_page_table_row(buf, b, detail::table_in<kOne>(q, g).blocks().first(gn), seq_len, gb, blk, tok);
-        if constexpr (!kOne) {
-          if (is_recurrent(g)) {
-            recurrent(g).write_state_row(q, b, first, seq_len, buf, sizes_out[g].num_checkpoints, pool_.switched());
-            if (!buf.slot_mapping.empty()) std::fill_n(buf.slot_mapping.begin() + tok, q_len, std::int64_t{-1});
-            tok += q_len;
-            continue;
-          }
-        }
-        if (!buf.slot_mapping.empty()) write_slots<kOne>(q, g, first, q_len, buf.slot_mapping.subspan(tok, q_len));
-        tok += q_len;
-      }
-    }
-    // The selected copies (less any whose destination was switched out above) are issued: hand them out, then
-    // release the references they held on their sources. The rest stay pending for their own batch's build.
-    pool_.copies().take_selected();
-    for (std::size_t g = 0; g < G; ++g) {
-      const BatchMetadataBuffers& buf = per_group[g];
-      BatchMetadataSizes& sz = sizes_out[g];
-      detail::pad_page_table(buf, B, sz.num_indices, sz.num_new_tokens);
-      sz.num_copies = detail::write_copies(buf, pool_.copies().taken(), static_cast<std::uint32_t>(g));
-      if (is_recurrent(g)) recurrent_type::pad_state_outputs(buf, B, sz.num_checkpoints);
-    }
-    for (const copy_type& c : pool_.copies().taken()) pool_.release_block(c.src);
-    pool_.copies().clear_taken();
-    // The swaps: every queued copy under this build's token, into group 0's buffers.
-    if (host_) {
-      const std::uint64_t token =
-          host_.issue(buf0.swap_out, buf0.swap_in, sizes_out[0].num_swap_out, sizes_out[0].num_swap_in);
-      for (std::size_t g = 0; g < G; ++g) sizes_out[g].transfer_token = token;
-    }
-    detail::pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, -1);
-    detail::pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, -1);
-    // The release rule: this step's kernels read these blocks; later steps may reuse them.
-    if constexpr (!kOne) {
-      for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
-    }
-    host_.retry_held_back(pool_);  // a held-back host copy whose parent this build registered again
-    pool_.note_peak();
   }
 
   // The allocator as group g's BlockTable sees it: allocations are tagged with the group; the null block 0 (a
@@ -1556,27 +1369,6 @@ class KVCacheManager {
     [[nodiscard]] std::uint32_t refcount(Id b) const { return m->pool_.table_refcount(b); }
     [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->pool_.alloc().is_hashed(b); }
   };
-
-  // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
-  // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes).
-  template <bool kOne>
-  [[nodiscard]] bool batch_writes(Id b, std::size_t g) const noexcept {
-    const std::size_t bs = kOne ? config_.block_size : layout_.page_tokens[g];
-    for (std::size_t r = 0; r < batch_scratch_.size(); ++r) {
-      const sequence_type& q = *batch_scratch_[r];
-      const std::size_t n = qlen_scratch_[r];
-      if (n == 0) continue;
-      const auto blocks = detail::table_in<kOne>(q, g).blocks();
-      for (std::size_t i = q.num_built / bs; i <= (q.num_built + n - 1) / bs; ++i) {
-        if (blocks[i] == b) return true;
-      }
-      if constexpr (!kOne) {
-        if (g > 0 && q.other_groups[g - 1].state == b) return true;  // a working state is updated in place
-      }
-    }
-    return false;
-  }
-
 
   using AdmitPlan = detail::AdmitPlan;  // detail/admission_plan.hpp
   using PlanScratch = detail::HitScratch<Id>;  // an admission plan's hits, the fixed point's scratch
@@ -2021,46 +1813,19 @@ class KVCacheManager {
 
 
 
-  // Slots of positions [first, first + n) of `q` into out[0, n), -1 inside blocks switched by this build. One run
-  // per block: a vectorizable fill of consecutive slots.
-  template <bool kOne>
-  void write_slots(const sequence_type& q, std::size_t g, std::size_t first, std::size_t n,
-                   std::span<std::int64_t> out) const {
-    const std::size_t bs = kOne ? config_.block_size : layout_.page_tokens[g];
-    const auto blocks = detail::table_in<kOne>(q, g).blocks();
-    std::int64_t* w = out.data();
-    std::size_t k = 0;  // next switched block to consider (ascending)
-    for (std::size_t p = first; p < first + n;) {
-      const std::size_t blk = p / bs;
-      const std::size_t off = p - blk * bs;
-      const std::size_t run = std::min(bs - off, first + n - p);
-      while (k < pool_.switched().size() && pool_.switched()[k] < blk) ++k;
-      if (k < pool_.switched().size() && pool_.switched()[k] == blk) {
-        std::fill_n(w, run, std::int64_t{-1});
-      } else {
-        const std::int64_t base = static_cast<std::int64_t>(blocks[blk]) * static_cast<std::int64_t>(bs) +
-                                  static_cast<std::int64_t>(off);
-        for (std::size_t j = 0; j < run; ++j) w[j] = base + static_cast<std::int64_t>(j);
-      }
-      w += run;
-      p += run;
-    }
-  }
 
 
   CacheConfig config_;                                 // groups filled in: one full group when none was given
   GroupLayout layout_;                                 // what each group is (windows, pages; simple = kOne)
   pool_type pool_;                                     // allocator, shared index, reference rules, events, history
-  std::vector<std::size_t> coarse_indices_;            // [G] a build's page-table entries per coarse group
+  detail::BatchBuild<Id> build_;                       // build_batch_metadata: the build and its scratch
   PlanScratch plan_scratch_;                           // admission: hits and the fixed point's scratch
   std::size_t max_tokens_per_seq_;
   seq_map_type seqs_;                                  // node-based: SequenceState addresses are stable
   std::vector<seq_node_type> spare_;                   // freed sequences' nodes, reused by admissions
   std::vector<BlockHash> hash_scratch_;                // admission: the prompt's block hashes
   std::vector<Id> hit_scratch_;                        // try_resume: [groups x blocks] device hits
-  std::vector<sequence_type*> batch_scratch_;
   std::vector<std::int64_t> slot_scratch_;             // AppendResult::slots
-  std::vector<std::uint32_t> qlen_scratch_;            // build: tokens scheduled per batch row
   std::unordered_set<SeqId> preempted_;                // preempted ids not yet re-admitted
   std::vector<Id> onboard_scratch_;                    // admission, resume: [groups x blocks] device blocks
   detail::HostOffload<Id, host_tier_type> host_;       // host tier, transfers, fills, held-back host events
