@@ -38,6 +38,7 @@
 #include <pagedkv/detail/group_full.hpp>
 #include <pagedkv/detail/group_recurrent.hpp>
 #include <pagedkv/detail/group_window.hpp>
+#include <pagedkv/detail/growth.hpp>
 #include <pagedkv/detail/reserve.hpp>
 #include <pagedkv/detail/stored_event.hpp>
 #include <pagedkv/error.hpp>
@@ -400,7 +401,7 @@ class KVCacheManager {
       if (is_recurrent(g)) recurrent(g).resolve_drafts(pool_, q, old_known, a);
     }
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      auto pool = pool_.template table_allocator<false>(layout_, g);
       q.table_of(g).rewind(rejected, pool);
       if (is_recurrent(g)) recurrent(g).null_partial_checkpoint(pool_, q);
     }
@@ -615,34 +616,13 @@ class KVCacheManager {
     const std::size_t drop_lookahead = std::min(n, q.num_lookahead);
     const std::size_t len = q.num_known() - (n - drop_lookahead);  // known tokens kept
     const std::size_t keep_slotted = std::min(q.num_slotted(), len + q.num_lookahead - drop_lookahead);
-    if (!layout_.simple) {  // the rewind floor of every windowed group
-      const std::size_t new_built = std::min(q.num_built, keep_slotted);
-      const std::size_t built_known = std::min(q.num_built, q.num_known());  // lookahead positions may go
-      for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-        if (is_recurrent(g) && len < built_known) {
-          detail::raise(Errc::kLimitExceeded,
-                        "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
-                            " tokens would take the state of recurrent group " + std::to_string(g) + " back from " +
-                            std::to_string(built_known) + " built positions to " + std::to_string(len) +
-                            ": a recurrent state cannot be rewound (only unbuilt or lookahead positions can)");
-        }
-        const auto need = visit_kind(g, [&](const auto& kind) { return kind.rewind_needs_released(q, new_built); });
-        if (need) {
-          detail::raise(Errc::kLimitExceeded,
-                        "rewind: sequence " + std::to_string(seq) + " back to " + std::to_string(len) +
-                            " tokens needs logical block " + std::to_string(*need) + " of group " +
-                            std::to_string(g) + " (" + to_string(config_.groups[g].kind) + " " +
-                            std::to_string(config_.groups[g].window_tokens) +
-                            "), released when its window moved past it");
-        }
-      }
-    }
+    if (!layout_.simple) detail::check_rewind_floor(layout_, config_, q, seq, len, keep_slotted);  // windows, states
     apply_retention(q, (keep_slotted + config_.block_size - 1) / config_.block_size);
     q.num_lookahead -= drop_lookahead;
     const std::size_t drop = q.num_slotted() - std::min(q.num_slotted(), len + q.num_lookahead);
     if (layout_.any_coarse) pool_.events().reserve_more(layout_.num_groups);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      auto pool = pool_.template table_allocator<false>(layout_, g);
       BlockTable<Id>& t = q.table_of(g);
       t.rewind(drop, pool);
       visit_kind(g, [&](const auto& kind) { kind.after_rewind(pool_, q, len / config_.block_size); });
@@ -1325,50 +1305,7 @@ class KVCacheManager {
     }
   }
 
-  // The allocator as group g's BlockTable sees it: allocations are tagged with the group; the null block 0 (a
-  // windowed group's released entries) carries no reference; releases go through release_block so pending copies
-  // and held counts stay consistent.
-  struct Proxy {
-    KVCacheManager* m;
-    std::uint32_t g = 0;
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->pool_.table_refcount(b); }
-    // A coarse group's partial page is keyed by the match block where its registered content ends, never beyond the
-    // tokens of a table holding it: a hit takes a page only at its key, register_coarse moves the key only while one
-    // table holds the page, a rewind below the key drops it. So appending after that content keeps the key true:
-    // only sharing forces its copy-on-write.
-    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->pool_.alloc().is_hashed(b); }
-    [[nodiscard]] std::size_t num_available_blocks() const noexcept { return m->pool_.alloc().num_available_blocks(); }
-    template <class F>
-    [[nodiscard]] std::optional<Id> try_allocate_one(F&& f) {
-      const auto b = m->pool_.alloc().try_allocate_one(f);
-      if (b && !m->layout_.simple) m->pool_.on_allocated(*b, g);
-      return b;
-    }
-    template <class F>
-    [[nodiscard]] bool try_allocate(std::span<Id> out, F&& f) {
-      if (!m->pool_.alloc().try_allocate(out, f)) return false;
-      if (!m->layout_.simple) {
-        for (Id b : out) m->pool_.on_allocated(b, g);
-      }
-      return true;
-    }
-    void acquire(Id b) {
-      if (b != Id{0}) m->pool_.acquire_block(b);
-    }
-    void release(Id b) {
-      if (b != Id{0}) m->pool_.release_block(b);
-    }
-  };
-
   using SwappedSequence = detail::SwappedSequence<Id>;  // preempted by swapping (detail/host_swap.hpp)
-
-  // The allocator as capacity queries see it (read-only).
-  struct ConstProxy {
-    const KVCacheManager* m;
-    std::uint32_t g = 0;
-    [[nodiscard]] std::uint32_t refcount(Id b) const { return m->pool_.table_refcount(b); }
-    [[nodiscard]] bool is_hashed(Id b) const { return !m->is_coarse(g) && m->pool_.alloc().is_hashed(b); }
-  };
 
   using AdmitPlan = detail::AdmitPlan;  // detail/admission_plan.hpp
   using PlanScratch = detail::HitScratch<Id>;  // an admission plan's hits, the fixed point's scratch
@@ -1474,7 +1411,7 @@ class KVCacheManager {
         continue;
       }
       std::optional<copy_type> copy;
-      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      auto pool = pool_.template table_allocator<false>(layout_, g);
       const bool ok = q.table_of(g).try_append(plan.num_reserved, pool, evictor(), nullptr, copy);
       (void)ok;  // guaranteed by the capacity check; a copy only of a coarse group's shared hit page
       if (copy) {
@@ -1518,153 +1455,26 @@ class KVCacheManager {
   // token capacity is very large is dropped instead (its memory is not kept for a typical request).
   void recycle(seq_node_type node) noexcept {
     if (node.empty() || spare_.size() == spare_.capacity() || node.mapped().tokens.capacity() > kMaxSpareTokens) return;
-    sequence_type& q = node.mapped();
-    q.tokens.clear();
-    q.hashes.clear();
-    q.keys.reset();
-    q.retention.reset();
-    q.num_registered = 0;
-    q.num_released = 0;
-    q.num_prompt_tokens = 0;
-    q.num_built = 0;
-    q.num_lookahead = 0;
-    q.num_pending_copies = 0;
-    q.in_batch = false;
-    for (auto& og : q.other_groups) {
-      og.num_registered = 0;
-      og.num_released = 0;
-      og.state = Id{0};
-      og.state_valid = false;
-      og.last_block = Id{0};
-      og.last_pos = 0;
-      og.drafts.clear();
-    }
+    node.mapped().clear_for_reuse();
     spare_.push_back(std::move(node));  // room reserved at construction
   }
 
-  // Add `tokens` to q's known token ids and hash the full blocks they complete (room reserved by the caller). Hashing
-  // may throw for very large blocks (they encode on the heap): then q is as before.
+  // The growth (detail/growth.hpp) over this manager's pool, layout, counters and scratch.
   void append_known_tokens(sequence_type& q, std::span<const TokenId> tokens) {
-    const std::size_t old_known = q.num_known();
-    const std::size_t old_hashes = q.hashes.size();
-    q.tokens.insert(q.tokens.end(), tokens.begin(), tokens.end());
-    if (!config_.enable_prefix_caching) return;
-    try {
-      pool_.index().hash_full_blocks(q.tokens, config_.block_size, q.keys.get(), q.hashes);
-    } catch (...) {
-      q.tokens.resize(old_known);
-      q.hashes.resize(old_hashes);
-      throw;
-    }
+    detail::append_known_tokens(pool_, config_, q, tokens);
   }
-
-  // Misuse checks shared by the calls that add positions after the last token (append, lookahead).
   void check_growable(const sequence_type& q, SeqId seq, std::size_t n, const char* what) const {
-    if (q.num_unslotted() != 0) {
-      detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(seq) + " has " +
-                                                std::to_string(q.num_unslotted()) +
-                                                " prompt tokens without slots (try_reserve them first)");
-    }
-    if (q.num_lookahead != 0) {
-      detail::raise(Errc::kInvalidArgument, std::string(what) + ": sequence " + std::to_string(seq) + " has " +
-                                                std::to_string(q.num_lookahead) +
-                                                " uncommitted lookahead slots (commit_lookahead first)");
-    }
-    if (q.num_known() + n > max_tokens_per_seq_) {
-      detail::raise(Errc::kLimitExceeded, std::string(what) + ": sequence " + std::to_string(seq) +
-                                              " would reach " + std::to_string(q.num_known() + n) +
-                                              " tokens, above max_tokens_per_seq = " +
-                                              std::to_string(max_tokens_per_seq_));
-    }
+    detail::check_growable(q, seq, n, max_tokens_per_seq_, what);
   }
-
-  // The coordinator's loops are compiled twice: kOne = one full-attention group (layout_.simple: group 0 only, no null
-  // entries, the loops unrolled to the plain pool's code) and the general form; each call picks one from layout_.simple.
-  // What growing `q` by n > 0 slots takes now, over every group. Never fits: even with every other sequence gone,
-  // `q` would hold more blocks than the pool (a copy forced by sharing would vanish with the sharers; one forced
-  // by a hash not).
-  // `drafts`: lookahead slots among the n (a draft state each in every recurrent group).
   [[nodiscard]] CapacityQuery query_growth(const sequence_type& q, std::size_t n, std::size_t drafts = 0) const {
-    return layout_.simple ? query_growth_in<true>(q, n, 0) : query_growth_groups(q, n, drafts);
+    return detail::query_growth(pool_, layout_, config_.block_size, q, n, drafts);
   }
-  // The several-groups case, kept out of line: inlined into try_append's caller it cost the one-group decode step
-  // 12.5 instructions per append (register pressure; the gate's decode rows, issue 32 move 7b).
-  [[gnu::noinline]] CapacityQuery query_growth_groups(const sequence_type& q, std::size_t n, std::size_t drafts) const {
-    return query_growth_in<false>(q, n, drafts);
-  }
-  template <bool kOne>
-  [[nodiscard]] CapacityQuery query_growth_in(const sequence_type& q, std::size_t n, std::size_t drafts) const {
-    const std::size_t bs = config_.block_size;
-    std::size_t needed = 0, held_after = 0;
-    for (std::size_t g = 0; g < layout_.groups<kOne>(); ++g) {
-      const BlockTable<Id>& t = detail::table_in<kOne>(q, g);
-      const std::size_t nblocks = t.num_blocks();
-      if constexpr (!kOne) {
-        if (is_recurrent(g)) {
-          recurrent(g).growth_need(pool_, q, n, drafts, needed, held_after);
-          continue;
-        }
-      }
-      const std::size_t tb = kOne ? bs : t.block_size();  // a coarse group's pages
-      const std::size_t new_blocks = (q.num_slotted() + n + tb - 1) / tb - nblocks;
-      const bool cow = t.last_block_needs_copy(ConstProxy{this, static_cast<std::uint32_t>(g)});
-      const bool hashed_partial = cow && ConstProxy{this, static_cast<std::uint32_t>(g)}.is_hashed(t.blocks().back());
-      needed += new_blocks + (cow ? 1 : 0);
-      held_after += nblocks - (kOne ? 0 : q.released_of(g)) + new_blocks + (hashed_partial ? 1 : 0);
-    }
-    if (held_after > pool_.alloc().num_usable_blocks()) {
-      return {CapacityStatus::kNeverFits, needed, held_after - pool_.alloc().num_usable_blocks(), 0};
-    }
-    if (needed > pool_.alloc().num_available_blocks()) {
-      return {CapacityStatus::kNoCapacity, needed, needed - pool_.alloc().num_available_blocks(), 0};
-    }
-    return {CapacityStatus::kFits, needed, 0, 0};
-  }
-
-  // Reserve everything commit_growth(q, n) needs, so that it cannot throw. May throw; changes nothing visible.
-  // `drafts`: lookahead slots among the n (a draft state each in every recurrent group).
   void prepare_growth(sequence_type& q, std::size_t n, std::size_t drafts = 0) {
-    const std::size_t bs = config_.block_size;
-    const std::size_t new_blocks = (q.num_slotted() + n + bs - 1) / bs - q.table.num_blocks();
-    const std::size_t G = layout_.num_groups;
-    pool_.copies().reserve_room(G);
-    for (std::size_t g = 0; g < G; ++g) q.table_of(g).reserve_blocks(q.table.num_blocks() + new_blocks);
-    if (slot_scratch_.capacity() < n) slot_scratch_.reserve(n);
-    slot_scratch_.clear();
-    reserve_for_allocations(G * (new_blocks + 2 + drafts), 0);  // + a copy; recurrent: + a completed partial block
-    for (std::size_t g = 1; g < G && drafts != 0; ++g) {
-      if (is_recurrent(g)) q.other_groups[g - 1].drafts.reserve(drafts);
-    }
+    detail::prepare_growth(pool_, layout_, config_.block_size, q, n, drafts, slot_scratch_,
+                           [this](std::size_t blocks) { reserve_for_allocations(blocks, 0); });
   }
-
-  // Give `q` n more slots in every group (capacity checked by query_growth, room reserved by prepare_growth): the
-  // result's slots and copy are group 0's. Never throws.
   AppendResult<Id> commit_growth(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
-    return layout_.simple ? commit_growth_in<true>(q, n, num_new_blocks) : commit_growth_in<false>(q, n, num_new_blocks);
-  }
-  template <bool kOne>
-  AppendResult<Id> commit_growth_in(sequence_type& q, std::size_t n, std::size_t num_new_blocks) {
-    std::optional<copy_type> copy0;
-    for (std::size_t g = 0; g < layout_.groups<kOne>(); ++g) {
-      if constexpr (!kOne) {
-        if (is_recurrent(g)) {
-          stats_.cow_copies += recurrent(g).grow_shared(pool_, q, n, taker(g)) ? 1 : 0;
-          continue;
-        }
-      }
-      Proxy pool{this, static_cast<std::uint32_t>(g)};
-      std::optional<copy_type> copy;
-      const bool ok = detail::table_in<kOne>(q, g).try_append(n, pool, evictor(), g == 0 ? &slot_scratch_ : nullptr, copy);
-      (void)ok;
-      if (copy) {
-        copy->group = static_cast<std::uint32_t>(g);
-        queue_copy(q, *copy);
-        ++stats_.cow_copies;
-        if (g == 0) copy0 = copy;
-      }
-    }
-    pool_.note_peak();
-    return {AppendStatus::kOk, slot_scratch_, copy0, 0, num_new_blocks};
+    return detail::commit_growth(pool_, layout_, stats_, q, n, num_new_blocks, slot_scratch_, evictor());
   }
 
   // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
@@ -1706,7 +1516,7 @@ class KVCacheManager {
   void release_all_groups(sequence_type& q) {
     apply_retention(q, 0);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      Proxy pool{this, static_cast<std::uint32_t>(g)};
+      auto pool = pool_.template table_allocator<false>(layout_, g);
       q.table_of(g).release_all(pool);
       if (g > 0) recurrent(g).release_states(pool_, q);  // (none held in a group of another kind)
     }

@@ -139,6 +139,30 @@ struct SequenceState {
   }
   /// Slot of position `pos` (block id * block_size + offset). Precondition: pos < num_slotted().
   [[nodiscard]] std::int64_t slot(std::size_t pos) const noexcept { return table.slot(pos); }
+  /// Empty every field but the block tables, keeping the vectors' capacity, for the next admission to reuse this
+  /// state (the manager's spare sequences). Precondition: every group's table released (empty).
+  void clear_for_reuse() noexcept {
+    tokens.clear();
+    hashes.clear();
+    keys.reset();
+    retention.reset();
+    num_registered = 0;
+    num_released = 0;
+    num_prompt_tokens = 0;
+    num_built = 0;
+    num_lookahead = 0;
+    num_pending_copies = 0;
+    in_batch = false;
+    for (auto& og : other_groups) {
+      og.num_registered = 0;
+      og.num_released = 0;
+      og.state = Id{0};
+      og.state_valid = false;
+      og.last_block = Id{0};
+      og.last_pos = 0;
+      og.drafts.clear();
+    }
+  }
 };
 
 namespace detail {

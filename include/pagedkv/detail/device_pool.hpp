@@ -165,6 +165,68 @@ class DevicePool {
     return alloc_.refcount(b) - pins(b) - (is_unkeyed_fill(b) ? 1U : 0U);
   }
 
+  // --- The table adaptor (the pool as a BlockTable's allocator) ---
+  /// The pool as group g's BlockTable sees it (block_table.hpp's Alloc: refcount, is_hashed, try_allocate_one,
+  /// try_allocate, acquire, release): allocations are tagged with the group unless `simple` (one full group); the null
+  /// block 0 (a windowed group's released entries) carries no reference; releases go through release_block so pending
+  /// copies and held counts stay consistent. `coarse`: g's pages are coarser than the match unit
+  /// (GroupLayout::is_coarse). kOne: compiled for one full-attention group (never coarse, no group tags: both
+  /// fields ignored). A small value made per call and group by table_allocator; points at the pool only.
+  template <bool kOne>
+  struct GroupTableAllocator {
+    DevicePool* pool;
+    std::uint32_t g = 0;
+    bool coarse = false;
+    bool simple = true;
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return pool->table_refcount(b); }
+    // A coarse group's partial page is keyed by the match block where its registered content ends, never beyond the
+    // tokens of a table holding it: a hit takes a page only at its key, register_coarse moves the key only while one
+    // table holds the page, a rewind below the key drops it. So appending after that content keeps the key true:
+    // only sharing forces its copy-on-write.
+    [[nodiscard]] bool is_hashed(Id b) const { return (kOne || !coarse) && pool->alloc_.is_hashed(b); }
+    [[nodiscard]] std::size_t num_available_blocks() const noexcept { return pool->alloc_.num_available_blocks(); }
+    template <class F>
+    [[nodiscard, gnu::always_inline]] std::optional<Id> try_allocate_one(F&& f) {
+      const auto b = pool->alloc_.try_allocate_one(f);
+      if (b && !kOne && !simple) pool->on_allocated(*b, g);
+      return b;
+    }
+    template <class F>
+    [[nodiscard, gnu::always_inline]] bool try_allocate(std::span<Id> out, F&& f) {
+      if (!pool->alloc_.try_allocate(out, f)) return false;
+      if (!kOne && !simple) {
+        for (Id b : out) pool->on_allocated(b, g);
+      }
+      return true;
+    }
+    void acquire(Id b) {
+      if (b != Id{0}) pool->acquire_block(b);
+    }
+    void release(Id b) {
+      if (b != Id{0}) pool->release_block(b);
+    }
+  };
+  /// The read-only half of GroupTableAllocator, as capacity queries see it (BlockTable::last_block_needs_copy).
+  template <bool kOne>
+  struct GroupTableView {
+    const DevicePool* pool;
+    std::uint32_t g = 0;
+    bool coarse = false;
+    [[nodiscard]] std::uint32_t refcount(Id b) const { return pool->table_refcount(b); }
+    [[nodiscard]] bool is_hashed(Id b) const { return (kOne || !coarse) && pool->alloc_.is_hashed(b); }
+  };
+  /// Group g of `layout` (the pool's) as its BlockTable's allocator. kOne: compiled for one full-attention group
+  /// (layout.simple: not coarse, no group tags, both known statically). Precondition: g < layout.num_groups.
+  template <bool kOne>
+  [[nodiscard]] GroupTableAllocator<kOne> table_allocator(const GroupLayout& layout, std::size_t g) noexcept {
+    return {this, static_cast<std::uint32_t>(g), !kOne && layout.is_coarse(g), kOne || layout.simple};
+  }
+  /// Group g of `layout` as its capacity queries see it (GroupTableView). kOne as table_allocator.
+  template <bool kOne>
+  [[nodiscard]] GroupTableView<kOne> table_view(const GroupLayout& layout, std::size_t g) const noexcept {
+    return {this, static_cast<std::uint32_t>(g), !kOne && layout.is_coarse(g)};
+  }
+
   // --- Fill marks (device blocks a host -> device copy is filling) ---
   /// Mark device block `dst` filling; `unkeyed`: its copy registers nothing when it completes (a swapped-in partial
   /// or unhashed block).
@@ -291,7 +353,7 @@ class DevicePool {
       const std::optional<BlockHash> old = index_.hash_of(own);
       if (old == group_block_key(h, gk) || index_.find(group_block_key(h, gk))) continue;
       // A page another table holds keeps its key: that table may end where the key ends now (it took the page by
-      // a hit there), and its appends go in place once it is the page's only holder (Proxy::is_hashed).
+      // a hit there), and its appends go in place once it is the page's only holder (GroupTableAllocator::is_hashed).
       if (table_refcount(own) > 1) continue;
       if (old) unregister_page(own, g, false);
       index.insert(h, own);
