@@ -323,11 +323,11 @@ class KVCacheManager {
     }
     const std::size_t i = pos / bs - 1;
     std::size_t need = 0;
-    for (std::size_t g = 1; g < layout_.num_groups; ++g) need += is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0} ? 1 : 0;
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) need += is_recurrent(g) ? recurrent(g).checkpoint_need(q, i) : 0;
     if (need > pool_.alloc().num_available_blocks()) return AppendStatus::kNoCapacity;
     reserve_for_allocations(need, 0);
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {
-      if (is_recurrent(g) && q.table_of(g).blocks()[i] == Id{0}) (void)q.table_of(g).replace_block(i, allocate_one(g));
+      if (is_recurrent(g)) recurrent(g).keep_checkpoint(q, i, taker(g));
     }
     pool_.note_peak();
     return AppendStatus::kOk;
@@ -529,23 +529,11 @@ class KVCacheManager {
     const std::size_t n = s.host_blocks.size();  // [groups x blocks], 0 = a null entry of a windowed group
     const std::size_t nb = n / layout_.num_groups;
     const std::size_t bs = config_.block_size;
-    std::size_t held = 0, fresh = 0;  // fresh: recurrent groups' working states and last checkpoints
-    for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
-    for (std::size_t g = 1; g < layout_.num_groups; ++g) {
-      if (!is_recurrent(g)) continue;
-      fresh += recurrent(g).state_blocks();
-      if (s.states[g] != Id{0} && !host_.tier().is_ready(s.states[g])) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
-    }
-    held += fresh;
-    if (held > pool_.alloc().num_usable_blocks()) {
-      return {AdmitStatus::kNeverFits, 0, 0, 0, held - pool_.alloc().num_usable_blocks()};
-    }
-    const detail::ResumePlan plan =
-        detail::plan_resume(host_, pool_, std::span<const Id>(s.host_blocks), nb, hit_scratch_);
-    if (plan.pending) return {AdmitStatus::kTransferPending, 0, 0, 0, 0};
-    const std::size_t to_fill = plan.to_fill;
-    const std::size_t available = pool_.alloc().num_available_blocks() - plan.evictable_hits;
-    if (to_fill + fresh > available) return {AdmitStatus::kNoCapacity, 0, 0, 0, to_fill + fresh - available};
+    const detail::ResumeNeed need = detail::resume_need(
+        host_, pool_, s, layout_.num_groups,
+        [&](std::size_t g) { return is_recurrent(g) ? recurrent(g).state_blocks() : std::size_t{0}; }, hit_scratch_);
+    if (need.status != AdmitStatus::kAdmitted) return {need.status, 0, 0, 0, need.missing};
+    const std::size_t to_fill = need.to_fill, fresh = need.fresh;  // fresh: recurrent groups' states, checkpoints
     // Commit. Reserve first.
     auto [it, inserted] = seqs_.try_emplace(seq, sequence_type(config_.block_size, layout_.num_groups, layout_.page_tokens));
     if (!inserted) {  // cannot happen: a swapped id is not live (admission refuses a swapped id)
@@ -573,13 +561,9 @@ class KVCacheManager {
     q.num_built = num_tokens;
     for (std::size_t g = 1; g < layout_.num_groups; ++g) {  // working states copied back; the zero or hit state stays so
       if (!is_recurrent(g)) continue;
-      GroupTableState<Id>& st = q.other_groups[g - 1];
-      st.state = allocate_one(g);
-      st.state_valid = s.states[g] != Id{0};
-      if (st.state_valid) {
-        host_.queue_fill(pool_, stats_, st.state, s.states[g], TransferKind::kSwapIn, nullptr, false, g);
-      }
-      if (recurrent(g).keeps_last()) st.last_block = allocate_one(g);
+      recurrent(g).resume_states(q, s.states[g], taker(g), [&](Id b, Id from) {
+        host_.queue_fill(pool_, stats_, b, from, TransferKind::kSwapIn, nullptr, false, g);
+      });
     }
     detail::release_swapped(host_, std::span<const Id>(s.host_blocks), std::span<const Id>(s.states));
     swapped_.erase(sw);
@@ -1179,14 +1163,8 @@ class KVCacheManager {
     const sequence_type& q = live(seq, "finish_with_lease");
     detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
     ext_.check_settled(seq, settled(q), "finish_with_lease");
-    const std::size_t last = q.num_known() == 0 ? 0 : q.num_known() - 1;  // the consumer's first query, at most
-    auto block_at = [&](std::size_t g, std::size_t i) -> Id {
-      if (i < detail::handoff_first_block(layout_.windows[g], last, config_.block_size)) return Id{0};
-      const auto blocks = q.table_of(g).blocks();
-      const Id b = i < blocks.size() ? blocks[i] : Id{0};
-      if (b != Id{0} || i >= q.hashes.size()) return b;
-      const auto c = pool_.ix(g).find(q.hashes[i]);  // released by the last build's window, still cached
-      return c ? *c : Id{0};
+    const auto block_at = [&](std::size_t g, std::size_t i) {
+      return detail::handoff_block_at<Id>(pool_, layout_, q, g, i);
     };
     HandoffDescriptor<Id> d = ext_.open_lease(
         seq, q.num_known(), layout_.num_groups, config_.block_size, block_at,
@@ -1241,17 +1219,7 @@ class KVCacheManager {
       detail::raise(Errc::kBlockOutOfRange, "evict_cached_block: block " + std::to_string(b) + " outside [1, " +
                                                 std::to_string(pool_.alloc().num_blocks()) + ")");
     }
-    if (!pool_.alloc().is_hashed(b)) return false;
-    pool_.events().reserve_more(1);
-    const bool registered = pool_.forget_registration(b).has_value();
-    if (pool_.alloc().refcount(b) == 0) {  // cached: to the free list (an unhashed release frees)
-      pool_.alloc().acquire(b);
-      pool_.alloc().set_hashed(b, false);
-      pool_.alloc().release(b);
-    } else {
-      pool_.alloc().set_hashed(b, false);
-    }
-    return registered;
+    return pool_.evict_by_id(b);
   }
   /// External clock tick: ends every lease, save pin and orphan hold whose deadline is at or before `now`; records
   /// `now` for the orphan deadlines of later aborts. Returns how many ended. O(holds).
@@ -1423,17 +1391,7 @@ class KVCacheManager {
     if (readmission) preempted_.erase(seq);
     pool_.note_peak();
 
-    ++stats_.prefix_query_requests;
-    stats_.prefix_query_tokens += prompt.size();
-    if (k > 0) ++stats_.prefix_hit_requests;
-    stats_.prefix_hit_tokens += k * bs;
-    stats_.host_hit_tokens += plan.host_hit_blocks * bs;
-    if (readmission) {
-      ++stats_.readmitted_requests;
-      stats_.readmitted_query_tokens += prompt.size();
-      stats_.readmitted_hit_tokens += k * bs;
-    }
-    interval_.record(prompt.size(), k * bs, readmission);
+    detail::count_admission(stats_, interval_, prompt.size(), k * bs, plan.host_hit_blocks * bs, readmission);
     if (config_.count_miss_causes) ++stats_.admissions_by_miss_cause[static_cast<std::size_t>(cause)];
     return {AdmitStatus::kAdmitted, k * bs, plan.host_hit_blocks * bs, plan.query.num_blocks, 0};
   }
@@ -1498,7 +1456,6 @@ class KVCacheManager {
     }
   }
 
-
   // One block of group g from the pool (capacity checked by the caller).
   Id allocate_one(std::size_t g) { return pool_.allocate_one(g, evictor()); }
   // allocate_one(g) as a callable (a group kind's `take`).
@@ -1544,7 +1501,6 @@ class KVCacheManager {
     }
   }
 
-  // Blocks a sequence holds in recurrent group g whatever its length: its working state and its last checkpoint.
   // Whether group g's pages are coarser than the match unit, and by how many match blocks per page.
   [[nodiscard]] bool is_coarse(std::size_t g) const noexcept { return layout_.is_coarse(g); }
   [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return layout_.coarse_factor(g); }
@@ -1604,7 +1560,6 @@ class KVCacheManager {
     if (host_) host_.transfers().reserve_more(device_blocks + fills);
   }
 
-
   // Register group g's registrable full blocks of `q` beyond its registered cursor (DevicePool::register_blocks,
   // register_coarse by the group's kind). Precondition: room reserved in pool_.switched() and the event log.
   void register_full_blocks(sequence_type& q, std::size_t g) {
@@ -1620,10 +1575,6 @@ class KVCacheManager {
       if (host_ && config_.offload == OffloadPolicy::kWriteThrough) host_.recent_registered().emplace_back(own, h);
     };
   }
-
-
-
-
 
   CacheConfig config_;                                 // groups filled in: one full group when none was given
   GroupLayout layout_;                                 // what each group is (windows, pages; simple = kOne)

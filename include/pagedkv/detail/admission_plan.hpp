@@ -17,6 +17,7 @@
 #include <pagedkv/hash.hpp>             // BlockHash, TokenId
 #include <pagedkv/manager_results.hpp>  // AdmitOptions, CapacityQuery
 #include <pagedkv/request_keys.hpp>     // RequestKeys
+#include <pagedkv/stats.hpp>            // CacheStats, PrefixCacheStats
 
 namespace pagedkv::detail {
 
@@ -116,6 +117,23 @@ AdmitPlan plan_admission(const Pool& pool, const Host& host, const GroupLayout& 
             host_hits};
   }
   return {{CapacityStatus::kFits, new_blocks, 0, cached}, reserved, host_hits, k, host_hits};
+}
+
+/// Count an admitted prompt of `prompt_len` tokens that hit `hit_tokens` (`host_hit_tokens` of them from the host
+/// tier) in `stats` and `interval` (vLLM's PrefixCacheStats); `readmission`: the request was preempted before.
+inline void count_admission(CacheStats& stats, PrefixCacheStats& interval, std::size_t prompt_len,
+                            std::size_t hit_tokens, std::size_t host_hit_tokens, bool readmission) noexcept {
+  ++stats.prefix_query_requests;
+  stats.prefix_query_tokens += prompt_len;
+  if (hit_tokens > 0) ++stats.prefix_hit_requests;
+  stats.prefix_hit_tokens += hit_tokens;
+  stats.host_hit_tokens += host_hit_tokens;
+  if (readmission) {
+    ++stats.readmitted_requests;
+    stats.readmitted_query_tokens += prompt_len;
+    stats.readmitted_hit_tokens += hit_tokens;
+  }
+  interval.record(prompt_len, hit_tokens, readmission);
 }
 
 }  // namespace pagedkv::detail

@@ -275,6 +275,24 @@ class DevicePool {
     }
     return Forgotten{h, g};
   }
+  /// Evict block b's hash now, by id (KVCacheManager::evict_cached_block: vLLM's `evict_blocks` after a failed load):
+  /// its registration is dropped (forget_registration) and its hashed mark cleared; a cached block goes to the free
+  /// list, a held one stays with its holders and is freed on its last release. Returns whether b was registered
+  /// (false when b was not hashed: nothing changes). Precondition: 0 < b < num_blocks. May throw std::bad_alloc
+  /// (the event's room) before any change.
+  [[gnu::cold, gnu::noinline]] bool evict_by_id(Id b) {
+    if (!alloc_.is_hashed(b)) return false;
+    events_.reserve_more(1);
+    const bool registered = forget_registration(b).has_value();
+    if (alloc_.refcount(b) == 0) {  // cached: to the free list (an unhashed release frees)
+      alloc_.acquire(b);
+      alloc_.set_hashed(b, false);
+      alloc_.release(b);
+    } else {
+      alloc_.set_hashed(b, false);
+    }
+    return registered;
+  }
   /// The evictor the allocator calls just before a cached block b is reused: drops its registration (above); then
   /// `on_evicted(b, hash, group)` (the facade's host offload) runs for a block that was registered. The caller
   /// reserved room for the events and whatever the hook queues.

@@ -74,6 +74,22 @@ inline void check_external_groups(const CacheConfig& config, const GroupLayout& 
   return first_kept_block(w, end_token, block_size);
 }
 
+/// Producer: the block a hand-off of `q` describes at logical block i of group g (KVCacheManager::finish_with_lease):
+/// the null block 0 before handoff_first_block of the query at num_known - 1 (a consumer recomputes its last prompt
+/// token), else the table's block, or, when the last build's window released it, the block the pool still caches
+/// under its hash (0 when evicted meanwhile). Pure.
+template <class Id, class Pool, class Seq>
+[[nodiscard]] Id handoff_block_at(const Pool& pool, const GroupLayout& layout, const Seq& q, std::size_t g,
+                                  std::size_t i) {
+  const std::size_t last = q.num_known() == 0 ? 0 : q.num_known() - 1;  // the consumer's first query, at most
+  if (i < handoff_first_block(layout.windows[g], last, layout.block_size)) return Id{0};
+  const auto blocks = q.table_of(g).blocks();
+  const Id b = i < blocks.size() ? blocks[i] : Id{0};
+  if (b != Id{0} || i >= q.hashes.size()) return b;
+  const auto c = pool.ix(g).find(q.hashes[i]);  // released by the last build's window, still cached
+  return c ? *c : Id{0};
+}
+
 /// The valid blocks (per group, from the fill's first_block) that a completion may keep when `num_valid` of the
 /// fill's `num_blocks` blocks hold K/V: `num_valid`, unless the query at the position it would leave computed
 /// (first_token + num_valid blocks) sees a window block that was never transferred (a window group's blocks in

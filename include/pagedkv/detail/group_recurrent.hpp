@@ -162,6 +162,28 @@ struct RecurrentGroup : FullGroup<Id> {
     if (!st.drafts.empty()) release_drafts(pool, st, 0);
   }
 
+  /// Resume of a swapped sequence (KVCacheManager::try_resume): a new working state, filled by `fill(block,
+  /// host_state)` (a kSwapIn copy) when the swap-out copied one (`host_state` != 0; else the zero or the hit's state
+  /// stays to be computed), and a new last-checkpoint block when kept; state_blocks() blocks through `take()`
+  /// (capacity checked by the caller).
+  template <class Take, class Fill>
+  void resume_states(sequence_type& q, Id host_state, Take&& take, Fill&& fill) const {
+    GroupTableState<Id>& st = q.other_groups[g - 1];
+    st.state = take();
+    st.state_valid = host_state != Id{0};
+    if (st.state_valid) fill(st.state, host_state);
+    if (keeps_last()) st.last_block = take();
+  }
+  /// mark_checkpoint at logical block i: 1 when this group has no checkpoint block there yet (the block it takes).
+  [[nodiscard]] std::size_t checkpoint_need(const sequence_type& q, std::size_t i) const noexcept {
+    return q.table_of(g).blocks()[i] == Id{0} ? 1 : 0;
+  }
+  /// mark_checkpoint at logical block i: a checkpoint block there, through `take()`, unless one is kept already.
+  template <class Take>
+  void keep_checkpoint(sequence_type& q, std::size_t i, Take&& take) const {
+    if (checkpoint_need(q, i) != 0) (void)q.table_of(g).replace_block(i, take());
+  }
+
   /// A build's check of this group's buffers beyond the page table's: the state and checkpoint outputs of the
   /// batch `rows` (`q_lens`: tokens each computes) cannot be dropped. The kBadShape message naming the first short
   /// buffer, or none. Nothing changes.

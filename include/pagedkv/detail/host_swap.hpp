@@ -17,6 +17,7 @@
 #include <pagedkv/detail/host_offload.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/hash.hpp>
+#include <pagedkv/manager_results.hpp>
 #include <pagedkv/prefix_hash_index.hpp>
 #include <pagedkv/sequence_state.hpp>
 #include <pagedkv/stats.hpp>
@@ -138,6 +139,44 @@ template <class Id, class Tier, class Pool>
     }
   }
   return p;
+}
+
+/// KVCacheManager::try_resume's answer before its commit, for swapped sequence `s` over `num_groups` groups:
+/// kTransferPending while the copy of a working state (`s.states`) or of a host block has not completed, kNeverFits /
+/// kNoCapacity (with the missing blocks) as admission answers, else kAdmitted with the blocks to copy back
+/// (`to_fill`) and the fresh ones (`fresh`: `state_blocks(g)` per group, a recurrent group's working state and last
+/// checkpoint). Fills `hits` (plan_resume). Changes nothing else.
+struct ResumeNeed {
+  AdmitStatus status = AdmitStatus::kAdmitted;
+  std::size_t missing = 0;
+  std::size_t to_fill = 0;
+  std::size_t fresh = 0;
+};
+template <class Id, class Tier, class Pool, class StateBlocks>
+[[nodiscard]] ResumeNeed resume_need(const HostOffload<Id, Tier>& host, const Pool& pool, const SwappedSequence<Id>& s,
+                                     std::size_t num_groups, StateBlocks&& state_blocks, std::vector<Id>& hits) {
+  ResumeNeed r;
+  std::size_t held = 0;
+  for (Id hb : s.host_blocks) held += hb != Id{0} ? 1 : 0;
+  for (std::size_t g = 1; g < num_groups; ++g) {
+    r.fresh += state_blocks(g);
+    if (s.states.size() > g && s.states[g] != Id{0} && !host.tier().is_ready(s.states[g])) {
+      return {AdmitStatus::kTransferPending, 0, 0, 0};
+    }
+  }
+  held += r.fresh;
+  if (held > pool.alloc().num_usable_blocks()) {
+    return {AdmitStatus::kNeverFits, held - pool.alloc().num_usable_blocks(), 0, 0};
+  }
+  const ResumePlan plan = plan_resume(host, pool, std::span<const Id>(s.host_blocks),
+                                      s.host_blocks.size() / num_groups, hits);
+  if (plan.pending) return {AdmitStatus::kTransferPending, 0, 0, 0};
+  r.to_fill = plan.to_fill;
+  const std::size_t available = pool.alloc().num_available_blocks() - plan.evictable_hits;
+  if (r.to_fill + r.fresh > available) {
+    return {AdmitStatus::kNoCapacity, r.to_fill + r.fresh - available, r.to_fill, r.fresh};
+  }
+  return r;
 }
 
 /// Resume (the commit of plan_resume, same `hits`): hold each device hit, allocate a device block per other entry
