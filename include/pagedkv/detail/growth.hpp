@@ -176,13 +176,23 @@ AppendResult<Id> commit_growth_in(Pool& pool, const GroupLayout& layout, CacheSt
   pool.note_peak();
   return {AppendStatus::kOk, slots, copy0, 0, num_new_blocks};
 }
+/// commit_growth_in's several-groups case: out of line, with everything it calls inlined into it (the table's
+/// try_append and the evictor; the gate's groups rows, issue 32 move 8c).
+template <class Pool, class Id, class Evict>
+[[gnu::noinline, gnu::flatten]] AppendResult<Id> commit_growth_groups(Pool& pool, const GroupLayout& layout,
+                                                                     CacheStats& stats, SequenceState<Id>& q,
+                                                                     std::size_t n, std::size_t num_new_blocks,
+                                                                     std::vector<std::int64_t>& slots,
+                                                                     const Evict& evict) {
+  return commit_growth_in<false>(pool, layout, stats, q, n, num_new_blocks, slots, evict);
+}
 /// commit_growth_in, compiled for layout.simple or not.
 template <class Pool, class Id, class Evict>
 AppendResult<Id> commit_growth(Pool& pool, const GroupLayout& layout, CacheStats& stats, SequenceState<Id>& q,
                                std::size_t n, std::size_t num_new_blocks, std::vector<std::int64_t>& slots,
                                Evict evict) {
   return layout.simple ? commit_growth_in<true>(pool, layout, stats, q, n, num_new_blocks, slots, evict)
-                       : commit_growth_in<false>(pool, layout, stats, q, n, num_new_blocks, slots, evict);
+                       : commit_growth_groups(pool, layout, stats, q, n, num_new_blocks, slots, evict);
 }
 
 /// The rewind floor of every windowed and recurrent group of `layout` (groups `config.groups`): rewinding live
