@@ -1,6 +1,26 @@
 """Shared steps of the adapter's differential tests (test_adapter*.py, run by scripts/vllm-tests.sh): pagedkv.vllm's
 KVCacheManager ("ours") and vLLM's own ("theirs") driven with the same requests, kept in pairs (ra, rb, ...) in a
-dict `live` by request id."""
+dict `live` by request id; and the vLLM objects every one of them builds."""
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+
+def make_config(num_blocks: int, specs) -> KVCacheConfig:
+    """A KVCacheConfig of `num_blocks` blocks with one KV-cache group per spec (layer names layer0, layer1, ...)."""
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)])
+
+
+def make_request(rid: str, tokens, block_size: int) -> Request:
+    """A vLLM Request with prompt `tokens` and the block hasher the engine gives it (sha256, `block_size` tokens)."""
+    sp = SamplingParams(max_tokens=1000)
+    sp.update_from_generation_config({}, eos_token_id=None)
+    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
+                   block_hasher=get_request_block_hasher(block_size, sha256))
 
 
 def next_tokens(rng, ra, rb, max_len: int, vocab: int) -> int | None:

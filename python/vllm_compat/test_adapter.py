@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
-from _pairs import free_pair, free_random
+from _pairs import free_pair, free_random, make_request
 
 init_none_hash(sha256)
 
@@ -56,10 +56,7 @@ def _config(num_blocks, block_size=4):
 
 
 def _request(rid, tokens, block_size=4):
-    sp = SamplingParams(max_tokens=1000)
-    sp.update_from_generation_config({}, eos_token_id=None)
-    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+    return make_request(rid, tokens, block_size)
 
 
 def _manager(cls, num_blocks, block_size=4, **kw):

@@ -27,20 +27,16 @@ import pytest
 import torch
 
 import pagedkv.vllm as pv
-from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
     MambaSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.request import Request
 
-from _pairs import free_pair, free_random, next_tokens
+from _pairs import free_pair, free_random, next_tokens, make_config, make_request
 
 init_none_hash(sha256)
 
@@ -60,9 +56,7 @@ def _swa(window):
     return SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window)
 
 
-def _config(num_blocks, specs):
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)])
+_config = make_config
 
 
 def _sbs(specs):
@@ -79,10 +73,7 @@ def _manager(cls, num_blocks, specs, **kw):
 
 
 def _request(rid, tokens):
-    sp = SamplingParams(max_tokens=1000)
-    sp.update_from_generation_config({}, eos_token_id=None)
-    return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
-                   block_hasher=get_request_block_hasher(BS, sha256))
+    return make_request(rid, tokens, BS)
 
 
 LAYOUTS = {
