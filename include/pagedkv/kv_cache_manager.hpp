@@ -979,10 +979,10 @@ class KVCacheManager {
   // ---------------------------------------------------------------------------------------------------------------
   // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
   // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state is detail/external_kv.hpp, the
-  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Full-attention and windowed
-  // groups (sliding window, chunked-local) take part: a window group hands off only the blocks inside the window of
-  // the consumer's first query (handoff_first_block). Recurrent groups and coarse pages are refused with
-  // kInvalidArgument naming the group.
+  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Full-attention, windowed
+  // (sliding window, chunked-local) and recurrent groups take part: a window group hands off only the blocks inside
+  // the window of the consumer's first query (handoff_first_block), a recurrent group only the state the consumer
+  // resumes from (RecurrentGroup's hand-off hooks). Coarse pages are refused with kInvalidArgument naming the group.
 
   /// Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens from an external source after
   /// the local prefix hit (vLLM's `num_external_computed_tokens` after `get_num_new_matched_tokens`; clamped so the
@@ -993,7 +993,9 @@ class KVCacheManager {
   /// positions [first_token, end_token) are held by the fill (one reference each), never registered, matched,
   /// evicted or reported (no event) until `complete_external_fill`; the sequence waits for it (a build refuses
   /// it, naming it). A window group's blocks outside the window of the query at end_token are null in the ticket
-  /// (never transferred; they stay in the table, unfilled, for a recompute, and become null at completion).
+  /// (never transferred; they stay in the table, unfilled, for a recompute, and become null at completion). A
+  /// recurrent group's row is null but its last entry, the block that receives the state after end_token tokens
+  /// (the source must provide exactly that state: vLLM's N-1 prefill, vllm#37310).
   /// `opts.num_reserved_tokens`, when given, is raised to cover the external tokens.
   /// Throws as try_admit, and kInvalidArgument for a group kind external KV does not support yet.
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
@@ -1016,9 +1018,18 @@ class KVCacheManager {
     if (!r.admit.admitted() || n == 0) return r;
     try {
       const sequence_type& q = live(seq, "try_admit_external");
+      std::vector<Id> row;  // a recurrent group's row: the state at h + n only
+      const auto blocks_of = [&](std::size_t g) -> std::span<const Id> {
+        if (!layout_.is_recurrent(g)) return q.table_of(g).blocks();
+        recurrent(g).ticket_row(q, h + n, row);
+        return row;
+      };
       r.ticket = ext_.open_fill(
-          seq, layout_.num_groups, config_.block_size, h, n, [&](std::size_t g) { return q.table_of(g).blocks(); },
-          [&](std::size_t g) { return detail::handoff_first_block(layout_.windows[g], h + n, config_.block_size); },
+          seq, layout_.num_groups, config_.block_size, h, n, blocks_of,
+          [&](std::size_t g) {
+            return layout_.is_recurrent(g) ? h / config_.block_size
+                                           : detail::handoff_first_block(layout_.windows[g], h + n, config_.block_size);
+          },
           ext_acquire(), ext_release());
     } catch (...) {
       free(seq);  // bad_alloc: undo the admission
@@ -1068,8 +1079,9 @@ class KVCacheManager {
   /// kRecompute keeps the sequence (the positions from the first failed block on stay pending in their blocks: the
   /// scheduler computes them); kFail frees the sequence and reports it failed. With a window group, a valid prefix
   /// whose next query would see a block left out of the transfer (detail::window_valid_blocks) counts as 0 valid
-  /// blocks under kRecompute: the positions after the local hit are all recomputed. Blocks outside the window of
-  /// the next query become null (as after a build). A signal for a fill that is not live
+  /// blocks under kRecompute: the positions after the local hit are all recomputed; so does any partial fill with a
+  /// recurrent group (its one transferred state, at end_token, is the fill's last block: detail::fill_valid_blocks).
+  /// Blocks outside the window of the next query become null (as after a build). A signal for a fill that is not live
   /// is counted and changes nothing (late: its sequence was aborted, and an orphan hold ends now; duplicate;
   /// unknown), never thrown. Throws kInvalidArgument (num_valid_blocks beyond the fill's blocks) for a live fill;
   /// nothing changes then.
@@ -1086,9 +1098,8 @@ class KVCacheManager {
     // A window group's next query must see only transferred blocks; else the fill is recomputed from the hit.
     const auto& f = *sig.fill;
     out.num_valid_blocks = layout_.simple ? num_valid_blocks
-                                          : detail::window_valid_blocks(layout_.windows, f.first_block, f.first_token,
-                                                                        f.end_token, nb, num_valid_blocks,
-                                                                        config_.block_size);
+                                          : detail::fill_valid_blocks(layout_, f.first_block, f.first_token,
+                                                                      f.end_token, nb, num_valid_blocks);
     ext_.count_completion(out.num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
     if (out.sequence_failed) {
       free(out.seq);
@@ -1096,7 +1107,11 @@ class KVCacheManager {
     }
     sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
     q.num_built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
-    if (!layout_.simple) release_out_of_window(q);  // never-transferred window blocks: null before registration
+    for (std::size_t g = 1; g < layout_.num_groups && out.num_valid_blocks == nb; ++g) {
+      if (layout_.is_recurrent(g)) recurrent(g).complete_fill(q, f.end_token);  // the state at end_token
+    }
+    // Never-transferred window blocks and unwritten checkpoint blocks: null before registration.
+    if (!layout_.simple) release_out_of_window(q);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       pool_.switched().clear();
       register_full_blocks(q, g);
@@ -1153,16 +1168,25 @@ class KVCacheManager {
   /// every group's blocks of positions [0, num_tokens) with their generations, the full blocks' identities under
   /// `layout.hash_algorithm`, `layout`. A window group's entries are those inside the window of the query at
   /// num_tokens - 1 (a consumer recomputes its last prompt token), taken back from the cache when the last build's
-  /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. Throws
+  /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. A recurrent
+  /// group's entry at block i is the state after the tokens up to the end of block i: the working state for the
+  /// last block, the checkpoints q kept or the pool caches for the others (null where there is none); the last
+  /// checkpoint is registered first, as a free would. Throws
   /// kUnknownSequence; kInvalidArgument (layout's block_size, groups or hash fields differ from this pool's: named;
-  /// the sequence is not settled or waits for a fill; vLLM identities of a request with extra keys; a recurrent
-  /// group or coarse pages) before anything changes.
+  /// the sequence is not settled or waits for a fill; vLLM identities of a request with extra keys; coarse pages)
+  /// before anything changes.
   HandoffDescriptor<Id> finish_with_lease(SeqId seq, const KvLayoutFingerprint& layout,
                                           std::optional<ExternalTimePoint> lease_deadline) {
     detail::check_external_groups(config_, layout_, "finish_with_lease");
     const sequence_type& q = live(seq, "finish_with_lease");
     detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
     ext_.check_settled(seq, settled(q), "finish_with_lease");
+    if (layout_.any_recurrent) {  // the last checkpoints keyed now (a free would), so the lease holds them cached
+      pool_.events().reserve_more(layout_.num_groups);
+      for (std::size_t g = 1; g < layout_.num_groups; ++g) {
+        if (layout_.is_recurrent(g)) recurrent(g).register_last_checkpoint(pool_, seqs_.find(seq)->second);
+      }
+    }
     const auto block_at = [&](std::size_t g, std::size_t i) {
       return detail::handoff_block_at<Id>(pool_, layout_, q, g, i);
     };
@@ -1184,10 +1208,10 @@ class KVCacheManager {
   }
   /// Pin the built full blocks of live `seq` (every group) for a save to a store (vLLM's offloading connector,
   /// LMCache): until `end_save`, a preemption, free or eviction never hands them to another sequence while the save
-  /// reads them. Returns the pin id. Throws kUnknownSequence; kInvalidArgument for a group kind external KV does not
-  /// support yet (nothing changes).
+  /// reads them. Returns the pin id. Throws kUnknownSequence; kInvalidArgument for coarse pages or a recurrent
+  /// group (a working state is rewritten in place by every build) (nothing changes).
   std::uint64_t pin_for_save(SeqId seq, std::optional<ExternalTimePoint> deadline = std::nullopt) {
-    detail::check_external_groups(config_, layout_, "pin_for_save");
+    detail::check_external_groups(config_, layout_, "pin_for_save", true);
     const sequence_type& q = live(seq, "pin_for_save");
     return ext_.pin_for_save(seq, layout_.num_groups, std::min(q.num_built, q.num_slotted()) / config_.block_size,
                              [&](std::size_t g) { return q.table_of(g).blocks(); }, deadline, ext_acquire(),
@@ -1236,7 +1260,9 @@ class KVCacheManager {
   /// Only the blocks after this pool's own prefix hit are planned (the hit is not transferred again), up to
   /// importable_tokens (the last prompt token is computed here); a window group's blocks outside the window of the
   /// query at the plan's end are null in remote_blocks (never transferred), and a descriptor that lacks one inside
-  /// that window makes an empty plan (the consumer computes the prompt). Counts nothing: the blocks transferred and
+  /// that window makes an empty plan (the consumer computes the prompt). With a recurrent group the plan ends at the
+  /// latest position whose state the descriptor holds in every recurrent group (detail::recurrent_import_end) and
+  /// moves that state only. Counts nothing: the blocks transferred and
   /// skipped are counted by the admission that takes the plan (try_admit_external with the plan). Throws
   /// kInvalidArgument (each check above, naming the values; an unsupported group kind).
   ImportPlan<Id> plan_import(const HandoffDescriptor<Id>& desc, const KvLayoutFingerprint& ours,
@@ -1245,7 +1271,7 @@ class KVCacheManager {
     detail::check_pool_layout(config_, ours, "plan_import: this pool vs `ours`");
     detail::check_external_groups(config_, layout_, "plan_import");
     ImportPlan<Id> p = detail::make_import_plan(
-        desc, std::span<const AttentionWindow>(layout_.windows), config_.block_size, prompt.size(),
+        desc, layout_, prompt.size(),
         [&] { return prompt.empty() ? std::size_t{0} : lookup(prompt, keys); },
         [&] {
           return detail::block_identities(prompt, prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),

@@ -48,19 +48,23 @@ inline void check_pool_layout(const CacheConfig& config, const KvLayoutFingerpri
                     layout, what);
 }
 
-/// Throws kInvalidArgument naming the first group external KV does not support yet. Supported: full attention and
+/// Throws kInvalidArgument naming the first group external KV does not support yet. Supported: full attention,
 /// windowed attention (sliding window, chunked-local: a hand-off carries only the blocks inside the window of the
-/// consumer's first query), at the pool's block size. Refused: recurrent state (its working state and last
-/// checkpoint need their own hand-off rule) and coarse pages.
-inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what) {
+/// consumer's first query) and, unless `save_pin`, recurrent state (a hand-off carries one state: the one the
+/// consumer resumes from), at the pool's block size. Refused: coarse pages, and a save pin with a recurrent group
+/// (its working state is rewritten in place by every build, so a pin cannot keep it for a save).
+inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what,
+                                  bool save_pin = false) {
   for (std::size_t g = 0; g < layout.num_groups; ++g) {
     const KVCacheGroupSpec& s = config.groups[g];
-    if (s.kind == AttentionKind::kRecurrent || layout.page_tokens[g] != config.block_size) {
+    if ((save_pin && s.kind == AttentionKind::kRecurrent) || layout.page_tokens[g] != config.block_size) {
       detail::raise(Errc::kInvalidArgument,
                     std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
-                        (layout.page_tokens[g] != config.block_size ? " with coarse pages" : "") +
-                        ": external KV supports full-attention and windowed groups at the pool's block size, not "
-                        "recurrent groups or coarse pages yet (issue 33)");
+                        (layout.page_tokens[g] != config.block_size
+                             ? " with coarse pages: external KV supports groups at the pool's block size, not coarse "
+                               "pages yet (issue 33)"
+                             : ": a save pin cannot keep a working state that every build rewrites in place (hand "
+                               "the state off with finish_with_lease)"));
     }
   }
 }
@@ -74,13 +78,15 @@ inline void check_external_groups(const CacheConfig& config, const GroupLayout& 
   return first_kept_block(w, end_token, block_size);
 }
 
-/// Producer: the block a hand-off of `q` describes at logical block i of group g (KVCacheManager::finish_with_lease):
-/// the null block 0 before handoff_first_block of the query at num_known - 1 (a consumer recomputes its last prompt
+/// Producer: the block a hand-off of `q` describes at logical block i of group g (KVCacheManager::finish_with_lease).
+/// A recurrent group's: the block holding the state after the tokens up to the end of block i
+/// (RecurrentGroup::handoff_state_at). Another group's: the null block 0 before handoff_first_block of the query at num_known - 1 (a consumer recomputes its last prompt
 /// token), else the table's block, or, when the last build's window released it, the block the pool still caches
 /// under its hash (0 when evicted meanwhile). Pure.
 template <class Id, class Pool, class Seq>
 [[nodiscard]] Id handoff_block_at(const Pool& pool, const GroupLayout& layout, const Seq& q, std::size_t g,
                                   std::size_t i) {
+  if (layout.is_recurrent(g)) return recurrent_group<Id>(layout, g).handoff_state_at(pool, q, i);
   const std::size_t last = q.num_known() == 0 ? 0 : q.num_known() - 1;  // the consumer's first query, at most
   if (i < handoff_first_block(layout.windows[g], last, layout.block_size)) return Id{0};
   const auto blocks = q.table_of(g).blocks();
@@ -106,6 +112,43 @@ template <class Id, class Pool, class Seq>
     if (sent > first_block && first_kept_block(w, at, block_size) < sent) return 0;
   }
   return num_valid;
+}
+
+/// The valid blocks a completion keeps (KVCacheManager::complete_external_fill) of a fill of `num_blocks` blocks
+/// per group over tokens [first_token, end_token) from logical block first_block, `num_valid` of them holding K/V:
+/// with a recurrent group and a failed block, 0 (the group's only transferred entry, the state at end_token, is
+/// the fill's last: without it the positions after the local hit are recomputed from the hit's state); else
+/// window_valid_blocks. Pure.
+[[nodiscard]] inline std::size_t fill_valid_blocks(const GroupLayout& layout, std::size_t first_block,
+                                                   std::size_t first_token, std::size_t end_token,
+                                                   std::size_t num_blocks, std::size_t num_valid) noexcept {
+  if (num_valid >= num_blocks) return num_valid;
+  if (layout.any_recurrent) return 0;
+  return window_valid_blocks(layout.windows, first_block, first_token, end_token, num_blocks, num_valid,
+                             layout.block_size);
+}
+
+/// Consumer: where an import of hand-off `desc` (whose blocks per group are `per_group`) over `layout` may end,
+/// when the attention groups allow (hit, end]: with a recurrent group, the latest position p in (hit, end] whose
+/// state every recurrent group's entries describe (the producer's working state at p = desc.num_tokens, or a
+/// checkpoint at a block boundary: RecurrentGroup::handoff_state_at), since the consumer's next build resumes from
+/// that state; `hit` when there is none (nothing is imported). Without a recurrent group, `end`. Pure.
+template <BlockIdType Id>
+[[nodiscard]] std::size_t recurrent_import_end(const HandoffDescriptor<Id>& desc, const GroupLayout& layout,
+                                               std::size_t per_group, std::size_t hit, std::size_t end) {
+  const std::size_t bs = layout.block_size;
+  if (!layout.any_recurrent || end <= hit) return end;
+  const auto described = [&](std::size_t pos) {  // the state after pos tokens, in every recurrent group
+    for (std::size_t g = 0; g < layout.num_groups; ++g) {
+      if (layout.is_recurrent(g) && desc.blocks[g * per_group + (pos + bs - 1) / bs - 1] == Id{0}) return false;
+    }
+    return true;
+  };
+  if (end == desc.num_tokens && described(end)) return end;
+  for (std::size_t pos = end / bs * bs; pos > hit; pos -= bs) {
+    if (described(pos)) return pos;
+  }
+  return hit;
 }
 
 /// The identities of the full blocks of `tokens` (`[tokens.size() / block_size]`) under `layout.hash_algorithm`:
@@ -178,20 +221,22 @@ void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std:
   }
 }
 
-/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over groups whose hit windows
-/// are `windows` (`[num_groups]`, GroupLayout::windows) and blocks of `block_size` tokens. Checks the descriptor's
+/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over the groups of `layout`
+/// (their hit windows and kinds, blocks of layout.block_size tokens). Checks the descriptor's
 /// shape first (blocks per group = ceil(num_tokens / block_size), from the token count, never trusted: vLLM
 /// #50558), then asks `local_hit()` for the consumer's own prefix hit (tokens, whole blocks: not transferred
 /// again), then, when blocks are to be transferred, checks their identities against `mine()` (the prompt's
 /// identities under desc's convention, computed only then). A window group's blocks before
 /// handoff_first_block(end_token) are null in the plan (never transferred); when the descriptor lacks one inside
-/// that window (null: the producer no longer had it), the plan imports nothing. Throws kInvalidArgument naming the
-/// values. Pure but for the two callables.
+/// that window (null: the producer no longer had it), the plan imports nothing. With a recurrent group the plan
+/// ends where a state is described (recurrent_import_end) and moves only that state in each recurrent group (the
+/// entry of its last block). Throws kInvalidArgument naming the values. Pure but for the two callables.
 template <BlockIdType Id, class LocalHit, class Mine>
-[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc,
-                                              std::span<const AttentionWindow> windows, std::size_t block_size,
+[[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc, const GroupLayout& layout,
                                               std::size_t prompt_len, LocalHit&& local_hit, Mine&& mine) {
-  const std::size_t num_groups = windows.size();
+  const std::span<const AttentionWindow> windows(layout.windows);
+  const std::size_t num_groups = layout.num_groups;
+  const std::size_t block_size = layout.block_size;
   const std::size_t bs = block_size;
   const std::size_t per_group = (desc.num_tokens + bs - 1) / bs;
   if (desc.num_groups != num_groups || desc.blocks.size() != per_group * num_groups ||
@@ -210,9 +255,11 @@ template <BlockIdType Id, class LocalHit, class Mine>
   p.num_groups = num_groups;
   p.first_token = hit;
   p.end_token = hit + importable_tokens(desc.num_tokens, prompt_len, hit);
+  p.end_token = recurrent_import_end(desc, layout, per_group, hit, p.end_token);
   // A window group's blocks inside the consumer's first window must all be described (the producer leased them);
   // else nothing is imported (the consumer computes the prompt itself: a shorter end needs earlier blocks still).
   for (std::size_t g = 0; g < num_groups && p.end_token > hit; ++g) {
+    if (layout.is_recurrent(g)) continue;  // described at p.end_token (recurrent_import_end)
     const std::size_t from = std::max(handoff_first_block(windows[g], p.end_token, block_size), hit / bs);
     for (std::size_t i = from; i < (p.end_token + bs - 1) / bs; ++i) {
       if (desc.blocks[g * per_group + i] == Id{0}) {
@@ -235,7 +282,9 @@ template <BlockIdType Id, class LocalHit, class Mine>
     }
   }
   for (std::size_t g = 0; g < num_groups; ++g) {
-    const std::size_t sent = handoff_first_block(windows[g], p.end_token, block_size);
+    const bool recurrent = layout.is_recurrent(g);
+    const std::size_t sent = recurrent ? p.first_block + p.num_blocks - 1  // the state at end_token only
+                                       : handoff_first_block(windows[g], p.end_token, block_size);
     for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
       const bool out = i < sent;  // outside the window of the consumer's first query: never transferred
       p.remote_blocks.push_back(out ? Id{0} : desc.blocks[g * per_group + i]);

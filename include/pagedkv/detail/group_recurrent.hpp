@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/block_table.hpp>
@@ -308,23 +309,84 @@ struct RecurrentGroup : FullGroup<Id> {
     }
   }
 
-  // The last checkpoint of q in this group, as q leaves the device: registered under the chain hash of the
-  // blocks before its position unless that state is registered already (or it holds none), then released (to the
-  // cache when registered). Room for its event reserved by the caller.
+  // The last checkpoint of q in this group, as q leaves the device: registered (register_last_checkpoint), then
+  // released (to the cache when registered). Room for its event reserved by the caller.
   template <class Pool>
   void release_last_checkpoint(Pool& pool, sequence_type& q) const {
     GroupTableState<Id>& st = q.other_groups[g - 1];
+    register_last_checkpoint(pool, q);
+    pool.release_block(st.last_block);
+    st.last_block = Id{0};
+    st.last_pos = 0;
+  }
+
+  /// The last checkpoint of q in this group registered under the chain hash of the blocks before its position,
+  /// unless q holds none, shares it, or that state is registered already; q keeps it. Room for its event
+  /// reserved by the caller.
+  template <class Pool>
+  void register_last_checkpoint(Pool& pool, sequence_type& q) const {
+    const GroupTableState<Id>& st = q.other_groups[g - 1];
     const Id b = st.last_block;
     const std::size_t i = st.last_pos / block_size;  // the state after blocks [0, i)
-    if (i > 0 && i <= q.hashes.size() && pool.alloc().refcount(b) - pool.pins(b) == 1 &&
+    if (b != Id{0} && i > 0 && i <= q.hashes.size() && pool.alloc().refcount(b) - pool.pins(b) == 1 &&
         !pool.ix(g).find(q.hashes[i - 1])) {
       (void)pool.ix(g).insert(q.hashes[i - 1], b);
       pool.alloc().set_hashed(b, true);
       if (pool.events().enabled()) pool.record_stored(q, i - 1, q.hashes[i - 1], g);
     }
-    pool.release_block(b);
-    st.last_block = Id{0};
-    st.last_pos = 0;
+  }
+
+  // --- External KV (issue 33, docs/design.md "External KV"): a state handed to another engine or taken from one.
+  // A recurrent group's entry at logical block i of a hand-off is the state after min((i + 1) x block_size,
+  // num_tokens) tokens (the tokens up to the end of that block): a checkpoint for a full block, the working state
+  // for the last one. A consumer resumes from one state, at the end of its import, so only that entry moves (vLLM
+  // hands over the working state of an N-1-token prefill the same way: vllm#37310).
+
+  /// Producer: the block holding the state after min((i + 1) x block_size, num_built) tokens of settled q: the
+  /// working state at num_built (while no build wrote it, the hit's checkpoint the table keeps), else the table's
+  /// checkpoint block there, the last checkpoint, or the checkpoint the pool caches under the hash of blocks
+  /// [0, i]; the null block 0 when q has no such state. Pure.
+  template <class Pool>
+  [[nodiscard]] Id handoff_state_at(const Pool& pool, const sequence_type& q, std::size_t i) const {
+    const GroupTableState<Id>& st = q.other_groups[g - 1];
+    const std::size_t pos = std::min((i + 1) * block_size, q.num_built);
+    if (pos == 0) return Id{0};
+    if (pos == q.num_built && st.state_valid) return st.state;
+    if (pos % block_size != 0) return Id{0};
+    const std::size_t j = pos / block_size - 1;
+    const auto blocks = st.table.blocks();
+    if (j < blocks.size() && blocks[j] != Id{0}) return blocks[j];
+    if (st.last_block != Id{0} && st.last_pos == pos) return st.last_block;
+    if (j >= q.hashes.size()) return Id{0};
+    const auto c = pool.ix(g).find(q.hashes[j]);
+    return c ? *c : Id{0};
+  }
+  /// Consumer: the logical block whose hand-off entry holds the state after `end_token` (> 0) tokens.
+  [[nodiscard]] std::size_t state_entry(std::size_t end_token) const noexcept {
+    return (end_token + block_size - 1) / block_size - 1;
+  }
+  /// Consumer (try_admit_external): whether the state after `end_token` tokens of admitted q is received into the
+  /// table's checkpoint block there (the growth took one: end_token is a checkpoint position), rather than into
+  /// the working state. The table's entry is the admission's until the fill ends (a waiting sequence is not built
+  /// or rewound).
+  [[nodiscard]] bool fills_checkpoint(const sequence_type& q, std::size_t end_token) const noexcept {
+    return end_token % block_size == 0 && q.table_of(g).blocks()[state_entry(end_token)] != Id{0};
+  }
+  /// Consumer: this group's row of a fill ticket ending at `end_token` (> 0), over logical blocks
+  /// [0, state_entry(end_token)]: null but the last, the block that receives the state after end_token tokens
+  /// (fills_checkpoint: the table's checkpoint block; else the working state). Positions before end_token are not
+  /// computed here, so no other state of the group is transferred. Allocates `row`.
+  void ticket_row(const sequence_type& q, std::size_t end_token, std::vector<Id>& row) const {
+    const std::size_t e = state_entry(end_token);
+    row.assign(e + 1, Id{0});
+    row[e] = fills_checkpoint(q, end_token) ? q.table_of(g).blocks()[e] : q.other_groups[g - 1].state;
+  }
+  /// Consumer: the fill of q up to `end_token` completed with every block valid: the working state holds the state
+  /// when it received it (ticket_row); a checkpoint block that received it serves the next build as a hit's does.
+  /// The checkpoint blocks before it were never written: the release rule of the completion frees them (they are
+  /// not registered). Call before that release.
+  void complete_fill(sequence_type& q, std::size_t end_token) const {
+    if (!fills_checkpoint(q, end_token)) q.other_groups[g - 1].state_valid = true;
   }
 
   // This group's outputs of batch row b (sequence q computing positions [first, seq_len)): the block its
