@@ -195,20 +195,23 @@ struct ExternalAdmitResult {
 };
 
 /// Result of `KVCacheManager::explain_admit_external`: an admission's prefix hit explained with its external part
-/// (tokens; the local part as explain_admit says it). The external tokens start where the local hit ends: an
+/// (tokens; the local part as explain_admit says it). The external tokens start where the local hit ends (with a
+/// coarse group, at the page boundary before it: first_external_token): an
 /// engine that sees `external_tokens` > 0 knows the admission would take a fill and how many blocks it moves.
 struct ExternalAdmitExplanation {
   AdmitExplanation local;              ///< explain_admit's answer: the local hit (device and host) and why it ends.
-  std::size_t external_tokens = 0;     ///< Tokens the external source provides after the local hit: positions
-                                       ///< [local.hit_tokens, local.hit_tokens + external_tokens).
+  std::size_t external_tokens = 0;     ///< Tokens the external source provides: positions
+                                       ///< [first_external_token, first_external_token + external_tokens).
   std::size_t clamped_tokens = 0;      ///< External tokens offered but not taken: under the local hit, or the last
                                        ///< prompt token (always computed here, for its logits).
-  std::size_t first_external_block = 0;  ///< = local.hit_tokens / block_size: the first block a fill writes.
+  std::size_t first_external_block = 0;  ///< = first_external_token / block_size: the first block a fill writes.
   std::size_t external_blocks = 0;     ///< Blocks per group of a fill's ticket (0 when external_tokens is 0; a
                                        ///< window group's entries outside the window are null, not held).
   std::size_t skipped_blocks = 0;      ///< Blocks per group not transferred thanks to the local hit (= first block).
-  /// Positions computed before the first step: local hit + external tokens.
-  [[nodiscard]] std::size_t computed_tokens() const noexcept { return local.hit_tokens + external_tokens; }
+  std::size_t first_external_token = 0;  ///< Where the external tokens start: the local hit, lowered to a page
+                                         ///< boundary of every group when a coarse group's pages move whole.
+  /// Positions computed before the first step: first_external_token + external tokens.
+  [[nodiscard]] std::size_t computed_tokens() const noexcept { return first_external_token + external_tokens; }
 };
 
 /// What a fill signal did (complete / fail / release / extend). Only kApplied changed anything but counters.

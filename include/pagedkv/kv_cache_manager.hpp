@@ -979,10 +979,10 @@ class KVCacheManager {
   // ---------------------------------------------------------------------------------------------------------------
   // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
   // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state is detail/external_kv.hpp, the
-  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Full-attention, windowed
-  // (sliding window, chunked-local) and recurrent groups take part: a window group hands off only the blocks inside
-  // the window of the consumer's first query (handoff_first_block), a recurrent group only the state the consumer
-  // resumes from (RecurrentGroup's hand-off hooks). Coarse pages are refused with kInvalidArgument naming the group.
+  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Every group kind takes part:
+  // a window group hands off only the blocks inside the window of the consumer's first query (handoff_first_block),
+  // a recurrent group only the state the consumer resumes from (RecurrentGroup's hand-off hooks), a coarse group
+  // whole pages, so a fill starts on a page boundary (detail::page_aligned_hit).
 
   /// Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens from an external source after
   /// the local prefix hit (vLLM's `num_external_computed_tokens` after `get_num_new_matched_tokens`; clamped so the
@@ -995,14 +995,20 @@ class KVCacheManager {
   /// it, naming it). A window group's blocks outside the window of the query at end_token are null in the ticket
   /// (never transferred; they stay in the table, unfilled, for a recompute, and become null at completion). A
   /// recurrent group's row is null but its last entry, the block that receives the state after end_token tokens
-  /// (the source must provide exactly that state: vLLM's N-1 prefill, vllm#37310).
-  /// `opts.num_reserved_tokens`, when given, is raised to cover the external tokens.
-  /// Throws as try_admit, and kInvalidArgument for a group kind external KV does not support yet.
+  /// (the source must provide exactly that state: vLLM's N-1 prefill, vllm#37310). With a coarse group the local
+  /// hit taken is lowered to a page boundary of every group (detail::page_aligned_hit) and the fill starts there
+  /// (ticket.first_token): a coarse group's pages move whole, at their first match block's entry (null at the
+  /// others); the external tokens still end where the full hit plus `num_external_tokens` ends.
+  /// `opts.num_reserved_tokens`, when given, is raised to cover the external tokens. Throws as try_admit.
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
                                              std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
-    detail::check_external_groups(config_, layout_, "try_admit_external");
     AdmitOptions o = opts;
+    if (layout_.any_coarse && num_external_tokens != 0 && !prompt.empty() && !seqs_.contains(seq)) {  // on a page
+      const std::size_t full = lookup(prompt, keys, opts.max_cached_tokens);
+      o.max_cached_tokens = external_hit(prompt, keys, opts.max_cached_tokens);
+      num_external_tokens += full - *o.max_cached_tokens;
+    }
     if (o.num_reserved_tokens) o.num_reserved_tokens = std::max(*o.num_reserved_tokens, num_external_tokens);
     // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
     if (headroom_blocks != 0 && !prompt.empty() && !seqs_.contains(seq)) {
@@ -1018,10 +1024,15 @@ class KVCacheManager {
     if (!r.admit.admitted() || n == 0) return r;
     try {
       const sequence_type& q = live(seq, "try_admit_external");
-      std::vector<Id> row;  // a recurrent group's row: the state at h + n only
+      std::vector<Id> row;  // a recurrent group's row (the state at h + n only) or a coarse group's (pages)
       const auto blocks_of = [&](std::size_t g) -> std::span<const Id> {
-        if (!layout_.is_recurrent(g)) return q.table_of(g).blocks();
-        recurrent(g).ticket_row(q, h + n, row);
+        if (layout_.is_recurrent(g)) {
+          recurrent(g).ticket_row(q, h + n, row);
+        } else if (layout_.is_coarse(g)) {
+          detail::coarse_row(q.table_of(g).blocks(), layout_.coarse_factor(g), q.num_slotted() / config_.block_size + 1, row);
+        } else {
+          return q.table_of(g).blocks();
+        }
         return row;
       };
       r.ticket = ext_.open_fill(
@@ -1049,8 +1060,9 @@ class KVCacheManager {
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt, const ImportPlan<Id>& plan,
                                              const RequestKeys* keys = nullptr, const AdmitOptions& opts = {},
                                              std::size_t headroom_blocks = 0) {
-    detail::check_external_groups(config_, layout_, "try_admit_external");
-    const std::size_t hit = prompt.empty() ? 0 : lookup(prompt, keys, opts.max_cached_tokens);
+    const std::size_t hit = prompt.empty()         ? 0
+                            : plan.num_blocks == 0 ? lookup(prompt, keys, opts.max_cached_tokens)
+                                                   : external_hit(prompt, keys, opts.max_cached_tokens);
     detail::check_plan_matches(plan, layout_.num_groups, config_.block_size, prompt.size(), hit);
     ExternalAdmitResult<Id> r =
         try_admit_external(seq, prompt, plan.end_token - plan.first_token, keys, opts, headroom_blocks);
@@ -1144,7 +1156,10 @@ class KVCacheManager {
                                                                 std::size_t num_external_tokens,
                                                                 const RequestKeys* keys = nullptr,
                                                                 const AdmitOptions& opts = {}) const {
-    return detail::explain_external(explain_admit(prompt, keys, opts), num_external_tokens, config_.block_size);
+    const std::size_t from = layout_.any_coarse && num_external_tokens != 0 && !prompt.empty()
+                                 ? external_hit(prompt, keys, opts.max_cached_tokens)
+                                 : std::numeric_limits<std::size_t>::max();
+    return detail::explain_external(explain_admit(prompt, keys, opts), num_external_tokens, config_.block_size, from);
   }
 
   /// The fill `seq` waits for (0: none).
@@ -1177,7 +1192,6 @@ class KVCacheManager {
   /// before anything changes.
   HandoffDescriptor<Id> finish_with_lease(SeqId seq, const KvLayoutFingerprint& layout,
                                           std::optional<ExternalTimePoint> lease_deadline) {
-    detail::check_external_groups(config_, layout_, "finish_with_lease");
     const sequence_type& q = live(seq, "finish_with_lease");
     detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
     ext_.check_settled(seq, settled(q), "finish_with_lease");
@@ -1211,11 +1225,16 @@ class KVCacheManager {
   /// reads them. Returns the pin id. Throws kUnknownSequence; kInvalidArgument for coarse pages or a recurrent
   /// group (a working state is rewritten in place by every build) (nothing changes).
   std::uint64_t pin_for_save(SeqId seq, std::optional<ExternalTimePoint> deadline = std::nullopt) {
-    detail::check_external_groups(config_, layout_, "pin_for_save", true);
+    detail::check_save_pin_groups(config_, layout_, "pin_for_save");
     const sequence_type& q = live(seq, "pin_for_save");
-    return ext_.pin_for_save(seq, layout_.num_groups, std::min(q.num_built, q.num_slotted()) / config_.block_size,
-                             [&](std::size_t g) { return q.table_of(g).blocks(); }, deadline, ext_acquire(),
-                             ext_release());
+    const std::size_t full = std::min(q.num_built, q.num_slotted()) / config_.block_size;
+    return ext_.pin_for_save(seq, layout_.num_groups, full,
+                             [&](std::size_t g) {  // a coarse group: the pages holding those blocks
+                               const auto b = q.table_of(g).blocks();
+                               const std::size_t f = layout_.coarse_factor(g);
+                               return b.first(std::min(b.size(), (full + f - 1) / f));
+                             },
+                             deadline, ext_acquire(), ext_release());
   }
   /// The save of pin `pin_id` completed or failed: its blocks are released. Counted when it has ended.
   ExternalSignal end_save(std::uint64_t pin_id) { return ext_.release_hold(pin_id, ext_release()); }
@@ -1269,10 +1288,12 @@ class KVCacheManager {
                              std::span<const TokenId> prompt, const RequestKeys* keys = nullptr) {
     check_same_layout(ours, desc.layout, "plan_import: consumer vs producer");
     detail::check_pool_layout(config_, ours, "plan_import: this pool vs `ours`");
-    detail::check_external_groups(config_, layout_, "plan_import");
     ImportPlan<Id> p = detail::make_import_plan(
         desc, layout_, prompt.size(),
-        [&] { return prompt.empty() ? std::size_t{0} : lookup(prompt, keys); },
+        [&] {
+          const std::size_t h = prompt.empty() ? 0 : lookup(prompt, keys);
+          return std::pair{layout_.any_coarse && h != 0 ? external_hit(prompt, keys, std::nullopt) : h, h};
+        },
         [&] {
           return detail::block_identities(prompt, prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),
                                           config_.block_size, desc.layout, "plan_import");
@@ -1470,6 +1491,11 @@ class KVCacheManager {
   }
   auto ext_release() {
     return [this](Id b) { pool_.release_block(b); };
+  }
+  // The local hit of an external admission or import: lookup's, on a page boundary of every coarse group.
+  std::size_t external_hit(std::span<const TokenId> prompt, const RequestKeys* keys,
+                           std::optional<std::size_t> cap) const {
+    return detail::page_aligned_hit(layout_, cap, [&](std::optional<std::size_t> c) { return lookup(prompt, keys, c); });
   }
   [[gnu::cold, gnu::noinline]] void abort_external_fill(SeqId seq) { ext_.abort_fill(seq, false, ext_release()); }
 

@@ -415,39 +415,19 @@ TEST_CASE("two full-attention groups: per-group blocks in descriptors, plans and
   CHECK(cons.stats().blocks_used == 0);
 }
 
-TEST_CASE("unsupported group kinds are refused with the group named", "[external_kv][manager]") {
-  // Coarse pages: every entry point refuses them (a coarse group's table is shorter than the match blocks).
-  auto c = config(32);
-  c.groups.resize(2);
-  c.groups[1].block_size = 8;
-  Mgr m(c);
-  CHECK(expect_error([&] { (void)m.try_admit_external(1, toks(1, 9), 8); }, pagedkv::Errc::kInvalidArgument)
-            .find("group 1 is full with coarse pages") != std::string::npos);
-  CHECK_FALSE(m.contains(1));
-  REQUIRE(m.try_admit(1, toks(1, 17)).admitted());
-  std::vector<std::int64_t> s0(17), s1(17);
-  std::vector<pagedkv::BatchMetadataBuffers> bufs(2);
-  bufs[0].slot_mapping = s0;
-  bufs[1].slot_mapping = s1;
-  m.build_batch_metadata(std::vector<SeqId>{1}, bufs);
-  const auto used = m.stats().blocks_used;
-  const std::string want = "group 1 is full with coarse pages";
-  CHECK(expect_error([&] { (void)m.pin_for_save(1); }, pagedkv::Errc::kInvalidArgument).find(want) !=
-        std::string::npos);
-  CHECK(expect_error([&] { (void)m.finish_with_lease(1, fp(m), std::nullopt); }, pagedkv::Errc::kInvalidArgument)
-            .find(want) != std::string::npos);
-  CHECK(m.contains(1));
-  CHECK(m.stats().blocks_used == used);
-  CHECK(m.stats().external.holds_active == 0);
-  // A recurrent group takes part in fills and hand-offs (test_external_kv_recurrent.cpp), not in save pins.
+TEST_CASE("a save pin refuses a recurrent group, naming it", "[external_kv][manager]") {
+  // A recurrent group takes part in fills and hand-offs (test_external_kv_recurrent.cpp), coarse pages too
+  // (test_external_kv_coarse.cpp); a save pin cannot keep a working state that every build rewrites in place.
   auto rc = config(32);
   rc.groups.resize(2);
   rc.groups[1].kind = pagedkv::AttentionKind::kRecurrent;
   rc.groups[1].window_tokens = 8;
   Mgr r(rc);
   REQUIRE(r.try_admit(1, toks(1, 17)).admitted());
+  const auto used = r.stats().blocks_used;
   CHECK(expect_error([&] { (void)r.pin_for_save(1); }, pagedkv::Errc::kInvalidArgument)
             .find("group 1 is recurrent: a save pin cannot keep a working state") != std::string::npos);
+  CHECK(r.stats().blocks_used == used);
   CHECK(r.stats().external.holds_active == 0);
   CHECK(r.try_admit_external(2, toks(1, 9), 8).ticket.fill_id != 0);
 }

@@ -415,7 +415,8 @@ class ExternalKvState {
                              std::optional<ExternalTimePoint> deadline, Acquire&& acquire, Release&& release) {
     std::vector<Id> blocks;
     for (std::size_t g = 0; g < num_groups; ++g) {
-      for (Id b : std::span<const Id>(blocks_of(g)).first(num_blocks)) {
+      const std::span<const Id> table(blocks_of(g));
+      for (Id b : table.first(std::min(num_blocks, table.size()))) {
         if (b != Id{0}) blocks.push_back(b);
       }
     }

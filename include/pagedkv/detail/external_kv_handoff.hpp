@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -48,25 +50,51 @@ inline void check_pool_layout(const CacheConfig& config, const KvLayoutFingerpri
                     layout, what);
 }
 
-/// Throws kInvalidArgument naming the first group external KV does not support yet. Supported: full attention,
-/// windowed attention (sliding window, chunked-local: a hand-off carries only the blocks inside the window of the
-/// consumer's first query) and, unless `save_pin`, recurrent state (a hand-off carries one state: the one the
-/// consumer resumes from), at the pool's block size. Refused: coarse pages, and a save pin with a recurrent group
-/// (its working state is rewritten in place by every build, so a pin cannot keep it for a save).
-inline void check_external_groups(const CacheConfig& config, const GroupLayout& layout, const char* what,
-                                  bool save_pin = false) {
+/// Throws kInvalidArgument naming the first group a save pin (KVCacheManager::pin_for_save) cannot take: a
+/// recurrent group, whose working state every build rewrites in place, so a pin cannot keep it for a save (a
+/// hand-off carries it: finish_with_lease). Every group kind takes part in fills and hand-offs: full attention,
+/// windowed attention (sliding window, chunked-local: only the blocks inside the window of the consumer's first
+/// query), recurrent state (one state: the one the consumer resumes from) and coarse pages (whole pages).
+inline void check_save_pin_groups(const CacheConfig& config, const GroupLayout& layout, const char* what) {
   for (std::size_t g = 0; g < layout.num_groups; ++g) {
-    const KVCacheGroupSpec& s = config.groups[g];
-    if ((save_pin && s.kind == AttentionKind::kRecurrent) || layout.page_tokens[g] != config.block_size) {
-      detail::raise(Errc::kInvalidArgument,
-                    std::string(what) + ": KV-cache group " + std::to_string(g) + " is " + to_string(s.kind) +
-                        (layout.page_tokens[g] != config.block_size
-                             ? " with coarse pages: external KV supports groups at the pool's block size, not coarse "
-                               "pages yet (issue 33)"
-                             : ": a save pin cannot keep a working state that every build rewrites in place (hand "
-                               "the state off with finish_with_lease)"));
-    }
+    if (!layout.is_recurrent(g)) continue;
+    detail::raise(Errc::kInvalidArgument,
+                  std::string(what) + ": KV-cache group " + std::to_string(g) + " is " +
+                      to_string(config.groups[g].kind) +
+                      ": a save pin cannot keep a working state that every build rewrites in place (hand the state "
+                      "off with finish_with_lease)");
   }
+}
+
+/// The tokens a fill's first position is a multiple of: the least common multiple of the coarse groups' page sizes
+/// (the match block size without coarse groups). A coarse group's pages move whole, so a fill starts on a page
+/// boundary of every group (vLLM aligns its hits to the groups' common block size the same way). Pure.
+[[nodiscard]] inline std::size_t handoff_page_tokens(const GroupLayout& layout) noexcept {
+  std::size_t p = layout.block_size;
+  for (std::size_t g = 0; g < layout.num_groups && layout.any_coarse; ++g) p = std::lcm(p, std::size_t{layout.page_tokens[g]});
+  return p;
+}
+
+/// The local hit an external admission or import takes: `lookup(cap)`'s (the hit with at most cap tokens;
+/// std::nullopt: no cap) from `cap`, lowered while it is not a multiple of handoff_page_tokens (each lower hit is
+/// asked again: a window or recurrent group may serve a shorter prefix less). Pure but for `lookup`.
+template <class Lookup>
+[[nodiscard]] std::size_t page_aligned_hit(const GroupLayout& layout, std::optional<std::size_t> cap,
+                                           Lookup&& lookup) {
+  std::size_t h = lookup(cap);
+  if (!layout.any_coarse) return h;
+  const std::size_t page = handoff_page_tokens(layout);
+  while (h % page != 0) h = lookup(std::optional<std::size_t>(h / page * page));
+  return h;
+}
+
+/// A coarse group's row of a hand-off or fill ticket over match blocks [0, num_blocks) (`row`, allocated): each page
+/// of `pages` (the group's table, `factor` match blocks per page) at the entry of its first match block, null
+/// elsewhere, so that a transfer moves each page once.
+template <class Id>
+void coarse_row(std::span<const Id> pages, std::size_t factor, std::size_t num_blocks, std::vector<Id>& row) {
+  row.assign(num_blocks, Id{0});
+  for (std::size_t i = 0; i < num_blocks; i += factor) row[i] = i / factor < pages.size() ? pages[i / factor] : Id{0};
 }
 
 /// The first logical block of each group a consumer whose first query sits at `end_token` must hold: blocks before
@@ -80,13 +108,19 @@ inline void check_external_groups(const CacheConfig& config, const GroupLayout& 
 
 /// Producer: the block a hand-off of `q` describes at logical block i of group g (KVCacheManager::finish_with_lease).
 /// A recurrent group's: the block holding the state after the tokens up to the end of block i
-/// (RecurrentGroup::handoff_state_at). Another group's: the null block 0 before handoff_first_block of the query at num_known - 1 (a consumer recomputes its last prompt
+/// (RecurrentGroup::handoff_state_at). A coarse group's: the page holding block i at its first match block, null at
+/// the others (coarse_row). Another group's: the null block 0 before handoff_first_block of the query at num_known - 1 (a consumer recomputes its last prompt
 /// token), else the table's block, or, when the last build's window released it, the block the pool still caches
 /// under its hash (0 when evicted meanwhile). Pure.
 template <class Id, class Pool, class Seq>
 [[nodiscard]] Id handoff_block_at(const Pool& pool, const GroupLayout& layout, const Seq& q, std::size_t g,
                                   std::size_t i) {
   if (layout.is_recurrent(g)) return recurrent_group<Id>(layout, g).handoff_state_at(pool, q, i);
+  if (layout.is_coarse(g)) {  // a page at its first match block (coarse_row)
+    const std::size_t f = layout.coarse_factor(g);
+    const auto pages = q.table_of(g).blocks();
+    return i % f == 0 && i / f < pages.size() ? pages[i / f] : Id{0};
+  }
   const std::size_t last = q.num_known() == 0 ? 0 : q.num_known() - 1;  // the consumer's first query, at most
   if (i < handoff_first_block(layout.windows[g], last, layout.block_size)) return Id{0};
   const auto blocks = q.table_of(g).blocks();
@@ -181,13 +215,17 @@ template <BlockIdType Id>
 }
 
 /// The external part of an admission whose local explanation is `local`, offered `num_external_tokens` after the
-/// local hit, over blocks of `block_size` tokens (KVCacheManager::explain_admit_external). Pure.
+/// local hit, over blocks of `block_size` tokens (KVCacheManager::explain_admit_external). `from`: where the fill
+/// would start when a coarse group lowers the hit to a page boundary (page_aligned_hit); the local hit otherwise
+/// (any larger value). Pure.
 [[nodiscard]] inline ExternalAdmitExplanation explain_external(AdmitExplanation local, std::size_t num_external_tokens,
-                                                               std::size_t block_size) {
+                                                               std::size_t block_size, std::size_t from) {
   ExternalAdmitExplanation x;
-  const std::size_t hit = local.hit_tokens;
-  x.external_tokens = importable_tokens(hit + num_external_tokens, local.prompt_tokens, hit);
-  x.clamped_tokens = num_external_tokens - x.external_tokens;
+  const std::size_t hit = std::min(local.hit_tokens, from);
+  const std::size_t offered = num_external_tokens + (local.hit_tokens - hit);
+  x.external_tokens = importable_tokens(hit + offered, local.prompt_tokens, hit);
+  x.clamped_tokens = offered - x.external_tokens;
+  x.first_external_token = hit;
   x.first_external_block = hit / block_size;
   x.skipped_blocks = x.first_external_block;
   x.external_blocks =
@@ -225,7 +263,8 @@ void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std:
 /// (their hit windows and kinds, blocks of layout.block_size tokens). Checks the descriptor's
 /// shape first (blocks per group = ceil(num_tokens / block_size), from the token count, never trusted: vLLM
 /// #50558), then asks `local_hit()` for the consumer's own prefix hit (tokens, whole blocks: not transferred
-/// again), then, when blocks are to be transferred, checks their identities against `mine()` (the prompt's
+/// again; a pair: the hit on a page boundary of every group, page_aligned_hit, where a fill starts, and lookup's
+/// own, which an empty plan keeps), then, when blocks are to be transferred, checks their identities against `mine()` (the prompt's
 /// identities under desc's convention, computed only then). A window group's blocks before
 /// handoff_first_block(end_token) are null in the plan (never transferred); when the descriptor lacks one inside
 /// that window (null: the producer no longer had it), the plan imports nothing. With a recurrent group the plan
@@ -250,7 +289,7 @@ template <BlockIdType Id, class LocalHit, class Mine>
                       std::to_string(num_groups) + " groups and " + std::to_string(desc.num_tokens / bs) +
                       " identities");
   }
-  const std::size_t hit = local_hit();
+  const auto [hit, full_hit] = local_hit();  // on a page boundary (page_aligned_hit), and lookup's own
   ImportPlan<Id> p;
   p.num_groups = num_groups;
   p.first_token = hit;
@@ -259,7 +298,8 @@ template <BlockIdType Id, class LocalHit, class Mine>
   // A window group's blocks inside the consumer's first window must all be described (the producer leased them);
   // else nothing is imported (the consumer computes the prompt itself: a shorter end needs earlier blocks still).
   for (std::size_t g = 0; g < num_groups && p.end_token > hit; ++g) {
-    if (layout.is_recurrent(g)) continue;  // described at p.end_token (recurrent_import_end)
+    // A recurrent group is described at p.end_token (recurrent_import_end); a coarse group at its pages' first blocks.
+    if (layout.is_recurrent(g) || layout.is_coarse(g)) continue;
     const std::size_t from = std::max(handoff_first_block(windows[g], p.end_token, block_size), hit / bs);
     for (std::size_t i = from; i < (p.end_token + bs - 1) / bs; ++i) {
       if (desc.blocks[g * per_group + i] == Id{0}) {
@@ -268,9 +308,10 @@ template <BlockIdType Id, class LocalHit, class Mine>
       }
     }
   }
-  p.first_block = hit / bs;
+  if (p.end_token == hit) p.first_token = p.end_token = full_hit;  // nothing to import: the admission takes its hit
+  p.first_block = p.first_token / bs;
   p.skipped_blocks = p.first_block;
-  p.num_blocks = p.end_token == hit ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
+  p.num_blocks = p.end_token == p.first_token ? 0 : (p.end_token + bs - 1) / bs - p.first_block;
   if (p.num_blocks != 0) {
     const std::vector<BlockIdentity> m = mine();
     for (std::size_t i = p.first_block; i < p.first_block + p.num_blocks; ++i) {
