@@ -1024,23 +1024,11 @@ class KVCacheManager {
     if (!r.admit.admitted() || n == 0) return r;
     try {
       const sequence_type& q = live(seq, "try_admit_external");
-      std::vector<Id> row;  // a recurrent group's row (the state at h + n only) or a coarse group's (pages)
-      const auto blocks_of = [&](std::size_t g) -> std::span<const Id> {
-        if (layout_.is_recurrent(g)) {
-          recurrent(g).ticket_row(q, h + n, row);
-        } else if (layout_.is_coarse(g)) {
-          detail::coarse_row(q.table_of(g).blocks(), layout_.coarse_factor(g), q.num_slotted() / config_.block_size + 1, row);
-        } else {
-          return q.table_of(g).blocks();
-        }
-        return row;
-      };
+      std::vector<Id> row;  // scratch for a recurrent or coarse group's row
       r.ticket = ext_.open_fill(
-          seq, layout_.num_groups, config_.block_size, h, n, blocks_of,
-          [&](std::size_t g) {
-            return layout_.is_recurrent(g) ? h / config_.block_size
-                                           : detail::handoff_first_block(layout_.windows[g], h + n, config_.block_size);
-          },
+          seq, layout_.num_groups, config_.block_size, h, n,
+          [&](std::size_t g) { return detail::ticket_row<Id>(layout_, q, g, h + n, row); },
+          [&](std::size_t g) { return detail::ticket_first_block(layout_, g, h, h + n); },
           ext_acquire(), ext_release());
     } catch (...) {
       free(seq);  // bad_alloc: undo the admission

@@ -130,6 +130,30 @@ template <class Id, class Pool, class Seq>
   return c ? *c : Id{0};
 }
 
+/// Consumer: group g's row of the fill ticket of admitted `q` ending at `end_token`, over logical blocks from 0
+/// (KVCacheManager::try_admit_external; ExternalKvState::open_fill takes the fill's part): a recurrent group's
+/// (RecurrentGroup::ticket_row: the block receiving the state at end_token) or a coarse group's (coarse_row: pages
+/// at their first match block) in `row`, any other group's table. Allocates `row`.
+template <class Id, class Seq>
+[[nodiscard]] std::span<const Id> ticket_row(const GroupLayout& layout, const Seq& q, std::size_t g,
+                                             std::size_t end_token, std::vector<Id>& row) {
+  if (layout.is_recurrent(g)) {
+    recurrent_group<Id>(layout, g).ticket_row(q, end_token, row);
+  } else if (layout.is_coarse(g)) {
+    coarse_row(q.table_of(g).blocks(), layout.coarse_factor(g), q.num_slotted() / layout.block_size + 1, row);
+  } else {
+    return q.table_of(g).blocks();
+  }
+  return row;
+}
+/// Consumer: the first logical block of group g a fill of tokens [first_token, end_token) holds: a window group's
+/// first block inside the window of the query at end_token (handoff_first_block), else first_token's block.
+[[nodiscard]] inline std::size_t ticket_first_block(const GroupLayout& layout, std::size_t g, std::size_t first_token,
+                                                    std::size_t end_token) noexcept {
+  return layout.is_recurrent(g) ? first_token / layout.block_size
+                                : handoff_first_block(layout.windows[g], end_token, layout.block_size);
+}
+
 /// The valid blocks (per group, from the fill's first_block) that a completion may keep when `num_valid` of the
 /// fill's `num_blocks` blocks hold K/V: `num_valid`, unless the query at the position it would leave computed
 /// (first_token + num_valid blocks) sees a window block that was never transferred (a window group's blocks in
