@@ -1483,7 +1483,8 @@ class KVCacheManager {
   // The local hit of an external admission or import: lookup's, on a page boundary of every coarse group.
   std::size_t external_hit(std::span<const TokenId> prompt, const RequestKeys* keys,
                            std::optional<std::size_t> cap) const {
-    return detail::page_aligned_hit(layout_, cap, [&](std::optional<std::size_t> c) { return lookup(prompt, keys, c); });
+    const auto at = [&](std::optional<std::size_t> c) { return lookup(prompt, keys, c); };
+    return detail::page_aligned_hit(layout_, cap, at);
   }
   [[gnu::cold, gnu::noinline]] void abort_external_fill(SeqId seq) { ext_.abort_fill(seq, false, ext_release()); }
 

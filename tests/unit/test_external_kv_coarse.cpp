@@ -82,7 +82,8 @@ void build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t
       const std::int64_t slot = slots[g][k];
       REQUIRE(slot != -7);
       if (slot < 0) continue;  // switched to a registered duplicate: its content is there already
-      e.page(static_cast<std::uint32_t>(slot / B), g)[static_cast<std::size_t>(slot % B)] = kv(prompt[first + k], first + k);
+      auto& page = e.page(static_cast<std::uint32_t>(slot / B), g);
+      page[static_cast<std::size_t>(slot % B)] = kv(prompt[first + k], first + k);
     }
   }
 }
@@ -169,7 +170,9 @@ TEST_CASE("P/D hand-off with coarse pages: whole pages move from a page boundary
         const std::uint32_t b = desc.blocks[g * nb + i];
         CHECK((b != 0) == (i % f == 0));  // a page at its first match block, once
         if (b == 0) continue;
-        for (std::size_t p = i * bs; p < std::min(L, i * bs + f * bs); ++p) CHECK(prod.page(b, g)[p - i * bs] == kv(prompt[p], p));
+        for (std::size_t p = i * bs; p < std::min(L, i * bs + f * bs); ++p) {
+          CHECK(prod.page(b, g)[p - i * bs] == kv(prompt[p], p));
+        }
       }
     }
 

@@ -98,7 +98,8 @@ void build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t
         const std::int64_t slot = st.slot_mapping[k];
         if (slot < 0) continue;  // switched to a registered duplicate: its content is there already
         const auto b = static_cast<std::int64_t>(bs);
-        e.page(static_cast<std::uint32_t>(slot / b))[static_cast<std::size_t>(slot % b)] = kv(prompt[first + k], first + k);
+        auto& page = e.page(static_cast<std::uint32_t>(slot / b));
+        page[static_cast<std::size_t>(slot % b)] = kv(prompt[first + k], first + k);
       }
       continue;
     }
@@ -337,7 +338,8 @@ TEST_CASE("P/D hand-off with recurrent groups: the consumer resumes from the han
                 << ", partial fills recomputed " << partial);
 }
 
-TEST_CASE("recurrent fills: aborts and late signals leave nothing held; a save pin is refused", "[external_kv][manager]") {
+TEST_CASE("recurrent fills: aborts and late signals leave nothing held; a save pin is refused",
+          "[external_kv][manager]") {
   pagedkv::CacheConfig c;
   c.num_blocks = 64;
   c.block_size = 4;

@@ -71,7 +71,9 @@ inline void check_save_pin_groups(const CacheConfig& config, const GroupLayout& 
 /// boundary of every group (vLLM aligns its hits to the groups' common block size the same way). Pure.
 [[nodiscard]] inline std::size_t handoff_page_tokens(const GroupLayout& layout) noexcept {
   std::size_t p = layout.block_size;
-  for (std::size_t g = 0; g < layout.num_groups && layout.any_coarse; ++g) p = std::lcm(p, std::size_t{layout.page_tokens[g]});
+  for (std::size_t g = 0; g < layout.num_groups && layout.any_coarse; ++g) {
+    p = std::lcm(p, std::size_t{layout.page_tokens[g]});
+  }
   return p;
 }
 
@@ -109,9 +111,9 @@ void coarse_row(std::span<const Id> pages, std::size_t factor, std::size_t num_b
 /// Producer: the block a hand-off of `q` describes at logical block i of group g (KVCacheManager::finish_with_lease).
 /// A recurrent group's: the block holding the state after the tokens up to the end of block i
 /// (RecurrentGroup::handoff_state_at). A coarse group's: the page holding block i at its first match block, null at
-/// the others (coarse_row). Another group's: the null block 0 before handoff_first_block of the query at num_known - 1 (a consumer recomputes its last prompt
-/// token), else the table's block, or, when the last build's window released it, the block the pool still caches
-/// under its hash (0 when evicted meanwhile). Pure.
+/// the others (coarse_row). Another group's: the null block 0 before handoff_first_block of the query at
+/// num_known - 1 (a consumer recomputes its last prompt token), else the table's block, or, when the last build's
+/// window released it, the block the pool still caches under its hash (0 when evicted meanwhile). Pure.
 template <class Id, class Pool, class Seq>
 [[nodiscard]] Id handoff_block_at(const Pool& pool, const GroupLayout& layout, const Seq& q, std::size_t g,
                                   std::size_t i) {
@@ -288,8 +290,8 @@ void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std:
 /// shape first (blocks per group = ceil(num_tokens / block_size), from the token count, never trusted: vLLM
 /// #50558), then asks `local_hit()` for the consumer's own prefix hit (tokens, whole blocks: not transferred
 /// again; a pair: the hit on a page boundary of every group, page_aligned_hit, where a fill starts, and lookup's
-/// own, which an empty plan keeps), then, when blocks are to be transferred, checks their identities against `mine()` (the prompt's
-/// identities under desc's convention, computed only then). A window group's blocks before
+/// own, which an empty plan keeps), then, when blocks are to be transferred, checks their identities against
+/// `mine()` (the prompt's identities under desc's convention, computed only then). A window group's blocks before
 /// handoff_first_block(end_token) are null in the plan (never transferred); when the descriptor lacks one inside
 /// that window (null: the producer no longer had it), the plan imports nothing. With a recurrent group the plan
 /// ends where a state is described (recurrent_import_end) and moves only that state in each recurrent group (the
