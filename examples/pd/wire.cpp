@@ -98,6 +98,8 @@ void put_descriptor(Writer& w, const WireDescriptor& d) {
   for (const pagedkv::BlockIdentity& id : d.desc.identities) {
     for (std::uint8_t b : id) w.out.push_back(static_cast<std::byte>(b));
   }
+  w.u64(d.desc.tail_tokens.size());
+  for (pagedkv::TokenId t : d.desc.tail_tokens) w.u64(t);
   put_fingerprint(w, d.desc.layout);
 }
 
@@ -122,6 +124,9 @@ WireDescriptor get_descriptor(Reader& r) {
     for (auto& b : id) b = std::to_integer<std::uint8_t>(r.in[r.at++]);
     d.desc.identities.push_back(id);
   }
+  const std::uint64_t nt = r.u64();
+  if (nt > (r.in.size() - r.at) / 8) throw std::runtime_error("wire: descriptor tail tokens run past the end");
+  for (std::uint64_t i = 0; i < nt; ++i) d.desc.tail_tokens.push_back(static_cast<pagedkv::TokenId>(r.u64()));
   d.desc.layout = get_fingerprint(r);
   return d;
 }

@@ -155,6 +155,9 @@ struct HandoffDescriptor {
   std::vector<std::uint32_t> generations;
   /// `[num_tokens / block_size]`: the full blocks' identities under `layout.hash_algorithm`.
   std::vector<BlockIdentity> identities;
+  /// `[num_tokens % block_size]`: the token ids of the last, partial block (no identity convention hashes a partial
+  /// block): a consumer imports that block only for the same tokens (a descriptor of another prompt is refused).
+  std::vector<TokenId> tail_tokens;
   KvLayoutFingerprint layout;     ///< The producer's layout (compared by the consumer at hand-shake).
   /// Blocks per group.
   [[nodiscard]] std::size_t num_blocks() const noexcept { return num_groups == 0 ? 0 : blocks.size() / num_groups; }

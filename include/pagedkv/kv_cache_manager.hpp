@@ -1169,7 +1169,7 @@ class KVCacheManager {
   /// never evicted or reused) until `release_lease` (the consumer's read-done; vLLM `finished_sending`),
   /// `reap_external` past `lease_deadline` (heartbeats move it: `extend_lease`), and return what the consumer needs:
   /// every group's blocks of positions [0, num_tokens) with their generations, the full blocks' identities under
-  /// `layout.hash_algorithm`, `layout`. A window group's entries are those inside the window of the query at
+  /// `layout.hash_algorithm`, the partial last block's token ids, `layout`. A window group's entries are those inside the window of the query at
   /// num_tokens - 1 (a consumer recomputes its last prompt token), taken back from the cache when the last build's
   /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. A recurrent
   /// group's entry at block i is the state after the tokens up to the end of block i: the working state for the
@@ -1183,6 +1183,11 @@ class KVCacheManager {
     const sequence_type& q = live(seq, "finish_with_lease");
     detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
     ext_.check_settled(seq, settled(q), "finish_with_lease");
+    auto ids = detail::block_identities(q.tokens, q.hashes, q.keys && !q.keys->empty(), config_.block_size, layout,
+                                        "finish_with_lease");  // may throw: before anything changes
+    const std::size_t bs = config_.block_size, n = q.num_known();
+    std::vector<TokenId> tail(q.tokens.begin() + static_cast<std::ptrdiff_t>(n / bs * bs),
+                              q.tokens.begin() + static_cast<std::ptrdiff_t>(n));
     if (layout_.any_recurrent) {  // the last checkpoints keyed now (a free would), so the lease holds them cached
       pool_.events().reserve_more(layout_.num_groups);
       for (std::size_t g = 1; g < layout_.num_groups; ++g) {
@@ -1192,11 +1197,9 @@ class KVCacheManager {
     const auto block_at = [&](std::size_t g, std::size_t i) {
       return detail::handoff_block_at<Id>(pool_, layout_, q, g, i);
     };
-    HandoffDescriptor<Id> d = ext_.open_lease(
-        seq, q.num_known(), layout_.num_groups, config_.block_size, block_at,
-        detail::block_identities(q.tokens, q.hashes, q.keys && !q.keys->empty(), config_.block_size, layout,
-                                 "finish_with_lease"),
-        layout, lease_deadline, ext_acquire(), ext_release());
+    HandoffDescriptor<Id> d = ext_.open_lease(seq, n, layout_.num_groups, bs, block_at, std::move(ids), layout,
+                                              lease_deadline, ext_acquire(), ext_release());
+    d.tail_tokens = std::move(tail);
     free(seq);
     return d;
   }
@@ -1277,7 +1280,7 @@ class KVCacheManager {
     check_same_layout(ours, desc.layout, "plan_import: consumer vs producer");
     detail::check_pool_layout(config_, ours, "plan_import: this pool vs `ours`");
     ImportPlan<Id> p = detail::make_import_plan(
-        desc, layout_, prompt.size(),
+        desc, layout_, prompt,
         [&] {
           const std::size_t h = prompt.empty() ? 0 : lookup(prompt, keys);
           return std::pair{layout_.any_coarse && h != 0 ? external_hit(prompt, keys, std::nullopt) : h, h};

@@ -189,6 +189,9 @@ void bind_types(nb::module_& m) {
           [](Descriptor& d, const std::vector<nb::bytes>& v) { d.identities = identities_from_py(v); },
           "[num_tokens // block_size] 32-byte identities of the full blocks under layout.hash_algorithm. Setting "
           "raises InvalidArgumentError for an entry that is not 32 bytes.")
+      .def_rw("tail_tokens", &Descriptor::tail_tokens,
+              "[num_tokens % block_size] token ids of the last, partial block (no identity convention hashes a "
+              "partial block): plan_import refuses a prompt whose tokens there differ.")
       .def_rw("layout", &Descriptor::layout, "The producer's KvLayoutFingerprint.")
       .def_prop_ro("num_blocks", &Descriptor::num_blocks, "Blocks per group.");
 

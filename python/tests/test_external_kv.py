@@ -226,6 +226,7 @@ def test_import_plan_transfers_only_what_the_consumer_lacks(trial):
     wire = pagedkv.HandoffDescriptor()
     wire.hold_id, wire.num_tokens, wire.num_groups = d.hold_id, d.num_tokens, d.num_groups
     wire.blocks, wire.generations, wire.identities, wire.layout = d.blocks, d.generations, d.identities, d.layout
+    wire.tail_tokens = d.tail_tokens
     plan = cons.plan_import(wire, ours, p)
     n = pagedkv.importable_tokens(len(p), len(p), local)
     assert (plan.first_token, plan.end_token, plan.skipped_blocks) == (local, local + n, local // BS)

@@ -170,6 +170,35 @@ TEST_CASE("vllm#50558: block counts from token counts on both sides, never off b
             .find("ceil(16 / 4) = 4 blocks per group") != std::string::npos);
 }
 
+TEST_CASE("the partial last block is imported only for the same tokens", "[external_kv][manager]") {
+  Mgr prod(config(32));
+  const auto prompt = toks(1, 22);  // 5 full blocks and 2 tokens of a sixth
+  compute(prod, 1, prompt);
+  const auto desc = prod.finish_with_lease(1, fp(prod), std::nullopt);
+  REQUIRE(desc.tail_tokens == std::vector<TokenId>(prompt.begin() + 20, prompt.end()));
+  // A consumer prompt equal in every full block, different at token 20 or 21 (inside the partial block): refused,
+  // naming the token, when the import reaches it; a prompt ending before it imports the full blocks.
+  for (const std::size_t pos : {std::size_t{20}, std::size_t{21}}) {
+    Mgr cons(config(32));
+    auto other = toks(1, 23);
+    other[pos] += 1000;
+    const std::string msg = expect_error([&] { (void)cons.plan_import(desc, fp(cons), other); },
+                                         pagedkv::Errc::kInvalidArgument);
+    CHECK(msg.find("token " + std::to_string(pos) + " of the partial block 5 differs") != std::string::npos);
+    CHECK(cons.stats().external.blocks_transferred == 0);
+    CHECK(cons.plan_import(desc, fp(cons), std::vector<TokenId>(other.begin(), other.begin() + 21)).end_token ==
+          20U);  // positions before 20 only: the same
+  }
+  Mgr cons(config(32));
+  CHECK(cons.plan_import(desc, fp(cons), prompt).end_token == 21);
+  // A descriptor whose tail does not match its token count is refused by its shape.
+  auto bad = desc;
+  bad.tail_tokens.pop_back();
+  CHECK(expect_error([&] { (void)cons.plan_import(bad, fp(cons), prompt); }, pagedkv::Errc::kInvalidArgument)
+            .find("holds 1 tail tokens; expected 22 % 4 = 2") != std::string::npos);
+  CHECK(prod.release_lease(desc.hold_id) == ExternalSignal::kApplied);
+}
+
 TEST_CASE("vllm#42895: a layout mismatch is refused at hand-shake, naming the field", "[external_kv][manager]") {
   Mgr prod(config(32, 4));
   Mgr cons(config(32, 8));

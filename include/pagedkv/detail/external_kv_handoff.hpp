@@ -285,20 +285,22 @@ void check_plan_matches(const ImportPlan<Id>& plan, std::size_t num_groups, std:
   }
 }
 
-/// Consumer: the import plan of hand-off `desc` for a prompt of `prompt_len` tokens, over the groups of `layout`
+/// Consumer: the import plan of hand-off `desc` for `prompt`, over the groups of `layout`
 /// (their hit windows and kinds, blocks of layout.block_size tokens). Checks the descriptor's
 /// shape first (blocks per group = ceil(num_tokens / block_size), from the token count, never trusted: vLLM
 /// #50558), then asks `local_hit()` for the consumer's own prefix hit (tokens, whole blocks: not transferred
 /// again; a pair: the hit on a page boundary of every group, page_aligned_hit, where a fill starts, and lookup's
 /// own, which an empty plan keeps), then, when blocks are to be transferred, checks their identities against
-/// `mine()` (the prompt's identities under desc's convention, computed only then). A window group's blocks before
+/// `mine()` (the prompt's identities under desc's convention, computed only then) and the partial last block's
+/// tokens against desc.tail_tokens. A window group's blocks before
 /// handoff_first_block(end_token) are null in the plan (never transferred); when the descriptor lacks one inside
 /// that window (null: the producer no longer had it), the plan imports nothing. With a recurrent group the plan
 /// ends where a state is described (recurrent_import_end) and moves only that state in each recurrent group (the
 /// entry of its last block). Throws kInvalidArgument naming the values. Pure but for the two callables.
 template <BlockIdType Id, class LocalHit, class Mine>
 [[nodiscard]] ImportPlan<Id> make_import_plan(const HandoffDescriptor<Id>& desc, const GroupLayout& layout,
-                                              std::size_t prompt_len, LocalHit&& local_hit, Mine&& mine) {
+                                              std::span<const TokenId> prompt, LocalHit&& local_hit, Mine&& mine) {
+  const std::size_t prompt_len = prompt.size();
   const std::span<const AttentionWindow> windows(layout.windows);
   const std::size_t num_groups = layout.num_groups;
   const std::size_t block_size = layout.block_size;
@@ -314,6 +316,12 @@ template <BlockIdType Id, class LocalHit, class Mine>
                       " / " + std::to_string(bs) + ") = " + std::to_string(per_group) + " blocks per group over " +
                       std::to_string(num_groups) + " groups and " + std::to_string(desc.num_tokens / bs) +
                       " identities");
+  }
+  if (desc.tail_tokens.size() != desc.num_tokens % bs) {
+    detail::raise(Errc::kInvalidArgument, "plan_import: descriptor of " + std::to_string(desc.num_tokens) +
+                                              " tokens holds " + std::to_string(desc.tail_tokens.size()) +
+                                              " tail tokens; expected " + std::to_string(desc.num_tokens) + " % " +
+                                              std::to_string(bs) + " = " + std::to_string(desc.num_tokens % bs));
   }
   const auto [hit, full_hit] = local_hit();  // on a page boundary (page_aligned_hit), and lookup's own
   ImportPlan<Id> p;
@@ -345,6 +353,17 @@ template <BlockIdType Id, class LocalHit, class Mine>
         detail::raise(Errc::kInvalidArgument, "plan_import: block " + std::to_string(i) +
                                                   "'s identity differs from this prompt's: the descriptor holds "
                                                   "another prefix");
+      }
+    }
+    // The partial last block has no identity: its tokens are compared (positions before end_token).
+    const std::size_t tail = desc.num_tokens / bs * bs;
+    for (std::size_t pos = std::max(tail, p.first_token); pos < p.end_token; ++pos) {
+      if (prompt[pos] != desc.tail_tokens[pos - tail]) {
+        detail::raise(Errc::kInvalidArgument, "plan_import: token " + std::to_string(pos) + " of the partial block " +
+                                                  std::to_string(tail / bs) + " differs from this prompt's (" +
+                                                  std::to_string(desc.tail_tokens[pos - tail]) + " vs " +
+                                                  std::to_string(prompt[pos]) +
+                                                  "): the descriptor holds another prefix");
       }
     }
   }
