@@ -1,5 +1,5 @@
-"""KV-connector loads on pagedkv.vllm with sliding-window and chunked-local groups (run by scripts/vllm-tests.sh in
-the vLLM venv; issue 33 item 7).
+"""KV-connector loads on pagedkv.vllm with sliding-window and chunked-local groups, and a Mamba group in mode 'none'
+without prefix caching (run by scripts/vllm-tests.sh in the vLLM venv; issue 33 item 7).
 
 vLLM's scheduler drives a connector's load through its KVCacheManager: ``allocate_slots`` with
 ``num_external_computed_tokens`` (and ``delay_cache_blocks`` for an async load: the request waits in
@@ -17,13 +17,17 @@ async and sync loads, failed and aborted loads, chunked prefill, decode, frees) 
   no two open fills share a block;
 - a running request's tables have vLLM's lengths and nulls (vLLM's skipped blocks removed as its scheduler does at
   each step);
-- the free blocks equal vLLM's plus what pagedkv holds that vLLM does not: the window blocks an open fill leaves out
-  (in pagedkv's table, unfilled, until the completion nulls them), and the blocks a build deduplicated (fewer held);
-  at the end, with every request freed, every block is free on both.
+- every block either manager holds is in one of its requests' tables, and where both list a block pagedkv holds no
+  more than vLLM (fewer by the blocks a completion deduplicated); pagedkv holds more only where vLLM lists the null
+  block (the window blocks an open fill leaves out, in pagedkv's table, unfilled, until the completion nulls them);
+  at the end, with every request freed, every block is free on both;
+- with a Mamba group (prefix caching off), the request's one state block is listed (the fill's ticket ends in it:
+  checked by the adapter at admission), and as many attention blocks are to be zeroed as vLLM's (at most as many
+  beside a window group, whose blocks pagedkv's build releases in the same call).
 
 Directed tests: a single sliding-window group's partial load failure (block-level, what vLLM allows with one group)
-keeps only what the window rule allows and lowers the request's computed count to pagedkv's; Mamba groups and
-groups of different block sizes are refused with the reason.
+keeps only what the window rule allows and lowers the request's computed count to pagedkv's; a Mamba group with
+prefix caching and groups of different block sizes are refused with the reason, nothing changed.
 """
 
 import random
