@@ -47,7 +47,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from _pairs import make_config, make_request, next_tokens
+from _pairs import lookup_pair, make_config, make_request, next_tokens
 
 init_none_hash(sha256)
 
@@ -192,9 +192,7 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
                 continue
             rid = str(next_id)
             next_id += 1
-            ra, rb = _request(rid, toks), _request(rid, toks)
-            ca, ha, _ = ours.get_computed_blocks(ra)
-            cb, hb, _ = theirs.get_computed_blocks(rb)
+            ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, BS)
             assert ha == hb, f"step {step}: hit {ha} != vLLM's {hb} ({len(toks)} tokens)"
             seen["fill_hit"] += ha > 0
             load_async = rng.random() < 0.6
