@@ -21,6 +21,23 @@ external-KV lifecycle (issue 33: ``try_admit_external``, ``complete_external_fil
   ``evict_cached_block`` per block: the hash leaves pagedkv's prefix index at once (a BlockRemoved event); a block
   still in a table stays there, never matchable again.
 
+Groups: full attention (and MLA), sliding window and chunked-local, at one block size (vLLM's hybrid models with
+SWA or local layers). A window group's fill leaves out the blocks wholly before the window of the first query the
+load leaves to compute (pagedkv's ticket has the null block there, vLLM's SlidingWindowManager skips them): while
+the fill is open ``get_blocks`` lists them as the null block, as vLLM does, so a connector transfers none; pagedkv
+still holds them, unfilled, until the completion's release rule nulls them (vLLM allocates none: a waiting request
+holds up to those blocks more than on vLLM's manager). When the load covers the whole prompt, pagedkv's first
+query is the last prompt token (recomputed for its logits) and vLLM's one past it, so vLLM nulls up to one window
+step more (and its recomputed token reads the null block there). With a single window group vLLM reports
+block-level failures; a valid prefix whose next query would read a left-out block keeps no block (the positions
+after the local hit are recomputed) and ``cache_blocks`` lowers ``request.num_computed_tokens`` to pagedkv's count.
+A Mamba group in mode 'none' without prefix caching (vLLM's hybrid models with caching off) takes part too: the
+fill's ticket row for it ends in the request's working state, the one state block vLLM lists (checked at
+admission), which receives the state after the ticket's end_token tokens (vLLM's N-1 prefill when the load covers
+the whole prompt, vllm#37310). Refused by name (``Unsupported``): a Mamba group with prefix caching (a state at a
+checkpoint position is received into that checkpoint's block, which vLLM's mode-'none' listing does not show) and
+groups of different block sizes.
+
 The rest of the connector-facing interface was there already: ``get_computed_blocks_for_connector``,
 ``get_block_ids`` / ``get_blocks`` (update_state_after_alloc), ``get_block_ids_for_computed_tokens``
 (request_finished), ``pop_blocks_for_free`` / ``block_pool.free_blocks`` (delayed frees while a producer sends).
@@ -29,7 +46,11 @@ The rest of the connector-facing interface was there already: ``get_computed_blo
 import numpy as _np
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
+
+# The vLLM KV-cache specs whose groups take part in a KV connector's loads on the adapter.
+_CONNECTOR_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec")
 
 
 def _pk_copy(src: int, dst: int) -> KVCacheBlockCopy:
@@ -43,13 +64,18 @@ class ConnectorMixin:
         self._fill_of_seq: dict[int, tuple[int, int, int]] = {}  # seq -> (fill id, the ticket's token range)
         self._fill_built: dict[int, int] = {}  # seq -> positions built (a completed fill's end), more pending
         self._fill_blocks: dict[int, list[int]] = {}  # seq -> its open fill's blocks (each holds a reference)
+        # seq -> {vLLM window group: blocks listed as null while its fill is open} (_hide_out_of_window)
+        self._fill_hidden: dict[int, dict[int, int]] = {}
+        self._window_groups = any(isinstance(grp.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
+                                  for grp in self.kv_cache_config.kv_cache_groups)
         attach_views(self)
 
     # -- admission with external tokens ------------------------------------------------------------------------
 
-    def _require_full_groups(self) -> None:
-        """Unsupported unless every group is full attention at one block size (what pagedkv's external KV serves
-        today)."""
+    def _require_connector_groups(self) -> None:
+        """Unsupported unless every group is one pagedkv's external KV serves through this adapter: full attention
+        (and MLA), sliding window or chunked-local attention, all at one block size, and Mamba (mode 'none') without
+        prefix caching."""
         from .vllm import Unsupported
 
         if self._coarse:
@@ -58,18 +84,42 @@ class ConnectorMixin:
 
         for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
             name = type(grp.kv_cache_spec).__name__
-            if name not in ("FullAttentionSpec", "MLAAttentionSpec"):
-                raise Unsupported(f"KV connector loads with group {g} a {name}: pagedkv's external KV serves "
-                                  "full-attention groups only (issue 33)")
+            if name == "MambaSpec" and self.enable_caching:
+                # Without prefix caching the ticket's last entry is the working state, the one block vLLM lists in
+                # mode 'none'. With it, pagedkv receives a state at a checkpoint position into the table's
+                # checkpoint block there (RecurrentGroup::fills_checkpoint), a block the adapter does not list.
+                raise Unsupported(f"KV connector loads with group {g} a MambaSpec and prefix caching: pagedkv "
+                                  "receives a state that ends at a checkpoint position into that checkpoint's block, "
+                                  "which vLLM's mode 'none' listing (one state block) does not show (issue 33)")
+            if name == "MambaSpec":
+                continue
+            if name not in _CONNECTOR_SPECS:
+                raise Unsupported(f"KV connector loads with group {g} a {name}: pagedkv.vllm serves KV connector "
+                                  "loads with full-attention, sliding-window and chunked-local groups only (issue 33)")
+
+    def _window_first_kept(self, end_token: int) -> dict[int, int]:
+        """{vLLM group: its first block inside the window of the query at `end_token`} for the window groups (the
+        blocks before it are wholly outside every later query's window: pagedkv's first_kept_block, vLLM's
+        get_num_skipped_tokens(end_token) // block_size)."""
+        out = {}
+        bs = self.block_size
+        for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = grp.kv_cache_spec
+            if isinstance(spec, SlidingWindowSpec):
+                out[g] = max(end_token - spec.sliding_window + 1, 0) // bs
+            elif isinstance(spec, ChunkedLocalAttentionSpec):
+                out[g] = end_token // spec.attention_chunk_size * spec.attention_chunk_size // bs
+        return out
 
     def _admit_external(self, request, num_new_tokens: int, hit: int, num_lookahead_tokens: int, num_external: int,
                         delay_cache_blocks: bool, reserved_blocks: int, has_scheduled_reqs: bool,
-                        full_sequence_must_fit: bool):
+                        full_sequence_must_fit: bool, skip_zeroing=()):
         """allocate_slots of a new request with `num_external` tokens from a KV connector after the `hit`-token
-        local prefix: the newly allocated blocks per group, or None (nothing changed)."""
+        local prefix: the newly allocated blocks per group, or None (nothing changed). `skip_zeroing`: vLLM's
+        skip_zeroing_group_ids (groups whose external blocks the load writes: not recorded for zeroing)."""
         from . import _pagedkv as _pk
 
-        self._require_full_groups()
+        self._require_connector_groups()
         if request.request_id in self._seqs:
             raise ValueError(f"allocate_slots: request {request.request_id} is running; external tokens "
                              f"({num_external}) are only taken at admission")
@@ -105,19 +155,70 @@ class ConnectorMixin:
             if self._pk.try_reserve_lookahead(seq, lookahead).status != _pk.AppendStatus.OK:
                 self._pk.abort_sequence(seq, True)
                 return None
+        t = r.ticket
+        hidden = self._check_ticket(request, seq, t) if t is not None else None
         self._prepared.pop(request.request_id, None)
         s = self._new_seq_mirror(request, seq, n_known, lookahead)
-        t = r.ticket
         if t is not None:
             self._fill_of_seq[seq] = (t.fill_id, t.first_token, t.end_token)
             self._fill_blocks[seq] = list(t.blocks)
+            if hidden:
+                self._fill_hidden[seq] = hidden
             if not delay_cache_blocks:  # a sync load: written in this step's forward pass, cached at allocation
                 self._complete_fill(s, request, hit + num_external)
                 self._build_upto(s, request, need_end)
         else:
             self._build(seq, request)
         first = hit // self.block_size
-        return self._blocks_of(tuple(ids[first:] for ids in self._table(seq)))
+        table = self._hide_out_of_window(seq, self._table(seq)) if self._fill_hidden else self._table(seq)
+        ids = [grp[first:] for grp in table]
+        if self._state_groups:
+            # The Mamba groups' one state block (it receives the loaded state); the attention blocks to zero as
+            # vLLM records them: the new ones, and the external ones of groups the connector does not load.
+            ext_end = -(-min(hit + num_external, need_end) // self.block_size) - first
+            self._zero_ids.extend(b for g, grp in enumerate(ids) if g not in self._state_groups
+                                  for j, b in enumerate(grp) if b and (j >= ext_end or g not in skip_zeroing))
+            ids = self._state_ids(seq, ids, True)
+        return self._blocks_of(ids)
+
+    def _check_ticket(self, request, seq: int, t) -> dict[int, int]:
+        """Check fill ticket `t` of `seq` against what the adapter lists, and return {vLLM window group: its blocks
+        listed as null while the fill is open}. A window group's fill leaves out the blocks before the window of the
+        query at t.end_token (null in the ticket: never transferred); they stay in pagedkv's table, unfilled, until
+        the completion's release rule nulls them; meanwhile get_blocks lists them as the null block, as vLLM's
+        SlidingWindowManager / ChunkedLocalAttentionManager list the skipped blocks of an external load (so a
+        connector reading the request's blocks, update_state_after_alloc, transfers none of them). A Mamba group's
+        ticket row receives the state after t.end_token tokens into its last entry: the working state, the one
+        block the adapter lists (vLLM's state block in mode 'none'). On a disagreement the admission is undone
+        (abort_sequence, quiescent: no transfer has the ticket yet) and AssertionError raised."""
+        hidden = {}
+        bad = None
+        for g, k in self._window_first_kept(t.end_token).items():
+            row = list(t.group_blocks(self._pk_group[g]))
+            if any((b == 0) != (t.first_block + j < k) for j, b in enumerate(row)):
+                bad = f"group {g}'s ticket row {row} from block {t.first_block} disagrees with the window's first " \
+                      f"kept block {k} at token {t.end_token}"
+            elif k:
+                hidden[g] = k
+        for g in self._state_groups:
+            row = list(t.group_blocks(self._pk_group[g]))
+            state = self._pk.state_block(seq, self._pk_group[g])
+            if not row or row[-1] != state or any(row[:-1]):
+                bad = f"Mamba group {g}'s ticket row {row} does not end in its state block {state}"
+        if bad is not None:
+            self._pk.abort_sequence(seq, True)
+            raise AssertionError(f"pagedkv.vllm: request {request.request_id}: {bad}")
+        return hidden
+
+    def _hide_out_of_window(self, seq: int, ids):
+        """`ids` (block ids per group, vLLM's order) with the blocks _check_ticket recorded for `seq` as null."""
+        hidden = self._fill_hidden.get(seq)
+        if not hidden:
+            return ids
+        ids = list(ids)
+        for g, k in hidden.items():
+            ids[g] = [0] * min(k, len(ids[g])) + list(ids[g][k:])
+        return ids
 
     def _new_seq_mirror(self, request, seq: int, n_known: int, lookahead: int):
         from .vllm import _Seq
@@ -131,11 +232,13 @@ class ConnectorMixin:
 
     def _complete_fill(self, s, request, num_computed_tokens: int) -> bool:
         """The connector's load for `s` finished with its first `num_computed_tokens` tokens valid: complete the
-        fill (recompute policy for the rest). False when `s` has no open fill."""
+        fill (recompute policy for the rest; with a window group pagedkv may keep fewer valid blocks, and
+        request.num_computed_tokens is lowered to its count). False when `s` has no open fill."""
         got = self._fill_of_seq.pop(s.seq, None)
         if got is None:
             return False
         self._fill_blocks.pop(s.seq, None)
+        self._fill_hidden.pop(s.seq, None)
         fill_id, first_token, end_token = got
         if num_computed_tokens >= end_token:
             done = self._pk.complete_external_fill(fill_id)  # every block valid
@@ -145,6 +248,11 @@ class ConnectorMixin:
         if done.signal != done.signal.APPLIED:
             raise AssertionError(f"pagedkv.vllm: request {request.request_id}: its fill {fill_id} was not live "
                                  f"({done.signal.name})")
+        if done.num_computed_tokens < min(num_computed_tokens, end_token):
+            # A window group's next query would read a block the transfer left out (pagedkv's window_valid_blocks):
+            # the positions after the local hit are all recomputed, so the scheduler's computed count goes back
+            # to pagedkv's (vLLM's manager would keep the truncated count and read the null block there).
+            request.num_computed_tokens = done.num_computed_tokens
         s.built_full = -1  # the fill's blocks count as built now: the next grow builds from there
         s.blocks = None
         if done.num_computed_tokens < s.slotted:  # positions after the fill wait for the scheduler (_build_upto)
@@ -175,9 +283,16 @@ class ConnectorMixin:
             bufs = [copies]
         else:
             bufs = [_np.empty_like(copies) for _ in range(self.num_kv_cache_groups)]
-            sizes = self._pk.build_batch_metadata(
-                [s.seq], groups=[{"slot_mapping": _np.empty(n, dtype=_np.int64), "copies": c} for c in bufs],
-                num_scheduled_tokens=_np.array([n], dtype=_np.uint32))
+            groups = [{"slot_mapping": _np.empty(n, dtype=_np.int64), "copies": c} for c in bufs]
+            for g in self._state_groups:  # a recurrent group's state outputs: scratch (vLLM's worker reads the
+                # state block from the table it is given); checkpoints: at most two per position
+                groups[self._pk_group[g]].update(
+                    state_in=_np.empty(1, dtype=_np.int32), state_out=_np.empty(1, dtype=_np.int32),
+                    checkpoint_indptr=_np.empty(2, dtype=_np.int32),
+                    checkpoint_positions=_np.empty(2 * n + 2, dtype=_np.int32),
+                    checkpoint_blocks=_np.empty(2 * n + 2, dtype=_np.int32))
+            sizes = self._pk.build_batch_metadata([s.seq], groups=groups,
+                                                  num_scheduled_tokens=_np.array([n], dtype=_np.uint32))
         for size, c in zip(sizes, bufs):
             for src, dst in c[:size.num_copies].tolist():
                 self._copies.append(_pk_copy(src, dst))
@@ -194,6 +309,7 @@ class ConnectorMixin:
         """Free pagedkv sequence `seq`; one whose fill is open is aborted as quiescent (see the module doc)."""
         self._fill_built.pop(seq, None)
         self._fill_blocks.pop(seq, None)
+        self._fill_hidden.pop(seq, None)
         if self._fill_of_seq.pop(seq, None) is not None:
             self._pk.abort_sequence(seq, True)
         else:

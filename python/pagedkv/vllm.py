@@ -750,7 +750,7 @@ class KVCacheManager(ConnectorMixin):
                 self._flush(s)
             return self._admit_external(request, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens,
                                         num_external_computed_tokens, delay_cache_blocks, reserved_blocks,
-                                        has_scheduled_reqs, full_sequence_must_fit)
+                                        has_scheduled_reqs, full_sequence_must_fit, skip_zeroing_group_ids)
         n_known = request.num_tokens
         computed = request.num_computed_tokens + num_new_computed_tokens
         need_end = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
@@ -957,6 +957,8 @@ class KVCacheManager(ConnectorMixin):
             ids = self._pk._vllm_tables(s.seq)
             if self._order is not None:
                 ids = self._from_pk(ids)
+            if self._fill_hidden:  # a KV connector's fill is open: its untransferred window blocks are null
+                ids = self._hide_out_of_window(s.seq, ids)
             s.blocks = self._blocks_of(self._state_ids(s.seq, ids, True) if self._state_groups else ids)
         return s.blocks
 

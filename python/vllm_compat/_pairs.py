@@ -23,6 +23,16 @@ def make_request(rid: str, tokens, block_size: int) -> Request:
                    block_hasher=get_request_block_hasher(block_size, sha256))
 
 
+def lookup_pair(ours, theirs, rid: str, tokens, block_size: int) -> tuple:
+    """A new request pair (ra, rb) with prompt `tokens` and each manager's lookup of it: (ra, rb, ca, ha, cb, hb),
+    the cached blocks and hit length of ours (ca, ha) and of theirs (cb, hb), as vLLM's scheduler looks a waiting
+    request up before admitting it (each test asserts its own rule on them)."""
+    ra, rb = make_request(rid, tokens, block_size), make_request(rid, tokens, block_size)
+    ca, ha, _ = ours.get_computed_blocks(ra)
+    cb, hb, _ = theirs.get_computed_blocks(rb)
+    return ra, rb, ca, ha, cb, hb
+
+
 def next_tokens(rng, ra, rb, max_len: int, vocab: int) -> int | None:
     """The tokens request pair (ra, rb) schedules next: a chunk of 1..remaining prompt tokens, or, with its prompt
     computed, one decode token (the same random id below `vocab` appended to both); None when the request holds

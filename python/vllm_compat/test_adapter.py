@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
-from _pairs import free_pair, free_random, make_request
+from _pairs import free_pair, free_random, lookup_pair, make_request
 
 init_none_hash(sha256)
 
@@ -174,9 +174,7 @@ def test_differential_against_vllms_own_manager(seed, spec):
             toks += [rng.randrange(1000) for _ in range(rng.randrange(1, 12))]
             rid = str(next_id)
             next_id += 1
-            ra, rb = _request(rid, toks, bs), _request(rid, toks, bs)
-            ca, ha, _ = ours.get_computed_blocks(ra)
-            cb, hb, _ = theirs.get_computed_blocks(rb)
+            ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, bs)
             assert ha == hb, f"step {step}: hit {ha} != vLLM's {hb}"
             chunk = rng.randrange(1, len(toks) - ha + 1)
             a = ours.allocate_slots(ra, chunk, ha, ca)

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from _pairs import free_pair, free_random, next_tokens, make_config, make_request
+from _pairs import free_pair, free_random, lookup_pair, next_tokens, make_config, make_request
 
 init_none_hash(sha256)
 
@@ -93,9 +93,7 @@ def test_different_block_sizes_differential_against_vllms_own_manager(layout, nu
             toks = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
             rid = str(next_id)
             next_id += 1
-            ra, rb = _request(rid, toks), _request(rid, toks)
-            ca, ha, _ = ours.get_computed_blocks(ra)
-            cb, hb, _ = theirs.get_computed_blocks(rb)
+            ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, BS)
             assert ha % _lcm(specs) == 0 and ha < len(toks), f"step {step}: hit {ha} ({len(toks)} tokens)"
             assert ha == hb or not big, f"step {step}: hit {ha} vs vLLM's {hb} ({len(toks)} tokens)"
             lens_a, lens_b = [len(x) for x in ca.get_block_ids()], [len(x) for x in cb.get_block_ids()]

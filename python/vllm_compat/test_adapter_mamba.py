@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import (
 
 _SWA = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=8)
 
-from _pairs import free_pair, free_random, next_tokens, make_config, make_request
+from _pairs import free_pair, free_random, lookup_pair, next_tokens, make_config, make_request
 
 init_none_hash(sha256)
 
@@ -75,9 +75,7 @@ def test_mamba_none_mode_differential_against_vllms_own_manager(seed, layout):
             toks = [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
             rid = str(next_id)
             next_id += 1
-            ra, rb = _request(rid, toks), _request(rid, toks)
-            _, ha, _ = ours.get_computed_blocks(ra)
-            _, hb, _ = theirs.get_computed_blocks(rb)
+            ra, rb, _, ha, _, hb = lookup_pair(ours, theirs, rid, toks, BS)
             assert ha == hb == 0  # no prefix caching
             chunk = rng.randrange(1, len(toks) + 1)
             a = ours.allocate_slots(ra, chunk)

@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from _pairs import free_pair, free_random, next_tokens, make_config, make_request
+from _pairs import free_pair, free_random, lookup_pair, next_tokens, make_config, make_request
 
 init_none_hash(sha256)
 
@@ -103,9 +103,7 @@ def test_mamba_caching_differential_against_vllms_own_manager(seed, layout):
             toks = _prompt(rng, prefixes)
             rid = str(next_id)
             next_id += 1
-            ra, rb = _request(rid, toks), _request(rid, toks)
-            ca, ha, _ = ours.get_computed_blocks(ra)
-            cb, hb, _ = theirs.get_computed_blocks(rb)
+            ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, BS)
             assert ha == hb, f"step {step}: hit {ha} vs vLLM's {hb} ({len(toks)} tokens)"
             ids_a, ids_b = ca.get_block_ids(), cb.get_block_ids()
             assert [len(x) for x in ids_a] == [len(x) for x in ids_b], f"step {step}: {ids_a} vs vLLM's {ids_b}"

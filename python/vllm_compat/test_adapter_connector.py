@@ -1,0 +1,331 @@
+"""KV-connector loads on pagedkv.vllm with sliding-window and chunked-local groups, and a Mamba group in mode 'none'
+without prefix caching (run by scripts/vllm-tests.sh in the vLLM venv; issue 33 item 7).
+
+vLLM's scheduler drives a connector's load through its KVCacheManager: ``allocate_slots`` with
+``num_external_computed_tokens`` (and ``delay_cache_blocks`` for an async load: the request waits in
+WAITING_FOR_REMOTE_KVS), ``get_blocks`` (what the connector writes: update_state_after_alloc), then ``cache_blocks``
+when the load finished, or ``free`` when it failed (with several KV-cache groups vLLM has no block-level failures:
+a failed receive recomputes from 0 or fails the request). Here the adapter and vLLM's own KVCacheManager are driven
+with the same random requests (prompts sharing prefixes, local hits, external token counts up to the whole prompt,
+async and sync loads, failed and aborted loads, chunked prefill, decode, frees) on a pool that never runs out:
+
+- every lookup gives the same hit (a fill's blocks are no hit before its completion, its valid blocks are after),
+  every admission and growth the same decision;
+- a waiting request's blocks per group have vLLM's lengths, and its window groups list the null block exactly where
+  vLLM's do (the blocks before the window of the first query the load leaves to compute; pagedkv's query is at the
+  prompt's last token when the load covers the whole prompt, vLLM's one past it, so vLLM may null one block more);
+  no two open fills share a block;
+- a running request's tables have vLLM's lengths and nulls (vLLM's skipped blocks removed as its scheduler does at
+  each step);
+- every block either manager holds is in one of its requests' tables, and where both list a block pagedkv holds no
+  more than vLLM (fewer by the blocks a completion deduplicated); pagedkv holds more only where vLLM lists the null
+  block (the window blocks an open fill leaves out, in pagedkv's table, unfilled, until the completion nulls them);
+  at the end, with every request freed, every block is free on both;
+- with a Mamba group (prefix caching off), the request's one state block is listed (the fill's ticket ends in it:
+  checked by the adapter at admission), and as many attention blocks are to be zeroed as vLLM's (at most as many
+  beside a window group, whose blocks pagedkv's build releases in the same call).
+
+Directed tests: a single sliding-window group's partial load failure (block-level, what vLLM allows with one group)
+keeps only what the window rule allows and lowers the request's computed count to pagedkv's; a Mamba group with
+prefix caching and groups of different block sizes are refused with the reason, nothing changed.
+"""
+
+import random
+
+import pytest
+import torch
+
+import pagedkv.vllm as pv
+from vllm.utils.hashing import sha256
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from _pairs import lookup_pair, make_config, make_request, next_tokens
+
+init_none_hash(sha256)
+
+BS = 4  # block size (tokens)
+MAX_LEN = 120
+
+
+def _full():
+    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def _swa(window):
+    return SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window)
+
+
+def _local(chunk):
+    return ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                     attention_chunk_size=chunk)
+
+
+def _mamba():
+    return MambaSpec(block_size=MAX_LEN, shapes=((1, 1),), dtypes=(torch.float32,))
+
+
+LAYOUTS = {
+    "full+swa5": [_full(), _swa(5)],
+    "full+swa12": [_full(), _swa(12)],
+    "full+local8": [_full(), _local(8)],
+    "full+swa7+local12": [_full(), _swa(7), _local(12)],
+    "full": [_full()],
+    # Mamba mode 'none' without prefix caching (vLLM's hybrid models with caching off): the load's state goes into
+    # the request's one state block
+    "full+mamba": [_full(), _mamba()],
+    "full+swa5+mamba": [_full(), _swa(5), _mamba()],
+}
+
+
+def _manager(cls, num_blocks, specs):
+    if any(isinstance(s, MambaSpec) for s in specs):  # vLLM's block sizes with a mode-'none' Mamba group
+        return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=MAX_LEN,
+                   hash_block_size=MAX_LEN, enable_caching=False)
+    return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
+               enable_caching=True)
+
+
+def _request(rid, tokens):
+    return make_request(rid, tokens, BS)
+
+
+def _skipped_blocks(spec, num_computed: int) -> int:
+    """vLLM's get_num_skipped_tokens(num_computed) // block size of a window group (0 for full attention)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return max(num_computed - spec.sliding_window + 1, 0) // BS
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return num_computed // spec.attention_chunk_size * spec.attention_chunk_size // BS
+    return 0
+
+
+def _nulls(ids):
+    return [j for j, b in enumerate(ids) if b == 0]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
+    rng = random.Random(seed * 7919 + len(layout))
+    specs = LAYOUTS[layout]
+    mamba = [g for g, sp in enumerate(specs) if isinstance(sp, MambaSpec)]
+    nblocks = 4000
+    ours, theirs = _manager(pv.KVCacheManager, nblocks, specs), _manager(VllmKVCacheManager, nblocks, specs)
+    bases = [[rng.randrange(40) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
+    live = {}  # rid -> [request for ours, request for theirs, waiting for its async load]
+    whole = set()  # requests whose async load covered the whole prompt
+    next_id = 0
+    seen = {"async": 0, "sync": 0, "loaded": 0, "failed": 0, "aborted": 0, "clamped": 0, "hidden": 0, "fill_hit": 0,
+            "clamped_nulls": 0, "same_held": 0, "zeroed": 0}
+
+    def check_tables(step):
+        fills = []
+        held_a, held_b, paired = set(), set(), set()  # paired: pagedkv's blocks where vLLM lists one too
+        for rid, (ra, rb, waiting) in live.items():
+            ids_a, ids_b = ours.get_block_ids(rid), theirs.get_block_ids(rid)
+            assert [len(x) for x in ids_a] == [len(x) for x in ids_b], f"step {step}: {rid}: {ids_a} vs {ids_b}"
+            for g, spec in enumerate(specs):
+                na, nb = _nulls(ids_a[g]), _nulls(ids_b[g])
+                if rid in whole:
+                    # The load covered the whole prompt: pagedkv's first query is at its last token (recomputed
+                    # for its logits), vLLM's one past it, so vLLM may null more, up to the window's or chunk's
+                    # step (vLLM's recomputed last token then reads the null block there).
+                    assert na == list(range(len(na))) and set(na) <= set(nb), f"step {step}: {rid} g{g}: {na} {nb}"
+                    seen["clamped_nulls"] += len(nb) - len(na)
+                else:
+                    assert na == nb, f"step {step}: {rid} group {g}: nulls {na} vs vLLM's {nb} ({ids_a[g]})"
+                if not isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                    assert not na, f"step {step}: {rid}: a null block in full-attention group {g}"
+            s = ours._seqs[rid]
+            real = list(ours._table(s.seq))
+            for g in mamba:  # the request's one state block (pagedkv's working state), as vLLM lists it
+                assert len(ids_a[g]) == 1 and ids_a[g][0] != 0, f"step {step}: {rid}: Mamba group {g}: {ids_a[g]}"
+                real[g] = ids_a[g]
+            for g in range(len(specs)):
+                held_a.update(b for b in real[g] if b)
+                held_b.update(b for b in ids_b[g] if b)
+                paired.update(b for j, b in enumerate(real[g]) if b and ids_b[g][j])
+            if waiting:
+                fills.append([b for b in ours._fill_blocks.get(s.seq, ()) if b])  # none: nothing left to load
+        flat = [b for f in fills for b in f]
+        assert len(flat) == len(set(flat)), f"step {step}: two open fills share a block"
+        # Every block pagedkv holds is in a request's table (nothing leaked), and so for vLLM.
+        free_a, free_b = ours.block_pool.get_num_free_blocks(), theirs.block_pool.get_num_free_blocks()
+        assert free_a == nblocks - 1 - len(held_a) and free_b == nblocks - 1 - len(held_b), f"step {step}"
+        # pagedkv holds more only where vLLM lists the null block: the window blocks an open fill leaves out (in
+        # pagedkv's table, unfilled, until the completion nulls them) and a whole-prompt load's last window step;
+        # a build that deduplicated a block holds fewer.
+        seen["hidden"] += len(held_a - paired)
+        seen["same_held"] += len(paired) == len(held_b)
+        assert len(paired) <= len(held_b), f"step {step}: {len(paired)} blocks where vLLM holds {len(held_b)}"
+
+    def complete(rid, step):
+        ra, rb, _ = live[rid]
+        if rng.random() < 0.2 and len(specs) > 1:  # a failed receive: vLLM recomputes from 0 (frees the blocks)
+            seen["failed"] += 1
+            del live[rid]
+            ours.free(ra)
+            theirs.free(rb)
+            return
+        for r, m in ((ra, ours), (rb, theirs)):
+            m.cache_blocks(r, r.num_computed_tokens)
+            if r.num_computed_tokens == r.num_tokens:  # the scheduler recomputes the last token for its logits
+                r.num_computed_tokens = r.num_tokens - 1
+        assert ra.num_computed_tokens == rb.num_computed_tokens
+        live[rid][2] = False
+        seen["loaded"] += 1
+
+    for step in range(400):
+        op = rng.random()
+        whole_now = False
+        if op < 0.3 or not live:
+            base = rng.choice(bases)
+            toks = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(40) for _ in range(rng.randrange(0, 10))]
+            if len(toks) < 2:
+                continue
+            rid = str(next_id)
+            next_id += 1
+            ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, BS)
+            assert ha == hb, f"step {step}: hit {ha} != vLLM's {hb} ({len(toks)} tokens)"
+            seen["fill_hit"] += ha > 0
+            load_async = rng.random() < 0.6
+            if load_async:  # the connector's match may cover the whole prompt
+                ext = rng.randrange(1, len(toks) - ha + 1)
+                n = 0
+            else:  # a sync load: the worker loads in this step's forward pass, then the rest is computed
+                if len(toks) - ha < 2:
+                    continue
+                ext = rng.randrange(1, len(toks) - ha)
+                n = rng.randrange(1, len(toks) - ha - ext + 1)
+            a = ours.allocate_slots(ra, n, ha, ca, num_external_computed_tokens=ext, delay_cache_blocks=load_async)
+            b = theirs.allocate_slots(rb, n, hb, cb, num_external_computed_tokens=ext, delay_cache_blocks=load_async)
+            assert (a is None) == (b is None), f"step {step}: admission {a} vs vLLM's {b}"
+            ra.num_computed_tokens = rb.num_computed_tokens = ha + ext + n
+            live[rid] = [ra, rb, load_async]
+            seen["async" if load_async else "sync"] += 1
+            if load_async and ha + ext == len(toks):
+                seen["clamped"] += 1
+                whole.add(rid)
+                whole_now = True
+            # Nothing of an open fill is a hit; a sync load's blocks are (registered at allocation, as vLLM's).
+            probe = toks + [99]  # (a fresh request id: the adapter keeps a looked-up prompt by id until admitted)
+            pa, pb = _request(f"probe{step}", probe), _request(f"probe{step}", probe)
+            assert ours.get_computed_blocks(pa)[1] == theirs.get_computed_blocks(pb)[1], f"step {step}: probe"
+        elif op < 0.5 and any(w for _, _, w in live.values()):
+            rid = rng.choice(sorted(r for r, v in live.items() if v[2]))
+            if rng.random() < 0.15:  # aborted while its load is in flight (freed after the worker's report)
+                seen["aborted"] += 1
+                ra, rb, _ = live.pop(rid)
+                ours.free(ra)
+                theirs.free(rb)
+            else:
+                complete(rid, step)
+        elif op < 0.9:
+            running = sorted(r for r, v in live.items() if not v[2])
+            if not running:
+                continue
+            rid = rng.choice(running)
+            ra, rb, _ = live[rid]
+            n = next_tokens(rng, ra, rb, MAX_LEN - 1, 40)
+            if n is None:
+                continue
+            a = ours.allocate_slots(ra, n)
+            b = theirs.allocate_slots(rb, n)
+            assert (a is None) == (b is None), f"step {step}: growth {a} vs vLLM's {b}"
+            ids = ours.get_block_ids(rid)
+            want = [1 if g in mamba else cdiv(ra.num_computed_tokens + n, BS) for g in range(len(specs))]
+            assert [len(x) for x in ids] == want, f"step {step}: tables {ids} for {ra.num_computed_tokens + n}"
+            ra.num_computed_tokens += n
+            rb.num_computed_tokens += n
+        else:
+            rid = rng.choice(sorted(live))
+            ra, rb, _ = live.pop(rid)
+            ours.free(ra)
+            theirs.free(rb)
+        for rid, (_, rb, waiting) in live.items():  # vLLM's release of the blocks behind the window, at pagedkv's time
+            if not waiting:
+                theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)
+        check_tables(step)
+        if mamba:  # vLLM zeroes new attention blocks with Mamba layers: as many listed (with a window group, fewer
+            # by the window blocks pagedkv's build released in the same call: null in the table it hands out)
+            zero_a, zero_b = ours.take_new_block_ids(), theirs.take_new_block_ids()
+            assert 0 not in zero_a and len(set(zero_a)) == len(zero_a), f"step {step}: {zero_a}"
+            if len(specs) == 2:
+                assert len(zero_a) == len(zero_b), f"step {step}: {zero_a} vs vLLM's {zero_b}"
+            elif not whole_now:  # (a whole-prompt load: vLLM's window nulls one step more, see check_tables)
+                assert len(zero_a) <= len(zero_b), f"step {step}: {zero_a} vs vLLM's {zero_b}"
+            seen["zeroed"] += len(zero_a)
+    for ra, rb, _ in live.values():
+        ours.free(ra)
+        theirs.free(rb)
+    assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks() == nblocks - 1
+    assert sum(b.ref_cnt for b in ours.block_pool.blocks) == 0
+    assert seen["async"] > 30 and seen["sync"] > 15 and seen["loaded"] > 15, seen
+    assert seen["fill_hit"] > 10 or mamba, seen  # (no prefix caching with a Mamba group)
+    assert seen["zeroed"] > 0 or not mamba, seen
+    assert seen["clamped"] > 0, seen
+    if len(specs) > 1:
+        assert seen["failed"] > 0, seen
+    if layout in ("full+swa5", "full+local8", "full+swa7+local12", "full+swa5+mamba"):
+        assert seen["hidden"] > 0, seen  # open fills did leave window blocks out
+
+
+def test_single_window_group_partial_failure_recomputes_from_the_hit():
+    """One sliding-window group (vLLM reports block-level failures then): blocks 0..k-1 valid of a load whose next
+    query's window reaches a left-out block keeps no block (the positions after the hit are recomputed), and the
+    request's computed count comes back to pagedkv's; a failure whose window stays inside the valid blocks keeps
+    them."""
+    toks = list(range(100, 140))  # 40 tokens, 10 blocks
+    # Window 6: the query at token 36 sees [31, 36]; blocks 0..6 are left out of the load.
+    m = _manager(pv.KVCacheManager, 64, [_swa(6)])
+    r = _request("a", toks)
+    assert m.allocate_slots(r, 0, num_external_computed_tokens=36, delay_cache_blocks=True) is not None
+    r.num_computed_tokens = 36
+    ids = m.get_block_ids("a")[0]
+    assert ids[:7] == [0] * 7 and 0 not in ids[7:] and len(ids) == 9  # slots for the 36 loaded tokens
+    r.num_computed_tokens = 24  # block 6 invalid: vLLM truncates there; the query at 24 needs blocks 4..5
+    m.cache_blocks(r, 24)
+    assert r.num_computed_tokens == 0  # left out of the load: everything after the (empty) hit is recomputed
+    assert m.get_computed_blocks(_request("probe", toks))[1] == 0
+    assert m.allocate_slots(r, 40) is not None
+    m.free(r)
+    # Window 20: the query at 36 sees [17, 36], blocks 4..8 transferred; block 8 invalid: the query at 32 sees
+    # [13, 32], block 3 was left out: nothing kept. Block 9 invalid instead (truncated at 36: all valid).
+    m = _manager(pv.KVCacheManager, 64, [_swa(20)])
+    r = _request("b", toks)
+    m.allocate_slots(r, 0, num_external_computed_tokens=36, delay_cache_blocks=True)
+    r.num_computed_tokens = 32
+    m.cache_blocks(r, 32)
+    assert r.num_computed_tokens == 0
+    m.free(r)
+    r = _request("c", toks)
+    m.allocate_slots(r, 0, num_external_computed_tokens=36, delay_cache_blocks=True)
+    r.num_computed_tokens = 36
+    m.cache_blocks(r, 36)
+    assert r.num_computed_tokens == 36
+    assert m.get_block_ids("c")[0][:4] == [0] * 4  # the completion's release rule: null outside the window
+    m.free(r)
+    assert m.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.parametrize(("specs", "words"), [
+    ([_full(), MambaSpec(block_size=2 * BS, shapes=((1, 1),), dtypes=(torch.float32,))],
+     "group 1 a MambaSpec and prefix caching"),
+    ([_full(), FullAttentionSpec(block_size=2 * BS, num_kv_heads=1, head_size=1, dtype=torch.float32)],
+     "different block sizes"),
+])
+def test_connector_loads_refused_by_name(specs, words):
+    m = pv.KVCacheManager(make_config(32, specs), max_model_len=MAX_LEN, scheduler_block_size=2 * BS,
+                          hash_block_size=BS, enable_caching=True)
+    r = _request("a", range(20))
+    free = m.block_pool.get_num_free_blocks()
+    with pytest.raises(pv.Unsupported, match=words):
+        m.allocate_slots(r, 0, num_external_computed_tokens=16, delay_cache_blocks=True)
+    assert m.block_pool.get_num_free_blocks() == free and m.get_block_ids("a") == m.empty_kv_cache_blocks.get_block_ids()
