@@ -64,6 +64,13 @@ struct CacheConfig {
   /// Count every admission's miss cause in CacheStats::admissions_by_miss_cause: per admitted request one probe per
   /// group of the block after the hit (each tier) and, with eviction_history, one history lookup. Off: no cost.
   bool count_miss_causes = false;
+  /// When windowed and recurrent groups drop the blocks no later query needs (the release rule, docs/groups.md):
+  /// true, at the end of the build that computed past them (this step's kernels still read them; only later
+  /// allocations reuse them); false, only at `KVCacheManager::release_skipped_blocks(seq)` (and free / preempt), for
+  /// a caller that hands the block table to its kernels after the build, as vLLM's worker reads it from
+  /// `get_blocks` after `allocate_slots` (vLLM frees skipped blocks at the request's next allocation,
+  /// SingleTypeKVCacheManager.remove_skipped_blocks). An external fill's completion releases either way.
+  bool release_at_build = true;
 };
 
 namespace detail {

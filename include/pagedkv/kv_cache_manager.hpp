@@ -975,6 +975,22 @@ class KVCacheManager {
                             std::span<BatchMetadataSizes> sizes_out) {
     build_groups(batch, per_group, num_scheduled_tokens, sizes_out);
   }
+  /// The release rule for `seq` now (with CacheConfig::release_at_build false, where builds leave it to the caller):
+  /// the blocks of windowed and recurrent groups that no query from its computed position on reads leave its
+  /// tables (to the cache when registered, else free; null entries remain). Call it before the sequence grows for
+  /// its next step, as vLLM's remove_skipped_blocks runs at the start of allocate_slots; never between a build and
+  /// the kernels that read that build's tables. Returns how many table entries it released, over the groups (0:
+  /// the tables did not change; an entry that was null already may count). Nothing to release with full-attention
+  /// groups only. Throws kUnknownSequence.
+  std::size_t release_skipped_blocks(SeqId seq) {
+    sequence_type& q = live(seq, "release_skipped_blocks");
+    if (layout_.simple) return 0;
+    std::size_t before = 0, after = 0;
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) before += q.released_of(g);
+    release_out_of_window(q);
+    for (std::size_t g = 1; g < layout_.num_groups; ++g) after += q.released_of(g);
+    return after - before;
+  }
 
   // ---------------------------------------------------------------------------------------------------------------
   // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
@@ -1301,7 +1317,9 @@ class KVCacheManager {
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
     // The build (detail/batch_build.hpp) over this manager's sequences, pool, host part and counters.
-    const auto release = [this](sequence_type& q) { release_out_of_window(q); };
+    const auto release = [this](sequence_type& q) {
+      if (config_.release_at_build) release_out_of_window(q);  // else at release_skipped_blocks
+    };
     if (layout_.simple) {
       build_.template build<true>(config_, layout_, seqs_, pool_, host_, stats_, on_registered(), release, batch,
                                   per_group, num_scheduled_tokens, sizes_out);

@@ -318,9 +318,9 @@ class KVCacheGroupSpec:
 class CacheConfig:
     """Configuration of one KV pool (kv_cache_manager.hpp CacheConfig)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False, release_at_build: bool = True) -> None:
         """
-        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause. Checked by KVCacheManager.
+        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build (False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the build). Checked by KVCacheManager.
         """
 
     @property
@@ -401,6 +401,12 @@ class CacheConfig:
 
     @count_miss_causes.setter
     def count_miss_causes(self, arg: bool, /) -> None: ...
+
+    @property
+    def release_at_build(self) -> bool: ...
+
+    @release_at_build.setter
+    def release_at_build(self, arg: bool, /) -> None: ...
 
     def __repr__(self) -> str: ...
 
@@ -1113,6 +1119,11 @@ class KVCacheManager:
         Most blocks a sequence holds in windowed group `group` growing by at most `chunk_tokens` per build: ceil((W - 1 + chunk) / block_size) + 1 (chunked-local: C - 1 for W - 1); None for a full group. Raises InvalidArgumentError.
         """
 
+    def release_skipped_blocks(self, seq: int) -> int:
+        """
+        The release rule for `seq` now (CacheConfig.release_at_build False leaves it to this call): blocks of windowed and recurrent groups no query from its computed position on reads leave its tables. Call it before the sequence grows for its next step (vLLM's remove_skipped_blocks), never between a build and the kernels reading it. Returns how many table entries it released (0: the tables did not change). Raises UnknownSequenceError.
+        """
+
     def num_null_blocks(self, seq: int, group: int = 0) -> int:
         """
         Leading null blocks (0) of group `group`'s table of `seq`: blocks released behind a windowed group's window, or before the window at a prefix hit. Raises UnknownSequenceError, InvalidArgumentError.
@@ -1567,6 +1578,15 @@ class HandoffDescriptor:
 
     @identities.setter
     def identities(self, arg: Sequence[bytes], /) -> None: ...
+
+    @property
+    def tail_tokens(self) -> list[int]:
+        """
+        [num_tokens % block_size] token ids of the last, partial block (no identity convention hashes a partial block): plan_import refuses a prompt whose tokens there differ.
+        """
+
+    @tail_tokens.setter
+    def tail_tokens(self, arg: Sequence[int], /) -> None: ...
 
     @property
     def layout(self) -> KvLayoutFingerprint:

@@ -492,6 +492,11 @@ class KVCacheManager(ConnectorMixin):
                               enable_prefix_caching=enable_caching, enable_events=enable_kv_cache_events)
         if len(pk_groups) > 1 or pk_groups[0].kind != _pk.AttentionKind.FULL:
             cfg.groups = pk_groups
+        # vLLM's worker reads a request's block table from get_blocks after allocate_slots, for the step being
+        # scheduled: a build must not drop the window (or recurrent) blocks that step still reads. They go at the
+        # request's next allocate_slots, as vLLM's remove_skipped_blocks does (release_skipped_blocks).
+        self._defer_release = any(g.kind != _pk.AttentionKind.FULL for g in pk_groups)
+        cfg.release_at_build = not self._defer_release
         self._pk = _pk.KVCacheManager(cfg, hasher="sha256")
         self._seqs: dict[str, _Seq] = {}
         self._seq_of: dict[int, _Seq] = {}
@@ -782,6 +787,8 @@ class KVCacheManager(ConnectorMixin):
             s.known = known
             s.slotted = self._pk.num_tokens(seq)
             s.blocks = None
+        if self._defer_release and self._pk.release_skipped_blocks(seq):
+            s.blocks = None  # the blocks this request's next step no longer reads left its tables
         if self._fill_built:  # positions after a completed KV connector fill (_vllm_connector.py)
             self._build_upto(s, request, need_end)
         slotted = s.slotted

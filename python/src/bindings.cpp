@@ -779,23 +779,27 @@ NB_MODULE(_pagedkv, m) {
           [](CacheConfig* c, std::size_t num_blocks, std::uint32_t block_size, bool enable_prefix_caching,
              std::uint64_t hash_seed, std::size_t max_tokens_per_seq, bool enable_events, std::size_t num_host_blocks,
              OffloadPolicy offload, std::uint8_t min_offload_priority, std::vector<KVCacheGroupSpec> groups,
-             std::size_t page_size_bytes, std::size_t eviction_history, bool count_miss_causes) {
+             std::size_t page_size_bytes, std::size_t eviction_history, bool count_miss_causes,
+             bool release_at_build) {
             new (c) CacheConfig{num_blocks,     block_size,      enable_prefix_caching, hash_seed, max_tokens_per_seq,
                                 enable_events, num_host_blocks, offload,               min_offload_priority,
-                                std::move(groups), page_size_bytes, eviction_history, count_miss_causes};
+                                std::move(groups), page_size_bytes, eviction_history, count_miss_causes,
+                                release_at_build};
           },
           "num_blocks"_a, "block_size"_a = kDefaultBlockSize, "enable_prefix_caching"_a = true, "hash_seed"_a = 0,
           "max_tokens_per_seq"_a = 0, "enable_events"_a = false, "num_host_blocks"_a = 0,
           "offload"_a = OffloadPolicy::kWriteBack, "min_offload_priority"_a = 0,
           "groups"_a = std::vector<KVCacheGroupSpec>{}, "page_size_bytes"_a = 0, "eviction_history"_a = 0,
-          "count_miss_causes"_a = false,
+          "count_miss_causes"_a = false, "release_at_build"_a = true,
           "num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; "
           "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups "
           "sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); "
           "page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); "
           "eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); "
-          "count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause. Checked "
-          "by KVCacheManager.")
+          "count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; "
+          "release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build "
+          "(False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the "
+          "build). Checked by KVCacheManager.")
       .def_rw("num_blocks", &CacheConfig::num_blocks)
       .def_rw("block_size", &CacheConfig::block_size)
       .def_rw("enable_prefix_caching", &CacheConfig::enable_prefix_caching)
@@ -812,6 +816,7 @@ NB_MODULE(_pagedkv, m) {
       .def_rw("page_size_bytes", &CacheConfig::page_size_bytes)
       .def_rw("eviction_history", &CacheConfig::eviction_history)
       .def_rw("count_miss_causes", &CacheConfig::count_miss_causes)
+      .def_rw("release_at_build", &CacheConfig::release_at_build)
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
                std::to_string(c.block_size) + ", enable_prefix_caching=" + (c.enable_prefix_caching ? "True" : "False") +
@@ -1405,6 +1410,15 @@ NB_MODULE(_pagedkv, m) {
           "Most blocks a sequence holds in windowed group `group` growing by at most `chunk_tokens` per build: "
           "ceil((W - 1 + chunk) / block_size) + 1 (chunked-local: C - 1 for W - 1); None for a full group. Raises "
           "InvalidArgumentError.")
+      .def(
+          "release_skipped_blocks",
+          [](Manager& s, SeqId seq) { return s.work([&](auto& mm) { return mm.release_skipped_blocks(seq); }); },
+          "seq"_a,
+          "The release rule for `seq` now (CacheConfig.release_at_build False leaves it to this call): blocks of "
+          "windowed and recurrent groups no query from its computed position on reads leave its tables. Call it "
+          "before the sequence grows for its next step (vLLM's remove_skipped_blocks), never between a build and "
+          "the kernels reading it. Returns how many table entries it released (0: the tables did not change). Raises "
+          "UnknownSequenceError.")
       .def(
           "num_null_blocks",
           [](Manager& s, SeqId seq, std::size_t g) {

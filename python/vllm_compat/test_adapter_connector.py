@@ -15,8 +15,8 @@ async and sync loads, failed and aborted loads, chunked prefill, decode, frees) 
   vLLM's do (the blocks before the window of the first query the load leaves to compute; pagedkv's query is at the
   prompt's last token when the load covers the whole prompt, vLLM's one past it, so vLLM may null one block more);
   no two open fills share a block;
-- a running request's tables have vLLM's lengths and nulls (vLLM's skipped blocks removed as its scheduler does at
-  each step);
+- a running request's tables have vLLM's lengths, and the null block only where vLLM's have it (pagedkv drops a
+  request's skipped blocks at its next growth crossing, vLLM at each step: never earlier than vLLM);
 - every block either manager holds is in one of its requests' tables, and where both list a block pagedkv holds no
   more than vLLM (fewer by the blocks a completion deduplicated); pagedkv holds more only where vLLM lists the null
   block (the window blocks an open fill leaves out, in pagedkv's table, unfilled, until the completion nulls them);
@@ -123,7 +123,7 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
     whole = set()  # requests whose async load covered the whole prompt
     next_id = 0
     seen = {"async": 0, "sync": 0, "loaded": 0, "failed": 0, "aborted": 0, "clamped": 0, "hidden": 0, "fill_hit": 0,
-            "clamped_nulls": 0, "same_held": 0, "zeroed": 0}
+            "clamped_nulls": 0, "later_nulls": 0, "same_held": 0, "zeroed": 0}
 
     def check_tables(step):
         fills = []
@@ -133,14 +133,13 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
             assert [len(x) for x in ids_a] == [len(x) for x in ids_b], f"step {step}: {rid}: {ids_a} vs {ids_b}"
             for g, spec in enumerate(specs):
                 na, nb = _nulls(ids_a[g]), _nulls(ids_b[g])
-                if rid in whole:
-                    # The load covered the whole prompt: pagedkv's first query is at its last token (recomputed
-                    # for its logits), vLLM's one past it, so vLLM may null more, up to the window's or chunk's
-                    # step (vLLM's recomputed last token then reads the null block there).
-                    assert na == list(range(len(na))) and set(na) <= set(nb), f"step {step}: {rid} g{g}: {na} {nb}"
-                    seen["clamped_nulls"] += len(nb) - len(na)
-                else:
-                    assert na == nb, f"step {step}: {rid} group {g}: nulls {na} vs vLLM's {nb} ({ids_a[g]})"
+                # pagedkv never lists the null block where vLLM's worker reads a real one; it may list a real block
+                # where vLLM lists the null one: its skipped blocks go at the request's next growth crossing
+                # (release_skipped_blocks), not at every step as vLLM's do (a decode token that fills no block does
+                # not cross), and after a whole-prompt load pagedkv's first query is at the last prompt token
+                # (recomputed for its logits), vLLM's one past it.
+                assert na == list(range(len(na))) and set(na) <= set(nb), f"step {step}: {rid} g{g}: {na} {nb}"
+                seen["clamped_nulls" if rid in whole else "later_nulls"] += len(nb) - len(na)
                 if not isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
                     assert not na, f"step {step}: {rid}: a null block in full-attention group {g}"
             s = ours._seqs[rid]
@@ -239,6 +238,10 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
             a = ours.allocate_slots(ra, n)
             b = theirs.allocate_slots(rb, n)
             assert (a is None) == (b is None), f"step {step}: growth {a} vs vLLM's {b}"
+            # What vLLM's worker reads for this step (get_blocks right after allocate_slots): a real block wherever
+            # vLLM's own manager lists one (a window block this chunk's queries read is not dropped by the build).
+            for g, (xa, xb) in enumerate(zip(ours.get_block_ids(rid), theirs.get_block_ids(rid))):
+                assert set(_nulls(xa)) <= set(_nulls(xb)), f"step {step}: {rid} g{g}: {xa} vs vLLM's {xb}"
             ids = ours.get_block_ids(rid)
             want = [1 if g in mamba else cdiv(ra.num_computed_tokens + n, BS) for g in range(len(specs))]
             assert [len(x) for x in ids] == want, f"step {step}: tables {ids} for {ra.num_computed_tokens + n}"
@@ -329,3 +332,25 @@ def test_connector_loads_refused_by_name(specs, words):
     with pytest.raises(pv.Unsupported, match=words):
         m.allocate_slots(r, 0, num_external_computed_tokens=16, delay_cache_blocks=True)
     assert m.block_pool.get_num_free_blocks() == free and m.get_block_ids("a") == m.empty_kv_cache_blocks.get_block_ids()
+
+
+@pytest.mark.parametrize("layout", ["full+swa5", "full+local8", "full+swa7+local12"])
+def test_a_chunk_longer_than_the_window_keeps_the_blocks_its_queries_read(layout):
+    """vLLM's scheduler hands the worker get_blocks(request) right after allocate_slots; pagedkv's build must not
+    have dropped the window blocks this chunk's own queries read (they go at the request's next allocation, as
+    vLLM's remove_skipped_blocks: CacheConfig.release_at_build False). Before, a 20-token chunk beside a 5-token
+    window listed [0, 0, 0, 0, b] where vLLM lists five blocks."""
+    specs = LAYOUTS[layout]
+    ours, theirs = _manager(pv.KVCacheManager, 64, specs), _manager(VllmKVCacheManager, 64, specs)
+    tokens = list(range(1, 41))
+    ra, rb = _request("r", tokens), _request("r", tokens)
+    for n in (20, 12, 7):  # a chunked prefill: each chunk longer than the window
+        assert ours.allocate_slots(ra, n) is not None and theirs.allocate_slots(rb, n) is not None
+        xa, xb = ours.get_block_ids("r"), theirs.get_block_ids("r")
+        for g in range(len(specs)):
+            assert _nulls(xa[g]) == _nulls(xb[g]), f"after {ra.num_computed_tokens + n} tokens: {xa} vs {xb}"
+        ra.num_computed_tokens += n
+        rb.num_computed_tokens += n
+    ours.free(ra)
+    theirs.free(rb)
+    assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks() == 63
