@@ -1317,9 +1317,7 @@ class KVCacheManager {
                     std::span<const std::uint32_t> num_scheduled_tokens, std::span<BatchMetadataSizes> sizes_out) {
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(batch, "build_batch_metadata");  // external KV
     // The build (detail/batch_build.hpp) over this manager's sequences, pool, host part and counters.
-    const auto release = [this](sequence_type& q) {
-      if (config_.release_at_build) release_out_of_window(q);  // else at release_skipped_blocks
-    };
+    const auto release = [this](sequence_type& q) { release_out_of_window(q); };
     if (layout_.simple) {
       build_.template build<true>(config_, layout_, seqs_, pool_, host_, stats_, on_registered(), release, batch,
                                   per_group, num_scheduled_tokens, sizes_out);

@@ -51,7 +51,7 @@ class BatchBuild {
   /// raise kUnknownSequence / kInvalidArgument / kBadShape ("build_batch_metadata: ...") with nothing changed. Then
   /// registers the full blocks whose last write it issues (`on_registered(own, hash)` per registration: the
   /// write-through hook), writes the rows, hands out the selected copies, issues the swaps into group 0's buffers and
-  /// applies `release_out_of_window(q)` per row (several groups). The row loop dispatches the kinds inline per row
+  /// applies `release_out_of_window(q)` per row (several groups; with config.release_at_build). The row loop dispatches the kinds inline per row
   /// and group (not visit_group: +1.6% instructions on the gate's groups1 row, docs/benchmarks.md "Manager split
   /// gate").
   template <bool kOne, class Seqs, class Pool, class Host, class OnRegistered, class Release>
@@ -244,15 +244,23 @@ class BatchBuild {
     }
     detail::pad_from(buf0.swap_out, 2 * sizes_out[0].num_swap_out, -1);
     detail::pad_from(buf0.swap_in, 2 * sizes_out[0].num_swap_in, -1);
-    // The release rule: this step's kernels read these blocks; later steps may reuse them.
+    // The release rule: this step's kernels read these blocks; later steps may reuse them (or, with
+    // CacheConfig::release_at_build false, the caller's release_skipped_blocks).
     if constexpr (!kOne) {
-      for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
+      if (config.release_at_build) release_rows(release_out_of_window);
     }
     host.retry_held_back(pool);  // a held-back host copy whose parent this build registered again
     pool.note_peak();
   }
 
  private:
+  // The release rule over the build's rows (out of line: the build's own body stays small enough for GCC to inline
+  // the one-group paths of the unit, docs/benchmarks.md "Manager split gate").
+  template <class Release>
+  [[gnu::noinline]] void release_rows(Release& release_out_of_window) {
+    for (sequence_type* q : batch_scratch_) release_out_of_window(*q);
+  }
+
   // Whether the build being validated writes into block b: a position it schedules (rows batch_scratch_ /
   // qlen_scratch_, from each row's first unbuilt position) lies in b. O(blocks the build writes). This and
   // write_slots are always inlined: left to GCC, the move pushed the gate driver's unit past its inline-unit-growth
