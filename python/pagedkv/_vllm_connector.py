@@ -74,13 +74,10 @@ class ConnectorMixin:
 
     def _require_connector_groups(self) -> None:
         """Unsupported unless every group is one pagedkv's external KV serves through this adapter: full attention
-        (and MLA), sliding window or chunked-local attention, all at one block size, and Mamba (mode 'none') without
+        (and MLA, also at larger block sizes: coarse pages, whose loads move whole pages from a page boundary, where
+        vLLM's scheduler aligns its hits), sliding window or chunked-local attention, and Mamba (mode 'none') without
         prefix caching."""
         from .vllm import Unsupported
-
-        if self._coarse:
-            raise Unsupported("KV connector loads with groups of different block sizes (coarse pages): pagedkv's "
-                              "external KV serves groups at the pool's block size only (issue 33)")
 
         for g, grp in enumerate(self.kv_cache_config.kv_cache_groups):
             name = type(grp.kv_cache_spec).__name__

@@ -1,5 +1,6 @@
-"""KV-connector loads on pagedkv.vllm with sliding-window and chunked-local groups, and a Mamba group in mode 'none'
-without prefix caching (run by scripts/vllm-tests.sh in the vLLM venv; issue 33 item 7).
+"""KV-connector loads on pagedkv.vllm with sliding-window and chunked-local groups, groups of different block sizes
+(pagedkv's coarse pages), and a Mamba group in mode 'none' without prefix caching (run by scripts/vllm-tests.sh in
+the vLLM venv; issue 33 item 7).
 
 vLLM's scheduler drives a connector's load through its KVCacheManager: ``allocate_slots`` with
 ``num_external_computed_tokens`` (and ``delay_cache_blocks`` for an async load: the request waits in
@@ -10,6 +11,8 @@ with the same random requests (prompts sharing prefixes, local hits, external to
 async and sync loads, failed and aborted loads, chunked prefill, decode, frees) on a pool that never runs out:
 
 - every lookup gives the same hit (a fill's blocks are no hit before its completion, its valid blocks are after),
+  but where a whole-prompt load's request has not computed its last token yet (pagedkv recomputes it, so its last
+  block is not registered, where vLLM caches it): there pagedkv may hit less, and both admit at pagedkv's hit;
   every admission and growth the same decision;
 - a waiting request's blocks per group have vLLM's lengths, and its window groups list the null block exactly where
   vLLM's do (the blocks before the window of the first query the load leaves to compute; pagedkv's query is at the
@@ -27,9 +30,10 @@ async and sync loads, failed and aborted loads, chunked prefill, decode, frees) 
 
 Directed tests: a single sliding-window group's partial load failure (block-level, what vLLM allows with one group)
 keeps only what the window rule allows and lowers the request's computed count to pagedkv's; a Mamba group with
-prefix caching and groups of different block sizes are refused with the reason, nothing changed.
+prefix caching is refused with the reason, nothing changed.
 """
 
+import math
 import random
 
 import pytest
@@ -82,6 +86,11 @@ LAYOUTS = {
     # the request's one state block
     "full+mamba": [_full(), _mamba()],
     "full+swa5+mamba": [_full(), _swa(5), _mamba()],
+    # groups of different block sizes (pagedkv's coarse pages: a load moves whole pages, from a page boundary; vLLM
+    # aligns every hit to the groups' common block size)
+    "full+full8": [_full(), FullAttentionSpec(block_size=2 * BS, num_kv_heads=1, head_size=1, dtype=torch.float32)],
+    "full+swa5+full12": [_full(), _swa(5),
+                         FullAttentionSpec(block_size=3 * BS, num_kv_heads=1, head_size=1, dtype=torch.float32)],
 }
 
 
@@ -89,7 +98,8 @@ def _manager(cls, num_blocks, specs):
     if any(isinstance(s, MambaSpec) for s in specs):  # vLLM's block sizes with a mode-'none' Mamba group
         return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=MAX_LEN,
                    hash_block_size=MAX_LEN, enable_caching=False)
-    return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=BS, hash_block_size=BS,
+    lcm = math.lcm(*(s.block_size for s in specs))  # vLLM's hit alignment with groups of different block sizes
+    return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=lcm, hash_block_size=BS,
                enable_caching=True)
 
 
@@ -123,7 +133,7 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
     whole = set()  # requests whose async load covered the whole prompt
     next_id = 0
     seen = {"async": 0, "sync": 0, "loaded": 0, "failed": 0, "aborted": 0, "clamped": 0, "hidden": 0, "fill_hit": 0,
-            "clamped_nulls": 0, "later_nulls": 0, "same_held": 0, "zeroed": 0}
+            "clamped_nulls": 0, "later_nulls": 0, "same_held": 0, "zeroed": 0, "whole_hit_short": 0}
 
     def check_tables(step):
         fills = []
@@ -192,7 +202,16 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
             rid = str(next_id)
             next_id += 1
             ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, BS)
-            assert ha == hb, f"step {step}: hit {ha} != vLLM's {hb} ({len(toks)} tokens)"
+            # One difference: a whole-prompt load leaves pagedkv's last prompt token to compute (for its logits), so
+            # until that request's next step its last block is not registered where vLLM has cached it: pagedkv may
+            # hit less there (by a block, or by the common block size with groups of different block sizes).
+            from_whole = any(w in live and hb <= len(live[w][0].prompt_token_ids)
+                             and live[w][0].prompt_token_ids[:hb] == toks[:hb] for w in whole)
+            assert ha == hb or (ha < hb and from_whole), f"step {step}: hit {ha} != vLLM's {hb} ({len(toks)} tokens)"
+            seen["whole_hit_short"] += ha < hb
+            if ha < hb:  # both admit at pagedkv's hit (vLLM's scheduler takes the hit its manager gives)
+                cb = type(cb)(tuple(list(b)[:ha // specs[g].block_size] for g, b in enumerate(cb.blocks)))
+                hb = ha
             seen["fill_hit"] += ha > 0
             load_async = rng.random() < 0.6
             if load_async:  # the connector's match may cover the whole prompt
@@ -243,7 +262,8 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
             for g, (xa, xb) in enumerate(zip(ours.get_block_ids(rid), theirs.get_block_ids(rid))):
                 assert set(_nulls(xa)) <= set(_nulls(xb)), f"step {step}: {rid} g{g}: {xa} vs vLLM's {xb}"
             ids = ours.get_block_ids(rid)
-            want = [1 if g in mamba else cdiv(ra.num_computed_tokens + n, BS) for g in range(len(specs))]
+            want = [1 if g in mamba else cdiv(ra.num_computed_tokens + n, specs[g].block_size)
+                    for g in range(len(specs))]
             assert [len(x) for x in ids] == want, f"step {step}: tables {ids} for {ra.num_computed_tokens + n}"
             ra.num_computed_tokens += n
             rb.num_computed_tokens += n
@@ -321,8 +341,6 @@ def test_single_window_group_partial_failure_recomputes_from_the_hit():
 @pytest.mark.parametrize(("specs", "words"), [
     ([_full(), MambaSpec(block_size=2 * BS, shapes=((1, 1),), dtypes=(torch.float32,))],
      "group 1 a MambaSpec and prefix caching"),
-    ([_full(), FullAttentionSpec(block_size=2 * BS, num_kv_heads=1, head_size=1, dtype=torch.float32)],
-     "different block sizes"),
 ])
 def test_connector_loads_refused_by_name(specs, words):
     m = pv.KVCacheManager(make_config(32, specs), max_model_len=MAX_LEN, scheduler_block_size=2 * BS,
