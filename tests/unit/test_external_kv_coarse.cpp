@@ -250,7 +250,7 @@ TEST_CASE("P/D hand-off with coarse pages: whole pages move from a page boundary
                 << ", nothing imported " << empty);
 }
 
-TEST_CASE("coarse fills: the vLLM-style admission starts at the page boundary; save pins keep pages",
+TEST_CASE("coarse fills: the vLLM-style admission starts at the page boundary, save pins keep pages",
           "[external_kv][manager][coarse]") {
   pagedkv::CacheConfig c;
   c.num_blocks = 64;

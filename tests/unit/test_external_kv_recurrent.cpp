@@ -338,7 +338,7 @@ TEST_CASE("P/D hand-off with recurrent groups: the consumer resumes from the han
                 << ", partial fills recomputed " << partial);
 }
 
-TEST_CASE("recurrent fills: aborts and late signals leave nothing held; a save pin is refused",
+TEST_CASE("recurrent fills: aborts and late signals leave nothing held, a save pin is refused",
           "[external_kv][manager]") {
   pagedkv::CacheConfig c;
   c.num_blocks = 64;
