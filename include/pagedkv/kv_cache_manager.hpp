@@ -1123,9 +1123,7 @@ class KVCacheManager {
     }
     sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
     q.num_built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
-    for (std::size_t g = 1; g < layout_.num_groups && out.num_valid_blocks == nb; ++g) {
-      if (layout_.is_recurrent(g)) recurrent(g).complete_fill(q, f.end_token);  // the state at end_token
-    }
+    if (out.num_valid_blocks == nb) detail::complete_recurrent_fill<Id>(layout_, q, f.end_token);
     // Never-transferred window blocks and unwritten checkpoint blocks: null before registration.
     if (!layout_.simple) release_out_of_window(q);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
@@ -1204,12 +1202,7 @@ class KVCacheManager {
     const std::size_t bs = config_.block_size, n = q.num_known();
     std::vector<TokenId> tail(q.tokens.begin() + static_cast<std::ptrdiff_t>(n / bs * bs),
                               q.tokens.begin() + static_cast<std::ptrdiff_t>(n));
-    if (layout_.any_recurrent) {  // the last checkpoints keyed now (a free would), so the lease holds them cached
-      pool_.events().reserve_more(layout_.num_groups);
-      for (std::size_t g = 1; g < layout_.num_groups; ++g) {
-        if (layout_.is_recurrent(g)) recurrent(g).register_last_checkpoint(pool_, seqs_.find(seq)->second);
-      }
-    }
+    detail::register_last_checkpoints<Id>(layout_, pool_, seqs_.find(seq)->second);  // the lease holds them cached
     const auto block_at = [&](std::size_t g, std::size_t i) {
       return detail::handoff_block_at<Id>(pool_, layout_, q, g, i);
     };

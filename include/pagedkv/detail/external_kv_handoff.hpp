@@ -148,6 +148,26 @@ template <class Id, class Seq>
   }
   return row;
 }
+/// Producer (KVCacheManager::finish_with_lease): every recurrent group's last checkpoint of `q` registered now, as a
+/// free would (RecurrentGroup::register_last_checkpoint), so that the lease holds it cached. Reserves its events.
+template <class Id, class Pool, class Seq>
+void register_last_checkpoints(const GroupLayout& layout, Pool& pool, Seq& q) {
+  if (!layout.any_recurrent) return;
+  pool.events().reserve_more(layout.num_groups);
+  for (std::size_t g = 1; g < layout.num_groups; ++g) {
+    if (layout.is_recurrent(g)) recurrent_group<Id>(layout, g).register_last_checkpoint(pool, q);
+  }
+}
+/// Consumer (KVCacheManager::complete_external_fill): a fill of `q` up to `end_token` completed with every block
+/// valid: each recurrent group holds the state at end_token where its ticket row put it
+/// (RecurrentGroup::complete_fill).
+template <class Id, class Seq>
+void complete_recurrent_fill(const GroupLayout& layout, Seq& q, std::size_t end_token) {
+  for (std::size_t g = 1; g < layout.num_groups && layout.any_recurrent; ++g) {
+    if (layout.is_recurrent(g)) recurrent_group<Id>(layout, g).complete_fill(q, end_token);
+  }
+}
+
 /// Consumer: the first logical block of group g a fill of tokens [first_token, end_token) holds: a window group's
 /// first block inside the window of the query at end_token (handoff_first_block), else first_token's block.
 [[nodiscard]] inline std::size_t ticket_first_block(const GroupLayout& layout, std::size_t g, std::size_t first_token,
