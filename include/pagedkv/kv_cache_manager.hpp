@@ -1008,9 +1008,11 @@ class KVCacheManager {
   /// (conservative). When external tokens remain after the clamp, the result carries a FillTicket: the blocks of
   /// positions [first_token, end_token) are held by the fill (one reference each), never registered, matched,
   /// evicted or reported (no event) until `complete_external_fill`; the sequence waits for it (a build refuses
-  /// it, naming it). A window group's blocks outside the window of the query at end_token are null in the ticket
-  /// (never transferred; they stay in the table, unfilled, for a recompute, and become null at completion). A
-  /// recurrent group's row is null but its last entry, the block that receives the state after end_token tokens
+  /// it, naming it). A window group's blocks wholly outside the window of the query at end_token are not taken:
+  /// null in the table and the ticket from the admission on, never transferred, not counted by the capacity check
+  /// or the headroom (vLLM's SlidingWindowManager pads an external load's skipped blocks with its null block the
+  /// same way; detail::window_external_skip); the local hit's blocks there stay held. A recurrent group's row is
+  /// null but its last entry, the block that receives the state after end_token tokens
   /// (the source must provide exactly that state: vLLM's N-1 prefill, vllm#37310). With a coarse group the local
   /// hit taken is lowered to a page boundary of every group (detail::page_aligned_hit) and the fill starts there
   /// (ticket.first_token): a coarse group's pages move whole, at their first match block's entry (null at the
@@ -1020,21 +1022,26 @@ class KVCacheManager {
                                              std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
     AdmitOptions o = opts;
-    if (layout_.any_coarse && num_external_tokens != 0 && !prompt.empty() && !seqs_.contains(seq)) {  // on a page
-      const std::size_t full = lookup(prompt, keys, opts.max_cached_tokens);
-      o.max_cached_tokens = external_hit(prompt, keys, opts.max_cached_tokens);
-      num_external_tokens += full - *o.max_cached_tokens;
-    }
-    if (o.num_reserved_tokens) o.num_reserved_tokens = std::max(*o.num_reserved_tokens, num_external_tokens);
+    if (!seqs_.contains(seq)) external_options(prompt, keys, o, num_external_tokens);
     // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
     if (headroom_blocks != 0 && !prompt.empty() && !seqs_.contains(seq)) {
-      const CapacityQuery cq = query_admit(prompt, keys, o);
+      validate_prompt(prompt, keys, "try_admit_external", &seq);
+      std::vector<BlockHash> hashes;
+      PlanScratch scratch;
+      const CapacityQuery cq = plan_admit_into(prompt, keys, o, hashes, false, scratch, num_external_tokens).query;
       const std::size_t need = cq.num_blocks + headroom_blocks +
                                lookup(prompt, keys, opts.max_cached_tokens) / config_.block_size * layout_.num_groups;
       const std::size_t avail = pool_.alloc().num_available_blocks();
       if (cq.fits() && avail < need) return {{AdmitStatus::kNoCapacity, 0, 0, 0, need - avail}, {}};
     }
-    ExternalAdmitResult<Id> r{try_admit(seq, prompt, keys, o), {}};
+    if (seqs_.contains(seq) || swapped_.contains(seq)) {
+      detail::raise(Errc::kDuplicateSequence,
+                    "try_admit_external: sequence " + std::to_string(seq) + " is already live");
+    }
+    validate_prompt(prompt, keys, "try_admit_external", &seq);
+    hash_scratch_.clear();  // try_admit's path, with the window groups' blocks the fill leaves out not taken
+    ExternalAdmitResult<Id> r{admit_prompt(seq, prompt, keys, nullptr, o, hash_scratch_, false, num_external_tokens),
+                              {}};
     const std::size_t h = r.admit.num_cached_tokens;
     const std::size_t n = importable_tokens(h + num_external_tokens, prompt.size(), h);
     if (!r.admit.admitted() || n == 0) return r;
@@ -1097,6 +1104,8 @@ class KVCacheManager {
   /// whose next query would see a block left out of the transfer (detail::window_valid_blocks) counts as 0 valid
   /// blocks under kRecompute: the positions after the local hit are all recomputed; so does any partial fill with a
   /// recurrent group (its one transferred state, at end_token, is the fill's last block: detail::fill_valid_blocks).
+  /// Such a recompute writes the window blocks the admission did not take: they are taken now, and when the pool
+  /// cannot provide them the sequence fails (freed, reported in `sequence_failed`) whatever the policy.
   /// Blocks outside the window of the next query become null (as after a build). A signal for a fill that is not live
   /// is counted and changes nothing (late: its sequence was aborted, and an orphan hold ends now; duplicate;
   /// unknown), never thrown. Throws kInvalidArgument (num_valid_blocks beyond the fill's blocks) for a live fill;
@@ -1116,15 +1125,26 @@ class KVCacheManager {
     out.num_valid_blocks = layout_.simple ? num_valid_blocks
                                           : detail::fill_valid_blocks(layout_, f.first_block, f.first_token,
                                                                       f.end_token, nb, num_valid_blocks);
+    sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
+    const std::size_t built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
+    // A recompute writes the window blocks the admission left out (detail::window_external_skip): taken back now;
+    // when the pool cannot provide them, the sequence fails (freed, reported) rather than compute into null blocks.
+    const std::size_t retake =
+        layout_.simple || out.sequence_failed ? 0 : detail::null_blocks_from<Id>(layout_, q, built);
+    if (retake > pool_.alloc().num_available_blocks()) out.sequence_failed = true;
     ext_.count_completion(out.num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
     if (out.sequence_failed) {
       free(out.seq);
       return out;
     }
-    sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
-    q.num_built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
+    if (retake != 0) {
+      reserve_for_allocations(retake, 0);
+      detail::fill_null_blocks_from<Id>(layout_, q, built, [this](std::size_t g) { return allocate_one(g); });
+    }
+    q.num_built = built;
     if (out.num_valid_blocks == nb) detail::complete_recurrent_fill<Id>(layout_, q, f.end_token);
-    // Never-transferred window blocks and unwritten checkpoint blocks: null before registration.
+    // Unwritten checkpoint blocks (and blocks the new built position leaves outside a window): null before
+    // registration.
     if (!layout_.simple) release_out_of_window(q);
     for (std::size_t g = 0; g < layout_.num_groups; ++g) {
       pool_.switched().clear();
@@ -1162,6 +1182,23 @@ class KVCacheManager {
                                  ? external_hit(prompt, keys, opts.max_cached_tokens)
                                  : std::numeric_limits<std::size_t>::max();
     return detail::explain_external(explain_admit(prompt, keys, opts), num_external_tokens, config_.block_size, from);
+  }
+
+  /// What `try_admit_external(seq, prompt, num_external_tokens, keys, opts)` would take now (without headroom), as
+  /// `query_admit` says of try_admit: the blocks of every group after the hit (lowered to a page boundary with a
+  /// coarse group, as the admission lowers it), but a window group's blocks the fill would leave out (not taken:
+  /// detail::window_external_skip), kNoCapacity / kNeverFits as the admission would answer (vLLM's
+  /// get_num_blocks_to_allocate with `num_external_computed_tokens`). Pure; allocates. Throws as query_admit.
+  [[nodiscard]] CapacityQuery query_admit_external(std::span<const TokenId> prompt, std::size_t num_external_tokens,
+                                                   const RequestKeys* keys = nullptr,
+                                                   const AdmitOptions& opts = {}) const {
+    validate_prompt(prompt, keys, "query_admit_external", nullptr);
+    if (opts.retention) validate_retention(*opts.retention, "query_admit_external");
+    AdmitOptions o = opts;
+    external_options(prompt, keys, o, num_external_tokens);
+    std::vector<BlockHash> hashes;
+    PlanScratch scratch;
+    return plan_admit_into(prompt, keys, o, hashes, false, scratch, num_external_tokens).query;
   }
 
   /// The fill `seq` waits for (0: none).
@@ -1355,18 +1392,37 @@ class KVCacheManager {
 
   // Plan an admission of a validated prompt (detail::plan_admission): the prompt's block hashes appended to
   // `hashes` unless `hashes_ready`, the hit blocks into `sc`, what it would take. Pure.
+  // `external_tokens`: offered to a fill after the hit (try_admit_external; detail::window_external_skip).
   AdmitPlan plan_admit_into(std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                            std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc) const {
-    return detail::plan_admission<Id>(pool_, host_, layout_, config_, prompt, keys, opts, hashes, hashes_ready, sc);
+                            std::vector<BlockHash>& hashes, bool hashes_ready, PlanScratch& sc,
+                            std::size_t external_tokens = 0) const {
+    return detail::plan_admission<Id>(pool_, host_, layout_, config_, prompt, keys, opts, hashes, hashes_ready, sc,
+                                      external_tokens);
+  }
+
+  // try_admit_external's options for a new sequence: with a coarse group the hit lowered to a page boundary of
+  // every group (detail::page_aligned_hit), the tokens between it and the full hit external too; the reservation
+  // raised to cover the external tokens.
+  void external_options(std::span<const TokenId> prompt, const RequestKeys* keys, AdmitOptions& o,
+                        std::size_t& num_external_tokens) const {
+    if (layout_.any_coarse && num_external_tokens != 0 && !prompt.empty()) {  // on a page
+      const std::size_t full = lookup(prompt, keys, o.max_cached_tokens);
+      const std::size_t from = external_hit(prompt, keys, o.max_cached_tokens);
+      o.max_cached_tokens = from;
+      num_external_tokens += full - from;
+    }
+    if (o.num_reserved_tokens) o.num_reserved_tokens = std::max(*o.num_reserved_tokens, num_external_tokens);
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
   // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
+  // `external_tokens`: offered to a fill after the hit (try_admit_external): a window group takes no block wholly
+  // outside the window of the fill's end (detail::window_external_skip; null in its table).
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
-                           std::vector<BlockHash>& hashes, bool hashes_ready) {
+                           std::vector<BlockHash>& hashes, bool hashes_ready, std::size_t external_tokens = 0) {
     if (opts.retention) validate_retention(*opts.retention, "try_admit");
-    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, plan_scratch_);
+    const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, plan_scratch_, external_tokens);
     if (!plan.query.fits()) {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
     }
@@ -1427,7 +1483,14 @@ class KVCacheManager {
       }
       std::optional<copy_type> copy;
       auto pool = pool_.template table_allocator<false>(layout_, g);
-      const bool ok = q.table_of(g).try_append(plan.num_reserved, pool, evictor(), nullptr, copy);
+      std::size_t reserved = plan.num_reserved;
+      if (external_tokens != 0) [[unlikely]] {  // a window group's blocks the fill leaves out: null
+        const std::size_t skip =
+            std::min(detail::window_external_skip(layout_, g, k, prompt.size(), external_tokens) * bs, reserved);
+        q.table_of(g).extend(skip, [](std::size_t) { return Id{0}; });
+        reserved -= skip;
+      }
+      const bool ok = q.table_of(g).try_append(reserved, pool, evictor(), nullptr, copy);
       (void)ok;  // guaranteed by the capacity check; a copy only of a coarse group's shared hit page
       if (copy) {
         copy->group = static_cast<std::uint32_t>(g);

@@ -14,7 +14,7 @@ struct ExternalKvCounters {
   std::uint64_t fills_started = 0;       ///< Admissions with external tokens.
   std::uint64_t fills_completed = 0;     ///< Fills completed with every block valid.
   std::uint64_t fills_partial = 0;       ///< Fills completed with some blocks failed (policy applied).
-  std::uint64_t fills_failed = 0;        ///< Sequences failed by kFail (or a fill with no valid block under it).
+  std::uint64_t fills_failed = 0;        ///< Sequences failed: by kFail, or a recompute the pool had no blocks for.
   std::uint64_t fills_aborted = 0;       ///< Fills whose sequence was freed / aborted / preempted while in flight.
   std::uint64_t fill_blocks = 0;         ///< Blocks (all groups) of the fills started.
   std::uint64_t fill_blocks_valid = 0;   ///< Of which completed valid and kept.

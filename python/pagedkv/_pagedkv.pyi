@@ -1226,13 +1226,23 @@ class KVCacheManager:
     @overload
     def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
         """
-        Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. Every group must be full attention today. Raises as try_admit, and InvalidArgumentError for a group kind external KV does not support.
+        Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. A window group's blocks wholly outside the window of the fill's end are not taken (null, as vLLM pads an external load's skipped blocks); a recurrent group's row ends in the block that receives the state; a coarse group's pages move whole from a page boundary. Raises as try_admit.
         """
 
     @overload
     def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], plan: ImportPlan, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
         """
         Consumer: try_admit_external of the tokens import `plan` (plan_import's, for this prompt and keys) provides; the ticket pairs one to one with plan.remote_blocks. Counts the import's blocks (transferred, skipped) when admitted, never at plan time. Raises InvalidArgumentError, nothing changed, when the local prefix hit changed since the plan (plan again) or the plan does not fit this pool or prompt.
+        """
+
+    def query_admit_external(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None) -> CapacityQuery:
+        """
+        What try_admit_external (without headroom) would take now, as query_admit says of try_admit: a window group's blocks the fill leaves out are not counted (pure). Raises as query_admit.
+        """
+
+    def explain_admit_external(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None) -> ExternalAdmitExplanation:
+        """
+        explain_admit with the external part named: of `num_external_tokens` offered after the local hit, how many try_admit_external would take, from which token and block, how many blocks per group the fill would hold and skip: an ExternalAdmitExplanation (pure). Raises as explain_admit.
         """
 
     def complete_external_fill(self, fill_id: int, num_valid_blocks: int | None = None, *, failed_blocks: Sequence[int] | None = None, policy: ExternalFailurePolicy = ExternalFailurePolicy.RECOMPUTE) -> ExternalCompletion:
@@ -1653,7 +1663,9 @@ class ExternalKvCounters:
 
     @property
     def fills_failed(self) -> int:
-        """Sequences failed by the FAIL policy."""
+        """
+        Sequences failed: by the FAIL policy, or a recompute the pool had no blocks for.
+        """
 
     @property
     def fills_aborted(self) -> int:
@@ -1771,6 +1783,53 @@ class ClaimCheck:
         """Whether the claim holds."""
 
     def __repr__(self) -> str: ...
+
+class ExternalAdmitExplanation:
+    """
+    KVCacheManager.explain_admit_external: an admission's prefix hit explained with its external part (how many tokens a fill would provide, from where).
+    """
+
+    @property
+    def local(self) -> AdmitExplanation:
+        """explain_admit's answer: the local hit and why it ends."""
+
+    @property
+    def external_tokens(self) -> int:
+        """
+        Tokens the external source provides: positions [first_external_token, first_external_token + external_tokens).
+        """
+
+    @property
+    def clamped_tokens(self) -> int:
+        """
+        External tokens offered but not taken: under the local hit, or the last prompt token (computed here).
+        """
+
+    @property
+    def first_external_token(self) -> int:
+        """
+        Where the external tokens start: the local hit (lowered to a page boundary with coarse pages).
+        """
+
+    @property
+    def first_external_block(self) -> int:
+        """first_external_token / block_size: the first block a fill writes."""
+
+    @property
+    def external_blocks(self) -> int:
+        """
+        Blocks per group of the fill's ticket (a window group's entries outside the window are null).
+        """
+
+    @property
+    def skipped_blocks(self) -> int:
+        """Blocks per group not transferred thanks to the local hit."""
+
+    @property
+    def computed_tokens(self) -> int:
+        """
+        Positions computed before the first step: first_external_token + external_tokens.
+        """
 
 def importable_tokens(producer_tokens: int, prompt_len: int, local_hit_tokens: int) -> int:
     """

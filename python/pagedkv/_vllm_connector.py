@@ -21,22 +21,22 @@ external-KV lifecycle (issue 33: ``try_admit_external``, ``complete_external_fil
   ``evict_cached_block`` per block: the hash leaves pagedkv's prefix index at once (a BlockRemoved event); a block
   still in a table stays there, never matchable again.
 
-Groups: full attention (and MLA), sliding window and chunked-local, at one block size (vLLM's hybrid models with
-SWA or local layers). A window group's fill leaves out the blocks wholly before the window of the first query the
-load leaves to compute (pagedkv's ticket has the null block there, vLLM's SlidingWindowManager skips them): while
-the fill is open ``get_blocks`` lists them as the null block, as vLLM does, so a connector transfers none; pagedkv
-still holds them, unfilled, until the completion's release rule nulls them (vLLM allocates none: a waiting request
-holds up to those blocks more than on vLLM's manager). When the load covers the whole prompt, pagedkv's first
-query is the last prompt token (recomputed for its logits) and vLLM's one past it, so vLLM nulls up to one window
-step more (and its recomputed token reads the null block there). With a single window group vLLM reports
-block-level failures; a valid prefix whose next query would read a left-out block keeps no block (the positions
-after the local hit are recomputed) and ``cache_blocks`` lowers ``request.num_computed_tokens`` to pagedkv's count.
-A Mamba group in mode 'none' without prefix caching (vLLM's hybrid models with caching off) takes part too: the
-fill's ticket row for it ends in the request's working state, the one state block vLLM lists (checked at
-admission), which receives the state after the ticket's end_token tokens (vLLM's N-1 prefill when the load covers
+Groups: full attention (and MLA; at larger block sizes too: coarse pages, whose loads move whole pages from a page
+boundary, where vLLM's scheduler aligns its hits), sliding window and chunked-local (vLLM's hybrid models with SWA
+or local layers). A window group's fill leaves out the blocks wholly before the window of the first query the load
+leaves to compute (vLLM's SlidingWindowManager pads them with its null block): ``get_blocks`` lists the null block
+there, as vLLM does, so a connector transfers none; pagedkv does not take the new ones (null in its own table, and
+the admission's capacity check counts as vLLM's: ``query_admit_external``) and keeps the local hit's there (cached
+blocks, which a recompute after a failed load reads) until the fill completes. When the load covers the whole
+prompt, pagedkv's first query is the last prompt token (recomputed for its logits) and vLLM's one past it, so vLLM
+nulls up to one window step more (and its recomputed token reads the null block there). With a single window group
+vLLM reports block-level failures; a valid prefix whose next query would read a left-out block keeps no block (the
+positions after the local hit are recomputed) and ``cache_blocks`` lowers ``request.num_computed_tokens`` to
+pagedkv's count. A Mamba group in mode 'none' without prefix caching (vLLM's hybrid models with caching off) takes
+part too: the fill's ticket row for it ends in the request's working state, the one state block vLLM lists (checked
+at admission), which receives the state after the ticket's end_token tokens (vLLM's N-1 prefill when the load covers
 the whole prompt, vllm#37310). Refused by name (``Unsupported``): a Mamba group with prefix caching (a state at a
-checkpoint position is received into that checkpoint's block, which vLLM's mode-'none' listing does not show) and
-groups of different block sizes.
+checkpoint position is received into that checkpoint's block, which vLLM's mode-'none' listing does not show).
 
 The rest of the connector-facing interface was there already: ``get_computed_blocks_for_connector``,
 ``get_block_ids`` / ``get_blocks`` (update_state_after_alloc), ``get_block_ids_for_computed_tokens``
@@ -133,7 +133,9 @@ class ConnectorMixin:
             watermark = self.watermark_blocks
         if watermark or reserved_blocks or full_sequence_must_fit:
             free_now = self._num_free_blocks()
-            q = self._pk.query_admit(tokens, keys, max_cached_tokens=hit, num_reserved_tokens=reserved)
+            # vLLM's count: a window group's blocks the load leaves out are not taken (nor counted).
+            q = self._pk.query_admit_external(tokens, num_external, keys, max_cached_tokens=hit,
+                                              num_reserved_tokens=reserved)
             if not q.fits or q.num_blocks > free_now - reserved_blocks - watermark:
                 return None
             if full_sequence_must_fit and -(-n_known // self.block_size) - hit // self.block_size > free_now:
@@ -181,20 +183,24 @@ class ConnectorMixin:
     def _check_ticket(self, request, seq: int, t) -> dict[int, int]:
         """Check fill ticket `t` of `seq` against what the adapter lists, and return {vLLM window group: its blocks
         listed as null while the fill is open}. A window group's fill leaves out the blocks before the window of the
-        query at t.end_token (null in the ticket: never transferred); they stay in pagedkv's table, unfilled, until
-        the completion's release rule nulls them; meanwhile get_blocks lists them as the null block, as vLLM's
-        SlidingWindowManager / ChunkedLocalAttentionManager list the skipped blocks of an external load (so a
-        connector reading the request's blocks, update_state_after_alloc, transfers none of them). A Mamba group's
-        ticket row receives the state after t.end_token tokens into its last entry: the working state, the one
-        block the adapter lists (vLLM's state block in mode 'none'). On a disagreement the admission is undone
+        query at t.end_token (null in the ticket: never transferred), as vLLM's SlidingWindowManager /
+        ChunkedLocalAttentionManager skip them for an external load; so get_blocks lists the null block there (a
+        connector reading the request's blocks, update_state_after_alloc, transfers none of them). pagedkv does not
+        take the new ones (null in its table too); it keeps the local hit's blocks there (cached blocks, which a
+        recompute after a failed load reads), listed as null until the fill completes. A Mamba group's ticket row
+        receives the state after t.end_token tokens into its last entry: the working state, the one block the
+        adapter lists (vLLM's state block in mode 'none'). On a disagreement the admission is undone
         (abort_sequence, quiescent: no transfer has the ticket yet) and AssertionError raised."""
         hidden = {}
         bad = None
+        tables = self._table(seq)
+        hit_blocks = t.first_token // self.block_size
         for g, k in self._window_first_kept(t.end_token).items():
             row = list(t.group_blocks(self._pk_group[g]))
-            if any((b == 0) != (t.first_block + j < k) for j, b in enumerate(row)):
-                bad = f"group {g}'s ticket row {row} from block {t.first_block} disagrees with the window's first " \
-                      f"kept block {k} at token {t.end_token}"
+            taken = [b for b in tables[g][hit_blocks:k] if b]
+            if any((b == 0) != (t.first_block + j < k) for j, b in enumerate(row)) or taken:
+                bad = f"group {g}'s ticket row {row} from block {t.first_block} (table {tables[g]}) disagrees with " \
+                      f"the window's first kept block {k} at token {t.end_token}"
             elif k:
                 hidden[g] = k
         for g in self._state_groups:

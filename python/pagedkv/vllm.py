@@ -964,7 +964,7 @@ class KVCacheManager(ConnectorMixin):
             ids = self._pk._vllm_tables(s.seq)
             if self._order is not None:
                 ids = self._from_pk(ids)
-            if self._fill_hidden:  # a KV connector's fill is open: its untransferred window blocks are null
+            if self._fill_hidden:  # a KV connector's fill is open: its window's left-out hit blocks are listed null
                 ids = self._hide_out_of_window(s.seq, ids)
             s.blocks = self._blocks_of(self._state_ids(s.seq, ids, True) if self._state_groups else ids)
         return s.blocks

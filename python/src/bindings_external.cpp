@@ -214,7 +214,8 @@ void bind_types(nb::module_& m) {
       .def_ro("fills_started", &ExternalKvCounters::fills_started, "Admissions with external tokens.")
       .def_ro("fills_completed", &ExternalKvCounters::fills_completed, "Completed with every block valid.")
       .def_ro("fills_partial", &ExternalKvCounters::fills_partial, "Completed with some blocks failed.")
-      .def_ro("fills_failed", &ExternalKvCounters::fills_failed, "Sequences failed by the FAIL policy.")
+      .def_ro("fills_failed", &ExternalKvCounters::fills_failed,
+              "Sequences failed: by the FAIL policy, or a recompute the pool had no blocks for.")
       .def_ro("fills_aborted", &ExternalKvCounters::fills_aborted, "Fills whose sequence ended while in flight.")
       .def_ro("fill_blocks", &ExternalKvCounters::fill_blocks, "Blocks (all groups) of the fills started.")
       .def_ro("fill_blocks_valid", &ExternalKvCounters::fill_blocks_valid, "Of which completed valid and kept.")
@@ -259,6 +260,26 @@ void bind_types(nb::module_& m) {
                ", current_generation=" + std::to_string(c.current_generation) + ")";
       });
 
+  nb::class_<ExternalAdmitExplanation>(m, "ExternalAdmitExplanation",
+                                       "KVCacheManager.explain_admit_external: an admission's prefix hit explained "
+                                       "with its external part (how many tokens a fill would provide, from where).")
+      .def_ro("local", &ExternalAdmitExplanation::local, "explain_admit's answer: the local hit and why it ends.")
+      .def_ro("external_tokens", &ExternalAdmitExplanation::external_tokens,
+              "Tokens the external source provides: positions [first_external_token, first_external_token + "
+              "external_tokens).")
+      .def_ro("clamped_tokens", &ExternalAdmitExplanation::clamped_tokens,
+              "External tokens offered but not taken: under the local hit, or the last prompt token (computed here).")
+      .def_ro("first_external_token", &ExternalAdmitExplanation::first_external_token,
+              "Where the external tokens start: the local hit (lowered to a page boundary with coarse pages).")
+      .def_ro("first_external_block", &ExternalAdmitExplanation::first_external_block,
+              "first_external_token / block_size: the first block a fill writes.")
+      .def_ro("external_blocks", &ExternalAdmitExplanation::external_blocks,
+              "Blocks per group of the fill's ticket (a window group's entries outside the window are null).")
+      .def_ro("skipped_blocks", &ExternalAdmitExplanation::skipped_blocks,
+              "Blocks per group not transferred thanks to the local hit.")
+      .def_prop_ro("computed_tokens", &ExternalAdmitExplanation::computed_tokens,
+                   "Positions computed before the first step: first_external_token + external_tokens.");
+
   m.def("importable_tokens", &importable_tokens, "producer_tokens"_a, "prompt_len"_a, "local_hit_tokens"_a,
         "The external tokens an import may provide after a local hit: min(producer_tokens, prompt_len - 1) - "
         "local_hit_tokens, at least 0 (the last prompt token is computed here, for its logits). Pure.");
@@ -284,8 +305,35 @@ void bind_methods(nb::class_<Manager>& cls) {
          "computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: "
          "also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks "
          "are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. "
-         "Every group must be full attention today. Raises as try_admit, and InvalidArgumentError for a group kind "
-         "external KV does not support.")
+         "A window group's blocks wholly outside the window of the fill's end are not taken (null, as vLLM pads an "
+         "external load's skipped blocks); a recurrent group's row ends in the block that receives the state; a "
+         "coarse group's pages move whole from a page boundary. Raises as try_admit.")
+      .def(
+          "query_admit_external",
+          [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
+             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens) {
+            AdmitOptions o;
+            o.max_cached_tokens = max_cached_tokens;
+            o.num_reserved_tokens = num_reserved_tokens;
+            return s.work([&](auto& mm) { return mm.query_admit_external(prompt.span(), num_external_tokens, keys, o); });
+          },
+          "prompt"_a, "num_external_tokens"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(),
+          "What try_admit_external (without headroom) would take now, as query_admit says of try_admit: a window "
+          "group's blocks the fill leaves out are not counted (pure). Raises as query_admit.")
+      .def(
+          "explain_admit_external",
+          [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
+             std::optional<std::size_t> max_cached_tokens) {
+            AdmitOptions o;
+            o.max_cached_tokens = max_cached_tokens;
+            return s.work(
+                [&](auto& mm) { return mm.explain_admit_external(prompt.span(), num_external_tokens, keys, o); });
+          },
+          "prompt"_a, "num_external_tokens"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "explain_admit with the external part named: of `num_external_tokens` offered after the local hit, how "
+          "many try_admit_external would take, from which token and block, how many blocks per group the fill "
+          "would hold and skip: an ExternalAdmitExplanation (pure). Raises as explain_admit.")
       .def(
           "try_admit_external",
           [](Manager& s, SeqId seq, const Tokens& prompt, const Plan& plan, const RequestKeys* keys,

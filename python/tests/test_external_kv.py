@@ -355,3 +355,44 @@ def test_evict_cached_block_leaves_the_index_now(trial):
         assert m.block_ids(1).tolist()[victim] == ids[victim]
     with pytest.raises(pagedkv.BlockOutOfRangeError):
         m.evict_cached_block(48)
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_window_group_fill_takes_only_the_blocks_its_window_reads(trial):
+    """A sliding-window group's blocks wholly before the window of the fill's end are not taken (null in the table
+    and the ticket, as vLLM pads an external load's skipped blocks); query_admit_external counts what the admission
+    takes, explain_admit_external names the fill."""
+    rng = np.random.default_rng(700 + trial)
+    window = int(rng.integers(1, 3 * BS))
+    groups = [pagedkv.KVCacheGroupSpec(),
+              pagedkv.KVCacheGroupSpec(kind=pagedkv.AttentionKind.SLIDING_WINDOW, window_tokens=window)]
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=96, block_size=BS, groups=groups))
+    p = rand_prompt(rng, int(rng.integers(12, 60)))
+    local = int(rng.integers(0, 3)) * BS
+    if local:  # a local hit: the prefix computed by another sequence (both groups' blocks registered)
+        lim = pagedkv.BatchMetadataLimits(max_batch=1, max_tokens_per_step=256, max_blocks_per_seq=64)
+        assert m.try_admit(90, p[:local + 1]).admitted
+        m.build_batch_metadata([90], groups=[pagedkv.BatchMetadataBuffers(lim) for _ in range(2)])
+        m.free(90)
+    ext = int(rng.integers(1, len(p) + 4))
+    x = m.explain_admit_external(p, ext)
+    q = m.query_admit_external(p, ext)
+    base = used(m)
+    r = m.try_admit_external(1, p, ext)
+    assert r.admit.admitted and r.admit.num_cached_tokens == local == x.first_external_token == x.local.hit_tokens
+    n = min(ext, len(p) - 1 - local)
+    assert (x.external_tokens, x.clamped_tokens, x.computed_tokens) == (n, ext - n, local + n)
+    end = local + n
+    first_kept = max(end - window + 1, 0) // BS  # the window of the query at the fill's end
+    skipped = max(first_kept - local // BS, 0)
+    full_blocks = -(-len(p) // BS)
+    assert q.fits and q.num_blocks == r.admit.num_new_blocks == 2 * (full_blocks - local // BS) - skipped
+    if not local:
+        assert used(m) - base == q.num_blocks  # nothing else taken
+    table = m.block_ids(1, 1).tolist()
+    assert all(b == 0 for b in table[local // BS:first_kept]) and all(table[max(first_kept, local // BS):])
+    if r.ticket is not None:
+        assert x.external_blocks == r.ticket.num_blocks and x.first_external_block == r.ticket.first_block
+        assert r.ticket.group_blocks(1) == table[r.ticket.first_block:r.ticket.first_block + r.ticket.num_blocks]
+    m.abort_sequence(1, True)
+    assert used(m) == base

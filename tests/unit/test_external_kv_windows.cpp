@@ -254,10 +254,11 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move - the con
           // Out-of-window blocks never appear in the transfer list, on either side.
           CHECK((theirs == 0) == (i < sent));
           CHECK((mine == 0) == (theirs == 0));
-          // Poison every destination (and the table's untransferred blocks): only copies and builds may write.
-          REQUIRE(cons.m.block_ids(7, g)[i] != 0);
-          cons.page(cons.m.block_ids(7, g)[i]).assign(bs, -99);
+          // A block the fill leaves out is not even taken (null in the table, as vLLM pads an external load's
+          // skipped blocks); poison every other destination: only copies and builds may write.
+          CHECK((cons.m.block_ids(7, g)[i] == 0) == (theirs == 0));
           if (theirs == 0) continue;
+          cons.page(cons.m.block_ids(7, g)[i]).assign(bs, -99);
           CHECK(cons.m.allocator().refcount(mine) == 2);  // table + fill
           REQUIRE(prod.m.is_current_block(theirs, plan.remote_generations[g * n + k]));
         }
@@ -285,6 +286,11 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move - the con
         CHECK(end == plan.first_token);
       }
       CHECK(cons.m.num_built(7) == end);
+      // Every block a later build writes is there: a recompute took back the blocks the admission left out.
+      for (std::size_t g = 0; g < G; ++g) {
+        const auto t = cons.m.block_ids(7, g);
+        for (std::size_t i = end / bs; i < t.size(); ++i) CHECK(t[i] != 0);
+      }
       // The next query's window holds only transferred (or hit) blocks: the rest are null now.
       for (std::size_t g = 0; g < G; ++g) {
         CHECK(cons.m.num_null_blocks(7, g) >= pagedkv::detail::first_kept_block(cons.m.window(g), end, bs));
@@ -340,7 +346,12 @@ TEST_CASE("window-group fills: aborts, late signals and save pins leave nothing 
     const auto w = r.ticket.group_blocks(1);
     CHECK(std::count(w.begin(), w.end(), 0U) == 4);  // blocks 0..3: outside the window at 23, not in the fill
     CHECK(e.m.stats().external.fill_blocks == (quiescent ? 8U : 16U));
-    for (std::size_t i = 0; i < 6; ++i) CHECK(e.m.allocator().refcount(e.m.block_ids(1, 1)[i]) == (i < 4 ? 1 : 2));
+    // ... and not taken (vLLM's count: 6 full-attention blocks, 2 window blocks).
+    CHECK(e.m.stats().blocks_used == 8);
+    for (std::size_t i = 0; i < 6; ++i) {
+      const std::uint32_t b = e.m.block_ids(1, 1)[i];
+      CHECK((i < 4 ? b == 0 : e.m.allocator().refcount(b) == 2));
+    }
     e.m.abort_sequence(1, quiescent);
     CHECK(e.m.stats().blocks_used == (quiescent ? 0U : 8U));  // an orphan hold keeps the fill's 6 + 2 blocks only
     if (!quiescent) {
@@ -360,4 +371,52 @@ TEST_CASE("window-group fills: aborts, late signals and save pins leave nothing 
   CHECK(e.m.stats().external.blocks_held == held);
   CHECK(e.m.end_save(pin) == ExternalSignal::kApplied);
   CHECK(e.m.stats().blocks_used == 0);
+}
+
+TEST_CASE("window-group fills: a recompute takes back the blocks the admission left out, or fails the sequence",
+          "[external_kv][manager]") {
+  // The query at 23 sees [19, 23]: the window group takes blocks 4 and 5 only (8 blocks in all, not 12). Two valid
+  // blocks of six leave the next query at 8 seeing block 1, never transferred: the fill is recomputed from 0, which
+  // writes every window block, so the four left out are taken then.
+  std::vector<TokenId> prompt(24);
+  for (std::size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<TokenId>(7 + i);
+  for (const std::uint32_t num_blocks : {64U, 11U}) {  // 11: 10 usable, 2 left after the admission
+    CAPTURE(num_blocks);
+    pagedkv::CacheConfig c;
+    c.num_blocks = num_blocks;
+    c.block_size = 4;
+    c.groups.resize(2);
+    c.groups[1].kind = AttentionKind::kSlidingWindow;
+    c.groups[1].window_tokens = 5;
+    Engine e(c);
+    // Taking the skipped blocks too (12) would not fit the small pool; query_admit_external counts what it takes.
+    const auto q = e.m.query_admit_external(prompt, 23);
+    CHECK(q.status == pagedkv::CapacityStatus::kFits);
+    CHECK(q.num_blocks == 8);
+    CHECK(e.m.query_admit(prompt).num_blocks == 12);
+    CHECK(e.m.query_admit(prompt).status ==  // a local prefill holds the whole window group first: 12 > 10 usable
+          (num_blocks == 64 ? pagedkv::CapacityStatus::kFits : pagedkv::CapacityStatus::kNeverFits));
+    const auto r = e.m.try_admit_external(1, prompt, 23);
+    REQUIRE(r.admit.admitted());
+    REQUIRE(r.ticket.fill_id != 0);
+    CHECK(e.m.stats().blocks_used == 8);
+    const auto done = e.m.complete_external_fill(r.ticket.fill_id, 2, ExternalFailurePolicy::kRecompute);
+    REQUIRE(done.signal == ExternalSignal::kApplied);
+    CHECK(done.num_valid_blocks == 0);
+    if (num_blocks == 64) {
+      CHECK_FALSE(done.sequence_failed);
+      CHECK(done.num_computed_tokens == 0);
+      CHECK(e.m.num_null_blocks(1, 1) == 0);
+      CHECK(e.m.stats().blocks_used == 12);
+      std::mt19937 rng(5);
+      build_to(e, 1, prompt, 24, rng);  // the recompute writes into the blocks taken back
+      CHECK(e.m.num_null_blocks(1, 1) == 5);
+      e.m.free(1);
+    } else {  // 2 available, 4 needed: the sequence fails rather than compute into null blocks
+      CHECK(done.sequence_failed);
+      CHECK(e.m.stats().external.fills_failed == 1);
+    }
+    CHECK(e.m.stats().blocks_used == 0);
+    CHECK(e.m.stats().external.fills_in_flight == 0);
+  }
 }

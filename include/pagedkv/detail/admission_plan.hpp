@@ -21,6 +21,22 @@
 
 namespace pagedkv::detail {
 
+/// The blocks after a hit of `k` match blocks that group g of an admission taking `external_tokens` more prompt
+/// tokens from a fill (KVCacheManager::try_admit_external) does not take: a window group's blocks wholly before the
+/// window of the first query it computes. That query sits at the fill's end, min(hit + external_tokens, prompt_len
+/// - 1) (importable_tokens' clamp: the last prompt token is computed here), or at the hit when that is below it.
+/// The positions before it are filled elsewhere and no later query sees them, so those blocks are null in the table
+/// from the admission on (vLLM's SlidingWindowManager pads an external load's skipped blocks with its null block).
+/// 0 for the other kinds (a recurrent group holds states; a coarse group has no window). Pure.
+[[nodiscard]] inline std::size_t window_external_skip(const GroupLayout& layout, std::size_t g, std::size_t k,
+                                                      std::size_t prompt_len, std::size_t external_tokens) noexcept {
+  if (layout.is_recurrent(g) || layout.is_coarse(g)) return 0;
+  const std::size_t bs = layout.block_size;
+  const std::size_t end = std::max(k * bs, std::min(k * bs + external_tokens, prompt_len == 0 ? 0 : prompt_len - 1));
+  const std::size_t first = first_kept_block(layout.windows[g], end, static_cast<std::uint32_t>(bs));
+  return first > k ? first - k : 0;
+}
+
 /// An admission's plan: what it would take (`query`) and what its commit needs (blocks and tokens).
 struct AdmitPlan {
   CapacityQuery query;
@@ -34,13 +50,15 @@ struct AdmitPlan {
 /// length is the fixed point over groups (detail::groups_hit), where group g has block i cached when its device
 /// index holds the hash, or (with a host tier) the host tier holds the hash mixed with g, ready; a windowed group
 /// takes only the blocks its first computed query sees. Each group's blocks after the hit as its kind counts them
-/// (`admit_need`). kNeverFits: the blocks the admission holds, or the blocks the prompt needs at least (each full
-/// group ceil(prompt_len / block_size), each windowed group 1: `min_need`), exceed the pool. `pool`: the
-/// DevicePool; `host`: the HostOffload part (its two-tier probe `cached_at`). Arguments as plan_admission.
+/// (`admit_need`), less the blocks a fill of `external_tokens` leaves out (window_external_skip). kNeverFits: the
+/// blocks the admission holds, or the blocks the prompt needs at least (each full group ceil(prompt_len /
+/// block_size), each windowed group 1: `min_need`), exceed the pool. `pool`: the DevicePool; `host`: the
+/// HostOffload part (its two-tier probe `cached_at`). Arguments as plan_admission.
 template <class Id, class Pool, class Host>
 AdmitPlan plan_groups(const Pool& pool, const Host& host, const GroupLayout& layout, const CacheConfig& config,
                       std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                      std::vector<BlockHash>& hashes, bool hashes_ready, HitScratch<Id>& sc) {
+                      std::vector<BlockHash>& hashes, bool hashes_ready, HitScratch<Id>& sc,
+                      std::size_t external_tokens) {
   const std::size_t G = layout.num_groups;
   const std::size_t bs = config.block_size;
   const std::size_t full = prompt.size() / bs;
@@ -61,6 +79,7 @@ AdmitPlan plan_groups(const Pool& pool, const Host& host, const GroupLayout& lay
       new_table_blocks += kind.admit_need(pool, k, reserved, std::span<const Id>(sc.hits).subspan(g * k, k));
       lower_bound += kind.min_need(prompt.size());
     });
+    if (external_tokens != 0) new_table_blocks -= window_external_skip(layout, g, k, prompt.size(), external_tokens);
   }
   const std::size_t new_blocks = new_table_blocks + host_hits;
   const std::size_t usable = pool.alloc().num_usable_blocks();
@@ -89,8 +108,11 @@ AdmitPlan plan_groups(const Pool& pool, const Host& host, const GroupLayout& lay
 template <class Id, class Pool, class Host>
 AdmitPlan plan_admission(const Pool& pool, const Host& host, const GroupLayout& layout, const CacheConfig& config,
                          std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
-                         std::vector<BlockHash>& hashes, bool hashes_ready, HitScratch<Id>& sc) {
-  if (!layout.simple) return plan_groups(pool, host, layout, config, prompt, keys, opts, hashes, hashes_ready, sc);
+                         std::vector<BlockHash>& hashes, bool hashes_ready, HitScratch<Id>& sc,
+                         std::size_t external_tokens = 0) {
+  if (!layout.simple) {
+    return plan_groups(pool, host, layout, config, prompt, keys, opts, hashes, hashes_ready, sc, external_tokens);
+  }
   const std::size_t bs = config.block_size;
   const std::size_t total_blocks = (prompt.size() + bs - 1) / bs;
   const std::size_t usable = pool.alloc().num_usable_blocks();
