@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "support/shadow_engine.hpp"
 #include "test_support.hpp"
 #include <pagedkv/external_kv.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
@@ -33,66 +34,11 @@ using pagedkv::SeqId;
 using pagedkv::TokenId;
 using Mgr = pagedkv::KVCacheManager<>;
 
-std::int64_t kv(TokenId t, std::size_t p) {
-  return static_cast<std::int64_t>(t) * 100003 + static_cast<std::int64_t>(p) + 1;
-}
-
-/// One engine: a manager and the shadow of its pool's K/V (block -> its group's page of values, -1 never written).
-struct Engine {
-  Mgr m;
-  std::map<std::uint32_t, std::vector<std::int64_t>> shadow;
-  explicit Engine(const pagedkv::CacheConfig& c) : m(c) {}
-  std::vector<std::int64_t>& page(std::uint32_t b, std::size_t g) {
-    auto& v = shadow[b];
-    if (v.size() != m.block_size(g)) v.assign(m.block_size(g), -1);
-    return v;
-  }
-};
-
-/// Build `n` tokens of `seq` (of `prompt`) on `e`, writing their K/V through every group's slot mapping.
-void build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t n) {
-  const std::size_t G = e.m.num_groups();
-  const std::size_t first = e.m.num_built(seq);
-  const std::size_t max_blocks = (e.m.num_tokens(seq) + e.m.block_size() - 1) / e.m.block_size() + 1;
-  std::vector<std::vector<std::int32_t>> indptr(G, std::vector<std::int32_t>(2)), indices(G),
-      last(G, std::vector<std::int32_t>(1)), lens(G, std::vector<std::int32_t>(1)),
-      qo(G, std::vector<std::int32_t>(2)), copies(G, std::vector<std::int32_t>(16, -7));
-  std::vector<std::vector<std::int64_t>> slots(G, std::vector<std::int64_t>(n, -7));
-  std::vector<pagedkv::BatchMetadataBuffers> bufs(G);
-  for (std::size_t g = 0; g < G; ++g) {
-    indices[g].assign(max_blocks, -7);
-    bufs[g].indptr = indptr[g];
-    bufs[g].indices = indices[g];
-    bufs[g].last_page_len = last[g];
-    bufs[g].seq_lens = lens[g];
-    bufs[g].qo_indptr = qo[g];
-    bufs[g].slot_mapping = slots[g];
-    bufs[g].copies = copies[g];
-  }
-  const std::vector<SeqId> batch{seq};
-  const std::vector<std::uint32_t> sched{static_cast<std::uint32_t>(n)};
-  const auto sizes = e.m.build_batch_metadata(batch, bufs, sched);
-  for (std::size_t g = 0; g < G; ++g) {
-    for (std::size_t j = 0; j < sizes[g].num_copies; ++j) {  // copy-on-write of a shared partial page, first
-      const auto src = static_cast<std::uint32_t>(copies[g][2 * j]);
-      e.page(static_cast<std::uint32_t>(copies[g][2 * j + 1]), g) = e.page(src, g);
-    }
-    const auto B = static_cast<std::int64_t>(e.m.block_size(g));
-    for (std::size_t k = 0; k < n; ++k) {
-      const std::int64_t slot = slots[g][k];
-      REQUIRE(slot != -7);
-      if (slot < 0) continue;  // switched to a registered duplicate: its content is there already
-      auto& page = e.page(static_cast<std::uint32_t>(slot / B), g);
-      page[static_cast<std::size_t>(slot % B)] = kv(prompt[first + k], first + k);
-    }
-  }
-}
+using pagedkv_test::kv;
+using Engine = pagedkv_test::ShadowEngine;
 
 void build_to(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t end, std::mt19937& rng) {
-  while (e.m.num_built(seq) < end) {
-    const std::size_t left = end - e.m.num_built(seq);
-    build(e, seq, prompt, std::min<std::size_t>(left, 1 + rng() % 9));
-  }
+  e.build_to(seq, prompt, end, rng);
 }
 
 /// Every block or page of `seq`'s tables reads back the K/V of its positions below `upto`.

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../fuzz/recurrent_model.hpp"
+#include "support/shadow_engine.hpp"
 #include "test_support.hpp"
 #include <pagedkv/external_kv.hpp>
 #include <pagedkv/kv_cache_manager.hpp>
@@ -37,96 +38,13 @@ using pagedkv::TokenId;
 using pagedkv_recurrent::scan;
 using Mgr = pagedkv::KVCacheManager<>;
 
-constexpr std::uint64_t kPoison = 0xBADC0FFEE0DDF00DULL;
+using pagedkv_test::kv;
+using Engine = pagedkv_test::ShadowEngine;
+constexpr std::uint64_t kPoison = pagedkv_test::kPoisonState;
 
-std::int64_t kv(TokenId t, std::size_t p) {
-  return static_cast<std::int64_t>(t) * 100003 + static_cast<std::int64_t>(p) + 1;
-}
-
-/// One engine: a manager, its metadata buffers, the shadow of its pool (attention pages: block -> [block_size]
-/// K/V values, -1 never written; recurrent states: block -> state, kPoison never written).
-struct Engine {
-  Mgr m;
-  std::vector<pagedkv::BatchMetadataStorage> store;
-  std::map<std::uint32_t, std::vector<std::int64_t>> pages;
-  std::map<std::uint32_t, std::uint64_t> states;
-  explicit Engine(const pagedkv::CacheConfig& c) : m(c) {
-    pagedkv::BatchMetadataLimits lim;
-    lim.max_batch = 1;
-    lim.max_tokens_per_step = 256;
-    lim.max_blocks_per_seq = 256;
-    lim.max_copies = 16;
-    for (std::size_t g = 0; g < m.num_groups(); ++g) store.emplace_back(lim);
-  }
-  std::vector<std::int64_t>& page(std::uint32_t b) {
-    auto& v = pages[b];
-    if (v.empty()) v.assign(m.block_size(), -1);
-    return v;
-  }
-  std::uint64_t state(std::uint32_t b) const {
-    const auto it = states.find(b);
-    return it == states.end() ? kPoison : it->second;
-  }
-};
-
-/// Build `n` tokens of `seq` (of `prompt`) on `e` and run the step: copies, K/V through the slot mapping, the
-/// recurrence from state_in with its checkpoints and state_out.
-void build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t n) {
-  std::vector<pagedkv::BatchMetadataBuffers> bufs;
-  for (auto& st : e.store) bufs.push_back(st.buffers());
-  const std::size_t first = e.m.num_built(seq);
-  const std::vector<SeqId> batch{seq};
-  const std::vector<std::uint32_t> sched{static_cast<std::uint32_t>(n)};
-  const auto sizes = e.m.build_batch_metadata(batch, bufs, sched);
-  const std::size_t bs = e.m.block_size();
-  for (std::size_t g = 0; g < e.m.num_groups(); ++g) {
-    const auto& st = e.store[g];
-    for (std::size_t j = 0; j < sizes[g].num_copies; ++j) {
-      const auto src = static_cast<std::uint32_t>(st.copies[2 * j]);
-      const auto dst = static_cast<std::uint32_t>(st.copies[2 * j + 1]);
-      if (e.m.is_recurrent(g)) {
-        e.states[dst] = e.state(src);
-      } else {
-        e.page(dst) = e.page(src);
-      }
-    }
-  }
-  for (std::size_t g = 0; g < e.m.num_groups(); ++g) {
-    const auto& st = e.store[g];
-    if (!e.m.is_recurrent(g)) {
-      for (std::size_t k = 0; k < n; ++k) {
-        const std::int64_t slot = st.slot_mapping[k];
-        if (slot < 0) continue;  // switched to a registered duplicate: its content is there already
-        const auto b = static_cast<std::int64_t>(bs);
-        auto& page = e.page(static_cast<std::uint32_t>(slot / b));
-        page[static_cast<std::size_t>(slot % b)] = kv(prompt[first + k], first + k);
-      }
-      continue;
-    }
-    REQUIRE((st.state_in[0] != -1 || first == 0));
-    std::uint64_t s = st.state_in[0] == -1 ? 0 : e.state(static_cast<std::uint32_t>(st.state_in[0]));
-    std::vector<std::pair<std::uint32_t, std::uint64_t>> writes;  // a step's reads come before its writes
-    std::int32_t c = st.checkpoint_indptr[0];
-    for (std::size_t p = first; p < first + n; ++p) {
-      s = pagedkv_recurrent::scan_step(s, prompt[p], p);
-      while (c < st.checkpoint_indptr[1] && static_cast<std::size_t>(st.checkpoint_positions[c]) == p + 1) {
-        writes.emplace_back(static_cast<std::uint32_t>(st.checkpoint_blocks[c]), s);
-        ++c;
-      }
-    }
-    REQUIRE(c == st.checkpoint_indptr[1]);
-    REQUIRE(st.state_out[0] == static_cast<std::int32_t>(e.m.state_block(seq, g)));
-    writes.emplace_back(static_cast<std::uint32_t>(st.state_out[0]), s);
-    for (const auto& [b, v] : writes) e.states[b] = v;
-  }
-}
-
-/// Build `seq` up to `end` positions in random chunks.
+void build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t n) { e.build(seq, prompt, n); }
 void build_to(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t end, std::mt19937& rng) {
-  while (e.m.num_built(seq) < end) {
-    const std::size_t left = end - e.m.num_built(seq);
-    build(e, seq, prompt, std::min<std::size_t>(left, 1 + rng() % 9));
-  }
+  e.build_to(seq, prompt, end, rng);
 }
 
 /// The attention groups' tables of `a`'s seq and `b`'s seq equal (null entries, K/V below `end`); the recurrent

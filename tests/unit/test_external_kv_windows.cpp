@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "support/shadow_engine.hpp"
 #include "test_support.hpp"
 #include <pagedkv/external_kv.hpp>
 #include <pagedkv/group_policy.hpp>
@@ -30,71 +31,31 @@ using pagedkv::SeqId;
 using pagedkv::TokenId;
 using Mgr = pagedkv::KVCacheManager<>;
 
-std::int64_t kv(TokenId t, std::size_t p) {
-  return static_cast<std::int64_t>(t) * 100003 + static_cast<std::int64_t>(p) + 1;
-}
-
-/// One engine: a manager and the shadow of its pool's K/V (block -> [block_size] values, -1 never written).
-struct Engine {
-  Mgr m;
-  std::map<std::uint32_t, std::vector<std::int64_t>> shadow;
-  explicit Engine(const pagedkv::CacheConfig& c) : m(c) {}
-  std::vector<std::int64_t>& page(std::uint32_t b) {
-    auto& v = shadow[b];
-    if (v.empty()) v.assign(m.block_size(), -1);
-    return v;
-  }
-};
+using pagedkv_test::kv;
+using Engine = pagedkv_test::ShadowEngine;
 
 /// What a build wrote for one sequence, per group.
 struct Step {
   std::vector<std::vector<std::int32_t>> indptr, indices, last_page_len, seq_lens, qo_indptr;
 };
 
-/// Build `n` tokens of `seq` (of `prompt`) on `e`, writing their K/V into the shadow through every group's slot
-/// mapping (the kernels' job).
+/// Build `n` tokens of `seq` (of `prompt`) on `e` (ShadowEngine::build: K/V into the shadow through every group's
+/// slot mapping) and return its metadata.
 Step build(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t n) {
-  const std::size_t G = e.m.num_groups();
-  const std::size_t first = e.m.num_built(seq);
-  const std::size_t max_blocks = (e.m.num_tokens(seq) + e.m.block_size() - 1) / e.m.block_size() + 1;
+  e.build(seq, prompt, n);
   Step s;
-  s.indptr.assign(G, std::vector<std::int32_t>(2, -7));
-  s.indices.assign(G, std::vector<std::int32_t>(max_blocks, -7));
-  s.last_page_len.assign(G, std::vector<std::int32_t>(1, -7));
-  s.seq_lens.assign(G, std::vector<std::int32_t>(1, -7));
-  s.qo_indptr.assign(G, std::vector<std::int32_t>(2, -7));
-  std::vector<std::vector<std::int64_t>> slots(G, std::vector<std::int64_t>(n, -7));
-  std::vector<pagedkv::BatchMetadataBuffers> bufs(G);
-  for (std::size_t g = 0; g < G; ++g) {
-    bufs[g].indptr = s.indptr[g];
-    bufs[g].indices = s.indices[g];
-    bufs[g].last_page_len = s.last_page_len[g];
-    bufs[g].seq_lens = s.seq_lens[g];
-    bufs[g].qo_indptr = s.qo_indptr[g];
-    bufs[g].slot_mapping = slots[g];
-  }
-  const std::vector<SeqId> batch{seq};
-  const std::vector<std::uint32_t> sched{static_cast<std::uint32_t>(n)};
-  e.m.build_batch_metadata(batch, bufs, sched);
-  for (std::size_t g = 0; g < G; ++g) {
-    for (std::size_t k = 0; k < n; ++k) {
-      const std::int64_t slot = slots[g][k];
-      REQUIRE(slot != -7);
-      if (slot < 0) continue;  // switched to a registered duplicate: its content is there already
-      const auto bs = static_cast<std::int64_t>(e.m.block_size());
-      const std::int64_t value = kv(prompt[first + k], first + k);
-      e.page(static_cast<std::uint32_t>(slot / bs))[static_cast<std::size_t>(slot % bs)] = value;
-    }
+  for (const auto& st : e.store) {
+    s.indptr.emplace_back(st.indptr.begin(), st.indptr.begin() + 2);
+    s.indices.emplace_back(st.indices.begin(), st.indices.begin() + st.indptr[1]);
+    s.last_page_len.emplace_back(st.last_page_len.begin(), st.last_page_len.begin() + 1);
+    s.seq_lens.emplace_back(st.seq_lens.begin(), st.seq_lens.begin() + 1);
+    s.qo_indptr.emplace_back(st.qo_indptr.begin(), st.qo_indptr.begin() + 2);
   }
   return s;
 }
 
-/// Build `seq` up to `end` positions in random chunks.
 void build_to(Engine& e, SeqId seq, const std::vector<TokenId>& prompt, std::size_t end, std::mt19937& rng) {
-  while (e.m.num_built(seq) < end) {
-    const std::size_t left = end - e.m.num_built(seq);
-    build(e, seq, prompt, std::min<std::size_t>(left, 1 + rng() % 9));
-  }
+  e.build_to(seq, prompt, end, rng);
 }
 
 /// Block b's K/V at logical block i, positions below `end`, as the engine's shadow holds them.
