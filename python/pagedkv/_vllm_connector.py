@@ -138,8 +138,10 @@ class ConnectorMixin:
                                               num_reserved_tokens=reserved)
             if not q.fits or q.num_blocks > free_now - reserved_blocks - watermark:
                 return None
-            if full_sequence_must_fit and -(-n_known // self.block_size) - hit // self.block_size > free_now:
-                return None
+            if full_sequence_must_fit:  # the whole known sequence, every group (vLLM's full_num_tokens check)
+                w = self._pk.query_admit_external(tokens, num_external, keys, max_cached_tokens=hit)
+                if not w.fits or w.num_blocks + watermark > free_now:
+                    return None
         seq = next(self._next_seq)
         r = self._pk.try_admit_external(seq, tokens, num_external, keys, max_cached_tokens=hit,
                                         num_reserved_tokens=reserved)

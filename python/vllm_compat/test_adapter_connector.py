@@ -385,3 +385,43 @@ def test_a_chunk_longer_than_the_window_keeps_the_blocks_its_queries_read(layout
     ours.free(ra)
     theirs.free(rb)
     assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.parametrize("layout", ["full+swa5", "full+local8", "full+swa7+local12", "full+swa12"])
+def test_load_admissions_on_tight_pools_decide_and_take_as_vllm(layout):
+    """An async load's admission on a pool that may not hold it, with vLLM's scheduler defaults
+    (full_sequence_must_fit: the whole known sequence must fit, every group), the watermark and reserved blocks:
+    pagedkv's adapter admits exactly when vLLM's manager does, and then holds as many blocks (a window group's
+    blocks the load leaves out are neither taken nor counted, as in vLLM), on fresh managers with random prompt
+    lengths, chunks and external token counts."""
+    rng = random.Random(len(layout) * 31)
+    specs = LAYOUTS[layout]
+    decided = {True: 0, False: 0}
+    for trial in range(150):
+        nblocks = rng.randrange(4, 40)
+        ours, theirs = _manager(pv.KVCacheManager, nblocks, specs), _manager(VllmKVCacheManager, nblocks, specs)
+        toks = [rng.randrange(40) for _ in range(rng.randrange(2, 60))]
+        ext = rng.randrange(1, len(toks) + 1)
+        n = rng.randrange(0, len(toks) - ext + 1) if ext < len(toks) else 0
+        kwargs = dict(num_external_computed_tokens=ext, delay_cache_blocks=n == 0, full_sequence_must_fit=True,
+                      reserved_blocks=rng.choice([0, 0, 1, 3]), has_scheduled_reqs=rng.random() < 0.5)
+        ra, rb = _request("r", toks), _request("r", toks)
+        ca, ha, _ = ours.get_computed_blocks(ra)
+        cb, hb, _ = theirs.get_computed_blocks(rb)
+        assert ha == hb == 0
+        a = ours.allocate_slots(ra, n, 0, ca, **kwargs)
+        b = theirs.allocate_slots(rb, n, 0, cb, **kwargs)
+        assert (a is None) == (b is None), f"trial {trial}: {nblocks} blocks, {len(toks)} tokens, ext {ext}, " \
+                                           f"n {n}, {kwargs}: pagedkv {a is not None}, vLLM {b is not None}"
+        decided[a is not None] += 1
+        # A whole-prompt load leaves pagedkv's last prompt token to compute (for its logits), vLLM's first query one
+        # past it: vLLM may skip one more window step (a whole chunk of a chunked-local group) per window group.
+        extra = ours.block_pool.get_num_free_blocks() - theirs.block_pool.get_num_free_blocks()
+        whole = ext == len(toks)
+        assert extra == 0 or (whole and extra < 0), \
+            f"trial {trial}: {len(toks)} tokens, ext {ext}, n {n}: pagedkv holds {-extra} blocks more"
+        decided["whole_extra"] = decided.get("whole_extra", 0) + (extra != 0)
+        if a is not None:
+            ours.free(ra)
+            theirs.free(rb)
+    assert decided[True] > 20 and decided[False] > 20, decided
