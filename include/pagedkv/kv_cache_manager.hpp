@@ -1280,7 +1280,8 @@ class KVCacheManager {
   [[nodiscard]] bool is_current_block(Id b, std::uint32_t generation) { return ext_.is_current(b, generation); }
   /// Producer: check a consumer's claim in one call: lease or save pin `hold_id` and entries (blocks[i],
   /// generations[i]) (a descriptor's or an import plan's remote blocks, any subset, any order). kOk when every entry
-  /// names a block of that hold at its current generation; otherwise the first failing entry and why (unknown hold,
+  /// names a block of that hold at its current generation, a null entry (block 0, generation 0: a window group's
+  /// block outside the window, never transferred) aside; otherwise the first failing entry and why (unknown hold,
   /// block not in the hold, stale generation: counted in stale_generations). Nothing else changes. Throws
   /// kInvalidArgument when the spans differ in length.
   [[nodiscard]] ClaimCheck check_claim(std::uint64_t hold_id, std::span<const Id> blocks,

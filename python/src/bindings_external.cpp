@@ -459,7 +459,8 @@ void bind_methods(nb::class_<Manager>& cls) {
           },
           "hold_id"_a, "blocks"_a, "generations"_a,
           "Producer: check a consumer's claim in one call (lease or save pin `hold_id`, entries (blocks[i], "
-          "generations[i]), any subset, any order): a ClaimCheck, OK or the first failing entry and why "
+          "generations[i]), any subset, any order; a null entry, block 0 with generation 0, is skipped: an import "
+          "plan's window entries): a ClaimCheck, OK or the first failing entry and why "
           "(UNKNOWN_HOLD, NOT_IN_HOLD, STALE_GENERATION: counted in stale_generations). Raises "
           "InvalidArgumentError when the lists differ in length.")
       .def(

@@ -188,6 +188,18 @@ TEST_CASE("P/D hand-off with window groups: only in-window blocks move - the con
         ++holed_plans;
       }
     }
+    // The producer accepts a claim of the whole plan: its null entries (block 0, generation 0) name nothing to read.
+    const auto claim = prod.m.check_claim(desc.hold_id, plan.remote_blocks, plan.remote_generations);
+    CHECK(claim.status == pagedkv::ClaimStatus::kOk);
+    const auto null_at = std::find(plan.remote_blocks.begin(), plan.remote_blocks.end(), 0U);
+    if (null_at != plan.remote_blocks.end()) {  // but not a null block with a generation
+      auto gens = plan.remote_generations;
+      const auto i = static_cast<std::size_t>(null_at - plan.remote_blocks.begin());
+      gens[i] = 1;
+      const auto bad = prod.m.check_claim(desc.hold_id, plan.remote_blocks, gens);
+      CHECK(bad.status == pagedkv::ClaimStatus::kNotInHold);
+      CHECK(bad.entry == i);
+    }
     const auto moved_before = cons.m.stats().external.blocks_transferred;
     auto r = cons.m.try_admit_external(7, prompt, plan);
     REQUIRE(r.admit.admitted());

@@ -122,9 +122,11 @@ class ExternalKvState {
   }
 
   /// A consumer's claim on lease or save pin `hold_id`: entry i names (blocks[i], generations[i]). kOk when every
-  /// block is one of the hold's at its current generation; otherwise the first failing entry and why (an orphan
-  /// hold is no hold a consumer may read: kUnknownHold). A stale entry is counted (stale_generations). Throws
-  /// kInvalidArgument when the two spans differ in length. O(hold blocks x log + entries x log); allocates.
+  /// block is one of the hold's at its current generation (a null entry, block 0 with generation 0, names nothing
+  /// to read: a window group's block outside the consumer's window; skipped); otherwise the first failing entry and
+  /// why (an orphan hold is no hold a consumer may read: kUnknownHold). A stale entry is counted
+  /// (stale_generations). Throws kInvalidArgument when the two spans differ in length. O(hold blocks x log +
+  /// entries x log); allocates.
   [[nodiscard]] ClaimCheck check_claim(std::uint64_t hold_id, std::span<const Id> blocks,
                                        std::span<const std::uint32_t> generations) {
     if (blocks.size() != generations.size()) {
@@ -136,6 +138,7 @@ class ExternalKvState {
     std::vector<Id> mine(it->second.blocks);
     std::sort(mine.begin(), mine.end());
     for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (blocks[i] == Id{0} && generations[i] == 0) continue;  // nothing to read (plan_import's null entries)
       if (!std::binary_search(mine.begin(), mine.end(), blocks[i])) return {ClaimStatus::kNotInHold, i, 0};
       if (generation(blocks[i]) != generations[i]) {
         ++c_.stale_generations;
