@@ -4,15 +4,17 @@
 # process and a decode process that hand KV blocks to each other through NIXL, and checks every request's outputs
 # bit for bit against one engine doing both. The last line of each run:
 #   pd: PASS|FAIL requests=N identical=N bytes_moved=B leaked_blocks=PREFILL/DECODE ...
-# Usage: scripts/pd.sh [normal|faults|replay|all|kill|drop-notify|stale|layout] [extra pagedkv-pd options]
+# Usage: scripts/pd.sh [normal|hybrid|faults|replay|all|kill|drop-notify|stale|layout] [extra pagedkv-pd options]
 #   normal (default): the hand-offs (up to 4 READs in flight, --inflight), the side-by-side GB/s (pagedkv vs raw
 #     NIXL: the same C API calls without pagedkv, alternated) and leak counts
+#   hybrid: a hybrid model (--window 24: sliding-window layers beside full-attention ones, two KV-cache groups):
+#     only the window group's in-window blocks move, outputs bit-identical to one engine doing both
 #   faults: the four fault scenarios (kill -9 of prefill mid-transfer, dropped read-done, stale descriptor,
 #           layout mismatch: each fingerprint field in turn, then a decode engine with another block size), each
 #           with its own PASS line
 #   replay: 300 requests of Mooncake's conversation trace through a prefill and a decode manager in one process
 #           (in-process transport): bytes moved with and without decode's own prefix hits, leaks
-#   all: normal + faults + replay
+#   all: normal + hybrid + faults + replay
 # Settings: UCX_MODULES=^ib (Debian's rdma providers make NIXL segfault at exit), UCX_NET_DEVICES=lo, no NIXL
 # progress thread (the example polls). Needs nixl-cu12 1.5.1 for python3; without it this FAILS with the command.
 set -euo pipefail
@@ -78,6 +80,20 @@ if [ "$mode" = normal ] || [ "$mode" = all ]; then
   got=$(grep '^pd:' "$tmp/normal.decode.log" | sed -n 's/.*outputs_digest=\([0-9a-f]*\).*/\1/p')
   if [ -z "$want" ] || [ "$want" != "$got" ]; then
     echo "pd: FAIL outputs_digest '$got' of the P/D run differs from --role both's '$want'"; status=1
+  fi
+fi
+if [ "$mode" = hybrid ] || [ "$mode" = all ]; then
+  # A hybrid model (--window 24: the odd layers sliding-window layers, KV-cache group 1): only the window group's
+  # blocks inside the decode engine's first window move; outputs bit-identical to one engine doing both.
+  want=$("$bin" --role both --window 24 --requests 8 "$@" | sed -n 's/.*outputs_digest=\([0-9a-f]*\).*/\1/p')
+  echo "one hybrid engine doing both (--role both --window 24): outputs_digest=$want"
+  run hybrid --window 24 --requests 8 --reps 0 "$@" || status=1
+  got=$(grep '^pd:' "$tmp/hybrid.decode.log" | sed -n 's/.*outputs_digest=\([0-9a-f]*\).*/\1/p')
+  if [ -z "$want" ] || [ "$want" != "$got" ]; then
+    echo "pd: FAIL outputs_digest '$got' of the hybrid P/D run differs from --role both's '$want'"; status=1
+  fi
+  if grep -q '^pd:.* blocks_left_out=0 ' "$tmp/hybrid.decode.log"; then
+    echo "pd: FAIL the hybrid run left no window block out of its READs"; status=1
   fi
 fi
 for f in kill drop-notify stale layout; do

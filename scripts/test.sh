@@ -5,8 +5,8 @@
 #  1b. pagedkv::nixl: two processes on loopback move KV blocks through NIXL (CTest label nixl; needs the wheel
 #      nixl-cu12==1.5.1 that install-deps.sh installs: without it the stage FAILS with the install command)
 #  1c. scripts/pd.sh all: a prefill and a decode process hand KV blocks over NIXL (examples/pd), checked bit for bit
-#      against one engine doing both, plus the fault scenarios (kill -9, dropped read-done, stale descriptor,
-#      layout mismatch), zero leaked blocks on both sides
+#      against one engine doing both (full-attention and hybrid sliding-window models), plus the fault scenarios
+#      (kill -9, dropped read-done, stale descriptor, layout mismatch), zero leaked blocks on both sides
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer build of the host library and the host unit tests + ctest (the
 #     one build of tests/unit and tests/events_zmq: most of a build's time is that binary, so it is built once)
 #  3. installs the package and builds/runs a find_package(pagedkv) consumer (tests/package, whose code is the
@@ -68,7 +68,7 @@ if [ "$(python3 -c 'import importlib.metadata as m; print(m.version("nixl-cu12")
 fi
 UCX_MODULES='^ib' UCX_NET_DEVICES=lo ctest --test-dir build-ci -L nixl --output-on-failure
 
-stage "1c P/D disaggregation over NIXL: prefill + decode processes, outputs bit-identical, up to 4 READs in flight, 6 fault runs incl. 8 refused layout fields (scripts/pd.sh)"
+stage "1c P/D disaggregation over NIXL: prefill + decode processes, outputs bit-identical, up to 4 READs in flight, a hybrid sliding-window model, 6 fault runs incl. 8 refused layout fields (scripts/pd.sh)"
 # pagedkv-pd was built by stage 1 (build-ci): pd.sh only checks the target. About 1 minute, mostly NIXL start-up.
 PD_BUILD=build-ci scripts/pd.sh all
 

@@ -49,6 +49,11 @@ pagedkv::CacheConfig cache_config(const EngineShape& s) {
   pagedkv::CacheConfig c;
   c.num_blocks = static_cast<std::size_t>(s.num_blocks);
   c.block_size = static_cast<std::uint32_t>(s.block_size);
+  if (s.window > 0) {  // group 0: the full-attention layers; group 1: the sliding-window layers
+    c.groups.resize(2);
+    c.groups[1].kind = pagedkv::AttentionKind::kSlidingWindow;
+    c.groups[1].window_tokens = static_cast<std::uint32_t>(s.window);
+  }
   return c;
 }
 
@@ -70,12 +75,15 @@ Engine::Engine(const EngineShape& shape) : shape_(shape), mgr_(cache_config(shap
     views_.push_back(model_.view(pools_.back().data(), nullptr));
   }
   const std::size_t max_blocks = static_cast<std::size_t>(shape.num_blocks);
-  indptr_.assign(2, 0);
-  indices_.assign(max_blocks, 0);
-  last_page_len_.assign(1, 0);
-  qo_indptr_.assign(2, 0);
-  seq_lens_.assign(1, 0);
-  copies_.assign(8, -1);
+  meta_.resize(mgr_.num_groups());
+  for (GroupMeta& g : meta_) {
+    g.indptr.assign(2, 0);
+    g.indices.assign(max_blocks, 0);
+    g.last_page_len.assign(1, 0);
+    g.qo_indptr.assign(2, 0);
+    g.seq_lens.assign(1, 0);
+    g.copies.assign(8, -1);
+  }
   workspace_.resize(pagedkv::decode_workspace_bytes(1, 1, shape.num_qo_heads, shape.head_dim) / sizeof(float) + 1);
 }
 
@@ -96,18 +104,21 @@ pagedkv::transfer::PoolDesc Engine::pool_desc() const {
 
 Engine::Built Engine::build(SeqId seq) {
   const std::size_t n = mgr_.pending_slots(seq).size();
-  slots_.assign(n, -1);
-  pagedkv::BatchMetadataBuffers b;
-  b.indptr = indptr_;
-  b.indices = indices_;
-  b.last_page_len = last_page_len_;
-  b.qo_indptr = qo_indptr_;
-  b.seq_lens = seq_lens_;
-  b.slot_mapping = slots_;
-  b.copies = copies_;
+  std::vector<pagedkv::BatchMetadataBuffers> bufs(meta_.size());
+  for (std::size_t g = 0; g < meta_.size(); ++g) {
+    GroupMeta& m = meta_[g];
+    m.slots.assign(n, -1);
+    bufs[g].indptr = m.indptr;
+    bufs[g].indices = m.indices;
+    bufs[g].last_page_len = m.last_page_len;
+    bufs[g].qo_indptr = m.qo_indptr;
+    bufs[g].seq_lens = m.seq_lens;
+    bufs[g].slot_mapping = m.slots;
+    bufs[g].copies = m.copies;
+  }
   const SeqId batch[1] = {seq};
-  const pagedkv::BatchMetadataSizes sz = mgr_.build_batch_metadata(batch, b);
-  return {static_cast<std::size_t>(seq_lens_[0]), sz.num_new_tokens};
+  const auto sz = mgr_.build_batch_metadata(batch, bufs);
+  return {static_cast<std::size_t>(meta_[0].seq_lens[0]), sz[0].num_new_tokens};
 }
 
 std::vector<float> Engine::compute_pending(SeqId seq, std::span<const TokenId> tokens) {
@@ -127,10 +138,12 @@ std::vector<float> Engine::compute_pending(SeqId seq, std::span<const TokenId> t
       q_rows(shape_, hashes[first + j], l, q.data() + j * q_row);
     }
     const pagedkv::KVPoolView& kv = views_[static_cast<std::size_t>(l)];
+    const std::size_t g = group_of(l);  // the layer's group: its slots, page table and window
+    const GroupMeta& m = meta_[g];
     pagedkv::WriteKVParams wp;
     wp.key = key.data();
     wp.value = value.data();
-    wp.slot_mapping = slots_.data();
+    wp.slot_mapping = m.slots.data();
     wp.num_tokens = static_cast<std::int32_t>(bt.num_new);
     wp.kv = kv;
     check(pagedkv::reference::write_kv(wp), "write_kv");
@@ -138,12 +151,13 @@ std::vector<float> Engine::compute_pending(SeqId seq, std::span<const TokenId> t
     p.q = q.data();
     p.o = o.data();
     p.lse = lse.data();
-    p.qo_indptr = qo_indptr_.data();
+    p.qo_indptr = m.qo_indptr.data();
     p.total_q_tokens = static_cast<std::int32_t>(bt.num_new);
     p.kv = kv;
-    p.pages = pagedkv::PageTable::csr(1, indptr_.data(), indices_.data(), last_page_len_.data());
+    p.pages = pagedkv::PageTable::csr(1, m.indptr.data(), m.indices.data(), m.last_page_len.data());
     p.num_qo_heads = shape_.num_qo_heads;
     p.sm_scale = model_.sm_scale();
+    p.window = mgr_.window(g);
     check(pagedkv::reference::prefill(p), "prefill");
     out.insert(out.end(), o.end() - static_cast<std::ptrdiff_t>(q_row), o.end());
   }
@@ -168,10 +182,12 @@ std::vector<float> Engine::run_to_end(SeqId seq, std::vector<TokenId> tokens, in
       decode_loop::kv_rows(model_, h, l, true, value.data());
       q_rows(shape_, h, l, q.data());
       const pagedkv::KVPoolView& kv = views_[static_cast<std::size_t>(l)];
+      const std::size_t g = group_of(l);
+      const GroupMeta& m = meta_[g];
       pagedkv::WriteKVParams wp;
       wp.key = key.data();
       wp.value = value.data();
-      wp.slot_mapping = slots_.data();
+      wp.slot_mapping = m.slots.data();
       wp.num_tokens = 1;
       wp.kv = kv;
       check(pagedkv::reference::write_kv(wp), "write_kv");
@@ -180,9 +196,10 @@ std::vector<float> Engine::run_to_end(SeqId seq, std::vector<TokenId> tokens, in
       p.o = o.data();
       p.lse = lse.data();
       p.kv = kv;
-      p.pages = pagedkv::PageTable::csr(1, indptr_.data(), indices_.data(), last_page_len_.data());
+      p.pages = pagedkv::PageTable::csr(1, m.indptr.data(), m.indices.data(), m.last_page_len.data());
       p.num_qo_heads = shape_.num_qo_heads;
       p.sm_scale = model_.sm_scale();
+      p.window = mgr_.window(g);
       p.workspace = workspace_.data();
       p.workspace_bytes = workspace_.size() * sizeof(float);
       check(pagedkv::reference::decode(p), "decode");

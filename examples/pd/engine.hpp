@@ -34,6 +34,10 @@ struct EngineShape {
   int head_dim = 128;
   int block_size = 16;
   int num_blocks = 257;  ///< Including the null block 0.
+  /// > 0: a hybrid model (gpt-oss, Gemma 3): the odd layers are sliding-window layers of `window` tokens, KV-cache
+  /// group 1 of the manager (their blocks outside the window are released, never read, never handed off); the even
+  /// layers full attention, group 0. 0: every layer full attention, one group.
+  int window = 0;
   /// Bytes of one layer's block: K and V pages, block_size x num_kv_heads x head_dim fp32 each.
   [[nodiscard]] std::size_t layer_block_bytes() const noexcept {
     return 2u * static_cast<std::size_t>(block_size) * static_cast<std::size_t>(num_kv_heads) *
@@ -90,9 +94,16 @@ class Engine {
   std::vector<std::vector<float>> pools_;  // [num_layers] NHD interleaved [num_blocks, 2, block_size, kvh, hd]
   std::vector<pagedkv::KVPoolView> views_;
   pagedkv::KVCacheManager<> mgr_;
-  // One build's metadata (batch of one sequence).
-  std::vector<std::int32_t> indptr_, indices_, last_page_len_, qo_indptr_, seq_lens_, copies_;
-  std::vector<std::int64_t> slots_;
+  // The KV-cache group of `layer` (EngineShape::window).
+  [[nodiscard]] std::size_t group_of(int layer) const noexcept {
+    return shape_.window > 0 ? static_cast<std::size_t>(layer % 2) : 0;
+  }
+  // One build's metadata per KV-cache group (batch of one sequence).
+  struct GroupMeta {
+    std::vector<std::int32_t> indptr, indices, last_page_len, qo_indptr, seq_lens, copies;
+    std::vector<std::int64_t> slots;
+  };
+  std::vector<GroupMeta> meta_;
   std::vector<float> workspace_;
 };
 

@@ -14,6 +14,9 @@
 //   (the code of --role both, run in this process). Before each hand-off's READ, --reps rounds time the same READ
 //   through pagedkv and through raw NIXL (the same C API call sequence without pagedkv), alternated.
 // --role both: one engine doing prefill and decode (the reference), printing a digest of the outputs.
+// --window W: a hybrid model (the odd layers sliding-window layers of W tokens, KV-cache group 1): a hand-off moves
+//   only the window group's blocks inside the window of the decode engine's first query; the rest are null pairs,
+//   left out of the READ and of the claim's checks (check_claim skips them).
 // --role replay: a trace (Mooncake's conversation trace) through a prefill and a decode manager with the
 //   in-process transport: bytes moved with and without the decode side's prefix hits, TTFT proxies, leaks
 //   (replay.cpp).
@@ -67,6 +70,7 @@ struct Options {
   std::uint64_t seed = 7;
   int block_size = 16;
   int num_blocks = 257;
+  int window = 0;  // > 0: a hybrid model, the odd layers sliding-window layers of this many tokens (EngineShape)
   int lease_ms = 2000;
   int reps = 10;
   int inflight = 4;
@@ -98,6 +102,7 @@ EngineShape shape_of(const Options& o) {
   EngineShape s;
   s.block_size = o.block_size;
   s.num_blocks = o.num_blocks;
+  s.window = o.window;
   return s;
 }
 
@@ -347,6 +352,7 @@ struct DecodeReport {
   int requests = 0, identical = 0, completed = 0, failed = 0, handoffs = 0, recomputed = 0, local = 0;
   std::uint64_t outputs_digest = 0;  // over every request's outputs, as --role both prints it
   std::uint64_t bytes_moved = 0, blocks_moved = 0, blocks_skipped = 0;
+  std::uint64_t blocks_left_out = 0;  // null pairs of the tickets (a window group's blocks outside the window)
   std::vector<double> ours_gbps, raw_gbps, repost_made_gbps, repost_created_gbps, pair_ratio;  // per timed round
   std::string refused;
   bool prefill_killed = false;
@@ -722,6 +728,7 @@ int run_decode(const Options& o) {
       continue;
     }
     const BlockPairs pairs = non_null_pairs(tk.blocks, plan.remote_blocks);
+    rep.blocks_left_out += tk.blocks.size() - pairs.local.size();
     if (!faulty || o.fault == "none")
       if (!time_reads(agent, *raw, e.pool_desc(), agent.remote_pools(peer)[0], pairs.local, pairs.remote, peer,
                       o.reps, rep))
@@ -786,13 +793,13 @@ int run_decode(const Options& o) {
                 rep.layout_fields_refused, std::size(kLayoutFields), rep.layout_refusals.c_str());
   const std::string pl = rep.prefill_killed ? "killed" : std::to_string(rep.prefill_leaked);
   std::printf("pd: %s requests=%d identical=%d bytes_moved=%llu leaked_blocks=%s/%zu fault=%s handoffs=%d "
-              "blocks_moved=%llu blocks_skipped=%llu recomputed=%d failed=%d local=%d leases=%llu released=%llu "
+              "blocks_moved=%llu blocks_skipped=%llu blocks_left_out=%llu recomputed=%d failed=%d local=%d leases=%llu released=%llu "
               "expired=%llu stale_refused=%llu gbps=%.2f raw_gbps=%.2f ratio=%.3f rounds=%zu repost_made_gbps=%.2f "
               "repost_created_gbps=%.2f max_inflight=%zu outputs_digest=%016llx%s%s\n",
               pass ? "PASS" : "FAIL", rep.requests, rep.identical, static_cast<unsigned long long>(rep.bytes_moved),
               pl.c_str(), decode_leaked, o.fault.c_str(), rep.handoffs,
               static_cast<unsigned long long>(rep.blocks_moved), static_cast<unsigned long long>(rep.blocks_skipped),
-              rep.recomputed, rep.failed, rep.local, static_cast<unsigned long long>(rep.leases),
+              static_cast<unsigned long long>(rep.blocks_left_out), rep.recomputed, rep.failed, rep.local, static_cast<unsigned long long>(rep.leases),
               static_cast<unsigned long long>(rep.released), static_cast<unsigned long long>(rep.expired),
               static_cast<unsigned long long>(rep.stale_refused), ours, raw_gbps, median(rep.pair_ratio),
               rep.pair_ratio.size(), median(rep.repost_made_gbps), median(rep.repost_created_gbps), rep.max_inflight,
@@ -843,6 +850,10 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "Seed of the prompts");
   app.add_option("--block-size", o.block_size, "Tokens per block")->check(CLI::Range(1, 256));
   app.add_option("--num-blocks", o.num_blocks, "Blocks per pool (null block included)")->check(CLI::Range(64, 100000));
+  app.add_option("--window", o.window,
+                 "A hybrid model: the odd layers are sliding-window layers of this many tokens, KV-cache group 1 "
+                 "(0: every layer full attention)")
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--lease-ms", o.lease_ms, "Producer lease per hand-off (extended by each claim)")
       ->check(CLI::Range(10, 600000));
   app.add_option("--reps", o.reps, "Timed READ rounds per hand-off (pagedkv, raw NIXL and two re-posted baselines, rotated)")
