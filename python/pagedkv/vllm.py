@@ -324,9 +324,8 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
     (KVCacheManager._aligned_hit), so a hit never ends inside a page, as in vLLM. Refused by name: a larger block
     size on a group that is not full attention (pagedkv's coarse pages serve full-attention groups; a window's
     release rule is per match block), a block size the smallest does not divide, and with prefix caching on: a hash
-    block size other than the smallest, EAGLE (vLLM drops one block per EAGLE group, of that group's size, before
-    aligning: a per-group drop pagedkv's single hit does not express) and KV events (a coarse page is re-keyed as it
-    fills: its events are not vLLM's one BlockStored per full block)."""
+    block size other than the smallest and KV events (a coarse page is re-keyed as it fills: its events are not
+    vLLM's one BlockStored per full block). EAGLE is mapped by the adapter (KVCacheManager._eagle_serves)."""
     coarse = {}
     for g, spec in enumerate(specs):
         if isinstance(spec, MambaSpec) or spec.block_size == block_size:
@@ -349,10 +348,6 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
     if scheduler_block_size <= 0 or bad:
         raise ValueError(f"scheduler_block_size {scheduler_block_size} is not a common multiple of the groups' block "
                          f"sizes {sorted({s.block_size for s in specs if not isinstance(s, MambaSpec)})}")
-    if use_eagle and enable_caching:
-        raise Unsupported("groups of different block sizes with use_eagle: vLLM drops one block of each EAGLE "
-                          "group's own size from the hit before aligning it to scheduler_block_size, a per-group "
-                          "drop pagedkv's one hit does not express")
     if enable_kv_cache_events and enable_caching:
         raise Unsupported("groups of different block sizes with enable_kv_cache_events: pagedkv re-keys a coarse "
                           "page as it fills (BlockRemoved + BlockStored per match block), vLLM stores a block once "
@@ -468,6 +463,19 @@ class KVCacheManager(ConnectorMixin):
         self._group_bs = [s.block_size for s in specs]
         self._hit_step = expected_sbs  # the hits' granularity with Mamba groups (a state checkpoint at each)
         self._align = scheduler_block_size if self._coarse and enable_caching else 0
+        # EAGLE with groups of different block sizes (vLLM's HybridKVCacheCoordinator): an EAGLE group (those
+        # flagged is_eagle_group, else every group) matches one of its own blocks past the hit, then drops it; so
+        # the hit is the longest aligned one after which each EAGLE group holds that block cached too
+        # (_eagle_serves). [(pagedkv group, block size, page factor, window)]
+        self._eagle = []
+        if self._align and use_eagle:
+            flagged = [g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
+                       if getattr(grp, "is_eagle_group", False)]
+            for g in flagged or range(len(specs)):
+                sp = specs[g]
+                window = (("swa", sp.sliding_window) if isinstance(sp, SlidingWindowSpec) else
+                          ("local", sp.attention_chunk_size) if isinstance(sp, ChunkedLocalAttentionSpec) else None)
+                self._eagle.append((order.index(g), sp.block_size, self._coarse.get(g, 1), window))
         assert watermark >= 0.0, "watermark must be non-negative"
 
         self.kv_cache_config = kv_cache_config
@@ -603,6 +611,27 @@ class KVCacheManager(ConnectorMixin):
             ids[g] = ids[g][f - 1::f]  # page j is keyed by its last match block, (j + 1) * f - 1
         return hit, ids
 
+    def _eagle_serves(self, prepared, hit: int) -> bool:
+        """Whether every EAGLE group holds, cached, the block of its own size after `hit` (a hit every group serves)
+        and what its window needs up to there: vLLM's EAGLE margin (eagle_proof_margin: one block of the group's
+        size past the candidate hit, matched then dropped), within the prompt's full blocks. One prefix-index probe
+        (cached_block) per block checked."""
+        bs = self.block_size
+        hashes = prepared.hashes
+        for pk_g, gbs, factor, window in self._eagle:
+            end = hit + gbs
+            if end > len(hashes) * bs:
+                return False
+            first = hit // bs  # the blocks up to the hit are served already
+            if window is not None:  # the window of the query at `end` (first_kept_block)
+                kind, w = window
+                first = max(first, (max(end - w + 1, 0) if kind == "swa" else end // w * w) // bs)
+            # a coarse page is keyed by its last match block: one probe per page
+            for i in range(first + factor - 1, end // bs, factor):
+                if self._pk.cached_block(hashes[i], pk_g) is None:
+                    return False
+        return True
+
     def _blocks_of(self, ids) -> KVCacheBlocks:
         """KVCacheBlocks of block ids per group."""
         blocks = self._blocks
@@ -690,7 +719,10 @@ class KVCacheManager(ConnectorMixin):
         # Hashed once (kept for the admission); the hit and its blocks in one crossing. EAGLE recomputes the last
         # matched block (its hidden states are not cached): vLLM drops it.
         if self._align:
-            hit, ids = self._aligned_hit(self._prepare(request, n), n - 1)
+            prepared = self._prepare(request, n)
+            hit, ids = self._aligned_hit(prepared, n - 1)
+            while self._eagle and hit and not self._eagle_serves(prepared, hit):
+                hit, ids = self._aligned_hit(prepared, hit - self._align)
         else:
             hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
             if self._state_groups and hit:

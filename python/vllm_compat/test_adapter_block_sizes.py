@@ -74,18 +74,21 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("eagle", [False, True])
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("num_blocks", [3000, 48])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_different_block_sizes_differential_against_vllms_own_manager(layout, num_blocks, seed):
-    rng = random.Random(seed * 1000 + num_blocks)
+def test_different_block_sizes_differential_against_vllms_own_manager(layout, num_blocks, seed, eagle):
+    rng = random.Random(seed * 1000 + num_blocks + eagle)
     specs = LAYOUTS[layout]
     windowed = any(isinstance(s, SlidingWindowSpec) for s in specs)
     big = num_blocks > 1000  # no eviction: the hits and decisions are compared exactly (see the asserts)
-    ours, theirs = _manager(pv.KVCacheManager, num_blocks, specs), _manager(VllmKVCacheManager, num_blocks, specs)
+    # EAGLE: every group matches one of its own blocks past the hit (vLLM's margin), then drops it
+    ours = _manager(pv.KVCacheManager, num_blocks, specs, use_eagle=eagle)
+    theirs = _manager(VllmKVCacheManager, num_blocks, specs, use_eagle=eagle)
     bases = [[rng.randrange(50) for _ in range(rng.randrange(8, 70))] for _ in range(4)]
     live = {}  # rid -> (request for ours, request for theirs)
-    next_id = hits = refused = same = 0
+    next_id = hits = refused = same = quirks = 0
     for step in range(500):
         op = rng.random()
         if op < 0.3 or not live:
@@ -95,7 +98,14 @@ def test_different_block_sizes_differential_against_vllms_own_manager(layout, nu
             next_id += 1
             ra, rb, ca, ha, cb, hb = lookup_pair(ours, theirs, rid, toks, BS)
             assert ha % _lcm(specs) == 0 and ha < len(toks), f"step {step}: hit {ha} ({len(toks)} tokens)"
-            assert ha == hb or not big, f"step {step}: hit {ha} vs vLLM's {hb} ({len(toks)} tokens)"
+            # One difference, with EAGLE: vLLM's SlidingWindowManager aligns a run that reaches block 0 short of the
+            # window's contiguous blocks before its EAGLE drop, then again after it, so it loses an aligned segment
+            # of a hit every group serves (pagedkv takes it).
+            quirk = eagle and hb < ha and any(
+                isinstance(sp, SlidingWindowSpec) and ha < cdiv(sp.sliding_window - 1, sp.block_size) * sp.block_size
+                for sp in specs)
+            quirks += quirk
+            assert ha == hb or not big or quirk, f"step {step}: hit {ha} vs vLLM's {hb} ({len(toks)} tokens)"
             lens_a, lens_b = [len(x) for x in ca.get_block_ids()], [len(x) for x in cb.get_block_ids()]
             assert ha != hb or windowed or lens_a == lens_b, f"step {step}: hit {ha}: {ca} vs vLLM's {cb}"
             same += ha == hb
@@ -156,7 +166,7 @@ def test_different_block_sizes_differential_against_vllms_own_manager(layout, nu
         ours.free(ra)
         theirs.free(rb)
     assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks() == num_blocks - 1
-    assert next_id > 50 and same > 50 and hits > (20 if big else 5)
+    assert next_id > 50 and same > 50 and hits > (20 if big else 2 if eagle else 5)
     if not big:
         assert refused > 0  # the pool ran out on the way
 
@@ -192,7 +202,6 @@ def test_group_order_and_pages_are_vllms():
       ChunkedLocalAttentionSpec(block_size=2 * BS, num_kv_heads=1, head_size=1, dtype=torch.float32,
                                 attention_chunk_size=4 * BS)], {}, ["group 1 is ChunkedLocalAttentionSpec"]),
     ([_full(2 * BS), _full(3 * BS)], {}, ["group 1's block size 12 is not a multiple of the smallest, 8"]),
-    ([_full(BS), _full(2 * BS)], {"use_eagle": True}, ["use_eagle"]),
     ([_full(BS), _full(2 * BS)], {"enable_kv_cache_events": True}, ["enable_kv_cache_events"]),
 ])
 def test_unmappable_block_size_layouts_refused_by_name(specs, kw, words):
