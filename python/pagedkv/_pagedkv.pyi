@@ -1295,7 +1295,7 @@ class KVCacheManager:
 
     def check_claim(self, hold_id: int, blocks: Sequence[int], generations: Sequence[int]) -> ClaimCheck:
         """
-        Producer: check a consumer's claim in one call (lease or save pin `hold_id`, entries (blocks[i], generations[i]), any subset, any order): a ClaimCheck, OK or the first failing entry and why (UNKNOWN_HOLD, NOT_IN_HOLD, STALE_GENERATION: counted in stale_generations). Raises InvalidArgumentError when the lists differ in length.
+        Producer: check a consumer's claim in one call (lease or save pin `hold_id`, entries (blocks[i], generations[i]), any subset, any order; a null entry, block 0 with generation 0, is skipped: an import plan's window entries): a ClaimCheck, OK or the first failing entry and why (UNKNOWN_HOLD, NOT_IN_HOLD, STALE_GENERATION: counted in stale_generations). Raises InvalidArgumentError when the lists differ in length.
         """
 
     def evict_cached_block(self, block: int) -> bool:
