@@ -723,7 +723,8 @@ class KVCacheManager {
   /// Throws kUnknownSequence.
   [[nodiscard]] std::span<const TokenId> token_ids(SeqId seq) const { return live(seq, "token_ids").tokens; }
   /// Slots of the pending (unbuilt) positions of `seq`, in position order (`[num_pending]`), as the block table
-  /// holds them now: what a build scheduling them all would emit, before deduplication. A new vector: valid
+  /// holds them now: what a build scheduling them all would emit, before deduplication; -1 for a position whose
+  /// block is null (a window group's block an open fill leaves out: no kernel writes it). A new vector: valid
   /// forever. Throws kUnknownSequence.
   [[nodiscard]] std::vector<std::int64_t> pending_slots(SeqId seq) const { return pending_slots(seq, 0); }
   /// `pending_slots` of group g. Throws kUnknownSequence, kInvalidArgument (g >= num_groups()).
@@ -731,7 +732,10 @@ class KVCacheManager {
     check_group(g, "pending_slots");
     const sequence_type& q = live(seq, "pending_slots");
     std::vector<std::int64_t> out(q.num_pending());
-    for (std::size_t p = q.num_built; p < q.num_slotted(); ++p) out[p - q.num_built] = q.table_of(g).slot(p);
+    const BlockTable<Id>& t = q.table_of(g);
+    for (std::size_t p = q.num_built; p < q.num_slotted(); ++p) {
+      out[p - q.num_built] = t.blocks()[p / t.block_size()] == Id{0} ? -1 : t.slot(p);
+    }
     return out;
   }
   /// Copy-on-write copies not yet handed out by build_batch_metadata. Valid until the next non-const call.

@@ -1094,7 +1094,7 @@ class KVCacheManager:
 
     def pending_slots(self, seq: int, group: int = 0) -> list[int]:
         """
-        Slots of the pending (unbuilt) positions of `seq` in group `group`'s blocks.
+        Slots of the pending (unbuilt) positions of `seq` in group `group`'s blocks; -1 where the block is null (a window group's block an open fill leaves out).
         """
 
     def is_swapped(self, seq: int) -> bool: ...

@@ -1382,7 +1382,9 @@ NB_MODULE(_pagedkv, m) {
       .def(
           "pending_slots",
           [](Manager& s, SeqId seq, std::size_t g) { return s.peek([&](auto& mm) { return mm.pending_slots(seq, g); }); },
-          "seq"_a, "group"_a = 0, "Slots of the pending (unbuilt) positions of `seq` in group `group`'s blocks.")
+          "seq"_a, "group"_a = 0,
+          "Slots of the pending (unbuilt) positions of `seq` in group `group`'s blocks; -1 where the block is null (a "
+          "window group's block an open fill leaves out).")
       .def(
           "is_swapped", [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return mm.is_swapped(seq); }); },
           "seq"_a)

@@ -373,6 +373,10 @@ TEST_CASE("window-group fills: a recompute takes back the blocks the admission l
     REQUIRE(r.admit.admitted());
     REQUIRE(r.ticket.fill_id != 0);
     CHECK(e.m.stats().blocks_used == 8);
+    // The positions of the window blocks left out have no slot (no kernel writes them); the rest do.
+    const auto pending = e.m.pending_slots(1, 1);
+    REQUIRE(pending.size() == 24);
+    for (std::size_t p = 0; p < 24; ++p) CHECK((pending[p] == -1) == (p < 16));
     const auto done = e.m.complete_external_fill(r.ticket.fill_id, 2, ExternalFailurePolicy::kRecompute);
     REQUIRE(done.signal == ExternalSignal::kApplied);
     CHECK(done.num_valid_blocks == 0);
