@@ -311,7 +311,7 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                       "block size, as vLLM does with prefix_cache_retention_interval=None")
 
 
-def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block_size: int, use_eagle: bool,
+def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block_size: int,
                    enable_kv_cache_events: bool, enable_caching: bool) -> dict[int, int]:
     """The coarse groups of a KVCacheConfig whose attention groups' block sizes differ: {vLLM group: page factor}
     (its block size / `block_size`, the smallest), or Unsupported / vLLM's ValueError.
@@ -428,7 +428,7 @@ class KVCacheManager(ConnectorMixin):
                                   scheduler_block_size, enable_caching)
         # Groups of different block sizes: the larger ones are pagedkv coarse pages (vLLM group -> page factor),
         # hits aligned to vLLM's scheduler block size (_coarse_groups).
-        self._coarse = _coarse_groups(specs, block_size, scheduler_block_size, hash_block_size, use_eagle,
+        self._coarse = _coarse_groups(specs, block_size, scheduler_block_size, hash_block_size,
                                       enable_kv_cache_events, enable_caching) if len(block_sizes) != 1 else {}
         for g, f in self._coarse.items():
             pk_groups[g].block_size = specs[g].block_size
