@@ -211,12 +211,7 @@ class KVCacheManager {
   /// unsorted or not inside the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                         const AdmitOptions& opts = {}) {
-    if (seqs_.contains(seq) || swapped_.contains(seq)) {
-      detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
-    }
-    validate_prompt(prompt, keys, "try_admit", &seq);
-    hash_scratch_.clear();
-    return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false);
+    return admit_new(seq, prompt, keys, opts, "try_admit");
   }
 
   /// `try_admit` of a prompt hashed beforehand by `prepare_prompt`: no hashing, only the walk of the cache and the
@@ -1025,27 +1020,17 @@ class KVCacheManager {
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
                                              std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
-    AdmitOptions o = opts;
-    if (!seqs_.contains(seq)) external_options(prompt, keys, o, num_external_tokens);
     // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
     if (headroom_blocks != 0 && !prompt.empty() && !seqs_.contains(seq)) {
-      validate_prompt(prompt, keys, "try_admit_external", &seq);
-      std::vector<BlockHash> hashes;
-      PlanScratch scratch;
-      const CapacityQuery cq = plan_admit_into(prompt, keys, o, hashes, false, scratch, num_external_tokens).query;
+      const CapacityQuery cq = plan_external(prompt, num_external_tokens, keys, opts, "try_admit_external");
       const std::size_t need = cq.num_blocks + headroom_blocks +
                                lookup(prompt, keys, opts.max_cached_tokens) / config_.block_size * layout_.num_groups;
       const std::size_t avail = pool_.alloc().num_available_blocks();
       if (cq.fits() && avail < need) return {{AdmitStatus::kNoCapacity, 0, 0, 0, need - avail}, {}};
     }
-    if (seqs_.contains(seq) || swapped_.contains(seq)) {
-      detail::raise(Errc::kDuplicateSequence,
-                    "try_admit_external: sequence " + std::to_string(seq) + " is already live");
-    }
-    validate_prompt(prompt, keys, "try_admit_external", &seq);
-    hash_scratch_.clear();  // try_admit's path, with the window groups' blocks the fill leaves out not taken
-    ExternalAdmitResult<Id> r{admit_prompt(seq, prompt, keys, nullptr, o, hash_scratch_, false, num_external_tokens),
-                              {}};
+    AdmitOptions o = opts;
+    if (!seqs_.contains(seq)) external_options(prompt, keys, o, num_external_tokens);
+    ExternalAdmitResult<Id> r{admit_new(seq, prompt, keys, o, "try_admit_external", num_external_tokens), {}};
     const std::size_t h = r.admit.num_cached_tokens;
     const std::size_t n = importable_tokens(h + num_external_tokens, prompt.size(), h);
     if (!r.admit.admitted() || n == 0) return r;
@@ -1133,8 +1118,10 @@ class KVCacheManager {
     const std::size_t built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
     // A recompute writes the window blocks the admission left out (detail::window_external_skip): taken back now;
     // when the pool cannot provide them, the sequence fails (freed, reported) rather than compute into null blocks.
-    const std::size_t retake =
-        layout_.simple || out.sequence_failed ? 0 : detail::null_blocks_from<Id>(layout_, q, built);
+    std::size_t retake = 0;
+    if (!layout_.simple && !out.sequence_failed) {
+      detail::for_each_null_block_from<Id>(layout_, q, built, [&](std::size_t, std::size_t) { ++retake; });
+    }
     if (retake > pool_.alloc().num_available_blocks()) out.sequence_failed = true;
     ext_.count_completion(out.num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
     if (out.sequence_failed) {
@@ -1143,7 +1130,9 @@ class KVCacheManager {
     }
     if (retake != 0) {
       reserve_for_allocations(retake, 0);
-      detail::fill_null_blocks_from<Id>(layout_, q, built, [this](std::size_t g) { return allocate_one(g); });
+      detail::for_each_null_block_from<Id>(layout_, q, built, [&](std::size_t g, std::size_t i) {
+        (void)q.table_of(g).replace_block(i, allocate_one(g));
+      });
     }
     q.num_built = built;
     if (out.num_valid_blocks == nb) detail::complete_recurrent_fill<Id>(layout_, q, f.end_token);
@@ -1196,13 +1185,7 @@ class KVCacheManager {
   [[nodiscard]] CapacityQuery query_admit_external(std::span<const TokenId> prompt, std::size_t num_external_tokens,
                                                    const RequestKeys* keys = nullptr,
                                                    const AdmitOptions& opts = {}) const {
-    validate_prompt(prompt, keys, "query_admit_external", nullptr);
-    if (opts.retention) validate_retention(*opts.retention, "query_admit_external");
-    AdmitOptions o = opts;
-    external_options(prompt, keys, o, num_external_tokens);
-    std::vector<BlockHash> hashes;
-    PlanScratch scratch;
-    return plan_admit_into(prompt, keys, o, hashes, false, scratch, num_external_tokens).query;
+    return plan_external(prompt, num_external_tokens, keys, opts, "query_admit_external");
   }
 
   /// The fill `seq` waits for (0: none).
@@ -1421,6 +1404,31 @@ class KVCacheManager {
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
   // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
+  // What try_admit_external would take now (query_admit_external; `who` names the call in errors). Pure.
+  CapacityQuery plan_external(std::span<const TokenId> prompt, std::size_t num_external_tokens,
+                              const RequestKeys* keys, const AdmitOptions& opts, const char* who) const {
+    validate_prompt(prompt, keys, who, nullptr);
+    if (opts.retention) validate_retention(*opts.retention, who);
+    AdmitOptions o = opts;
+    external_options(prompt, keys, o, num_external_tokens);
+    std::vector<BlockHash> hashes;
+    PlanScratch scratch;
+    return plan_admit_into(prompt, keys, o, hashes, false, scratch, num_external_tokens).query;
+  }
+
+  // A new sequence's admission (try_admit, try_admit_external; `who` names the call in errors): the duplicate and
+  // prompt checks, then admit_prompt with `external_tokens`.
+  AdmitResult admit_new(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
+                        const char* who, std::size_t external_tokens = 0) {
+    if (seqs_.contains(seq) || swapped_.contains(seq)) {
+      detail::raise(Errc::kDuplicateSequence, std::string(who) + ": sequence " + std::to_string(seq) +
+                                                  " is already live");
+    }
+    validate_prompt(prompt, keys, who, &seq);
+    hash_scratch_.clear();
+    return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false, external_tokens);
+  }
+
   // `external_tokens`: offered to a fill after the hit (try_admit_external): a window group takes no block wholly
   // outside the window of the fill's end (detail::window_external_skip; null in its table).
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,

@@ -81,19 +81,6 @@ PyAppendResult to_py(const R& r) {
   return p;
 }
 
-// The options of one admission. A RetentionConfig is copied into a C++-owned shared_ptr: the manager keeps it for
-// the sequence's life (and its forks'), and releasing a Python-owned one would need the GIL while the manager's
-// mutex is held (a deadlock with a thread holding the GIL in a getter); later changes to the Python object do not
-// reach admitted sequences.
-AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved,
-                           const RetentionConfig* retention = nullptr) {
-  AdmitOptions o;
-  o.max_cached_tokens = max_cached_tokens;
-  o.num_reserved_tokens = num_reserved;
-  if (retention != nullptr) o.retention = std::make_shared<const RetentionConfig>(*retention);
-  return o;
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // build_batch_metadata's output arrays: one set per KV-cache group, converted without copying (exact dtype,
 // writable, C-contiguous) and kept alive here while the GIL is released.

@@ -101,6 +101,19 @@ using Managers = std::variant<KVCacheManager<Sha256Hasher, Id, LruEviction<Id>>,
                               KVCacheManager<Xxh3Hasher, Id, SlruEviction<Id>>,
                               KVCacheManager<Xxh3Hasher, Id, PriorityLruEviction<Id>>>;
 
+// The options of one admission. A RetentionConfig is copied into a C++-owned shared_ptr: the manager keeps it for
+// the sequence's life (and its forks'), and releasing a Python-owned one would need the GIL while the manager's
+// mutex is held (a deadlock with a thread holding the GIL in a getter); later changes to the Python object do not
+// reach admitted sequences.
+inline AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved,
+                           const RetentionConfig* retention = nullptr) {
+  AdmitOptions o;
+  o.max_cached_tokens = max_cached_tokens;
+  o.num_reserved_tokens = num_reserved;
+  if (retention != nullptr) o.retention = std::make_shared<const RetentionConfig>(*retention);
+  return o;
+}
+
 inline Managers make_manager(const CacheConfig& config, const std::string& hasher, const std::string& eviction) {
   int h = -1;
   if (hasher == "sha256") h = 0;

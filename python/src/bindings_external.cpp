@@ -291,9 +291,7 @@ void bind_methods(nb::class_<Manager>& cls) {
          [](Manager& s, SeqId seq, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
             std::size_t headroom_blocks) {
-           AdmitOptions o;
-           o.max_cached_tokens = max_cached_tokens;
-           o.num_reserved_tokens = num_reserved_tokens;
+           const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
            return s.work([&](auto& mm) {
              return mm.try_admit_external(seq, prompt.span(), num_external_tokens, keys, o, headroom_blocks);
            });
@@ -312,9 +310,7 @@ void bind_methods(nb::class_<Manager>& cls) {
           "query_admit_external",
           [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
              std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens) {
-            AdmitOptions o;
-            o.max_cached_tokens = max_cached_tokens;
-            o.num_reserved_tokens = num_reserved_tokens;
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
             return s.work([&](auto& mm) { return mm.query_admit_external(prompt.span(), num_external_tokens, keys, o); });
           },
           "prompt"_a, "num_external_tokens"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
@@ -325,8 +321,7 @@ void bind_methods(nb::class_<Manager>& cls) {
           "explain_admit_external",
           [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
              std::optional<std::size_t> max_cached_tokens) {
-            AdmitOptions o;
-            o.max_cached_tokens = max_cached_tokens;
+            const AdmitOptions o = admit_options(max_cached_tokens, std::nullopt);
             return s.work(
                 [&](auto& mm) { return mm.explain_admit_external(prompt.span(), num_external_tokens, keys, o); });
           },
@@ -339,9 +334,7 @@ void bind_methods(nb::class_<Manager>& cls) {
           [](Manager& s, SeqId seq, const Tokens& prompt, const Plan& plan, const RequestKeys* keys,
              std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
              std::size_t headroom_blocks) {
-            AdmitOptions o;
-            o.max_cached_tokens = max_cached_tokens;
-            o.num_reserved_tokens = num_reserved_tokens;
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
             return s.work([&](auto& mm) {
               return mm.try_admit_external(seq, prompt.span(), plan, keys, o, headroom_blocks);
             });

@@ -13,6 +13,7 @@
 
 #include <pagedkv/cache_config.hpp>     // CacheConfig
 #include <pagedkv/detail/hit_search.hpp>
+#include <pagedkv/external_kv.hpp>      // importable_tokens
 #include <pagedkv/group_policy.hpp>     // GroupLayout, visit_group
 #include <pagedkv/hash.hpp>             // BlockHash, TokenId
 #include <pagedkv/manager_results.hpp>  // AdmitOptions, CapacityQuery
@@ -23,16 +24,15 @@ namespace pagedkv::detail {
 
 /// The blocks after a hit of `k` match blocks that group g of an admission taking `external_tokens` more prompt
 /// tokens from a fill (KVCacheManager::try_admit_external) does not take: a window group's blocks wholly before the
-/// window of the first query it computes. That query sits at the fill's end, min(hit + external_tokens, prompt_len
-/// - 1) (importable_tokens' clamp: the last prompt token is computed here), or at the hit when that is below it.
-/// The positions before it are filled elsewhere and no later query sees them, so those blocks are null in the table
-/// from the admission on (vLLM's SlidingWindowManager pads an external load's skipped blocks with its null block).
-/// 0 for the other kinds (a recurrent group holds states; a coarse group has no window). Pure.
+/// window of the first query it computes, at the fill's end: the hit + importable_tokens (the last prompt token is
+/// computed here). The positions before it are filled elsewhere and no later query sees them, so those blocks are
+/// null in the table from the admission on (vLLM's SlidingWindowManager pads an external load's skipped blocks with
+/// its null block). 0 for the other kinds (a recurrent group holds states; a coarse group has no window). Pure.
 [[nodiscard]] inline std::size_t window_external_skip(const GroupLayout& layout, std::size_t g, std::size_t k,
                                                       std::size_t prompt_len, std::size_t external_tokens) noexcept {
   if (layout.is_recurrent(g) || layout.is_coarse(g)) return 0;
   const std::size_t bs = layout.block_size;
-  const std::size_t end = std::max(k * bs, std::min(k * bs + external_tokens, prompt_len == 0 ? 0 : prompt_len - 1));
+  const std::size_t end = k * bs + importable_tokens(k * bs + external_tokens, prompt_len, k * bs);
   const std::size_t first = first_kept_block(layout.windows[g], end, static_cast<std::uint32_t>(bs));
   return first > k ? first - k : 0;
 }

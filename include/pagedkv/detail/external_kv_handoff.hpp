@@ -168,29 +168,18 @@ void complete_recurrent_fill(const GroupLayout& layout, Seq& q, std::size_t end_
   }
 }
 
-/// Consumer (KVCacheManager::complete_external_fill): the null entries of q's attention groups (not recurrent,
-/// not coarse) from the logical block of position `built` to the end of their tables: blocks a recompute of the
-/// positions from `built` writes, which an external admission left out (a window group's blocks outside the
-/// window of the fill's end: window_external_skip). 0 after a complete fill. Pure.
-template <class Id, class Seq>
-[[nodiscard]] std::size_t null_blocks_from(const GroupLayout& layout, const Seq& q, std::size_t built) {
-  std::size_t n = 0;
+/// Consumer (KVCacheManager::complete_external_fill): f(g, i) for each null entry i of q's attention groups g (not
+/// recurrent, not coarse) from the logical block of position `built` to the end of their tables: blocks a
+/// recompute of the positions from `built` writes, which an external admission left out (a window group's blocks
+/// outside the window of the fill's end: window_external_skip). None after a complete fill. `f` may replace the
+/// entry (table length unchanged).
+template <class Id, class Seq, class F>
+void for_each_null_block_from(const GroupLayout& layout, Seq& q, std::size_t built, F&& f) {
   for (std::size_t g = 0; g < layout.num_groups; ++g) {
     if (layout.is_recurrent(g) || layout.is_coarse(g)) continue;
-    const auto blocks = q.table_of(g).blocks();
-    for (std::size_t i = built / layout.block_size; i < blocks.size(); ++i) n += blocks[i] == Id{0} ? 1 : 0;
-  }
-  return n;
-}
-/// Consumer: each entry null_blocks_from counts replaced by `take(g)` (a fresh block of group g; capacity checked
-/// by the caller).
-template <class Id, class Seq, class Take>
-void fill_null_blocks_from(const GroupLayout& layout, Seq& q, std::size_t built, Take&& take) {
-  for (std::size_t g = 0; g < layout.num_groups; ++g) {
-    if (layout.is_recurrent(g) || layout.is_coarse(g)) continue;
-    const auto blocks = q.table_of(g).blocks();
-    for (std::size_t i = built / layout.block_size; i < blocks.size(); ++i) {
-      if (blocks[i] == Id{0}) (void)q.table_of(g).replace_block(i, take(g));
+    const std::size_t n = q.table_of(g).num_blocks();
+    for (std::size_t i = built / layout.block_size; i < n; ++i) {
+      if (q.table_of(g).blocks()[i] == Id{0}) f(g, i);
     }
   }
 }
