@@ -45,6 +45,7 @@
 #include <pagedkv/event_log.hpp>
 #include <pagedkv/events.hpp>
 #include <pagedkv/external_kv.hpp>
+#include <pagedkv/external_kv_calls.hpp>
 #include <pagedkv/eviction.hpp>
 #include <pagedkv/group_policy.hpp>
 #include <pagedkv/hash.hpp>
@@ -75,6 +76,9 @@ namespace pagedkv {
 ///    pending copy into its table): a child never depends on a write or copy not yet issued, so no copy list ever
 ///    holds a block that is both a source and a destination. `free` / `preempt` release tail first.
 ///  - `build_batch_metadata` writes the step's page table, slot mapping and copy list into caller buffers.
+///  - External KV (prefill/decode disaggregation, KV stores): blocks filled by another engine and blocks handed to
+///    one, the calls of the base `ExternalKvCalls` (external_kv_calls.hpp: try_admit_external,
+///    complete_external_fill, plan_import, finish_with_lease, leases, save pins).
 /// A pending copy (src, dst) holds a reference on src until the metadata that carries it is built, so no block is
 /// reused (and overwritten) while a copy still has to read it.
 ///
@@ -115,7 +119,11 @@ namespace pagedkv {
 /// once the scratch buffers have grown (except the calls documented to allocate).
 template <BlockHasher Hasher = Sha256Hasher, BlockIdType Id = std::uint32_t,
           EvictionPolicy<Id> Evict = LruEviction<Id>, EvictionPolicy<Id> HostEvict = Evict>
-class KVCacheManager {
+class KVCacheManager
+    : public ExternalKvCalls<KVCacheManager<Hasher, Id, Evict, HostEvict>, Id> {  // external KV: its own part
+  using external_calls = ExternalKvCalls<KVCacheManager, Id>;
+  friend external_calls;  // the part reaches the sequence map, pool, layout and admission (self())
+
  public:
   using block_id_type = Id;
   using hasher_type = Hasher;
@@ -143,7 +151,8 @@ class KVCacheManager {
   /// 2^31, max_tokens_per_seq > 2^31 - 1: the int32 batch metadata), each naming the value, before allocating
   /// anything.
   explicit KVCacheManager(const CacheConfig& config)
-      : config_(checked(config)),
+      : external_calls(config.num_blocks),
+        config_(checked(config)),
         layout_(config_.groups, config_.block_size, config_.enable_prefix_caching),
         pool_(config_, layout_),
         build_(layout_),
@@ -219,13 +228,7 @@ class KVCacheManager {
   /// per request. Same outcomes and errors as try_admit; also kInvalidArgument when `prompt` was prepared by a
   /// manager with another hasher or seed (its chain root differs).
   AdmitResult try_admit(SeqId seq, const PreparedPrompt& prompt, const AdmitOptions& opts = {}) {
-    if (seqs_.contains(seq) || swapped_.contains(seq)) {
-      detail::raise(Errc::kDuplicateSequence, "try_admit: sequence " + std::to_string(seq) + " is already live");
-    }
-    check_prepared(prompt, "try_admit");
-    // Read only (hashes_ready): a retried admission copies nothing until it commits.
-    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts,
-                        const_cast<std::vector<BlockHash>&>(prompt.hashes), true);
+    return admit_prepared(seq, prompt, opts, "try_admit");
   }
 
   /// Validate `prompt` (with `keys`) and hash its full blocks once, for `try_admit` / `query_admit` retries. Pure;
@@ -992,341 +995,14 @@ class KVCacheManager {
   }
 
   // ---------------------------------------------------------------------------------------------------------------
-  // External KV: blocks filled by another engine or a store, and blocks handed to one (prefill/decode
-  // disaggregation, KV stores; issue 33, docs/design.md "External KV"). The state is detail/external_kv.hpp, the
-  // pure hand-off pieces detail/external_kv_handoff.hpp; these calls forward to them. Every group kind takes part:
-  // a window group hands off only the blocks inside the window of the consumer's first query (handoff_first_block),
-  // a recurrent group only the state the consumer resumes from (RecurrentGroup's hand-off hooks), a coarse group
-  // whole pages, so a fill starts on a page boundary (detail::page_aligned_hit).
+  // External KV (prefill/decode disaggregation, KV stores): try_admit_external, complete_external_fill,
+  // abort_sequence, plan_import, finish_with_lease, leases and save pins, in their own part (the base
+  // ExternalKvCalls, include/pagedkv/external_kv_calls.hpp).
 
-  /// Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens from an external source after
-  /// the local prefix hit (vLLM's `num_external_computed_tokens` after `get_num_new_matched_tokens`; clamped so the
-  /// last prompt token is always computed here, for its logits). All groups, all or nothing; kNoCapacity and
-  /// kNeverFits as every admission (nothing changes). `headroom_blocks`: also answer kNoCapacity unless that many
-  /// blocks stay available after the admission (room for fills in flight), counting every hit block as if cached
-  /// (conservative). When external tokens remain after the clamp, the result carries a FillTicket: the blocks of
-  /// positions [first_token, end_token) are held by the fill (one reference each), never registered, matched,
-  /// evicted or reported (no event) until `complete_external_fill`; the sequence waits for it (a build refuses
-  /// it, naming it). A window group's blocks wholly outside the window of the query at end_token are not taken:
-  /// null in the table and the ticket from the admission on, never transferred, not counted by the capacity check
-  /// or the headroom (vLLM's SlidingWindowManager pads an external load's skipped blocks with its null block the
-  /// same way; detail::window_external_skip); the local hit's blocks there stay held. A recurrent group's row is
-  /// null but its last entry, the block that receives the state after end_token tokens
-  /// (the source must provide exactly that state: vLLM's N-1 prefill, vllm#37310). With a coarse group the local
-  /// hit taken is lowered to a page boundary of every group (detail::page_aligned_hit) and the fill starts there
-  /// (ticket.first_token): a coarse group's pages move whole, at their first match block's entry (null at the
-  /// others); the external tokens still end where the full hit plus `num_external_tokens` ends.
-  /// `opts.num_reserved_tokens`, when given, is raised to cover the external tokens. Throws as try_admit.
-  ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
-                                             std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
-                                             const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
-    // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
-    if (headroom_blocks != 0 && !prompt.empty() && !seqs_.contains(seq)) {
-      const CapacityQuery cq = plan_external(prompt, num_external_tokens, keys, opts, "try_admit_external");
-      const std::size_t need = cq.num_blocks + headroom_blocks +
-                               lookup(prompt, keys, opts.max_cached_tokens) / config_.block_size * layout_.num_groups;
-      const std::size_t avail = pool_.alloc().num_available_blocks();
-      if (cq.fits() && avail < need) return {{AdmitStatus::kNoCapacity, 0, 0, 0, need - avail}, {}};
-    }
-    AdmitOptions o = opts;
-    if (!seqs_.contains(seq)) external_options(prompt, keys, o, num_external_tokens);
-    ExternalAdmitResult<Id> r{admit_new(seq, prompt, keys, o, "try_admit_external", num_external_tokens), {}};
-    const std::size_t h = r.admit.num_cached_tokens;
-    const std::size_t n = importable_tokens(h + num_external_tokens, prompt.size(), h);
-    if (!r.admit.admitted() || n == 0) return r;
-    try {
-      const sequence_type& q = live(seq, "try_admit_external");
-      std::vector<Id> row;  // scratch for a recurrent or coarse group's row
-      r.ticket = ext_.open_fill(
-          seq, layout_.num_groups, config_.block_size, h, n,
-          [&](std::size_t g) { return detail::ticket_row<Id>(layout_, q, g, h + n, row); },
-          [&](std::size_t g) { return detail::ticket_first_block(layout_, g, h, h + n); },
-          ext_acquire(), ext_release());
-    } catch (...) {
-      free(seq);  // bad_alloc: undo the admission
-      throw;
-    }
-    return r;
-  }
-
-  /// Consumer: `try_admit_external` of the tokens import `plan` (plan_import's, for this `prompt` and `keys`)
-  /// provides, so that the ticket pairs one to one with plan.remote_blocks: ticket.first_block ==
-  /// plan.first_block, ticket.num_blocks() == plan.num_blocks. Counts the import's blocks (transferred, skipped
-  /// thanks to the local hit) when admitted, never at plan time. Throws kInvalidArgument, nothing changed, when the
-  /// local prefix hit is no longer the plan's (a block was registered or evicted in between: plan again), or when
-  /// the plan does not fit this pool or prompt (groups, token range); otherwise as the other overload. Should the
-  /// admission itself hit otherwise than `lookup` said (not expected), it is undone (the sequence freed, its fill
-  /// aborted as quiescent: no transfer has its ticket) before the same error.
-  ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt, const ImportPlan<Id>& plan,
-                                             const RequestKeys* keys = nullptr, const AdmitOptions& opts = {},
-                                             std::size_t headroom_blocks = 0) {
-    const std::size_t hit = prompt.empty()         ? 0
-                            : plan.num_blocks == 0 ? lookup(prompt, keys, opts.max_cached_tokens)
-                                                   : external_hit(prompt, keys, opts.max_cached_tokens);
-    detail::check_plan_matches(plan, layout_.num_groups, config_.block_size, prompt.size(), hit);
-    ExternalAdmitResult<Id> r =
-        try_admit_external(seq, prompt, plan.end_token - plan.first_token, keys, opts, headroom_blocks);
-    if (!r.admit.admitted()) return r;
-    if (r.admit.num_cached_tokens != plan.first_token ||
-        (r.ticket.fill_id != 0 && (r.ticket.first_block != plan.first_block ||
-                                   r.ticket.num_blocks() != plan.num_blocks))) [[unlikely]] {
-      abort_sequence(seq, true);  // no transfer started on this ticket yet
-      detail::raise(Errc::kInvalidArgument,
-                    "try_admit_external: the admission hit " + std::to_string(r.admit.num_cached_tokens) +
-                        " tokens, the import plan's local hit is " + std::to_string(plan.first_token) +
-                        ": plan again (the admission was undone)");
-    }
-    // Transferred: the plan's non-null pairs (a window group's blocks outside the window are not moved).
-    const auto not_sent = std::count(plan.remote_blocks.begin(), plan.remote_blocks.end(), Id{0});
-    ext_.count_import(plan.remote_blocks.size() - static_cast<std::size_t>(not_sent),
-                      plan.skipped_blocks * layout_.num_groups);
-    return r;
-  }
-
-  /// The fill `fill_id` is done: its first `num_valid_blocks` blocks (per group, from the ticket's first_block)
-  /// hold the external K/V, the rest failed (vLLM's `finished_recving` with `invalid_block_ids`). The fill's
-  /// references go; the valid prefix counts as computed (num_built: first_token + num_valid_blocks x block_size, or
-  /// end_token when every block is valid) and its full blocks are registered now (deduplicated against blocks
-  /// registered meanwhile, BlockStored events), as a build registers its own. With failed blocks, `policy`:
-  /// kRecompute keeps the sequence (the positions from the first failed block on stay pending in their blocks: the
-  /// scheduler computes them); kFail frees the sequence and reports it failed. With a window group, a valid prefix
-  /// whose next query would see a block left out of the transfer (detail::window_valid_blocks) counts as 0 valid
-  /// blocks under kRecompute: the positions after the local hit are all recomputed; so does any partial fill with a
-  /// recurrent group (its one transferred state, at end_token, is the fill's last block: detail::fill_valid_blocks).
-  /// Such a recompute writes the window blocks the admission did not take: they are taken now, and when the pool
-  /// cannot provide them the sequence fails (freed, reported in `sequence_failed`) whatever the policy.
-  /// Blocks outside the window of the next query become null (as after a build). A signal for a fill that is not live
-  /// is counted and changes nothing (late: its sequence was aborted, and an orphan hold ends now; duplicate;
-  /// unknown), never thrown. Throws kInvalidArgument (num_valid_blocks beyond the fill's blocks) for a live fill;
-  /// nothing changes then.
-  ExternalCompletion complete_external_fill(std::uint64_t fill_id, std::size_t num_valid_blocks,
-                                            ExternalFailurePolicy policy = ExternalFailurePolicy::kRecompute) {
-    const std::size_t nb = ext_.check_valid_blocks(fill_id, num_valid_blocks);
-    pool_.events().reserve_more(nb * layout_.num_groups);
-    pool_.switched().reserve(nb);
-    auto sig = ext_.take_fill(fill_id, ext_release());
-    ExternalCompletion out{sig.status};
-    if (sig.status != ExternalSignal::kApplied) return out;
-    out.seq = sig.fill->seq;
-    out.sequence_failed = num_valid_blocks < nb && policy == ExternalFailurePolicy::kFail;
-    // A window group's next query must see only transferred blocks; else the fill is recomputed from the hit.
-    const auto& f = *sig.fill;
-    out.num_valid_blocks = layout_.simple ? num_valid_blocks
-                                          : detail::fill_valid_blocks(layout_, f.first_block, f.first_token,
-                                                                      f.end_token, nb, num_valid_blocks);
-    sequence_type& q = seqs_.find(out.seq)->second;  // live: a fill ends with its sequence (abort_fill)
-    const std::size_t built = std::max(q.num_built, f.computed_end(out.num_valid_blocks, config_.block_size));
-    // A recompute writes the window blocks the admission left out (detail::window_external_skip): taken back now;
-    // when the pool cannot provide them, the sequence fails (freed, reported) rather than compute into null blocks.
-    std::size_t retake = 0;
-    if (!layout_.simple && !out.sequence_failed) {
-      detail::for_each_null_block_from<Id>(layout_, q, built, [&](std::size_t, std::size_t) { ++retake; });
-    }
-    if (retake > pool_.alloc().num_available_blocks()) out.sequence_failed = true;
-    ext_.count_completion(out.num_valid_blocks, num_valid_blocks < nb, out.sequence_failed);
-    if (out.sequence_failed) {
-      free(out.seq);
-      return out;
-    }
-    if (retake != 0) {
-      reserve_for_allocations(retake, 0);
-      detail::for_each_null_block_from<Id>(layout_, q, built, [&](std::size_t g, std::size_t i) {
-        (void)q.table_of(g).replace_block(i, allocate_one(g));
-      });
-    }
-    q.num_built = built;
-    if (out.num_valid_blocks == nb) detail::complete_recurrent_fill<Id>(layout_, q, f.end_token);
-    // Unwritten checkpoint blocks (and blocks the new built position leaves outside a window): null before
-    // registration.
-    if (!layout_.simple) release_out_of_window(q);
-    for (std::size_t g = 0; g < layout_.num_groups; ++g) {
-      pool_.switched().clear();
-      register_full_blocks(q, g);
-    }
-    out.num_computed_tokens = q.num_built;
-    return out;
-  }
-  /// `complete_external_fill` with the set of failed blocks (indices from the ticket's first_block, any order):
-  /// the blocks before the first failed one are valid. Throws kInvalidArgument for an index beyond the fill's
-  /// blocks (live fill only).
-  ExternalCompletion complete_external_fill(std::uint64_t fill_id, std::span<const std::size_t> failed_blocks,
-                                            ExternalFailurePolicy policy = ExternalFailurePolicy::kRecompute) {
-    return complete_external_fill(fill_id, ext_.valid_prefix(fill_id, failed_blocks), policy);
-  }
-
-  /// Abort `seq` (live or swapped) as `free` does. `transfer_quiescent`: the caller knows no transfer can still
-  /// write its fill's blocks, so they return at once; otherwise they become an orphan hold (in no table, never
-  /// reused) until the fill's late signal or `reap_external` past the orphan timeout. `free` and `preempt` of a
-  /// sequence whose fill is in flight act as a non-quiescent abort. Throws kUnknownSequence.
-  void abort_sequence(SeqId seq, bool transfer_quiescent) {
-    if (ext_.num_fills() != 0 && seqs_.contains(seq)) ext_.abort_fill(seq, transfer_quiescent, ext_release());
-    free(seq);
-  }
-
-  /// `explain_admit` with the external hit named: of `num_external_tokens` offered after the local hit (vLLM's
-  /// `get_num_new_matched_tokens`), how many an admission by `try_admit_external` would take (clamped so the last
-  /// prompt token is computed here), from which block, how many blocks per group the fill would hold and how many
-  /// it skips thanks to the local hit. Pure; allocates. Throws as explain_admit.
-  [[nodiscard]] ExternalAdmitExplanation explain_admit_external(std::span<const TokenId> prompt,
-                                                                std::size_t num_external_tokens,
-                                                                const RequestKeys* keys = nullptr,
-                                                                const AdmitOptions& opts = {}) const {
-    const std::size_t from = layout_.any_coarse && num_external_tokens != 0 && !prompt.empty()
-                                 ? external_hit(prompt, keys, opts.max_cached_tokens)
-                                 : std::numeric_limits<std::size_t>::max();
-    return detail::explain_external(explain_admit(prompt, keys, opts), num_external_tokens, config_.block_size, from);
-  }
-
-  /// What `try_admit_external(seq, prompt, num_external_tokens, keys, opts)` would take now (without headroom), as
-  /// `query_admit` says of try_admit: the blocks of every group after the hit (lowered to a page boundary with a
-  /// coarse group, as the admission lowers it), but a window group's blocks the fill would leave out (not taken:
-  /// detail::window_external_skip), kNoCapacity / kNeverFits as the admission would answer (vLLM's
-  /// get_num_blocks_to_allocate with `num_external_computed_tokens`). Pure; allocates. Throws as query_admit.
-  [[nodiscard]] CapacityQuery query_admit_external(std::span<const TokenId> prompt, std::size_t num_external_tokens,
-                                                   const RequestKeys* keys = nullptr,
-                                                   const AdmitOptions& opts = {}) const {
-    return plan_external(prompt, num_external_tokens, keys, opts, "query_admit_external");
-  }
-
-  /// The fill `seq` waits for (0: none).
-  [[nodiscard]] std::uint64_t external_fill_of(SeqId seq) const { return ext_.fill_of(seq); }
-
-  /// The fingerprint of this pool's layout for a hand-shake: block_size, the groups, the hash algorithm and seed
-  /// from the configuration; the page layout ("nhd", ...), storage dtype ("bf16", ...), KV heads and head_dim from
-  /// the caller (the manager does not know them). `convention`: the identities exported; `vllm_seed`: vLLM's
-  /// NONE_HASH seed (kVllmSha256Cbor only). Pure; allocates.
-  [[nodiscard]] KvLayoutFingerprint layout_fingerprint(
-      std::string page_layout, std::string dtype, std::uint32_t num_kv_heads, std::uint32_t head_dim,
-      BlockIdentityConvention convention = BlockIdentityConvention::kPagedkv,
-      std::string_view vllm_seed = identity::kVllmDefaultNoneHashSeed) const {
-    return detail::external_layout_fingerprint(config_, std::move(page_layout), std::move(dtype), num_kv_heads,
-                                               head_dim, convention, vllm_seed);
-  }
-
-  /// Producer: finish settled sequence `seq`, keeping its blocks under a lease (registered, hit-able, read-only,
-  /// never evicted or reused) until `release_lease` (the consumer's read-done; vLLM `finished_sending`),
-  /// `reap_external` past `lease_deadline` (heartbeats move it: `extend_lease`), and return what the consumer needs:
-  /// every group's blocks of positions [0, num_tokens) with their generations, the full blocks' identities under
-  /// `layout.hash_algorithm`, the partial last block's token ids, `layout`. A window group's entries are those inside the window of the query at
-  /// num_tokens - 1 (a consumer recomputes its last prompt token), taken back from the cache when the last build's
-  /// window released them; the rest are null (generation 0), as is one that was evicted meanwhile. A recurrent
-  /// group's entry at block i is the state after the tokens up to the end of block i: the working state for the
-  /// last block, the checkpoints q kept or the pool caches for the others (null where there is none); the last
-  /// checkpoint is registered first, as a free would. Throws
-  /// kUnknownSequence; kInvalidArgument (layout's block_size, groups or hash fields differ from this pool's: named;
-  /// the sequence is not settled or waits for a fill; vLLM identities of a request with extra keys; coarse pages)
-  /// before anything changes.
-  HandoffDescriptor<Id> finish_with_lease(SeqId seq, const KvLayoutFingerprint& layout,
-                                          std::optional<ExternalTimePoint> lease_deadline) {
-    const sequence_type& q = live(seq, "finish_with_lease");
-    detail::check_pool_layout(config_, layout, "finish_with_lease: this pool vs `layout`");
-    ext_.check_settled(seq, settled(q), "finish_with_lease");
-    auto ids = detail::block_identities(q.tokens, q.hashes, q.keys && !q.keys->empty(), config_.block_size, layout,
-                                        "finish_with_lease");  // may throw: before anything changes
-    const std::size_t bs = config_.block_size, n = q.num_known();
-    std::vector<TokenId> tail(q.tokens.begin() + static_cast<std::ptrdiff_t>(n / bs * bs),
-                              q.tokens.begin() + static_cast<std::ptrdiff_t>(n));
-    detail::register_last_checkpoints<Id>(layout_, pool_, seqs_.find(seq)->second);  // the lease holds them cached
-    const auto block_at = [&](std::size_t g, std::size_t i) {
-      return detail::handoff_block_at<Id>(pool_, layout_, q, g, i);
-    };
-    HandoffDescriptor<Id> d = ext_.open_lease(seq, n, layout_.num_groups, bs, block_at, std::move(ids), layout,
-                                              lease_deadline, ext_acquire(), ext_release());
-    d.tail_tokens = std::move(tail);
-    free(seq);
-    return d;
-  }
-  /// The consumer has read lease `hold_id`'s blocks: the lease ends (kApplied), or the signal is counted (late: it
-  /// expired; duplicate; unknown). Never throws.
-  ExternalSignal release_lease(std::uint64_t hold_id) { return ext_.release_hold(hold_id, ext_release()); }
-  /// Heartbeat: lease (or save pin) `hold_id` now ends at `deadline` (nullopt: only by its release). Counted when
-  /// it has ended. Never throws.
-  ExternalSignal extend_lease(std::uint64_t hold_id, std::optional<ExternalTimePoint> deadline) {
-    return ext_.extend(hold_id, deadline);
-  }
-  /// Pin the built full blocks of live `seq` (every group) for a save to a store (vLLM's offloading connector,
-  /// LMCache): until `end_save`, a preemption, free or eviction never hands them to another sequence while the save
-  /// reads them. Returns the pin id. Throws kUnknownSequence; kInvalidArgument for coarse pages or a recurrent
-  /// group (a working state is rewritten in place by every build) (nothing changes).
-  std::uint64_t pin_for_save(SeqId seq, std::optional<ExternalTimePoint> deadline = std::nullopt) {
-    detail::check_save_pin_groups(config_, layout_, "pin_for_save");
-    const sequence_type& q = live(seq, "pin_for_save");
-    const std::size_t full = std::min(q.num_built, q.num_slotted()) / config_.block_size;
-    return ext_.pin_for_save(seq, layout_.num_groups, full,
-                             [&](std::size_t g) {  // a coarse group: the pages holding those blocks
-                               const auto b = q.table_of(g).blocks();
-                               const std::size_t f = layout_.coarse_factor(g);
-                               return b.first(std::min(b.size(), (full + f - 1) / f));
-                             },
-                             deadline, ext_acquire(), ext_release());
-  }
-  /// The save of pin `pin_id` completed or failed: its blocks are released. Counted when it has ended.
-  ExternalSignal end_save(std::uint64_t pin_id) { return ext_.release_hold(pin_id, ext_release()); }
-  /// Whether (block, generation) is a reference an external hold keeps now: a transfer checks it before it serves
-  /// or writes a block; a stale one (the hold ended, so the block may have been reused) is refused and counted.
-  [[nodiscard]] bool is_current_block(Id b, std::uint32_t generation) { return ext_.is_current(b, generation); }
-  /// Producer: check a consumer's claim in one call: lease or save pin `hold_id` and entries (blocks[i],
-  /// generations[i]) (a descriptor's or an import plan's remote blocks, any subset, any order). kOk when every entry
-  /// names a block of that hold at its current generation, a null entry (block 0, generation 0: a window group's
-  /// block outside the window, never transferred) aside; otherwise the first failing entry and why (unknown hold,
-  /// block not in the hold, stale generation: counted in stale_generations). Nothing else changes. Throws
-  /// kInvalidArgument when the spans differ in length.
-  [[nodiscard]] ClaimCheck check_claim(std::uint64_t hold_id, std::span<const Id> blocks,
-                                       std::span<const std::uint32_t> generations) {
-    return ext_.check_claim(hold_id, blocks, generations);
-  }
-  /// Evict device block `b`'s hash now, by id (vLLM's `evict_blocks` after a failed load: the block's content is
-  /// wrong, so its hash must never be served): it leaves the prefix index at once (BlockRemoved, and the eviction
-  /// history, as other evictions), and loses its hashed mark. A cached block becomes free; a block a table or an
-  /// external hold still references stays there, never matchable again, and becomes free on its last release.
-  /// Returns whether b was registered (false: nothing to evict; nothing changes). Throws kBlockOutOfRange (b == 0
-  /// or b >= num_blocks); std::bad_alloc before any change. The host tier's copy of that hash, if any, is not
-  /// touched (it holds the content written before the failed load).
-  bool evict_cached_block(Id b) {
-    if (b == Id{0} || b >= pool_.alloc().num_blocks()) {
-      detail::raise(Errc::kBlockOutOfRange, "evict_cached_block: block " + std::to_string(b) + " outside [1, " +
-                                                std::to_string(pool_.alloc().num_blocks()) + ")");
-    }
-    return pool_.evict_by_id(b);
-  }
-  /// External clock tick: ends every lease, save pin and orphan hold whose deadline is at or before `now`; records
-  /// `now` for the orphan deadlines of later aborts. Returns how many ended. O(holds).
-  std::size_t reap_external(ExternalTimePoint now) { return ext_.tick(now, ext_release()); }
-  /// How long an orphan hold waits for its late signal, counted from the last reap_external's `now` (default 480 s,
-  /// vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT). An engine calls reap_external every step; before its first call an
-  /// orphan hold has no deadline (only its late signal ends it).
-  void set_orphan_timeout(ExternalClock::duration d) noexcept { ext_.set_orphan_timeout(d); }
-
-  /// Consumer: what to transfer of hand-off `desc` for `prompt` (with `keys`): first the fingerprints (`ours` vs
-  /// the descriptor's: a mismatch is kInvalidArgument naming the field, at hand-shake, before anything per request:
-  /// vLLM #42895), then the descriptor's shape (blocks per group = ceil(num_tokens / block_size), computed from the
-  /// token count, never trusted: vLLM #50558), then the identities of the blocks to transfer against this prompt's.
-  /// Only the blocks after this pool's own prefix hit are planned (the hit is not transferred again), up to
-  /// importable_tokens (the last prompt token is computed here); a window group's blocks outside the window of the
-  /// query at the plan's end are null in remote_blocks (never transferred), and a descriptor that lacks one inside
-  /// that window makes an empty plan (the consumer computes the prompt). With a recurrent group the plan ends at the
-  /// latest position whose state the descriptor holds in every recurrent group (detail::recurrent_import_end) and
-  /// moves that state only. Counts nothing: the blocks transferred and
-  /// skipped are counted by the admission that takes the plan (try_admit_external with the plan). Throws
-  /// kInvalidArgument (each check above, naming the values; an unsupported group kind).
-  ImportPlan<Id> plan_import(const HandoffDescriptor<Id>& desc, const KvLayoutFingerprint& ours,
-                             std::span<const TokenId> prompt, const RequestKeys* keys = nullptr) {
-    check_same_layout(ours, desc.layout, "plan_import: consumer vs producer");
-    detail::check_pool_layout(config_, ours, "plan_import: this pool vs `ours`");
-    ImportPlan<Id> p = detail::make_import_plan(
-        desc, layout_, prompt,
-        [&] {
-          const std::size_t h = prompt.empty() ? 0 : lookup(prompt, keys);
-          return std::pair{layout_.any_coarse && h != 0 ? external_hit(prompt, keys, std::nullopt) : h, h};
-        },
-        [&] {
-          return detail::block_identities(prompt, prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),
-                                          config_.block_size, desc.layout, "plan_import");
-        });
-    return p;
-  }
  private:
   using index_view = GroupPrefixIndexView<index_type>;
+  using external_calls::ext_;                 // external KV state (ExternalKvCalls): four hooks read it
+  using external_calls::abort_external_fill;
   using pool_type = detail::DevicePool<Hasher, Id, Evict>;
   using recurrent_type = detail::RecurrentGroup<Id>;
   using full_type = detail::FullGroup<Id>;
@@ -1388,33 +1064,6 @@ class KVCacheManager {
                                       external_tokens);
   }
 
-  // try_admit_external's options for a new sequence: with a coarse group the hit lowered to a page boundary of
-  // every group (detail::page_aligned_hit), the tokens between it and the full hit external too; the reservation
-  // raised to cover the external tokens.
-  void external_options(std::span<const TokenId> prompt, const RequestKeys* keys, AdmitOptions& o,
-                        std::size_t& num_external_tokens) const {
-    if (layout_.any_coarse && num_external_tokens != 0 && !prompt.empty()) {  // on a page
-      const std::size_t full = lookup(prompt, keys, o.max_cached_tokens);
-      const std::size_t from = external_hit(prompt, keys, o.max_cached_tokens);
-      o.max_cached_tokens = from;
-      num_external_tokens += full - from;
-    }
-    if (o.num_reserved_tokens) o.num_reserved_tokens = std::max(*o.num_reserved_tokens, num_external_tokens);
-  }
-
-  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
-  // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
-  // What try_admit_external would take now (query_admit_external; `who` names the call in errors). Pure.
-  CapacityQuery plan_external(std::span<const TokenId> prompt, std::size_t num_external_tokens,
-                              const RequestKeys* keys, const AdmitOptions& opts, const char* who) const {
-    validate_prompt(prompt, keys, who, nullptr);
-    if (opts.retention) validate_retention(*opts.retention, who);
-    AdmitOptions o = opts;
-    external_options(prompt, keys, o, num_external_tokens);
-    std::vector<BlockHash> hashes;
-    PlanScratch scratch;
-    return plan_admit_into(prompt, keys, o, hashes, false, scratch, num_external_tokens).query;
-  }
 
   // A new sequence's admission (try_admit, try_admit_external; `who` names the call in errors): the duplicate and
   // prompt checks, then admit_prompt with `external_tokens`.
@@ -1427,6 +1076,22 @@ class KVCacheManager {
     validate_prompt(prompt, keys, who, &seq);
     hash_scratch_.clear();
     return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false, external_tokens);
+  }
+
+  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
+  // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
+  // A new sequence's admission of a prepared prompt (try_admit, try_admit_external of a PreparedPrompt): the
+  // duplicate and preparation checks, then admit_prompt reading the prompt's hashes (hashes_ready: a retried
+  // admission copies nothing until it commits).
+  AdmitResult admit_prepared(SeqId seq, const PreparedPrompt& prompt, const AdmitOptions& opts, const char* who,
+                             std::size_t external_tokens = 0) {
+    if (seqs_.contains(seq) || swapped_.contains(seq)) {
+      detail::raise(Errc::kDuplicateSequence, std::string(who) + ": sequence " + std::to_string(seq) +
+                                                  " is already live");
+    }
+    check_prepared(prompt, who);
+    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts,
+                        const_cast<std::vector<BlockHash>&>(prompt.hashes), true, external_tokens);
   }
 
   // `external_tokens`: offered to a fill after the hit (try_admit_external): a window group takes no block wholly
@@ -1561,20 +1226,6 @@ class KVCacheManager {
   // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
   [[nodiscard]] bool settled(const sequence_type& q) const noexcept { return q.settled() && !has_filling_block(q); }
 
-  // External KV (the public block "External KV"): references through the pool's reference rules.
-  auto ext_acquire() {
-    return [this](Id b) { pool_.acquire_block(b); };
-  }
-  auto ext_release() {
-    return [this](Id b) { pool_.release_block(b); };
-  }
-  // The local hit of an external admission or import: lookup's, on a page boundary of every coarse group.
-  std::size_t external_hit(std::span<const TokenId> prompt, const RequestKeys* keys,
-                           std::optional<std::size_t> cap) const {
-    const auto at = [&](std::optional<std::size_t> c) { return lookup(prompt, keys, c); };
-    return detail::page_aligned_hit(layout_, cap, at);
-  }
-  [[gnu::cold, gnu::noinline]] void abort_external_fill(SeqId seq) { ext_.abort_fill(seq, false, ext_release()); }
 
   static CacheConfig checked(const CacheConfig& c) { return detail::checked_cache_config(c, kMaxGroups); }
 
@@ -1722,7 +1373,6 @@ class KVCacheManager {
   std::unordered_map<SeqId, SwappedSequence> swapped_;  // preempted by swapping, resumable
   CacheStats stats_;
   PrefixCacheStats interval_;                          // since the last take_prefix_cache_stats()
-  detail::ExternalKvState<Id> ext_{config_.num_blocks};  // external KV: fills, leases, save pins, orphan holds
 };
 
 }  // namespace pagedkv
