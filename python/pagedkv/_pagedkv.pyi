@@ -1230,14 +1230,27 @@ class KVCacheManager:
         """
 
     @overload
+    def try_admit_external(self, seq: int, prompt: PreparedPrompt, num_external_tokens: int, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
+        """
+        try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission hashes nothing, so a KV connector's admission retried while the pool is full hashes each prompt once per request (with a coarse group the local hit, and with headroom_blocks its check, still look the prompt up). Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.
+        """
+
+    @overload
     def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], plan: ImportPlan, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
         """
         Consumer: try_admit_external of the tokens import `plan` (plan_import's, for this prompt and keys) provides; the ticket pairs one to one with plan.remote_blocks. Counts the import's blocks (transferred, skipped) when admitted, never at plan time. Raises InvalidArgumentError, nothing changed, when the local prefix hit changed since the plan (plan again) or the plan does not fit this pool or prompt.
         """
 
+    @overload
     def query_admit_external(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None) -> CapacityQuery:
         """
         What try_admit_external (without headroom) would take now, as query_admit says of try_admit: a window group's blocks the fill leaves out are not counted (pure). Raises as query_admit.
+        """
+
+    @overload
+    def query_admit_external(self, prompt: PreparedPrompt, num_external_tokens: int, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None) -> CapacityQuery:
+        """
+        query_admit_external of a prompt hashed by prepare_prompt (pure; no hashing but a coarse group's local hit).
         """
 
     def explain_admit_external(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None) -> ExternalAdmitExplanation:

@@ -125,8 +125,7 @@ class ConnectorMixin:
         n_known = request.num_tokens
         need_end = min(hit + num_external + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         prompt_end = min(need_end, n_known)
-        tokens = self._known_tokens(request, n_known)
-        keys = self._keys(request)
+        prepared = self._prepare(request, n_known)  # hashed once per request (get_computed_blocks kept it)
         reserved = max(prompt_end - hit, 0)
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -134,16 +133,16 @@ class ConnectorMixin:
         if watermark or reserved_blocks or full_sequence_must_fit:
             free_now = self._num_free_blocks()
             # vLLM's count: a window group's blocks the load leaves out are not taken (nor counted).
-            q = self._pk.query_admit_external(tokens, num_external, keys, max_cached_tokens=hit,
+            q = self._pk.query_admit_external(prepared, num_external, max_cached_tokens=hit,
                                               num_reserved_tokens=reserved)
             if not q.fits or q.num_blocks > free_now - reserved_blocks - watermark:
                 return None
             if full_sequence_must_fit:  # the whole known sequence, every group (vLLM's full_num_tokens check)
-                w = self._pk.query_admit_external(tokens, num_external, keys, max_cached_tokens=hit)
+                w = self._pk.query_admit_external(prepared, num_external, max_cached_tokens=hit)
                 if not w.fits or w.num_blocks + watermark > free_now:
                     return None
         seq = next(self._next_seq)
-        r = self._pk.try_admit_external(seq, tokens, num_external, keys, max_cached_tokens=hit,
+        r = self._pk.try_admit_external(seq, prepared, num_external, max_cached_tokens=hit,
                                         num_reserved_tokens=reserved)
         if r.admit.status != _pk.AdmitStatus.ADMITTED:
             return None

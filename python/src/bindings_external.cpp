@@ -307,6 +307,22 @@ void bind_methods(nb::class_<Manager>& cls) {
          "external load's skipped blocks); a recurrent group's row ends in the block that receives the state; a "
          "coarse group's pages move whole from a page boundary. Raises as try_admit.")
       .def(
+          "try_admit_external",
+          [](Manager& s, SeqId seq, const PreparedPrompt& prompt, std::size_t num_external_tokens,
+             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
+             std::size_t headroom_blocks) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+            return s.work(
+                [&](auto& mm) { return mm.try_admit_external(seq, prompt, num_external_tokens, o, headroom_blocks); });
+          },
+          "seq"_a, "prompt"_a, "num_external_tokens"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(), "headroom_blocks"_a = 0,
+          "try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission "
+          "hashes nothing, so a KV connector's admission retried while the pool is full hashes each prompt once per "
+          "request (with a coarse group the local hit, and with headroom_blocks its check, still look the prompt "
+          "up). Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or "
+          "block size.")
+      .def(
           "query_admit_external",
           [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
              std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens) {
@@ -317,6 +333,17 @@ void bind_methods(nb::class_<Manager>& cls) {
           "num_reserved_tokens"_a = nb::none(),
           "What try_admit_external (without headroom) would take now, as query_admit says of try_admit: a window "
           "group's blocks the fill leaves out are not counted (pure). Raises as query_admit.")
+      .def(
+          "query_admit_external",
+          [](Manager& s, const PreparedPrompt& prompt, std::size_t num_external_tokens,
+             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+            return s.work([&](auto& mm) { return mm.query_admit_external(prompt, num_external_tokens, o); });
+          },
+          "prompt"_a, "num_external_tokens"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(),
+          "query_admit_external of a prompt hashed by prepare_prompt (pure; no hashing but a coarse group's local "
+          "hit).")
       .def(
           "explain_admit_external",
           [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,

@@ -396,3 +396,18 @@ def test_window_group_fill_takes_only_the_blocks_its_window_reads(trial):
         assert r.ticket.group_blocks(1) == table[r.ticket.first_block:r.ticket.first_block + r.ticket.num_blocks]
     m.abort_sequence(1, True)
     assert used(m) == base
+    # The same admission of the prompt prepared once (hashed by prepare_prompt; the connector's path).
+    pp = m.prepare_prompt(p)
+    q2 = m.query_admit_external(pp, ext)
+    assert (q2.fits, q2.num_blocks, q2.num_cached_tokens) == (q.fits, q.num_blocks, q.num_cached_tokens)
+    r2 = m.try_admit_external(2, pp, ext)
+    assert (r2.admit.num_cached_tokens, r2.admit.num_new_blocks) == (r.admit.num_cached_tokens, r.admit.num_new_blocks)
+    assert (r2.ticket is None) == (r.ticket is None)
+    if r.ticket is not None:
+        assert (r2.ticket.first_token, r2.ticket.end_token, r2.ticket.first_block, r2.ticket.num_blocks) == (
+            r.ticket.first_token, r.ticket.end_token, r.ticket.first_block, r.ticket.num_blocks)
+    assert [b == 0 for b in m.block_ids(2, 1).tolist()] == [b == 0 for b in table]
+    with pytest.raises(pagedkv.DuplicateSequenceError, match="try_admit_external: sequence 2"):
+        m.try_admit_external(2, pp, ext)
+    m.abort_sequence(2, True)
+    assert used(m) == base
