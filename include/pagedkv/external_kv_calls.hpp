@@ -28,15 +28,19 @@ namespace pagedkv {
 
 /// The external-KV calls of `KVCacheManager`: blocks filled by another engine or a store, and blocks handed to one
 /// (prefill/decode disaggregation, KV stores; vLLM's KV connector lifecycle, TensorRT-LLM's kDISAGG_* states). An
-/// engine calls them on its manager, which derives from this class (CRTP: `Manager` is the manager type, which
-/// befriends it; never used alone). This part owns the external state, `detail::ExternalKvState` (fills in flight,
-/// leases, save pins, orphan holds, generations, counters: detail/external_kv.hpp) and forwards to the pure hand-off
-/// pieces (detail/external_kv_handoff.hpp); it reaches the manager's sequence map, pool, layout and admission
-/// through `self()`. The manager's one-engine paths reach this part only through four hooks (free, rewind, build,
-/// stats), each behind `ext_.num_fills() != 0`. Every group kind takes part: a window group hands off only the
-/// blocks inside the window of the consumer's first query (handoff_first_block), a recurrent group only the state
-/// the consumer resumes from (RecurrentGroup's hand-off hooks), a coarse group whole pages, so a fill starts on a
-/// page boundary (detail::page_aligned_hit). Thread safety, errors and moves: as the manager's.
+/// engine calls them on its manager (include kv_cache_manager.hpp, not this header), which derives from this class:
+/// the calls are documented here, and generated documentation lists them as the manager's inherited members. CRTP:
+/// `Manager` is the manager type, which befriends this class, and `Id` its `block_id_type`; never used alone. Taking
+/// a call's address (`&KVCacheManager<>::try_admit_external`) gives a pointer to a member of this base, and the
+/// calls are overloaded: a binding takes a lambda or a static_cast to the overload. This part owns the external
+/// state, `detail::ExternalKvState` (fills in flight, leases, save pins, orphan holds, generations, counters:
+/// detail/external_kv.hpp), and forwards to the pure hand-off pieces (detail/external_kv_handoff.hpp); it reaches the
+/// manager's sequence map, pool, layout and admission through `self()`. The manager's one-engine paths reach it only
+/// through three hooks (free, rewind, build), each behind `ext_.num_fills() != 0`, and `stats()`'s copy of the
+/// counters. Every group kind takes part: a window group hands off only the blocks inside the window of the
+/// consumer's first query (handoff_first_block), a recurrent group only the state the consumer resumes from
+/// (RecurrentGroup's hand-off hooks), a coarse group whole pages, so a fill starts on a page boundary
+/// (detail::page_aligned_hit). Thread safety, errors and moves: as the manager's.
 template <class Manager, class Id>
 class ExternalKvCalls {
  public:
@@ -63,33 +67,33 @@ class ExternalKvCalls {
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
     auto& m = self();
     // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
-    if (headroom_blocks != 0 && !prompt.empty() && !m.seqs_.contains(seq)) {
+    if (headroom_blocks != 0 && !prompt.empty() && !m.seqs_.contains(seq) && !m.swapped_.contains(seq)) {
       const auto short_by = headroom_short(prompt, keys, nullptr, num_external_tokens, opts, headroom_blocks);
       if (short_by != 0) return {{AdmitStatus::kNoCapacity, 0, 0, 0, short_by}, {}};
     }
     AdmitOptions o = opts;
-    if (!m.seqs_.contains(seq)) external_options(prompt, keys, o, num_external_tokens);
+    if (!m.seqs_.contains(seq)) external_options(prompt, keys, nullptr, o, num_external_tokens);
     return open_ticket(seq, prompt.size(),
                        m.admit_new(seq, prompt, keys, o, "try_admit_external", num_external_tokens),
                        num_external_tokens);
   }
 
   /// `try_admit_external` of a prompt hashed beforehand by `prepare_prompt` (its keys are the prepared ones): the
-  /// admission hashes nothing, so a KV connector's admission retried every step while the pool is full (vLLM's
-  /// get_num_new_matched_tokens, then allocate_slots) hashes each prompt once per request. With a coarse group the
-  /// local hit, and with `headroom_blocks` its check, still look the prompt up (hashing it). Same outcomes and
-  /// errors as the other overload; also kInvalidArgument when `prompt` was prepared by a manager with another
-  /// hasher, seed or block size (nothing changes).
+  /// admission, its coarse-page hit and its headroom check read the prompt's hashes and hash nothing, so a KV
+  /// connector's admission retried every step while the pool is full (vLLM's get_num_new_matched_tokens, then
+  /// allocate_slots) hashes each prompt once per request. Same outcomes and errors as the other overload; also
+  /// kInvalidArgument when `prompt` was prepared by a manager with another hasher, seed or block size (nothing
+  /// changes).
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, const PreparedPrompt& prompt, std::size_t num_external_tokens,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
     auto& m = self();
     const RequestKeys* keys = prompt.keys.get();
-    if (headroom_blocks != 0 && !m.seqs_.contains(seq)) {
+    if (headroom_blocks != 0 && !m.seqs_.contains(seq) && !m.swapped_.contains(seq)) {
       const auto short_by = headroom_short(prompt.tokens, keys, &prompt, num_external_tokens, opts, headroom_blocks);
       if (short_by != 0) return {{AdmitStatus::kNoCapacity, 0, 0, 0, short_by}, {}};
     }
     AdmitOptions o = opts;
-    if (!m.seqs_.contains(seq)) external_options(prompt.tokens, keys, o, num_external_tokens);
+    if (!m.seqs_.contains(seq)) external_options(prompt.tokens, keys, &prompt, o, num_external_tokens);
     return open_ticket(seq, prompt.tokens.size(),
                        m.admit_prepared(seq, prompt, o, "try_admit_external", num_external_tokens),
                        num_external_tokens);
@@ -109,7 +113,7 @@ class ExternalKvCalls {
     auto& m = self();
     const std::size_t hit = prompt.empty()         ? 0
                             : plan.num_blocks == 0 ? m.lookup(prompt, keys, opts.max_cached_tokens)
-                                                   : external_hit(prompt, keys, opts.max_cached_tokens);
+                                                   : external_hit(prompt, keys, nullptr, opts.max_cached_tokens);
     detail::check_plan_matches(plan, m.layout_.num_groups, m.config_.block_size, prompt.size(), hit);
     ExternalAdmitResult<Id> r =
         try_admit_external(seq, prompt, plan.end_token - plan.first_token, keys, opts, headroom_blocks);
@@ -222,7 +226,7 @@ class ExternalKvCalls {
                                                                 const AdmitOptions& opts = {}) const {
     auto& m = self();
     const std::size_t from = m.layout_.any_coarse && num_external_tokens != 0 && !prompt.empty()
-                                 ? external_hit(prompt, keys, opts.max_cached_tokens)
+                                 ? external_hit(prompt, keys, nullptr, opts.max_cached_tokens)
                                  : std::numeric_limits<std::size_t>::max();
     return detail::explain_external(m.explain_admit(prompt, keys, opts), num_external_tokens, m.config_.block_size,
                                     from);
@@ -238,9 +242,8 @@ class ExternalKvCalls {
                                                    const AdmitOptions& opts = {}) const {
     return plan_external(prompt, num_external_tokens, keys, nullptr, opts, "query_admit_external");
   }
-  /// `query_admit_external` of a prompt hashed by `prepare_prompt` (its keys are the prepared ones): the plan hashes
-  /// nothing (with a coarse group the local hit still looks the prompt up). Throws as query_admit of a prepared
-  /// prompt.
+  /// `query_admit_external` of a prompt hashed by `prepare_prompt` (its keys are the prepared ones): no hashing.
+  /// Throws as query_admit of a prepared prompt.
   [[nodiscard]] CapacityQuery query_admit_external(const PreparedPrompt& prompt, std::size_t num_external_tokens,
                                                    const AdmitOptions& opts = {}) const {
     return plan_external(prompt.tokens, num_external_tokens, prompt.keys.get(), &prompt, opts,
@@ -382,7 +385,7 @@ class ExternalKvCalls {
         desc, m.layout_, prompt,
         [&] {
           const std::size_t h = prompt.empty() ? 0 : m.lookup(prompt, keys);
-          return std::pair{m.layout_.any_coarse && h != 0 ? external_hit(prompt, keys, std::nullopt) : h, h};
+          return std::pair{m.layout_.any_coarse && h != 0 ? external_hit(prompt, keys, nullptr, std::nullopt) : h, h};
         },
         [&] {
           return detail::block_identities(prompt, m.prepare_prompt(prompt, keys).hashes, keys && !keys->empty(),
@@ -411,13 +414,13 @@ class ExternalKvCalls {
 
   // try_admit_external's options for a new sequence: with a coarse group the hit lowered to a page boundary of
   // every group (detail::page_aligned_hit), the tokens between it and the full hit external too; the reservation
-  // raised to cover the external tokens.
-  void external_options(std::span<const TokenId> prompt, const RequestKeys* keys, AdmitOptions& o,
-                        std::size_t& num_external_tokens) const {
+  // raised to cover the external tokens. `prepared`: the prompt's PreparedPrompt, whose hashes the hits read.
+  void external_options(std::span<const TokenId> prompt, const RequestKeys* keys, const PreparedPrompt* prepared,
+                        AdmitOptions& o, std::size_t& num_external_tokens) const {
     auto& m = self();
     if (m.layout_.any_coarse && num_external_tokens != 0 && !prompt.empty()) {  // on a page
-      const std::size_t full = m.lookup(prompt, keys, o.max_cached_tokens);
-      const std::size_t from = external_hit(prompt, keys, o.max_cached_tokens);
+      const std::size_t full = hit_of(prompt, keys, prepared, o.max_cached_tokens);
+      const std::size_t from = external_hit(prompt, keys, prepared, o.max_cached_tokens);
       o.max_cached_tokens = from;
       num_external_tokens += full - from;
     }
@@ -438,7 +441,7 @@ class ExternalKvCalls {
     }
     if (opts.retention) validate_retention(*opts.retention, who);
     AdmitOptions o = opts;
-    external_options(prompt, keys, o, num_external_tokens);
+    external_options(prompt, keys, prepared, o, num_external_tokens);
     std::vector<BlockHash> hashes;
     detail::HitScratch<Id> scratch;
     // Read only when ready (hashes_ready): the prepared prompt's hashes are not copied.
@@ -454,10 +457,11 @@ class ExternalKvCalls {
                              std::size_t headroom_blocks) const {
     auto& m = self();
     const CapacityQuery cq = plan_external(prompt, num_external_tokens, keys, prepared, opts, "try_admit_external");
-    const std::size_t hit_blocks = m.lookup(prompt, keys, opts.max_cached_tokens) / m.config_.block_size;
+    if (!cq.fits()) return 0;
+    const std::size_t hit_blocks = hit_of(prompt, keys, prepared, opts.max_cached_tokens) / m.config_.block_size;
     const std::size_t need = cq.num_blocks + headroom_blocks + hit_blocks * m.layout_.num_groups;
     const std::size_t avail = m.pool_.alloc().num_available_blocks();
-    return cq.fits() && avail < need ? need - avail : 0;
+    return avail < need ? need - avail : 0;
   }
 
   // An external admission's fill (try_admit_external after the admission `a`): the ticket of the blocks of the
@@ -490,12 +494,28 @@ class ExternalKvCalls {
   auto ext_release() {
     return [this](Id b) { self().pool_.release_block(b); };
   }
-  // The local hit of an external admission or import: lookup's, on a page boundary of every coarse group.
-  std::size_t external_hit(std::span<const TokenId> prompt, const RequestKeys* keys,
+  // The local hit of an external admission or import: lookup's (hit_of), on a page boundary of every coarse group.
+  std::size_t external_hit(std::span<const TokenId> prompt, const RequestKeys* keys, const PreparedPrompt* prepared,
                            std::optional<std::size_t> cap) const {
     auto& m = self();
-    const auto at = [&](std::optional<std::size_t> c) { return m.lookup(prompt, keys, c); };
+    const auto at = [&](std::optional<std::size_t> c) { return hit_of(prompt, keys, prepared, c); };
     return detail::page_aligned_hit(m.layout_, cap, at);
+  }
+  // lookup(prompt, keys, cap); of a prepared prompt (`prepared`, checked by the caller), the same hit read from its
+  // hashes by the admission's plan, no hashing (with several groups lookup is that plan; with one group the plan's
+  // walk is lookup's, but for a prompt that never fits the pool, where the plan answers 0: the callers read the hit
+  // only for a plan that fits).
+  std::size_t hit_of(std::span<const TokenId> prompt, const RequestKeys* keys, const PreparedPrompt* prepared,
+                     std::optional<std::size_t> cap) const {
+    auto& m = self();
+    if (prepared == nullptr) return m.lookup(prompt, keys, cap);
+    if (!m.config_.enable_prefix_caching) return 0;
+    AdmitOptions o;
+    o.max_cached_tokens = cap;
+    detail::HitScratch<Id> scratch;
+    // Read only (hashes_ready).
+    auto& hashes = const_cast<std::vector<BlockHash>&>(prepared->hashes);
+    return m.plan_admit_into(prompt, keys, o, hashes, true, scratch).query.num_cached_tokens;
   }
 };
 

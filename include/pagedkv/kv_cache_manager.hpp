@@ -1064,7 +1064,6 @@ class KVCacheManager
                                       external_tokens);
   }
 
-
   // A new sequence's admission (try_admit, try_admit_external; `who` names the call in errors): the duplicate and
   // prompt checks, then admit_prompt with `external_tokens`.
   AdmitResult admit_new(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys, const AdmitOptions& opts,
@@ -1078,8 +1077,6 @@ class KVCacheManager
     return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false, external_tokens);
   }
 
-  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
-  // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
   // A new sequence's admission of a prepared prompt (try_admit, try_admit_external of a PreparedPrompt): the
   // duplicate and preparation checks, then admit_prompt reading the prompt's hashes (hashes_ready: a retried
   // admission copies nothing until it commits).
@@ -1094,6 +1091,8 @@ class KVCacheManager
                         const_cast<std::vector<BlockHash>&>(prompt.hashes), true, external_tokens);
   }
 
+  // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
+  // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
   // `external_tokens`: offered to a fill after the hit (try_admit_external): a window group takes no block wholly
   // outside the window of the fill's end (detail::window_external_skip; null in its table).
   AdmitResult admit_prompt(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
@@ -1225,7 +1224,6 @@ class KVCacheManager
 
   // A sequence that may be forked or swapped: SequenceState::settled and no block still being filled by a copy.
   [[nodiscard]] bool settled(const sequence_type& q) const noexcept { return q.settled() && !has_filling_block(q); }
-
 
   static CacheConfig checked(const CacheConfig& c) { return detail::checked_cache_config(c, kMaxGroups); }
 

@@ -207,3 +207,96 @@ TEST_CASE("external admission of a prepared prompt: a foreign preparation or a l
   CHECK(m.stats().blocks_used == used);
   CHECK(m.external_fill_of(1) == r.ticket.fill_id);
 }
+
+namespace {
+
+// SHA-256 that counts its calls: a prepared prompt's external admission must hash nothing.
+struct CountingSha256 {
+  static constexpr const char* kName = "counting-sha256";
+  static constexpr bool kCryptographic = true;
+  static inline std::size_t calls = 0;
+  static pagedkv::BlockHash hash(std::span<const std::byte> bytes) noexcept {
+    ++calls;
+    return pagedkv::Sha256Hasher::hash(bytes);
+  }
+};
+
+template <class M>
+void build_all(M& m, SeqId s) {
+  pagedkv::BatchMetadataLimits lim;
+  lim.max_batch = 1;
+  lim.max_tokens_per_step = 256;
+  lim.max_blocks_per_seq = 256;
+  lim.max_copies = 16;
+  std::vector<pagedkv::BatchMetadataStorage> st;
+  std::vector<pagedkv::BatchMetadataBuffers> bufs;
+  for (std::size_t g = 0; g < m.num_groups(); ++g) st.emplace_back(lim);
+  for (auto& x : st) bufs.push_back(x.buffers());
+  const std::vector<SeqId> batch{s};
+  (void)m.build_batch_metadata(batch, bufs);
+}
+
+}  // namespace
+
+TEST_CASE("external admission of a prepared prompt hashes nothing, with headroom and coarse pages too",
+          "[external_kv][manager][prepared]") {
+  for (const bool coarse : {false, true}) {
+    CAPTURE(coarse);
+    pagedkv::CacheConfig c;
+    c.num_blocks = 64;
+    c.block_size = 4;
+    if (coarse) {
+      c.groups.resize(2);
+      c.groups[1].block_size = 8;  // pages of 2 match blocks: the external hit is lowered to a page boundary
+    }
+    pagedkv::KVCacheManager<CountingSha256> m(c);
+    const std::vector<TokenId> prompt = pagedkv_test::toks(3, 40);
+    const std::vector<TokenId> prefix(prompt.begin(), prompt.begin() + 13);  // 3 full blocks cached
+    REQUIRE(m.try_admit(1, prefix).admitted());
+    build_all(m, 1);
+    m.free(1);
+    REQUIRE(m.lookup(prompt) == 12);
+    const pagedkv::PreparedPrompt pp = m.prepare_prompt(prompt);
+    CountingSha256::calls = 0;
+    const auto q = m.query_admit_external(pp, 16);
+    const auto r = m.try_admit_external(2, pp, 16, {}, 4);
+    CHECK(CountingSha256::calls == 0);
+    REQUIRE(r.admit.admitted());
+    CHECK(r.admit.num_cached_tokens == (coarse ? 8U : 12U));
+    CHECK(q.num_cached_tokens == r.admit.num_cached_tokens);
+    REQUIRE(r.ticket.fill_id != 0);
+    CHECK(r.ticket.end_token == 28);  // the full hit (12) plus the 16 offered
+    // The span overloads hash the prompt (the counter sees them), the same answers.
+    m.abort_sequence(2, true);
+    CountingSha256::calls = 0;
+    const auto q2 = m.query_admit_external(prompt, 16);
+    const auto r2 = m.try_admit_external(2, prompt, 16, nullptr, {}, 4);
+    CHECK(CountingSha256::calls >= 2 * (prompt.size() / 4));
+    CHECK(q2.num_blocks == q.num_blocks);
+    CHECK(r2.admit.num_cached_tokens == r.admit.num_cached_tokens);
+    CHECK(r2.ticket.end_token == r.ticket.end_token);
+  }
+}
+
+TEST_CASE("external admission with headroom of a swapped sequence id is a duplicate, not no-capacity",
+          "[external_kv][manager][prepared]") {
+  pagedkv::CacheConfig c;
+  c.num_blocks = 16;
+  c.block_size = 4;
+  c.num_host_blocks = 16;
+  pagedkv::KVCacheManager<> m(c);
+  const std::vector<TokenId> prompt = pagedkv_test::toks(5, 10);
+  REQUIRE(m.try_admit(7, prompt).admitted());
+  pagedkv_test::build_step(m, {7});
+  REQUIRE(m.preempt(7, pagedkv::PreemptMode::kSwap));
+  REQUIRE_FALSE(m.contains(7));
+  // A headroom no pool could give: the id is checked first all the same, in both overloads.
+  const std::string e1 = expect_error([&] { (void)m.try_admit_external(7, prompt, 4, nullptr, {}, 1000); },
+                                      pagedkv::Errc::kDuplicateSequence);
+  CHECK(e1.find("try_admit_external: sequence 7 is already live") != std::string::npos);
+  const pagedkv::PreparedPrompt pp = m.prepare_prompt(prompt);
+  (void)expect_error([&] { (void)m.try_admit_external(7, pp, 4, {}, 1000); }, pagedkv::Errc::kDuplicateSequence);
+  CHECK(m.stats().external.fills_started == 0);
+  m.free(7);  // the swapped sequence, still there
+  CHECK(m.stats().blocks_used == 0);
+}

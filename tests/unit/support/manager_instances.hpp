@@ -16,4 +16,7 @@
 namespace pagedkv {
 extern template class KVCacheManager<Sha256Hasher>;
 extern template class KVCacheManager<Xxh3Hasher>;
+// The external-KV calls live in the manager's base (external_kv_calls.hpp): instantiated apart.
+extern template class ExternalKvCalls<KVCacheManager<Sha256Hasher>, std::uint32_t>;
+extern template class ExternalKvCalls<KVCacheManager<Xxh3Hasher>, std::uint32_t>;
 }  // namespace pagedkv

@@ -3,3 +3,4 @@
 #include "manager_instances.hpp"
 
 template class pagedkv::KVCacheManager<pagedkv::Sha256Hasher>;
+template class pagedkv::ExternalKvCalls<pagedkv::KVCacheManager<pagedkv::Sha256Hasher>, std::uint32_t>;

@@ -3,3 +3,4 @@
 #include "manager_instances.hpp"
 
 template class pagedkv::KVCacheManager<pagedkv::Xxh3Hasher>;
+template class pagedkv::ExternalKvCalls<pagedkv::KVCacheManager<pagedkv::Xxh3Hasher>, std::uint32_t>;
