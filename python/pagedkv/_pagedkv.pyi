@@ -1232,7 +1232,7 @@ class KVCacheManager:
     @overload
     def try_admit_external(self, seq: int, prompt: PreparedPrompt, num_external_tokens: int, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
         """
-        try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission hashes nothing, so a KV connector's admission retried while the pool is full hashes each prompt once per request (with a coarse group the local hit, and with headroom_blocks its check, still look the prompt up). Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.
+        try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission (its coarse-page hit and headroom check too) hashes nothing, so a KV connector's admission retried while the pool is full hashes each prompt once per request. Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.
         """
 
     @overload
@@ -1250,7 +1250,7 @@ class KVCacheManager:
     @overload
     def query_admit_external(self, prompt: PreparedPrompt, num_external_tokens: int, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None) -> CapacityQuery:
         """
-        query_admit_external of a prompt hashed by prepare_prompt (pure; no hashing but a coarse group's local hit).
+        query_admit_external of a prompt hashed by prepare_prompt (pure; no hashing).
         """
 
     def explain_admit_external(self, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None) -> ExternalAdmitExplanation:

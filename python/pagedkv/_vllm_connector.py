@@ -125,7 +125,8 @@ class ConnectorMixin:
         n_known = request.num_tokens
         need_end = min(hit + num_external + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         prompt_end = min(need_end, n_known)
-        prepared = self._prepare(request, n_known)  # hashed once per request (get_computed_blocks kept it)
+        # Hashed once per request: the prompt get_computed_blocks prepared, or this call's first attempt.
+        prepared = self._prepare(request, n_known)
         reserved = max(prompt_end - hit, 0)
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):

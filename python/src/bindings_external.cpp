@@ -318,10 +318,9 @@ void bind_methods(nb::class_<Manager>& cls) {
           "seq"_a, "prompt"_a, "num_external_tokens"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
           "num_reserved_tokens"_a = nb::none(), "headroom_blocks"_a = 0,
           "try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission "
-          "hashes nothing, so a KV connector's admission retried while the pool is full hashes each prompt once per "
-          "request (with a coarse group the local hit, and with headroom_blocks its check, still look the prompt "
-          "up). Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or "
-          "block size.")
+          "(its coarse-page hit and headroom check too) hashes nothing, so a KV connector's admission retried while "
+          "the pool is full hashes each prompt once per request. Also raises InvalidArgumentError for a prompt "
+          "prepared by a manager with another hasher, seed or block size.")
       .def(
           "query_admit_external",
           [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
@@ -342,8 +341,7 @@ void bind_methods(nb::class_<Manager>& cls) {
           },
           "prompt"_a, "num_external_tokens"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
           "num_reserved_tokens"_a = nb::none(),
-          "query_admit_external of a prompt hashed by prepare_prompt (pure; no hashing but a coarse group's local "
-          "hit).")
+          "query_admit_external of a prompt hashed by prepare_prompt (pure; no hashing).")
       .def(
           "explain_admit_external",
           [](Manager& s, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
