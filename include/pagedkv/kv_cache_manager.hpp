@@ -634,8 +634,9 @@ class KVCacheManager
   [[nodiscard]] CapacityQuery query_admit(const PreparedPrompt& prompt, const AdmitOptions& opts = {}) const {
     check_prepared(prompt, "query_admit");
     if (opts.retention) validate_retention(*opts.retention, "query_admit");
-    std::vector<BlockHash> hashes = prompt.hashes;
     PlanScratch scratch;
+    // Read only (hashes_ready): the prepared hashes are not copied.
+    auto& hashes = const_cast<std::vector<BlockHash>&>(prompt.hashes);
     return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, scratch).query;
   }
 

@@ -254,7 +254,8 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
             raise Unsupported(f"group {g} is MambaSpec with mamba_cache_mode = {mode!r}: vLLM's align layout "
                               "(a position-indexed state block per scheduler step, copied block to block by vLLM's "
                               "worker) is not pagedkv's recurrent group (a working state block and checkpoint "
-                              "blocks written by the kernel at build-listed positions); docs/python.md")
+                              "blocks written by the kernel at build-listed positions); not mapped yet: "
+                              "docs/vllm-mamba-align.md")
         if spec.num_speculative_blocks:
             raise Unsupported(f"group {g} is MambaSpec with num_speculative_blocks = {spec.num_speculative_blocks}: "
                               "vLLM's per-draft state slots are not pagedkv's draft states (try_reserve_lookahead)")
