@@ -306,7 +306,8 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
     if any(isinstance(sp, SlidingWindowSpec) for sp in specs):
         raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window "
                           "group (sparse retention of window blocks): pagedkv retains every window block, as vLLM "
-                          "does with prefix_cache_retention_interval=None")
+                          "does with prefix_cache_retention_interval=None (not mapped yet: "
+                          "docs/vllm-swa-retention.md)")
     raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a Mamba group (sparse "
                       "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
                       "block size, as vLLM does with prefix_cache_retention_interval=None")
