@@ -65,17 +65,7 @@ class ExternalKvCalls {
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, std::span<const TokenId> prompt,
                                              std::size_t num_external_tokens, const RequestKeys* keys = nullptr,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
-    auto& m = self();
-    // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
-    if (headroom_blocks != 0 && !prompt.empty() && !m.seqs_.contains(seq) && !m.swapped_.contains(seq)) {
-      const auto short_by = headroom_short(prompt, keys, nullptr, num_external_tokens, opts, headroom_blocks);
-      if (short_by != 0) return {{AdmitStatus::kNoCapacity, 0, 0, 0, short_by}, {}};
-    }
-    AdmitOptions o = opts;
-    if (!m.seqs_.contains(seq)) external_options(prompt, keys, nullptr, o, num_external_tokens);
-    return open_ticket(seq, prompt.size(),
-                       m.admit_new(seq, prompt, keys, o, "try_admit_external", num_external_tokens),
-                       num_external_tokens);
+    return admit_external(seq, prompt, keys, nullptr, num_external_tokens, opts, headroom_blocks);
   }
 
   /// `try_admit_external` of a prompt hashed beforehand by `prepare_prompt` (its keys are the prepared ones): the
@@ -86,17 +76,7 @@ class ExternalKvCalls {
   /// changes).
   ExternalAdmitResult<Id> try_admit_external(SeqId seq, const PreparedPrompt& prompt, std::size_t num_external_tokens,
                                              const AdmitOptions& opts = {}, std::size_t headroom_blocks = 0) {
-    auto& m = self();
-    const RequestKeys* keys = prompt.keys.get();
-    if (headroom_blocks != 0 && !m.seqs_.contains(seq) && !m.swapped_.contains(seq)) {
-      const auto short_by = headroom_short(prompt.tokens, keys, &prompt, num_external_tokens, opts, headroom_blocks);
-      if (short_by != 0) return {{AdmitStatus::kNoCapacity, 0, 0, 0, short_by}, {}};
-    }
-    AdmitOptions o = opts;
-    if (!m.seqs_.contains(seq)) external_options(prompt.tokens, keys, &prompt, o, num_external_tokens);
-    return open_ticket(seq, prompt.tokens.size(),
-                       m.admit_prepared(seq, prompt, o, "try_admit_external", num_external_tokens),
-                       num_external_tokens);
+    return admit_external(seq, prompt.tokens, prompt.keys.get(), &prompt, num_external_tokens, opts, headroom_blocks);
   }
 
   /// Consumer: `try_admit_external` of the tokens import `plan` (plan_import's, for this `prompt` and `keys`)
@@ -444,8 +424,7 @@ class ExternalKvCalls {
     external_options(prompt, keys, prepared, o, num_external_tokens);
     std::vector<BlockHash> hashes;
     detail::HitScratch<Id> scratch;
-    // Read only when ready (hashes_ready): the prepared prompt's hashes are not copied.
-    auto& h = prepared != nullptr ? const_cast<std::vector<BlockHash>&>(prepared->hashes) : hashes;
+    auto& h = prepared != nullptr ? Manager::ready_hashes(*prepared) : hashes;
     return m.plan_admit_into(prompt, keys, o, h, prepared != nullptr, scratch, num_external_tokens).query;
   }
 
@@ -464,14 +443,26 @@ class ExternalKvCalls {
     return avail < need ? need - avail : 0;
   }
 
-  // An external admission's fill (try_admit_external after the admission `a`): the ticket of the blocks of the
-  // importable external tokens after the hit, or none. Undoes the admission on bad_alloc.
-  ExternalAdmitResult<Id> open_ticket(SeqId seq, std::size_t prompt_len, const AdmitResult& a,
-                                      std::size_t num_external_tokens) {
+  // try_admit_external of `prompt` and `keys`, or of the PreparedPrompt `prepared` (then its tokens and keys, its
+  // hashes read): the headroom check, the options, the admission, then the fill's ticket of the importable external
+  // tokens after the hit (none when there are none). Undoes the admission on bad_alloc.
+  ExternalAdmitResult<Id> admit_external(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys,
+                                         const PreparedPrompt* prepared, std::size_t num_external_tokens,
+                                         const AdmitOptions& opts, std::size_t headroom_blocks) {
     auto& m = self();
-    ExternalAdmitResult<Id> r{a, {}};
+    // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
+    if (headroom_blocks != 0 && !prompt.empty() && !m.seqs_.contains(seq) && !m.swapped_.contains(seq)) {
+      const auto short_by = headroom_short(prompt, keys, prepared, num_external_tokens, opts, headroom_blocks);
+      if (short_by != 0) return {{AdmitStatus::kNoCapacity, 0, 0, 0, short_by}, {}};
+    }
+    AdmitOptions o = opts;
+    if (!m.seqs_.contains(seq)) external_options(prompt, keys, prepared, o, num_external_tokens);
+    ExternalAdmitResult<Id> r{
+        prepared != nullptr ? m.admit_prepared(seq, *prepared, o, "try_admit_external", num_external_tokens)
+                            : m.admit_new(seq, prompt, keys, o, "try_admit_external", num_external_tokens),
+        {}};
     const std::size_t h = r.admit.num_cached_tokens;
-    const std::size_t n = importable_tokens(h + num_external_tokens, prompt_len, h);
+    const std::size_t n = importable_tokens(h + num_external_tokens, prompt.size(), h);
     if (!r.admit.admitted() || n == 0) return r;
     try {
       const sequence_type& q = m.live(seq, "try_admit_external");
@@ -513,9 +504,7 @@ class ExternalKvCalls {
     AdmitOptions o;
     o.max_cached_tokens = cap;
     detail::HitScratch<Id> scratch;
-    // Read only (hashes_ready).
-    auto& hashes = const_cast<std::vector<BlockHash>&>(prepared->hashes);
-    return m.plan_admit_into(prompt, keys, o, hashes, true, scratch).query.num_cached_tokens;
+    return m.plan_admit_into(prompt, keys, o, Manager::ready_hashes(*prepared), true, scratch).query.num_cached_tokens;
   }
 };
 

@@ -635,9 +635,7 @@ class KVCacheManager
     check_prepared(prompt, "query_admit");
     if (opts.retention) validate_retention(*opts.retention, "query_admit");
     PlanScratch scratch;
-    // Read only (hashes_ready): the prepared hashes are not copied.
-    auto& hashes = const_cast<std::vector<BlockHash>&>(prompt.hashes);
-    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, hashes, true, scratch).query;
+    return plan_admit_into(prompt.tokens, prompt.keys.get(), opts, ready_hashes(prompt), true, scratch).query;
   }
 
   /// What growing live sequence `seq` by `n` slots would take now (`try_append` of n tokens, `try_reserve(n)` or
@@ -1088,8 +1086,13 @@ class KVCacheManager
                                                   " is already live");
     }
     check_prepared(prompt, who);
-    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts,
-                        const_cast<std::vector<BlockHash>&>(prompt.hashes), true, external_tokens);
+    return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts, ready_hashes(prompt), true,
+                        external_tokens);
+  }
+  // A prepared prompt's block hashes as plan_admit_into / admit_prompt take them: with hashes_ready they are only
+  // read (a retried admission copies nothing).
+  static std::vector<BlockHash>& ready_hashes(const PreparedPrompt& p) noexcept {
+    return const_cast<std::vector<BlockHash>&>(p.hashes);
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an

@@ -106,7 +106,7 @@ using Managers = std::variant<KVCacheManager<Sha256Hasher, Id, LruEviction<Id>>,
 // mutex is held (a deadlock with a thread holding the GIL in a getter); later changes to the Python object do not
 // reach admitted sequences.
 inline AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved,
-                           const RetentionConfig* retention = nullptr) {
+                                  const RetentionConfig* retention = nullptr) {
   AdmitOptions o;
   o.max_cached_tokens = max_cached_tokens;
   o.num_reserved_tokens = num_reserved;

@@ -1,9 +1,9 @@
-// Tests of the manager's external-KV calls (pagedkv/external_kv_calls.hpp, issue 33): a producer and a consumer manager handing a
-// prompt's blocks over (in process: the "transfer" is a check of the descriptor's generations), and directed tests
-// of the bug classes the field shipped: vLLM #46283 (an aborted request's blocks held forever), #52234 (a stale
-// reference served), #46304 (receive and send done in one step), #50558 (off-by-one block count), #42895 (block
-// size mismatch found per request), TensorRT-LLM #12542 (evicted while sending), LMCache #5248 (preempted while
-// saving).
+// Tests of the manager's external-KV calls (pagedkv/external_kv_calls.hpp, issue 33): a producer and a consumer
+// manager handing a prompt's blocks over (in process: the "transfer" is a check of the descriptor's generations),
+// and directed tests of the bug classes the field shipped: vLLM #46283 (an aborted request's blocks held forever),
+// #52234 (a stale reference served), #46304 (receive and send done in one step), #50558 (off-by-one block count),
+// #42895 (block size mismatch found per request), TensorRT-LLM #12542 (evicted while sending), LMCache #5248
+// (preempted while saving).
 #include <catch2/catch.hpp>
 
 #include <algorithm>
