@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,18 @@ struct CacheConfig {
   /// `get_blocks` after `allocate_slots` (vLLM frees skipped blocks at the request's next allocation,
   /// SingleTypeKVCacheManager.remove_skipped_blocks). An external fill's completion releases either way.
   bool release_at_build = true;
+  /// Sparse prefix-cache retention of sliding-window groups (vLLM 0.32's `prefix_cache_retention_interval`, whose
+  /// engine default is 0; docs/vllm-swa-retention.md). Unset (default): a sliding-window group registers every full
+  /// block that can serve a hit. Set to I tokens: it registers only the blocks a later hit can land after, the
+  /// ceil((W - 1) / block_size) blocks ending at each multiple of I (none for I = 0) and at each sequence's
+  /// retention boundaries (its replay boundary, prompt length - 1, and its shared-prefix junction: AdmitOptions),
+  /// aligned down to window_retention_alignment (WindowRetention). Fewer window blocks stay cached; a hit that does
+  /// not end at such a point misses the window group. Full-attention, chunked-local, coarse and recurrent groups are
+  /// unaffected. I must be a multiple of the alignment.
+  std::optional<std::size_t> window_retention_interval = std::nullopt;
+  /// Tokens the retention boundaries align down to (vLLM's hit alignment, the scheduler block size: an engine whose
+  /// hits end only at multiples of it); 0 = block_size. A multiple of block_size, at most 2^31 - 1.
+  std::size_t window_retention_alignment = 0;
 };
 
 namespace detail {
@@ -175,6 +188,21 @@ namespace detail {
     layers = std::max<std::size_t>(layers, s.num_layers);
     page = std::max(page, s.state_bytes);
   }
+  const std::size_t align = c.window_retention_alignment != 0 ? c.window_retention_alignment : c.block_size;
+  if (align % c.block_size != 0 || align > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.window_retention_alignment = " +
+                                              std::to_string(c.window_retention_alignment) +
+                                              ": must be 0 or a multiple of the block size " +
+                                              std::to_string(c.block_size) + ", at most 2^31 - 1");
+  }
+  if (c.window_retention_interval && (*c.window_retention_interval % align != 0 ||
+                                      *c.window_retention_interval / c.block_size >
+                                          static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))) {
+    detail::raise(Errc::kInvalidArgument, "CacheConfig.window_retention_interval = " +
+                                              std::to_string(*c.window_retention_interval) +
+                                              ": must be a multiple of the retention alignment " +
+                                              std::to_string(align) + " tokens, at most 2^31 - 1 blocks");
+  }
   if (page != 0 && (layers > std::numeric_limits<std::size_t>::max() / page ||
                     c.num_blocks > std::numeric_limits<std::size_t>::max() / (layers * page))) {
     detail::raise(Errc::kInvalidArgument, "CacheConfig.page_size_bytes = " + std::to_string(c.page_size_bytes) +
@@ -183,6 +211,16 @@ namespace detail {
                                               " blocks overflows size_t");
   }
   return c;
+}
+
+/// The GroupLayout of a validated configuration: its groups over the match unit, prefix caching, and the sliding-window
+/// groups' sparse retention (CacheConfig::window_retention_interval) when set.
+[[nodiscard]] inline GroupLayout group_layout(const CacheConfig& c) {
+  GroupLayout layout(c.groups, c.block_size, c.enable_prefix_caching);
+  if (c.window_retention_interval) {
+    layout.set_window_retention(*c.window_retention_interval, c.window_retention_alignment);
+  }
+  return layout;
 }
 
 }  // namespace detail

@@ -85,6 +85,45 @@ struct KVCacheGroupSpec {
   }
 };
 
+/// Sparse prefix-cache retention of one sliding-window group (CacheConfig::window_retention_interval; vLLM 0.32's
+/// `prefix_cache_retention_interval`, SlidingWindowManager.reachable_block_mask; docs/vllm-swa-retention.md section
+/// 4). A hit that ends at token k*bs needs the `need` = ceil((W - 1) / bs) blocks before it cached (the window of the
+/// query at k*bs); so registering only the `need`-block runs ("tails") that end where a later hit can land keeps
+/// every hit those landing points give, with fewer window blocks in the prefix index. The landing points: each
+/// multiple of the interval (`period` blocks; none for interval 0) and, per sequence, its retention boundaries
+/// (the replay boundary prompt_len - 1 and the shared-prefix junction: AdmitOptions), each aligned down to the hit
+/// alignment (`align` blocks). A plain value, built once per pool (GroupLayout); off = every block (dense).
+struct WindowRetention {
+  bool sparse = false;      ///< The rule is on (off: every block that can serve a hit is registered).
+  std::uint32_t need = 0;   ///< Blocks of a tail: ceil((W - 1) / block_size).
+  std::uint32_t period = 0; ///< Interval in blocks: a tail ends at each multiple (0: none, interval 0).
+  std::uint32_t align = 1;  ///< Hit alignment in blocks (>= 1): boundaries are aligned down to a multiple.
+
+  /// The rule for a sliding window of `window_tokens` W over blocks of `block_size` tokens, with `interval_tokens`
+  /// (a multiple of `align_tokens`, itself a multiple of block_size, > 0). Dense (sparse false) when the interval's
+  /// tails already cover every block (need >= period), as vLLM's mask is then None.
+  [[nodiscard]] static constexpr WindowRetention make(std::uint32_t window_tokens, std::uint32_t block_size,
+                                                      std::size_t interval_tokens, std::size_t align_tokens) noexcept {
+    WindowRetention r;
+    r.need = window_tokens > 1 ? (window_tokens - 2) / block_size + 1 : 0;
+    r.period = static_cast<std::uint32_t>(interval_tokens / block_size);
+    r.align = static_cast<std::uint32_t>(std::max<std::size_t>(align_tokens / block_size, 1));
+    r.sparse = r.period == 0 || r.need < r.period;
+    return r;
+  }
+  /// The block index one past the tail of boundary `token` (a token position; 0 = no boundary): floor_align(token)
+  /// in blocks. A tail is the `need` blocks before it.
+  [[nodiscard]] constexpr std::size_t tail_end(std::size_t token, std::size_t block_size) const noexcept {
+    return token / block_size / align * align;
+  }
+  /// Whether full block `i` is registered, for a sequence whose boundaries' tails end at blocks `end_a` and
+  /// `end_b` (tail_end; 0 = none). Precondition: sparse.
+  [[nodiscard]] constexpr bool keeps(std::size_t i, std::size_t end_a, std::size_t end_b) const noexcept {
+    if (period != 0 && i % period + need >= period) return true;
+    return (i < end_a && i + need >= end_a) || (i < end_b && i + need >= end_b);
+  }
+};
+
 /// What each KV-cache group of a pool is, resolved once from its group list (docs/design.md "The manager in
 /// parts"): the hit rule's window, the page size and its factor over the match unit, and the pool-wide facts the
 /// manager branches on (one full-attention group: its compiled fast path; any coarse or recurrent group). An empty
@@ -101,6 +140,9 @@ struct GroupLayout {
   std::vector<std::uint32_t> page_factors;   ///< [G] page_tokens[g] / block_size.
   std::vector<KVCacheGroupSpec> specs;       ///< [G] the group specs (visit_group builds each kind from its own).
   bool prefix_caching = false;               ///< CacheConfig::enable_prefix_caching (a recurrent kind's checkpoints).
+  /// [G] each group's sparse retention (WindowRetention; off but for sliding-window groups under
+  /// CacheConfig::window_retention_interval), or empty when no group has it (set_window_retention).
+  std::vector<WindowRetention> retention;
 
   GroupLayout() = default;
   /// The layout of `groups` (empty: one full-attention group) over match unit `match_block_size` (> 0), with prefix
@@ -119,6 +161,26 @@ struct GroupLayout {
       any_coarse = any_coarse || page_tokens.back() != match_block_size;
       page_factors.push_back(page_tokens.back() / match_block_size);
     }
+  }
+
+  /// Turn sparse retention on for every sliding-window group: an interval of `interval_tokens` (0: boundaries
+  /// only) with boundaries aligned down to `align_tokens` (0: the match unit). Preconditions: as
+  /// CacheConfig::window_retention_interval (validate_cache_config). A group whose rule is dense keeps it off.
+  void set_window_retention(std::size_t interval_tokens, std::size_t align_tokens) {
+    retention.assign(num_groups, WindowRetention{});
+    bool any = false;
+    for (std::size_t g = 0; g < num_groups; ++g) {
+      if (specs[g].kind != AttentionKind::kSlidingWindow) continue;
+      retention[g] = WindowRetention::make(specs[g].window_tokens, block_size, interval_tokens,
+                                           align_tokens != 0 ? align_tokens : block_size);
+      any = any || retention[g].sparse;
+    }
+    if (!any) retention.clear();
+  }
+  /// Group g's retention rule (off when none is set). Precondition: g < num_groups.
+  [[nodiscard]] const WindowRetention& retention_of(std::size_t g) const noexcept {
+    static constexpr WindowRetention kDense{};
+    return retention.empty() ? kDense : retention[g];
   }
 
   /// Whether group g's pages are coarser than the match unit. Precondition: g < num_groups.
@@ -185,6 +247,7 @@ decltype(auto) visit_group(const GroupLayout& layout, std::size_t g, F&& f) {
       w.g = g;
       w.block_size = bs;
       w.attention = spec.window();
+      w.retention = layout.retention_of(g);
       return f(static_cast<const WindowGroup<Id>&>(w));
     }
     case AttentionKind::kRecurrent: {

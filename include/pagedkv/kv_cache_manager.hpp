@@ -153,7 +153,7 @@ class KVCacheManager
   explicit KVCacheManager(const CacheConfig& config)
       : external_calls(config.num_blocks),
         config_(checked(config)),
-        layout_(config_.groups, config_.block_size, config_.enable_prefix_caching),
+        layout_(detail::group_layout(config_)),
         pool_(config_, layout_),
         build_(layout_),
         max_tokens_per_seq_(config_.max_tokens_per_seq != 0 ? config_.max_tokens_per_seq : kMaxMetadataValue),
@@ -1095,6 +1095,21 @@ class KVCacheManager
     return const_cast<std::vector<BlockHash>&>(p.hashes);
   }
 
+  // AdmitOptions' retention boundaries against a prompt of `prompt_len` tokens (kInvalidArgument naming the value).
+  static void check_retention_boundaries(const AdmitOptions& opts, std::size_t prompt_len) {
+    const std::optional<std::size_t>& p = opts.prompt_retention_tokens;
+    if (p && (*p == 0 || *p > prompt_len)) {
+      detail::raise(Errc::kInvalidArgument, "try_admit: AdmitOptions.prompt_retention_tokens = " +
+                                                std::to_string(*opts.prompt_retention_tokens) + ": must be in [1, " +
+                                                std::to_string(prompt_len) + "] (the prompt's length)");
+    }
+    if (opts.shared_prefix_boundary > prompt_len) {
+      detail::raise(Errc::kInvalidArgument, "try_admit: AdmitOptions.shared_prefix_boundary = " +
+                                                std::to_string(opts.shared_prefix_boundary) + ": must be at most " +
+                                                std::to_string(prompt_len) + " (the prompt's length)");
+    }
+  }
+
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an
   // empty scratch vector the plan hashes into). No allocation on kNoCapacity / kNeverFits once scratch has grown.
   // `external_tokens`: offered to a fill after the hit (try_admit_external): a window group takes no block wholly
@@ -1103,6 +1118,7 @@ class KVCacheManager
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
                            std::vector<BlockHash>& hashes, bool hashes_ready, std::size_t external_tokens = 0) {
     if (opts.retention) validate_retention(*opts.retention, "try_admit");
+    check_retention_boundaries(opts, prompt.size());
     const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, plan_scratch_, external_tokens);
     if (!plan.query.fits()) {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};
@@ -1128,6 +1144,8 @@ class KVCacheManager
     s.keys = std::move(shared_keys);
     s.retention = opts.retention;
     s.num_prompt_tokens = prompt.size();
+    s.retention_replay = opts.prompt_retention_tokens.value_or(prompt.size()) - 1;
+    s.retention_junction = opts.shared_prefix_boundary;
     const std::size_t total_blocks = (k * bs + plan.num_reserved + bs - 1) / bs;
     for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);
     reserve_for_allocations(plan.query.num_blocks, host_hits);

@@ -94,6 +94,11 @@ struct SequenceState {
   bool in_batch = false;                    ///< Scratch mark of build_batch_metadata.
   std::size_t num_released = 0;             ///< Group 0: leading logical blocks that are the null block 0.
   std::vector<GroupTableState<Id>> other_groups;  ///< Groups 1 .. G - 1 (empty with one group).
+  /// Sparse window retention (CacheConfig::window_retention_interval): the token positions whose window tails the
+  /// sequence's sliding-window groups register, fixed at admission (AdmitOptions; a fork keeps its parent's): the
+  /// replay boundary (prompt_retention_tokens - 1) and the shared-prefix junction; 0 = none.
+  std::size_t retention_replay = 0;
+  std::size_t retention_junction = 0;
 
   /// KV-cache groups of the sequence.
   [[nodiscard]] std::size_t num_groups() const noexcept { return 1 + other_groups.size(); }
@@ -149,6 +154,8 @@ struct SequenceState {
     num_registered = 0;
     num_released = 0;
     num_prompt_tokens = 0;
+    retention_replay = 0;
+    retention_junction = 0;
     num_built = 0;
     num_lookahead = 0;
     num_pending_copies = 0;

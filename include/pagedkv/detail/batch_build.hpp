@@ -183,6 +183,8 @@ class BatchBuild {
       sizes_out[g] = BatchMetadataSizes{};
       sizes_out[g].batch_size = B;
     }
+    // Sparse window retention's rules per group (null: every group registers every block it can).
+    const WindowRetention* const rules = kOne || layout.retention.empty() ? nullptr : layout.retention.data();
     for (std::size_t b = 0; b < B; ++b) {
       sequence_type& q = *batch_scratch_[b];
       q.in_batch = false;
@@ -201,7 +203,8 @@ class BatchBuild {
         if (!kOne && layout.is_coarse(g)) {  // (the dispatch here keeps DevicePool::register_blocks inlined)
           pool.register_coarse(q, g, layout.coarse_factor(g));
         } else {
-          pool.template register_blocks<kOne>(q, g, layout.windows[g], on_registered);
+          pool.template register_blocks<kOne>(q, g, layout.windows[g], rules != nullptr ? rules + g : nullptr,
+                                              on_registered);
         }
         std::size_t gb = bs, gn = nblocks;  // a coarse group counts in its pages
         if (!kOne && layout.is_coarse(g)) {

@@ -311,24 +311,54 @@ class DevicePool {
   /// index appended to switched() (the build writes -1 for its slots: the registered block holds the same K/V,
   /// written in an earlier step or earlier in this step's write_kv). A shared duplicate stays as it is,
   /// unregistered. A null entry, or a block that can never serve a hit under the group's `window`
-  /// (block_can_serve_hit), is skipped. `on_registered(block, hash)` runs for each block registered (the facade's
-  /// write-through list). Precondition: room reserved in switched() and the event log.
+  /// (block_can_serve_hit), is skipped, and so is one outside the group's sparse retention (`keep`, a
+  /// sliding-window group's WindowRetention under the sequence's boundaries; null or not sparse: none); the cursor
+  /// moves past skipped blocks all the same (vLLM's num_cached_block). `on_registered(block, hash)` runs for each
+  /// block registered (the facade's write-through list). Precondition: room reserved in switched() and the event log.
   // Always inlined into the build's per-row loop, where it is hot: out of line, the view's hash_of below is no
-  // longer inlined either and computes the unmixed hash it discards.
+  // longer inlined either and computes the unmixed hash it discards. A sparse rule takes its own instantiation of the
+  // loop (out of line), so the dense loop is the one it always was.
   template <bool kOne, class OnRegistered>
   [[gnu::always_inline]] void register_blocks(sequence_type& q, std::size_t g, const AttentionWindow& window,
-                                              OnRegistered&& on_registered) {
+                                              const WindowRetention* keep, OnRegistered&& on_registered) {
     if (!prefix_caching_) return;
+    if constexpr (!kOne) {
+      if (keep != nullptr && keep->sparse) {
+        register_sparse(q, g, window, *keep, on_registered);
+        return;
+      }
+    }
+    register_loop<kOne, false>(q, g, window, WindowRetention{}, on_registered);
+  }
+
+ private:
+  template <class OnRegistered>
+  [[gnu::noinline]] void register_sparse(sequence_type& q, std::size_t g, const AttentionWindow& window,
+                                         const WindowRetention& rule, OnRegistered& on_registered) {
+    register_loop<false, true>(q, g, window, rule, on_registered);
+  }
+  // register_blocks' loop; kSparse: blocks outside `rule`'s tails (for q's boundaries) are skipped too.
+  template <bool kOne, bool kSparse, class OnRegistered>
+  [[gnu::always_inline]] void register_loop(sequence_type& q, std::size_t g, const AttentionWindow& window,
+                                            const WindowRetention& rule, OnRegistered& on_registered) {
     index_view index = kOne ? index_view(index_, 0, nullptr, nullptr) : ix(g);
     BlockTable<Id>& table = kOne ? q.table : q.table_of(g);
     std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
     const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
+    [[maybe_unused]] std::size_t tail_a = 0, tail_b = 0;  // kSparse: where q's two boundary tails end (blocks)
+    if constexpr (kSparse) {
+      tail_a = rule.tail_end(q.retention_replay, block_size_);
+      tail_b = rule.tail_end(q.retention_junction, block_size_);
+    }
     for (std::size_t i = registered; i < end; ++i) {
       if (i + 1 < end) index.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
       const BlockHash& h = q.hashes[i];
       const Id own = table.blocks()[i];
       if constexpr (!kOne) {
         if (own == Id{0} || !block_can_serve_hit(window, i, block_size_)) continue;
+      }
+      if constexpr (kSparse) {
+        if (!rule.keeps(i, tail_a, tail_b)) continue;
       }
       if (index.hash_of(own)) continue;  // already registered (by a sequence sharing it)
       const Id reg = index.insert(h, own);  // one map probe: inserts, or finds the registered block
@@ -348,6 +378,8 @@ class DevicePool {
     }
     registered = std::max(registered, end);
   }
+
+ public:
 
   // Coarse group g (docs/groups.md, "Coarse pages"): key each page of `q` that holds registrable match blocks beyond
   // the registered cursor by the hash of the last of them: a full page by its last match block, the page being

@@ -69,7 +69,7 @@ struct FullGroup {
   /// Precondition: room reserved in the pool's switched() and event log.
   template <bool kOne, class Pool, class OnRegistered>
   [[gnu::always_inline]] void register_new(Pool& pool, sequence_type& q, OnRegistered&& on_registered) const {
-    pool.template register_blocks<kOne>(q, g, window(), on_registered);
+    pool.template register_blocks<kOne>(q, g, window(), nullptr, on_registered);
   }
   /// The release rule after a build whose committed positions end at `committed`: nothing (every block is kept).
   template <class Pool>

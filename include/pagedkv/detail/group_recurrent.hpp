@@ -64,7 +64,7 @@ struct RecurrentGroup : FullGroup<Id> {
   /// DevicePool::register_blocks under the hit window (checkpoint blocks; null entries skipped).
   template <bool kOne, class Pool, class OnRegistered>
   void register_new(Pool& pool, sequence_type& q, OnRegistered&& on_registered) const {
-    pool.template register_blocks<kOne>(q, g, window(), on_registered);
+    pool.template register_blocks<kOne>(q, g, window(), nullptr, on_registered);
   }
   /// The release rule: no block is kept for the next query (the working state is apart); the written checkpoints
   /// before `committed` go to the cache, but the hit's checkpoint stays while it holds the state (no build wrote the

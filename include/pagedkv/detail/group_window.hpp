@@ -29,6 +29,7 @@ struct WindowGroup : FullGroup<Id> {
   using base::g;
 
   AttentionWindow attention;
+  WindowRetention retention{};  ///< A sliding-window group's sparse retention (GroupLayout::retention_of); off = dense.
 
   /// The window of the hit and registration rules: the group's own (a hit of k blocks needs blocks
   /// [first_kept_block(k * block_size), k); block_can_serve_hit).
@@ -46,10 +47,11 @@ struct WindowGroup : FullGroup<Id> {
     base::take_hit(q, hit, simple);
     q.released_of(g) = first_kept(hit.size() * block_size);
   }
-  /// DevicePool::register_blocks under the group's window (a block no hit can use is not registered).
+  /// DevicePool::register_blocks under the group's window (a block no hit can use is not registered) and its sparse
+  /// retention (a block no boundary's tail holds is not registered).
   template <bool kOne, class Pool, class OnRegistered>
   [[gnu::always_inline]] void register_new(Pool& pool, sequence_type& q, OnRegistered&& on_registered) const {
-    pool.template register_blocks<kOne>(q, g, attention, on_registered);
+    pool.template register_blocks<kOne>(q, g, attention, &retention, on_registered);
   }
   /// The release rule: after a build, blocks wholly before first_visible(committed) become null, where committed =
   /// min(num_built, num_known): built lookahead positions do not count, since commit_lookahead may reject them and
