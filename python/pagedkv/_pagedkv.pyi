@@ -318,9 +318,9 @@ class KVCacheGroupSpec:
 class CacheConfig:
     """Configuration of one KV pool (kv_cache_manager.hpp CacheConfig)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False, release_at_build: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False, release_at_build: bool = True, window_retention_interval: int | None = None, window_retention_alignment: int = 0) -> None:
         """
-        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build (False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the build). Checked by KVCacheManager.
+        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build (False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the build); window_retention_interval: sparse prefix-cache retention of sliding-window groups in tokens (vLLM's prefix_cache_retention_interval: None = every window block, 0 = only each sequence's boundary tails, I = those and the tails at each multiple of I; docs/vllm-swa-retention.md); window_retention_alignment: tokens the boundaries align down to (0 = block_size). Checked by KVCacheManager.
         """
 
     @property
@@ -407,6 +407,18 @@ class CacheConfig:
 
     @release_at_build.setter
     def release_at_build(self, arg: bool, /) -> None: ...
+
+    @property
+    def window_retention_interval(self) -> int | None: ...
+
+    @window_retention_interval.setter
+    def window_retention_interval(self, arg: int | None, /) -> None: ...
+
+    @property
+    def window_retention_alignment(self) -> int: ...
+
+    @window_retention_alignment.setter
+    def window_retention_alignment(self, arg: int, /) -> None: ...
 
     def __repr__(self) -> str: ...
 
@@ -968,13 +980,13 @@ class KVCacheManager:
     def max_tokens_per_seq(self) -> int: ...
 
     @overload
-    def try_admit(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None) -> AdmitResult:
+    def try_admit(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None, prompt_retention_tokens: int | None = None, shared_prefix_boundary: int = 0) -> AdmitResult:
         """
-        Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its blocks take when released (copied; eviction="priority" only). Raises DuplicateSequenceError, InvalidArgumentError (empty prompt, bad multimodal item, invalid retention), LimitExceededError (prompt > max_tokens_per_seq).
+        Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its blocks take when released (copied; eviction="priority" only). `prompt_retention_tokens` (default the prompt's length) and `shared_prefix_boundary` (0 = none): the sequence's boundaries under CacheConfig.window_retention_interval (AdmitOptions). Raises DuplicateSequenceError, InvalidArgumentError (empty prompt, bad multimodal item, invalid retention, a boundary past the prompt), LimitExceededError (prompt > max_tokens_per_seq).
         """
 
     @overload
-    def try_admit(self, seq: int, prompt: PreparedPrompt, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None) -> AdmitResult:
+    def try_admit(self, seq: int, prompt: PreparedPrompt, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None, prompt_retention_tokens: int | None = None, shared_prefix_boundary: int = 0) -> AdmitResult:
         """
         try_admit of a prompt hashed beforehand by prepare_prompt (its keys included): no hashing. Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.
         """
@@ -1224,13 +1236,13 @@ class KVCacheManager:
         """
 
     @overload
-    def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
+    def try_admit_external(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], num_external_tokens: int, keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0, prompt_retention_tokens: int | None = None, shared_prefix_boundary: int = 0) -> ExternalAdmitResult:
         """
-        Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. A window group's blocks wholly outside the window of the fill's end are not taken (null, as vLLM pads an external load's skipped blocks); a recurrent group's row ends in the block that receives the state; a coarse group's pages move whole from a page boundary. Raises as try_admit.
+        Admit `seq` as try_admit does (the sparse window retention's boundaries too), taking `num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. A window group's blocks wholly outside the window of the fill's end are not taken (null, as vLLM pads an external load's skipped blocks); a recurrent group's row ends in the block that receives the state; a coarse group's pages move whole from a page boundary. Raises as try_admit.
         """
 
     @overload
-    def try_admit_external(self, seq: int, prompt: PreparedPrompt, num_external_tokens: int, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0) -> ExternalAdmitResult:
+    def try_admit_external(self, seq: int, prompt: PreparedPrompt, num_external_tokens: int, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, headroom_blocks: int = 0, prompt_retention_tokens: int | None = None, shared_prefix_boundary: int = 0) -> ExternalAdmitResult:
         """
         try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission (its coarse-page hit and headroom check too) hashes nothing, so a KV connector's admission retried while the pool is full hashes each prompt once per request. Also raises InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.
         """

@@ -143,8 +143,10 @@ class ConnectorMixin:
                 if not w.fits or w.num_blocks + watermark > free_now:
                     return None
         seq = next(self._next_seq)
+        retain, junction = self._boundaries(request, n_known)
         r = self._pk.try_admit_external(seq, prepared, num_external, max_cached_tokens=hit,
-                                        num_reserved_tokens=reserved)
+                                        num_reserved_tokens=reserved, prompt_retention_tokens=retain,
+                                        shared_prefix_boundary=junction)
         if r.admit.status != _pk.AdmitStatus.ADMITTED:
             return None
         if r.admit.num_cached_tokens != hit:

@@ -279,22 +279,27 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
 
 
-def _check_retention_interval(retention, specs, scheduler_block_size: int, enable_caching: bool = True) -> None:
-    """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py).
+def _check_retention_interval(retention, specs, scheduler_block_size: int, enable_caching: bool = True,
+                              use_eagle: bool = False, enable_kv_cache_events: bool = False) -> bool:
+    """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py), and
+    whether pagedkv's sparse window retention maps it (True: set CacheConfig.window_retention_interval).
 
     vLLM's CacheConfig defaults it to 0 and copies it into every KVCacheConfig. It sparsifies the prefix-cache
     checkpoints of sliding-window and Mamba groups only; full-attention and chunked-local groups cache densely and
     ignore it. So without such a group 0 (and None) are accepted and change nothing, and any other value is the
-    ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the scheduler
-    block size) is its ValueError, and every other value but None (dense retention, what pagedkv does) is Unsupported: pagedkv keeps every full block of a window group cached, so its hits would differ from vLLM's
-    sparse retention. The same with a Mamba group and prefix caching (pagedkv keeps every interval checkpoint; vLLM
-    with 0 keeps only the prompt's replay boundary and pinned shared-prefix junctions). Without prefix caching
-    nothing is retained, so only vLLM's ValueErrors apply."""
+    ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the
+    scheduler block size) is its ValueError; every other value is mapped onto pagedkv's sparse window retention
+    (CacheConfig.window_retention_interval, the same blocks registered: docs/vllm-swa-retention.md), but with
+    EAGLE (vLLM shifts the tails one block) and with KV events (vLLM's BlockStored then lists the unregistered
+    blocks' tokens), which are Unsupported by name. With a Mamba group and prefix caching any value but None is
+    Unsupported (pagedkv keeps every interval checkpoint; vLLM with 0 keeps only the prompt's replay boundary and
+    pinned shared-prefix junctions: docs/vllm-mamba-align.md). Without prefix caching nothing is retained, so only
+    vLLM's ValueErrors apply."""
     if retention is None:
-        return
+        return False
     if not any(isinstance(sp, (SlidingWindowSpec, MambaSpec)) for sp in specs):
         if retention == 0:
-            return
+            return False
         raise ValueError(f"prefix_cache_retention_interval ({retention}) is set but this model has no "
                          "sliding-window or Mamba KV cache group, so retention has no effect. Set it to 0 (it only "
                          "applies to sliding-window and Mamba attention).")
@@ -302,15 +307,27 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
         raise ValueError(f"prefix_cache_retention_interval ({retention}) must be non-negative and a multiple of "
                          f"scheduler_block_size ({scheduler_block_size}).")
     if not enable_caching:
-        return
-    if any(isinstance(sp, SlidingWindowSpec) for sp in specs):
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window "
-                          "group (sparse retention of window blocks): pagedkv retains every window block, as vLLM "
-                          "does with prefix_cache_retention_interval=None (not mapped yet: "
-                          "docs/vllm-swa-retention.md)")
-    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a Mamba group (sparse "
-                      "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
-                      "block size, as vLLM does with prefix_cache_retention_interval=None")
+        return False
+    if any(isinstance(sp, MambaSpec) for sp in specs):
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a Mamba group (sparse "
+                          "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
+                          "block size, as vLLM does with prefix_cache_retention_interval=None "
+                          "(docs/vllm-mamba-align.md)")
+    if use_eagle:
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
+                          "and use_eagle: vLLM's EAGLE group retains its window tails one block later (not mapped: "
+                          "docs/vllm-swa-retention.md); prefix_cache_retention_interval=None works")
+    if enable_kv_cache_events:
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
+                          "and enable_kv_cache_events: vLLM's BlockStored then carries the tokens of window blocks "
+                          "it does not cache (not mapped: docs/vllm-swa-retention.md); "
+                          "prefix_cache_retention_interval=None works")
+    swa = [sp for sp in specs if isinstance(sp, SlidingWindowSpec)]
+    if len(specs) > 1 and not any(type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for sp in specs):
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with {len(swa)} "
+                          "sliding-window groups and no full-attention group: vLLM then pins the first window "
+                          "group's own hit as the shared-prefix junction (not mapped: docs/vllm-swa-retention.md)")
+    return True
 
 
 def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block_size: int,
@@ -426,8 +443,9 @@ class KVCacheManager(ConnectorMixin):
             raise Unsupported("every group is MambaSpec (an attention-free model): pagedkv's group 0 holds K/V")
         block_size = min(block_sizes)
         pk_groups = [_group_spec(s, g, enable_caching, block_size) for g, s in enumerate(specs)]
-        _check_retention_interval(getattr(kv_cache_config, "prefix_cache_retention_interval", None), specs,
-                                  scheduler_block_size, enable_caching)
+        retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+        sparse_retention = _check_retention_interval(retention, specs, scheduler_block_size, enable_caching,
+                                                     use_eagle, enable_kv_cache_events)
         # Groups of different block sizes: the larger ones are pagedkv coarse pages (vLLM group -> page factor),
         # hits aligned to vLLM's scheduler block size (_coarse_groups).
         self._coarse = _coarse_groups(specs, block_size, scheduler_block_size, hash_block_size,
@@ -500,6 +518,20 @@ class KVCacheManager(ConnectorMixin):
 
         cfg = _pk.CacheConfig(num_blocks=kv_cache_config.num_blocks, block_size=block_size,
                               enable_prefix_caching=enable_caching, enable_events=enable_kv_cache_events)
+        # vLLM's sparse retention of window blocks (docs/vllm-swa-retention.md): the same blocks registered, tails
+        # aligned to vLLM's hit alignment (the scheduler block size). Each request's boundaries go in at its
+        # admission: its original prompt's replay boundary and the shared-prefix junction J that get_computed_blocks
+        # returns (the first full-attention group's own hit when the reconciled hit is shorter; vLLM's scheduler
+        # stores it in request.shared_prefix_boundary). A window-only model (vLLM's unitary coordinator) pins none.
+        self._sparse = sparse_retention
+        self._junction_groups = None
+        if sparse_retention:
+            cfg.window_retention_interval = retention
+            cfg.window_retention_alignment = scheduler_block_size
+            fa = [g for g, sp in enumerate(specs) if type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")]
+            if len(specs) > 1 and fa:
+                self._junction_groups = [self._pk_group[g] for g in fa if specs[g] == specs[fa[0]]]
+            self._retention_align = scheduler_block_size
         if len(pk_groups) > 1 or pk_groups[0].kind != _pk.AttentionKind.FULL:
             cfg.groups = pk_groups
         # vLLM's worker reads a request's block table from get_blocks after allocate_slots, for the step being
@@ -712,7 +744,9 @@ class KVCacheManager(ConnectorMixin):
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
         """The cached prefix of `request` (pagedkv lookup, pure): its blocks per group, its length in tokens (full
-        blocks, at most num_tokens - 1), and 0 (pagedkv pins no shared-prefix junction)."""
+        blocks, at most num_tokens - 1), and the shared-prefix junction vLLM's scheduler stores in
+        request.shared_prefix_boundary: under sparse window retention the first full-attention group's own cached
+        prefix (aligned) when it is longer than the hit, else 0 (vLLM's third value, kv_cache_coordinator.py)."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         n = request.num_tokens
@@ -726,10 +760,26 @@ class KVCacheManager(ConnectorMixin):
             while self._eagle and hit and not self._eagle_serves(prepared, hit):
                 hit, ids = self._aligned_hit(prepared, hit - self._align)
         else:
-            hit, ids = self._pk._vllm_hit(self._prepare(request, n), n - 1, self.block_size if self.use_eagle else 0)
+            prepared = self._prepare(request, n)
+            hit, ids = self._pk._vllm_hit(prepared, n - 1, self.block_size if self.use_eagle else 0)
             if self._state_groups and hit:
                 ids = self._state_hit(ids, hit)
-        return self._blocks_of(ids), hit, 0
+        junction = 0
+        if self._junction_groups is not None:
+            # vLLM's shared-prefix junction: the full-attention hit, aligned, when the window groups' is shorter.
+            fa = self._pk._vllm_run(prepared, self._junction_groups, n - 1)
+            fa -= fa % self._retention_align
+            junction = fa if fa > hit else 0
+        return self._blocks_of(ids), hit, junction
+
+    def _boundaries(self, request: Request, n_known: int) -> tuple:
+        """The sparse window retention's boundaries of `request`'s admission (AdmitOptions): its original prompt's
+        length (vLLM's replay boundary is request.num_prompt_tokens - 1, for a readmitted request too) and the
+        shared-prefix junction the scheduler stored from get_computed_blocks; (None, 0) without sparse retention."""
+        if not self._sparse:
+            return None, 0
+        junction = getattr(request, "shared_prefix_boundary", 0) or 0
+        return min(max(request.num_prompt_tokens, 1), n_known), min(junction, n_known)
 
     def _state_hit(self, ids, hit: int) -> list:
         """`ids` (a hit's blocks per group, a recurrent group's: the checkpoint registered at each block) with each
@@ -876,7 +926,7 @@ class KVCacheManager(ConnectorMixin):
         status, ids, copies, num_tokens, full, found = self._pk._vllm_admit(
             seq, self._prepare(request, n_known), hit, reserved, lookahead,
             full_check_free - watermark if full_check_free is not None else None,
-            free - watermark if free is not None else None)
+            free - watermark if free is not None else None, *self._boundaries(request, n_known))
         if status == 2:
             raise AssertionError(f"pagedkv.vllm: request {request.request_id}: the scheduler took a {hit}-token "
                                  f"hit, pagedkv finds {found} now")

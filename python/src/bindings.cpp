@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <memory>
@@ -424,9 +425,12 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
         s.work([&](auto& mm) {
           const std::size_t bs = mm.block_size();
           ids.assign(mm.num_groups(), {});
-          if (mm.num_groups() == 1 && mm.config().num_host_blocks == 0) {
-            // One group, no host tier: the hit is the run of leading full blocks in the prefix index (what lookup
-            // walks), read from the prepared hashes.
+          const auto& groups = mm.config().groups;
+          if (groups.size() <= 1 && (groups.empty() || groups[0].kind == AttentionKind::kFull) &&
+              mm.config().num_host_blocks == 0) {
+            // One full-attention group, no host tier: the hit is the run of leading full blocks in the prefix index
+            // (what lookup walks), read from the prepared hashes. (A window group alone needs only the blocks its
+            // window sees before the hit: the fixed point below.)
             if (mm.config().enable_prefix_caching) {
               const std::size_t cap = std::min(max_cached_tokens, prompt.tokens.size()) / bs;
               const auto& index = mm.prefix_index(0);
@@ -462,9 +466,36 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
       "a group holds none), the hit as query_admit(prompt, max_cached_tokens=) finds it less `drop_tokens` (EAGLE's "
       "dropped block; no hashing: a prepared prompt). Pure.");
   cls.def(
+      "_vllm_run",
+      [](Manager& s, const PreparedPrompt& prompt, const std::vector<std::size_t>& groups, std::size_t max_tokens) {
+        std::size_t run = 0;
+        s.peek([&](auto& mm) {
+          if (!mm.config().enable_prefix_caching) return;
+          const std::size_t bs = mm.block_size();
+          const std::size_t cap = std::min(max_tokens, prompt.tokens.size()) / bs;
+          std::size_t step = 1;  // match blocks per page: the run grows a whole page of every group at a time
+          for (const std::size_t g : groups) step = std::lcm(step, std::size_t{mm.block_size(g)} / bs);
+          for (std::size_t k = step; k <= cap && k <= prompt.hashes.size(); k += step) {
+            for (const std::size_t g : groups) {  // a page is cached under the hash of its last match block
+              const std::size_t f = mm.block_size(g) / bs;
+              for (std::size_t j = k - step + f; j <= k; j += f) {
+                if (!mm.prefix_index(g).find(prompt.hashes[j - 1])) return;
+              }
+            }
+            run = k * bs;
+          }
+        });
+        return run;
+      },
+      "prompt"_a, "groups"_a, "max_tokens"_a,
+      "pagedkv.vllm's shared-prefix junction: the longest run of leading full blocks of `prompt` (tokens, at most "
+      "`max_tokens`) that every group of `groups` (full-attention groups; a coarse one by whole pages) holds in "
+      "its prefix index, as vLLM's full-attention lookup finds it. Pure; no hashing.");
+  cls.def(
       "_vllm_admit",
       [](Manager& s, SeqId seq, const PreparedPrompt& prompt, std::size_t hit, std::size_t reserved,
-         std::size_t lookahead, std::optional<std::int64_t> whole_limit, std::optional<std::int64_t> limit) {
+         std::size_t lookahead, std::optional<std::int64_t> whole_limit, std::optional<std::int64_t> limit,
+         std::optional<std::size_t> prompt_retention_tokens, std::size_t junction) {
         int status = 1;  // 0 admitted, 1 refused (nothing changed), 2 the hit is no longer cached (nothing changed)
         std::size_t found = 0, num_tokens = 0, full = 0;
         BlockLists blocks;
@@ -484,7 +515,8 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
             status = 2;
             return;
           }
-          const AdmitResult r = mm.try_admit(seq, prompt, admit_options(hit, reserved));
+          const AdmitResult r =
+              mm.try_admit(seq, prompt, admit_options(hit, reserved, nullptr, prompt_retention_tokens, junction));
           if (!r.admitted()) return;
           if (lookahead > 0) {
             const auto la = mm.try_reserve_lookahead(seq, lookahead);
@@ -502,10 +534,12 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
         return nb::make_tuple(status, blocks, copies, num_tokens, full, found);
       },
       "seq"_a, "prompt"_a, "hit"_a, "reserved"_a, "lookahead"_a, "whole_limit"_a.none(), "limit"_a.none(),
+      "prompt_retention_tokens"_a.none() = nb::none(), "junction"_a = 0,
       "pagedkv.vllm's allocate_slots of a new request, one crossing: (whole_limit) query_admit of the whole prompt "
       "within that many new blocks, query_admit within `limit` new blocks, try_admit(seq, prompt, max_cached_tokens="
       "hit, num_reserved_tokens=reserved), try_reserve_lookahead(lookahead) (within `limit` too, else freed), then "
-      "a build of its pending positions. Returns (status: 0 admitted / 1 refused / 2 the hit is gone, new blocks "
+      "a build of its pending positions (with the sparse window retention's boundaries prompt_retention_tokens and "
+      "junction: AdmitOptions). Returns (status: 0 admitted / 1 refused / 2 the hit is gone, new blocks "
       "per group, the build's copies [(src, dst)], num_tokens, full blocks built, the hit found); on 1 and 2 "
       "nothing changed.");
   cls.def(
@@ -767,17 +801,19 @@ NB_MODULE(_pagedkv, m) {
              std::uint64_t hash_seed, std::size_t max_tokens_per_seq, bool enable_events, std::size_t num_host_blocks,
              OffloadPolicy offload, std::uint8_t min_offload_priority, std::vector<KVCacheGroupSpec> groups,
              std::size_t page_size_bytes, std::size_t eviction_history, bool count_miss_causes,
-             bool release_at_build) {
+             bool release_at_build, std::optional<std::size_t> window_retention_interval,
+             std::size_t window_retention_alignment) {
             new (c) CacheConfig{num_blocks,     block_size,      enable_prefix_caching, hash_seed, max_tokens_per_seq,
                                 enable_events, num_host_blocks, offload,               min_offload_priority,
                                 std::move(groups), page_size_bytes, eviction_history, count_miss_causes,
-                                release_at_build};
+                                release_at_build, window_retention_interval, window_retention_alignment};
           },
           "num_blocks"_a, "block_size"_a = kDefaultBlockSize, "enable_prefix_caching"_a = true, "hash_seed"_a = 0,
           "max_tokens_per_seq"_a = 0, "enable_events"_a = false, "num_host_blocks"_a = 0,
           "offload"_a = OffloadPolicy::kWriteBack, "min_offload_priority"_a = 0,
           "groups"_a = std::vector<KVCacheGroupSpec>{}, "page_size_bytes"_a = 0, "eviction_history"_a = 0,
-          "count_miss_causes"_a = false, "release_at_build"_a = true,
+          "count_miss_causes"_a = false, "release_at_build"_a = true, "window_retention_interval"_a = nb::none(),
+          "window_retention_alignment"_a = 0,
           "num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; "
           "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups "
           "sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); "
@@ -786,7 +822,11 @@ NB_MODULE(_pagedkv, m) {
           "count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; "
           "release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build "
           "(False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the "
-          "build). Checked by KVCacheManager.")
+          "build); window_retention_interval: sparse prefix-cache retention of sliding-window groups in tokens "
+          "(vLLM's prefix_cache_retention_interval: None = every window block, 0 = only each sequence's boundary "
+          "tails, I = those and the tails at each multiple of I; docs/vllm-swa-retention.md); "
+          "window_retention_alignment: tokens the boundaries align down to (0 = block_size). Checked by "
+          "KVCacheManager.")
       .def_rw("num_blocks", &CacheConfig::num_blocks)
       .def_rw("block_size", &CacheConfig::block_size)
       .def_rw("enable_prefix_caching", &CacheConfig::enable_prefix_caching)
@@ -804,6 +844,8 @@ NB_MODULE(_pagedkv, m) {
       .def_rw("eviction_history", &CacheConfig::eviction_history)
       .def_rw("count_miss_causes", &CacheConfig::count_miss_causes)
       .def_rw("release_at_build", &CacheConfig::release_at_build)
+      .def_rw("window_retention_interval", &CacheConfig::window_retention_interval)
+      .def_rw("window_retention_alignment", &CacheConfig::window_retention_alignment)
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
                std::to_string(c.block_size) + ", enable_prefix_caching=" + (c.enable_prefix_caching ? "True" : "False") +
@@ -1143,25 +1185,33 @@ NB_MODULE(_pagedkv, m) {
           "try_admit",
           [](Manager& s, SeqId seq, const Tokens& prompt, const RequestKeys* keys,
              std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
-             const RetentionConfig* retention) {
-            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention);
+             const RetentionConfig* retention, std::optional<std::size_t> prompt_retention_tokens,
+             std::size_t shared_prefix_boundary) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention,
+                                                 prompt_retention_tokens, shared_prefix_boundary);
             return s.work([&](auto& mm) { return mm.try_admit(seq, prompt.span(), keys, o); });
           },
           "seq"_a, "prompt"_a, "keys"_a = nb::none(), nb::kw_only(), "max_cached_tokens"_a = nb::none(),
-          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(), "prompt_retention_tokens"_a = nb::none(),
+          "shared_prefix_boundary"_a = 0,
           "Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its "
-          "blocks take when released (copied; eviction=\"priority\" only). Raises DuplicateSequenceError, "
-          "InvalidArgumentError (empty prompt, bad multimodal item, invalid retention), LimitExceededError (prompt "
-          "> max_tokens_per_seq).")
+          "blocks take when released (copied; eviction=\"priority\" only). `prompt_retention_tokens` (default the "
+          "prompt's length) and `shared_prefix_boundary` (0 = none): the sequence's boundaries under "
+          "CacheConfig.window_retention_interval (AdmitOptions). Raises DuplicateSequenceError, "
+          "InvalidArgumentError (empty prompt, bad multimodal item, invalid retention, a boundary past the prompt), "
+          "LimitExceededError (prompt > max_tokens_per_seq).")
       .def(
           "try_admit",
           [](Manager& s, SeqId seq, const PreparedPrompt& prompt, std::optional<std::size_t> max_cached_tokens,
-             std::optional<std::size_t> num_reserved_tokens, const RetentionConfig* retention) {
-            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention);
+             std::optional<std::size_t> num_reserved_tokens, const RetentionConfig* retention,
+             std::optional<std::size_t> prompt_retention_tokens, std::size_t shared_prefix_boundary) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, retention,
+                                                 prompt_retention_tokens, shared_prefix_boundary);
             return s.work([&](auto& mm) { return mm.try_admit(seq, prompt, o); });
           },
           "seq"_a, "prompt"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
-          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(),
+          "num_reserved_tokens"_a = nb::none(), "retention"_a = nb::none(), "prompt_retention_tokens"_a = nb::none(),
+          "shared_prefix_boundary"_a = 0,
           "try_admit of a prompt hashed beforehand by prepare_prompt (its keys included): no hashing. Also raises "
           "InvalidArgumentError for a prompt prepared by a manager with another hasher, seed or block size.")
       .def(

@@ -105,11 +105,16 @@ using Managers = std::variant<KVCacheManager<Sha256Hasher, Id, LruEviction<Id>>,
 // the sequence's life (and its forks'), and releasing a Python-owned one would need the GIL while the manager's
 // mutex is held (a deadlock with a thread holding the GIL in a getter); later changes to the Python object do not
 // reach admitted sequences.
+// `prompt_retention_tokens` / `shared_prefix_boundary`: the sparse window retention's boundaries (AdmitOptions).
 inline AdmitOptions admit_options(std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved,
-                                  const RetentionConfig* retention = nullptr) {
+                                  const RetentionConfig* retention = nullptr,
+                                  std::optional<std::size_t> prompt_retention_tokens = std::nullopt,
+                                  std::size_t shared_prefix_boundary = 0) {
   AdmitOptions o;
   o.max_cached_tokens = max_cached_tokens;
   o.num_reserved_tokens = num_reserved;
+  o.prompt_retention_tokens = prompt_retention_tokens;
+  o.shared_prefix_boundary = shared_prefix_boundary;
   if (retention != nullptr) o.retention = std::make_shared<const RetentionConfig>(*retention);
   return o;
 }

@@ -290,16 +290,19 @@ void bind_methods(nb::class_<Manager>& cls) {
          "try_admit_external",
          [](Manager& s, SeqId seq, const Tokens& prompt, std::size_t num_external_tokens, const RequestKeys* keys,
             std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
-            std::size_t headroom_blocks) {
-           const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+            std::size_t headroom_blocks, std::optional<std::size_t> prompt_retention_tokens,
+            std::size_t shared_prefix_boundary) {
+           const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, nullptr,
+                                                prompt_retention_tokens, shared_prefix_boundary);
            return s.work([&](auto& mm) {
              return mm.try_admit_external(seq, prompt.span(), num_external_tokens, keys, o, headroom_blocks);
            });
          },
          "seq"_a, "prompt"_a, "num_external_tokens"_a, "keys"_a = nb::none(), nb::kw_only(),
          "max_cached_tokens"_a = nb::none(), "num_reserved_tokens"_a = nb::none(), "headroom_blocks"_a = 0,
-         "Admit `seq` as try_admit does, taking `num_external_tokens` more prompt tokens (after the local prefix "
-         "hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is "
+         "prompt_retention_tokens"_a = nb::none(), "shared_prefix_boundary"_a = 0,
+         "Admit `seq` as try_admit does (the sparse window retention's boundaries too), taking "
+         "`num_external_tokens` more prompt tokens (after the local prefix hit) from an external source (vLLM's num_external_computed_tokens), clamped so the last prompt token is "
          "computed here. All groups, all or nothing; NO_CAPACITY / NEVER_FITS change nothing. `headroom_blocks`: "
          "also NO_CAPACITY unless that many blocks stay available (room for fills in flight). The ticket's blocks "
          "are held by the fill until complete_external_fill / abort_sequence; a build refuses the sequence meanwhile. "
@@ -310,13 +313,16 @@ void bind_methods(nb::class_<Manager>& cls) {
           "try_admit_external",
           [](Manager& s, SeqId seq, const PreparedPrompt& prompt, std::size_t num_external_tokens,
              std::optional<std::size_t> max_cached_tokens, std::optional<std::size_t> num_reserved_tokens,
-             std::size_t headroom_blocks) {
-            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens);
+             std::size_t headroom_blocks, std::optional<std::size_t> prompt_retention_tokens,
+             std::size_t shared_prefix_boundary) {
+            const AdmitOptions o = admit_options(max_cached_tokens, num_reserved_tokens, nullptr,
+                                                 prompt_retention_tokens, shared_prefix_boundary);
             return s.work(
                 [&](auto& mm) { return mm.try_admit_external(seq, prompt, num_external_tokens, o, headroom_blocks); });
           },
           "seq"_a, "prompt"_a, "num_external_tokens"_a, nb::kw_only(), "max_cached_tokens"_a = nb::none(),
-          "num_reserved_tokens"_a = nb::none(), "headroom_blocks"_a = 0,
+          "num_reserved_tokens"_a = nb::none(), "headroom_blocks"_a = 0, "prompt_retention_tokens"_a = nb::none(),
+          "shared_prefix_boundary"_a = 0,
           "try_admit_external of a prompt hashed beforehand by prepare_prompt (its keys included): the admission "
           "(its coarse-page hit and headroom check too) hashes nothing, so a KV connector's admission retried while "
           "the pool is full hashes each prompt once per request. Also raises InvalidArgumentError for a prompt "

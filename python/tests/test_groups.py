@@ -264,3 +264,38 @@ def test_append_result_counts_blocks_over_groups():
     r = m.try_append(1, [5])  # a new block in each group
     assert r.ok and r.num_new_blocks == 2 and r.copy is None
     assert m.try_append(1, [6]).num_new_blocks == 0
+
+
+def test_sparse_window_retention_keeps_the_boundary_tails():
+    """CacheConfig.window_retention_interval (vLLM's prefix_cache_retention_interval): with 0 a sliding-window group
+    keeps only the blocks before each sequence's replay boundary and its shared-prefix junction, so a sibling that
+    shares only a prefix misses unless an earlier request pinned the junction there (vLLM's worked example,
+    docs/vllm-swa-retention.md section 3, at block size 4 and window 8: need = 2 blocks)."""
+    win = KVCacheGroupSpec(AttentionKind.SLIDING_WINDOW, 8)
+    a = np.arange(100, 125, dtype=np.int32)  # P = 25: replay tail ends at floor4(24) = 24 -> blocks 4, 5
+    shared = a[:16]
+    b = np.concatenate([shared, np.arange(500, 505, dtype=np.int32)])
+    c = np.concatenate([shared, np.arange(700, 705, dtype=np.int32)])
+    bufs = poisoned_buffers(2)
+
+    def run(m, seq, toks, **kw):
+        assert m.try_admit(seq, toks, **kw).status == pagedkv.AdmitStatus.ADMITTED
+        m.build_batch_metadata([seq], groups=[x.kwargs() for x in bufs])
+        m.free(seq)
+
+    for junction, c_hit in ((16, 16), (0, 0)):
+        m = make([FULL, win], window_retention_interval=0)
+        assert m.config.window_retention_interval == 0
+        run(m, 1, a)
+        assert m.query_admit(b).num_cached_tokens == 0  # full attention has 16, the window's blocks 2-3 are gone
+        run(m, 2, b, shared_prefix_boundary=junction)
+        assert m.query_admit(c).num_cached_tokens == c_hit
+        assert m.query_admit(a).num_cached_tokens == 24
+    dense = make([FULL, win])
+    assert dense.config.window_retention_interval is None
+    run(dense, 1, a)
+    assert dense.query_admit(b).num_cached_tokens == 16
+    with pytest.raises(pagedkv.InvalidArgumentError, match="shared_prefix_boundary = 26"):
+        dense.try_admit(3, a, shared_prefix_boundary=26)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="window_retention_interval = 6"):
+        make([FULL, win], window_retention_interval=6)

@@ -292,10 +292,11 @@ def test_retention_interval_accepted_as_vllms_validator():
     with pytest.raises(ValueError, match="multiple of scheduler_block_size"):
         pv.KVCacheManager(replace(swa, prefix_cache_retention_interval=6), max_model_len=64, scheduler_block_size=4,
                           hash_block_size=4)
-    for value in (0, 8):  # sparse retention of window blocks: refused with the reason and the way out
-        with pytest.raises(pv.Unsupported, match="retention_interval=None"):
-            pv.KVCacheManager(replace(swa, prefix_cache_retention_interval=value), max_model_len=64,
+    for value in (0, 8):  # sparse retention of window blocks: mapped (test_adapter_swa_retention.py)
+        m = pv.KVCacheManager(replace(swa, prefix_cache_retention_interval=value), max_model_len=64,
                               scheduler_block_size=4, hash_block_size=4)
+        assert m.coordinator.retention_interval == value
+        assert m._pk.config.window_retention_interval == value
 
 
 def _schedule_round(sched, requests):

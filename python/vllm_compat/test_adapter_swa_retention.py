@@ -1,0 +1,159 @@
+"""pagedkv.vllm under vLLM's sparse retention of sliding-window blocks (KVCacheConfig.prefix_cache_retention_interval,
+whose engine default is 0; docs/vllm-swa-retention.md), run by scripts/vllm-tests.sh in the vLLM venv.
+
+A differential run against vLLM's own KVCacheManager on random workloads (prompts sharing random prefixes of a few
+bases and of each other, chunked prefill, decode, frees, readmissions with the outputs as prompt) in a pool large
+enough never to evict, with the scheduler's part done as vLLM's does it: the lookup's third value is stored in
+`request.shared_prefix_boundary` before the admission, and `remove_skipped_blocks` runs before every growth. Every
+lookup gives the same hit and the same shared-prefix junction, every admission and growth the same number of new
+blocks per group; a final probe of every block-aligned prefix of every prompt seen gives the same hits. Layouts: full
+attention + a window (same block size, and the full group at twice it: hits aligned to 8 tokens), and a window
+alone (vLLM's unitary coordinator pins no junction); retention None, 0 and two intervals.
+"""
+
+import random
+
+import pytest
+import torch
+
+import pagedkv.vllm as pv
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+from _pairs import make_config, make_request, next_tokens
+
+init_none_hash(sha256)
+
+BS = 4
+MAX_LEN = 200
+
+
+def _full(bs):
+    return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def _swa(bs, window):
+    return SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=window)
+
+
+LAYOUTS = {
+    "full4+swa4/w8": ([_full(BS), _swa(BS, 8)], 4),
+    "full4+swa4/w13": ([_full(BS), _swa(BS, 13)], 4),
+    "full8+swa4/w6": ([_full(2 * BS), _swa(BS, 6)], 8),
+    "swa4/w9": ([_swa(BS, 9)], 4),
+}
+
+
+def _manager(cls, specs, sbs, retention):
+    cfg = make_config(4000, specs)
+    cfg.prefix_cache_retention_interval = retention
+    return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=sbs, hash_block_size=BS, enable_caching=True)
+
+
+def _lookup(ours, theirs, rid, toks):
+    """A request pair and each manager's lookup, the junction stored as vLLM's scheduler stores it."""
+    ra, rb = make_request(rid, toks, BS), make_request(rid, toks, BS)
+    ca, ha, ja = ours.get_computed_blocks(ra)
+    cb, hb, jb = theirs.get_computed_blocks(rb)
+    ra.shared_prefix_boundary, rb.shared_prefix_boundary = ja, jb
+    return ra, rb, ca, ha, ja, cb, hb, jb
+
+
+@pytest.mark.parametrize("retention", [None, 0, 1, 3])  # interval in multiples of the scheduler block size
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sparse_window_retention_differential_against_vllms_own_manager(layout, seed, retention):
+    specs, sbs = LAYOUTS[layout]
+    interval = None if retention is None else retention * sbs
+    rng = random.Random(seed * 100 + (retention if retention is not None else 9))
+    ours = _manager(pv.KVCacheManager, specs, sbs, interval)
+    theirs = _manager(VllmKVCacheManager, specs, sbs, interval)
+    bases = [[rng.randrange(40) for _ in range(rng.randrange(10, 80))] for _ in range(4)]
+    live, seen = {}, []
+    next_id = hits = junctions = readmissions = 0
+    for step in range(400):
+        op = rng.random()
+        if op < 0.3 or not live:
+            if live and rng.random() < 0.3:
+                # A preemption and readmission, as vLLM's scheduler does it: the same request, its outputs now part
+                # of what it recomputes, its prompt (request.num_prompt_tokens, the replay boundary) unchanged.
+                rid = rng.choice(sorted(live))
+                ra, rb = live.pop(rid)
+                ours.free(ra)
+                theirs.free(rb)
+                ra.num_computed_tokens = rb.num_computed_tokens = 0
+                toks = list(ra.all_token_ids)
+                ca, ha, ja = ours.get_computed_blocks(ra)
+                cb, hb, jb = theirs.get_computed_blocks(rb)
+                ra.shared_prefix_boundary, rb.shared_prefix_boundary = ja, jb
+                readmissions += ra.num_tokens > ra.num_prompt_tokens
+            else:
+                base = rng.choice(bases + [list(r[0].all_token_ids) for r in live.values()])
+                toks = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(40) for _ in range(rng.randrange(0, 12))]
+                if len(toks) >= MAX_LEN - 8:
+                    continue
+                rid = str(next_id)
+                next_id += 1
+                ra, rb, ca, ha, ja, cb, hb, jb = _lookup(ours, theirs, rid, toks)
+            seen.append(toks)
+            assert (ha, ja) == (hb, jb), f"step {step}: hit, junction {ha, ja} vs vLLM's {hb, jb} ({len(toks)} tokens)"
+            hits += ha > 0
+            junctions += ja > 0
+            chunk = rng.randrange(1, len(toks) - ha + 1)
+            a = ours.allocate_slots(ra, chunk, ha, ca)
+            b = theirs.allocate_slots(rb, chunk, hb, cb)
+            assert a is not None and b is not None, f"step {step}"
+            assert [len(x) for x in a.get_block_ids()] == [len(x) for x in b.get_block_ids()], f"step {step}"
+            ra.num_computed_tokens = rb.num_computed_tokens = ha + chunk
+            live[rid] = (ra, rb)
+        elif op < 0.85:
+            rid = rng.choice(sorted(live))
+            ra, rb = live[rid]
+            n = next_tokens(rng, ra, rb, MAX_LEN - 1, 40)
+            if n is None:
+                continue
+            theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)  # as vLLM's scheduler does each step
+            a = ours.allocate_slots(ra, n)
+            b = theirs.allocate_slots(rb, n)
+            assert a is not None and b is not None, f"step {step}"
+            assert [len(x) for x in a.get_block_ids()] == [len(x) for x in b.get_block_ids()], f"step {step}"
+            ra.num_computed_tokens += n
+            rb.num_computed_tokens += n
+        else:
+            rid = rng.choice(sorted(live))
+            ra, rb = live.pop(rid)
+            ours.free(ra)
+            theirs.free(rb)
+    for ra, rb in live.values():
+        ours.free(ra)
+        theirs.free(rb)
+    # Every block-aligned prefix of every prompt seen: the same hit (what each manager kept cached).
+    probes = 0
+    for toks in seen:
+        for n in range(sbs + 1, len(toks) + 1, sbs):
+            ra, rb, ca, ha, ja, cb, hb, jb = _lookup(ours, theirs, f"probe{probes}", toks[:n])
+            assert (ha, ja) == (hb, jb), f"probe of {n} tokens: {ha, ja} vs vLLM's {hb, jb}"
+            probes += 1
+    assert next_id > 50 and hits > 20 and probes > 100 and readmissions >= 3
+    if retention == 0 and len(specs) > 1:
+        assert junctions > 0  # the junction path ran
+
+
+def test_sparse_window_retention_refusals_name_the_reason():
+    """What is not mapped is refused by name: EAGLE, KV events, several window groups without full attention."""
+    specs = [_full(BS), _swa(BS, 8)]
+    for kw, words in (({"use_eagle": True}, "use_eagle"), ({"enable_kv_cache_events": True}, "enable_kv_cache_events")):
+        with pytest.raises(pv.Unsupported, match=words):
+            cfg = make_config(64, specs)
+            cfg.prefix_cache_retention_interval = 0
+            pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS, **kw)
+    cfg = make_config(64, [_swa(BS, 8), _swa(BS, 16)])
+    cfg.prefix_cache_retention_interval = 0
+    with pytest.raises(pv.Unsupported, match="no full-attention group"):
+        pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS)
+    # None keeps working with all of them.
+    cfg = make_config(64, specs)
+    pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS, use_eagle=True,
+                      enable_kv_cache_events=True)
