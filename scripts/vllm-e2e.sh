@@ -5,7 +5,8 @@
 # vLLM's own KVCacheManager and with scheduler_cls="pagedkv.vllm.Scheduler" (each engine in its own spawned
 # process, as a user runs it) and requires every request's generated tokens and num_cached_tokens and the engine's
 # prefix-cache counters to be identical; then a planted wrong block table (python/vllm_compat/e2e_planted.py) must
-# be caught. Last line: `vllm-e2e: PASS requests=N identical=N ...`.
+# be caught. Then the same two runs of a sliding-window hybrid on a pool that never evicts (vLLM's default
+# prefix_cache_retention_interval 0: sparse window retention). Last line: `vllm-e2e: PASS requests=N identical=N ...`.
 #   scripts/vllm-e2e.sh [BUILD_DIR]      BUILD_DIR holds the built _pagedkv (default build-python)
 # Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
 set -euo pipefail
@@ -22,5 +23,20 @@ for m in vllm pagedkv planted; do
   echo "vllm-e2e: $m engine run in $(( $(date +%s) - t )) s"
 done
 "$py" $e2e compare "$out/vllm.json" "$out/planted.json" --expect-mismatch
+# A sliding-window hybrid (its first layer a 64-token window, the second full attention, as gpt-oss and Gemma 2/3
+# alternate them) on vLLM's default engine arguments, so prefix_cache_retention_interval 0: sparse retention of the
+# window blocks and shared-prefix junctions (docs/vllm-swa-retention.md). A pool that never evicts: a window group's
+# eviction order is not vLLM's (docs/python.md), the retained blocks and every hit are.
+"$py" $e2e make "$out/model-swa" 64 >"$out/make-swa.log" 2>&1 || { tail -n 30 "$out/make-swa.log"; exit 1; }
+for m in vllm pagedkv; do
+  t=$(date +%s)
+  "$py" $e2e run "$out/model-swa" $m "$out/swa-$m.json" 2000 >"$out/swa-$m.log" 2>&1 ||
+    { tail -n 40 "$out/swa-$m.log"; echo "vllm-e2e: the sliding-window $m run failed" >&2; exit 1; }
+  echo "vllm-e2e: sliding-window $m engine run in $(( $(date +%s) - t )) s"
+done
+swa_rc=0
+"$py" $e2e compare "$out/swa-vllm.json" "$out/swa-pagedkv.json" "--label=sliding-window hybrid, retention 0" ||
+  swa_rc=1
 echo "vllm-e2e: $(( $(date +%s) - t0 )) s in all"
 "$py" $e2e compare "$out/vllm.json" "$out/pagedkv.json"
+exit $swa_rc

@@ -1,13 +1,15 @@
 """vLLM's real engine on pagedkv.vllm, end to end (scripts/vllm-e2e.sh; issue 35 item 3).
 
-  python e2e.py make MODEL_DIR                 a tiny random-weight Llama and a word-level tokenizer, made locally
-  python e2e.py run MODEL_DIR MANAGER OUT.json  vLLM's LLM on CPU (prefix caching, greedy, a small pool) with
+  python e2e.py make MODEL_DIR [WINDOW]        a tiny random-weight Llama and a word-level tokenizer, made locally
+                                               (WINDOW: its first layer a sliding window of WINDOW tokens)
+  python e2e.py run MODEL_DIR MANAGER OUT.json [NUM_BLOCKS]
+                                               vLLM's LLM on CPU (prefix caching, greedy, a small pool) with
                                                MANAGER = vllm (vLLM's own KVCacheManager), pagedkv
                                                (scheduler_cls="pagedkv.vllm.Scheduler") or planted (pagedkv with a
                                                wrong block table planted: the check must catch it); writes each
                                                request's output token ids and num_cached_tokens, the engine's
                                                prefix-cache counters and its preemption count
-  python e2e.py compare BASE.json RUN.json [--expect-mismatch]
+  python e2e.py compare BASE.json RUN.json [--expect-mismatch] [--label=TEXT]
 
 The workload: three phases of requests whose prompts share prefixes (a system prompt, per-conversation histories,
 resends of earlier prompts with their outputs), greedy sampling, 16 new tokens each, on a pool small enough that
@@ -23,7 +25,9 @@ NUM_BLOCKS = 48
 VOCAB = 512
 
 
-def make(model_dir: str) -> None:
+def make(model_dir: str, window: int = 0) -> None:
+    """The model: a Llama, or with `window` > 0 a hybrid of a sliding-window layer (that many tokens) and a
+    full-attention one, as gpt-oss and Gemma 2/3 alternate them (vLLM's Llama reads config.layer_types)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -33,6 +37,9 @@ def make(model_dir: str) -> None:
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,  # head_dim 64: CPU attention has kernels for it
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
+    if window:
+        cfg.layer_types = ["sliding_attention", "full_attention"]
+        cfg.sliding_window = window
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger weights than the default init: logits far apart, so greedy ties cannot flip
         for p in model.parameters():
@@ -62,7 +69,7 @@ def _prompts():
     return [phase1, phase2, phase3]
 
 
-def run(model_dir: str, manager: str, out_path: str) -> None:
+def run(model_dir: str, manager: str, out_path: str, num_blocks: int = NUM_BLOCKS) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -72,7 +79,7 @@ def run(model_dir: str, manager: str, out_path: str) -> None:
     elif manager == "planted":
         kw["scheduler_cls"] = "e2e_planted.PlantedScheduler"
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype="float32", block_size=BLOCK, enforce_eager=True,
-              enable_prefix_caching=True, num_gpu_blocks_override=NUM_BLOCKS, max_model_len=512, max_num_seqs=16,
+              enable_prefix_caching=True, num_gpu_blocks_override=num_blocks, max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=512, seed=0, disable_log_stats=False, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests = []
@@ -89,7 +96,7 @@ def run(model_dir: str, manager: str, out_path: str) -> None:
         json.dump({"manager": manager, "requests": requests, "counters": counters}, f)
 
 
-def compare(base_path: str, run_path: str, expect_mismatch: bool) -> int:
+def compare(base_path: str, run_path: str, expect_mismatch: bool, label: str = "") -> int:
     base, run_ = (json.load(open(p)) for p in (base_path, run_path))
     a, b = base["requests"], run_["requests"]
     identical = sum(1 for x, y in zip(a, b) if x == y) if len(a) == len(b) else 0
@@ -113,17 +120,18 @@ def compare(base_path: str, run_path: str, expect_mismatch: bool) -> int:
                 print(f"vllm-e2e: request {i} differs: vLLM {x} pagedkv {y}")
                 break
         print(f"vllm-e2e: vLLM counters {base['counters']} pagedkv {run_['counters']}")
-    print(f"vllm-e2e: {'PASS' if ok else 'FAIL'} {summary}")
+    print(f"vllm-e2e: {label}{'PASS' if ok else 'FAIL'} {summary}")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "make":
-        make(sys.argv[2])
+        make(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     elif cmd == "run":
-        run(sys.argv[2], sys.argv[3], sys.argv[4])
+        run(sys.argv[2], sys.argv[3], sys.argv[4], *(int(a) for a in sys.argv[5:6]))
     elif cmd == "compare":
-        sys.exit(compare(sys.argv[2], sys.argv[3], "--expect-mismatch" in sys.argv))
+        label = next((a.split("=", 1)[1] + ": " for a in sys.argv if a.startswith("--label=")), "")
+        sys.exit(compare(sys.argv[2], sys.argv[3], "--expect-mismatch" in sys.argv, label))
     else:
         sys.exit(__doc__)
