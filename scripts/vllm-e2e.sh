@@ -25,8 +25,9 @@ done
 "$py" $e2e compare "$out/vllm.json" "$out/planted.json" --expect-mismatch
 # A sliding-window hybrid (its first layer a 64-token window, the second full attention, as gpt-oss and Gemma 2/3
 # alternate them) on vLLM's default engine arguments, so prefix_cache_retention_interval 0: sparse retention of the
-# window blocks and shared-prefix junctions (docs/vllm-swa-retention.md). A pool that never evicts: a window group's
-# eviction order is not vLLM's (docs/python.md), the retained blocks and every hit are.
+# window blocks and shared-prefix junctions (docs/vllm-swa-retention.md). A pool that never evicts: under memory
+# pressure a window group's evictions and preemptions are not vLLM's (docs/python.md); the retained blocks and every
+# hit are.
 "$py" $e2e make "$out/model-swa" 64 >"$out/make-swa.log" 2>&1 || { tail -n 30 "$out/make-swa.log"; exit 1; }
 for m in vllm pagedkv; do
   t=$(date +%s)
