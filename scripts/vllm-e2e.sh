@@ -26,8 +26,8 @@ done
 # A sliding-window hybrid (its first layer a 64-token window, the second full attention, as gpt-oss and Gemma 2/3
 # alternate them) on vLLM's default engine arguments, so prefix_cache_retention_interval 0: sparse retention of the
 # window blocks and shared-prefix junctions (docs/vllm-swa-retention.md). A pool that never evicts: under memory
-# pressure a window group's evictions and preemptions are not vLLM's (docs/python.md); the retained blocks and every
-# hit are.
+# pressure pagedkv holds fewer blocks than vLLM (its build deduplicates the full-attention blocks a shorter window
+# hit made a request recompute), so evictions and preemptions part from vLLM's (docs/python.md).
 "$py" $e2e make "$out/model-swa" 64 >"$out/make-swa.log" 2>&1 || { tail -n 30 "$out/make-swa.log"; exit 1; }
 for m in vllm pagedkv; do
   t=$(date +%s)

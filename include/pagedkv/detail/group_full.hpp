@@ -93,7 +93,7 @@ struct FullGroup {
     if (target > released) {
       pool.apply_retention(t.blocks(), t.block_size(), q.retention.get(), q.num_prompt_tokens, released, target);
     }
-    for (std::size_t i = released; i < target; ++i) {
+    for (std::size_t i = target; i-- > released;) {  // last block first, as vLLM's remove_skipped_blocks frees them
       const Id old = t.replace_block(i, Id{0});
       if (old != Id{0}) pool.release_block(old);
     }
