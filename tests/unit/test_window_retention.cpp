@@ -7,7 +7,8 @@
 //  - [random]  random pools, windows, intervals, alignments, boundaries, chunk sizes and decode lengths: the window
 //              group registers exactly the blocks an independent oracle marks (ranges marked per boundary and per
 //              interval multiple, not the rule's modular form), whatever the chunking;
-//  - [errors]  bad options and configurations are typed errors naming the value, nothing changed.
+//  - [errors]  bad options and configurations are typed errors naming the value, nothing changed;
+//  - [release] out-of-window blocks are released last first (vLLM's order), so the cached ones are evicted in it.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -304,4 +305,34 @@ TEST_CASE("retention options and configurations: typed errors naming the value, 
   c.window_retention_alignment = 64;  // 32 is not a multiple of the alignment
   msg = pagedkv_test::expect_error([&] { Manager bad(c); }, pagedkv::Errc::kInvalidArgument);
   CHECK(msg.find("window_retention_interval = 32") != std::string::npos);
+}
+
+TEST_CASE("a window group releases its out-of-window blocks last first: the cached ones are evicted in that order",
+          "[window_retention][release]") {
+  // vLLM's SlidingWindowManager.remove_skipped_blocks frees them from the highest index down, and its block pool
+  // appends freed cached blocks to the eviction queue in that order. A 24-token prompt, window 4, block 4: blocks
+  // 0-4 leave the window at the build and stay cached; a second admission that needs them evicts block 4 first.
+  pagedkv::CacheConfig c;
+  c.num_blocks = 14;  // the null block, 6 + 1 held by sequence 1, its 5 cached window blocks, 1 free
+  c.block_size = 4;
+  c.enable_events = true;
+  c.groups.resize(2);
+  c.groups[1] = {AttentionKind::kSlidingWindow, 4, 1};
+  Manager m(c);
+  REQUIRE(m.try_admit(1, pagedkv_test::toks(100, 24), nullptr, {}).admitted());
+  step(m, 1);
+  const auto hashes = m.sequence(1).hashes;
+  std::vector<pagedkv::KVEvent> ev;
+  m.drain_events(ev);
+  ev.clear();
+  REQUIRE(m.try_admit(2, pagedkv_test::toks(500, 12), nullptr, {}).admitted());  // 6 blocks: 1 free + 5 evicted
+  m.drain_events(ev);
+  std::vector<std::size_t> order;
+  for (const auto& e : ev) {
+    if (e.type != pagedkv::KVEventType::kBlockRemoved || e.group != 1) continue;
+    for (std::size_t i = 0; i < hashes.size(); ++i) {
+      if (hashes[i] == e.hash) order.push_back(i);
+    }
+  }
+  CHECK(order == std::vector<std::size_t>{4, 3, 2, 1, 0});
 }
