@@ -95,20 +95,23 @@ struct KVCacheGroupSpec {
 /// alignment (`align` blocks). A plain value, built once per pool (GroupLayout); off = every block (dense).
 struct WindowRetention {
   bool sparse = false;      ///< The rule is on (off: every block that can serve a hit is registered).
+  bool every = false;       ///< The interval's tails cover every block: only the alignment horizon applies.
   std::uint32_t need = 0;   ///< Blocks of a tail: ceil((W - 1) / block_size).
   std::uint32_t period = 0; ///< Interval in blocks: a tail ends at each multiple (0: none, interval 0).
   std::uint32_t align = 1;  ///< Hit alignment in blocks (>= 1): boundaries are aligned down to a multiple.
 
   /// The rule for a sliding window of `window_tokens` W over blocks of `block_size` tokens, with `interval_tokens`
-  /// (a multiple of `align_tokens`, itself a multiple of block_size, > 0). Dense (sparse false) when the interval's
-  /// tails already cover every block (need >= period), as vLLM's mask is then None.
+  /// (a multiple of `align_tokens`, itself a multiple of block_size, > 0). When the interval's tails already cover
+  /// every block (need >= period) vLLM's mask is None: every block is kept (`every`), and the rule stays on only
+  /// for its horizon when the alignment is coarser than a block (sparse false otherwise: the dense loop).
   [[nodiscard]] static constexpr WindowRetention make(std::uint32_t window_tokens, std::uint32_t block_size,
                                                       std::size_t interval_tokens, std::size_t align_tokens) noexcept {
     WindowRetention r;
     r.need = window_tokens > 1 ? (window_tokens - 2) / block_size + 1 : 0;
     r.period = static_cast<std::uint32_t>(interval_tokens / block_size);
     r.align = static_cast<std::uint32_t>(std::max<std::size_t>(align_tokens / block_size, 1));
-    r.sparse = r.period == 0 || r.need < r.period;
+    r.every = r.period != 0 && r.need >= r.period;
+    r.sparse = !r.every || r.align > 1;
     return r;
   }
   /// The block index one past the tail of boundary `token` (a token position; 0 = no boundary): floor_align(token)
@@ -119,7 +122,7 @@ struct WindowRetention {
   /// Whether full block `i` is registered, for a sequence whose boundaries' tails end at blocks `end_a` and
   /// `end_b` (tail_end; 0 = none). Precondition: sparse.
   [[nodiscard]] constexpr bool keeps(std::size_t i, std::size_t end_a, std::size_t end_b) const noexcept {
-    if (period != 0 && i % period + need >= period) return true;
+    if (every || (period != 0 && i % period + need >= period)) return true;
     return (i < end_a && i + need >= end_a) || (i < end_b && i + need >= end_b);
   }
 };

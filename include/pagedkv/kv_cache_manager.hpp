@@ -1072,6 +1072,7 @@ class KVCacheManager
                                                   " is already live");
     }
     validate_prompt(prompt, keys, who, &seq);
+    check_retention_boundaries(opts, prompt.size(), who);
     hash_scratch_.clear();
     return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false, external_tokens);
   }
@@ -1086,6 +1087,7 @@ class KVCacheManager
                                                   " is already live");
     }
     check_prepared(prompt, who);
+    check_retention_boundaries(opts, prompt.tokens.size(), who);
     return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts, ready_hashes(prompt), true,
                         external_tokens);
   }
@@ -1095,16 +1097,17 @@ class KVCacheManager
     return const_cast<std::vector<BlockHash>&>(p.hashes);
   }
 
-  // AdmitOptions' retention boundaries against a prompt of `prompt_len` tokens (kInvalidArgument naming the value).
-  static void check_retention_boundaries(const AdmitOptions& opts, std::size_t prompt_len) {
+  // AdmitOptions' retention boundaries against a prompt of `prompt_len` tokens (kInvalidArgument naming the value
+  // and the call `who`).
+  static void check_retention_boundaries(const AdmitOptions& opts, std::size_t prompt_len, const char* who) {
     const std::optional<std::size_t>& p = opts.prompt_retention_tokens;
     if (p && (*p == 0 || *p > prompt_len)) {
-      detail::raise(Errc::kInvalidArgument, "try_admit: AdmitOptions.prompt_retention_tokens = " +
+      detail::raise(Errc::kInvalidArgument, std::string(who) + ": AdmitOptions.prompt_retention_tokens = " +
                                                 std::to_string(*opts.prompt_retention_tokens) + ": must be in [1, " +
                                                 std::to_string(prompt_len) + "] (the prompt's length)");
     }
     if (opts.shared_prefix_boundary > prompt_len) {
-      detail::raise(Errc::kInvalidArgument, "try_admit: AdmitOptions.shared_prefix_boundary = " +
+      detail::raise(Errc::kInvalidArgument, std::string(who) + ": AdmitOptions.shared_prefix_boundary = " +
                                                 std::to_string(opts.shared_prefix_boundary) + ": must be at most " +
                                                 std::to_string(prompt_len) + " (the prompt's length)");
     }
@@ -1118,7 +1121,6 @@ class KVCacheManager
                            std::shared_ptr<const RequestKeys> shared_keys, const AdmitOptions& opts,
                            std::vector<BlockHash>& hashes, bool hashes_ready, std::size_t external_tokens = 0) {
     if (opts.retention) validate_retention(*opts.retention, "try_admit");
-    check_retention_boundaries(opts, prompt.size());
     const AdmitPlan plan = plan_admit_into(prompt, keys, opts, hashes, hashes_ready, plan_scratch_, external_tokens);
     if (!plan.query.fits()) {
       return {static_cast<AdmitStatus>(plan.query.status), 0, 0, 0, plan.query.num_missing_blocks};

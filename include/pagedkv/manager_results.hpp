@@ -57,12 +57,12 @@ struct AdmitOptions {
   /// applied when the sequence releases its blocks (free, preempt, rewind) under a RetentionEvictionPolicy such as
   /// PriorityLruEviction, ignored under others. Shared, not copied: forks inherit it. Null = default priority.
   std::shared_ptr<const RetentionConfig> retention = nullptr;
-  /// Sparse window retention only (CacheConfig::window_retention_interval; ignored otherwise): the prompt length
-  /// whose replay boundary, token prompt_retention_tokens - 1, keeps its window tail registered. Default: the
-  /// admitted prompt's length. vLLM's `request.num_prompt_tokens`: a preempted request readmitted with its output
+  /// Sparse window retention only (CacheConfig::window_retention_interval; without it validated, then unused): the
+  /// prompt length whose replay boundary, token prompt_retention_tokens - 1, keeps its window tail registered.
+  /// Default: the admitted prompt's length. vLLM's `request.num_prompt_tokens`: a preempted request readmitted with its output
   /// tokens as prompt keeps its original prompt's boundary. In [1, prompt_len] (kInvalidArgument otherwise).
   std::optional<std::size_t> prompt_retention_tokens = std::nullopt;
-  /// Sparse window retention only: the shared-prefix junction (tokens; 0 = none), a second boundary whose window
+  /// Sparse window retention only (validated always): the shared-prefix junction (tokens; 0 = none), a second boundary whose window
   /// tail the sequence registers, so that a later request sharing the prompt up to there hits its windows too.
   /// vLLM's `Request.shared_prefix_boundary`, set when a full-attention group's cached prefix is longer than the
   /// window groups' hit (the prefix other requests share, KVCacheCoordinator.find_longest_cache_hit's third value).

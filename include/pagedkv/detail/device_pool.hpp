@@ -312,8 +312,9 @@ class DevicePool {
   /// written in an earlier step or earlier in this step's write_kv). A shared duplicate stays as it is,
   /// unregistered. A null entry, or a block that can never serve a hit under the group's `window`
   /// (block_can_serve_hit), is skipped, and so is one outside the group's sparse retention (`keep`, a
-  /// sliding-window group's WindowRetention under the sequence's boundaries; null or not sparse: none); the cursor
-  /// moves past skipped blocks all the same (vLLM's num_cached_block). `on_registered(block, hash)` runs for each
+  /// sliding-window group's WindowRetention under the sequence's boundaries; null or not sparse: none; such a
+  /// group's blocks are examined only up to a multiple of the rule's alignment, vLLM's cacheable horizon); the
+  /// cursor moves past skipped blocks all the same (vLLM's num_cached_block). `on_registered(block, hash)` runs for each
   /// block registered (the facade's write-through list). Precondition: room reserved in switched() and the event log.
   // Always inlined into the build's per-row loop, where it is hot: out of line, the view's hash_of below is no
   // longer inlined either and computes the unmixed hash it discards. A sparse rule takes its own instantiation of the
@@ -344,11 +345,14 @@ class DevicePool {
     index_view index = kOne ? index_view(index_, 0, nullptr, nullptr) : ix(g);
     BlockTable<Id>& table = kOne ? q.table : q.table_of(g);
     std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
-    const std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
+    std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
     [[maybe_unused]] std::size_t tail_a = 0, tail_b = 0;  // kSparse: where q's two boundary tails end (blocks)
     if constexpr (kSparse) {
       tail_a = rule.tail_end(q.retention_replay, block_size_);
       tail_b = rule.tail_end(q.retention_junction, block_size_);
+      // Blocks are examined only up to the hit alignment (vLLM's cacheable horizon, floor_A of the computed tokens):
+      // a block past it waits, unexamined, for the build whose horizon covers it (it may be null by then).
+      end = end / rule.align * rule.align;
     }
     for (std::size_t i = registered; i < end; ++i) {
       if (i + 1 < end) index.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
