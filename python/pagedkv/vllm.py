@@ -271,6 +271,10 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
         raise Unsupported(f"group {g} is {type(spec).__name__} (encoder tokens): pagedkv has no encoder groups")
     if isinstance(spec, SlidingWindowSpec):
+        if enable_caching and spec.sliding_window == 1:
+            raise Unsupported(f"group {g} is SlidingWindowSpec with sliding_window = 1 and prefix caching: vLLM's "
+                              "window group then caches no block but its lookup needs one, so its hits are always "
+                              "0; pagedkv's window needs none and would hit")
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.SLIDING_WINDOW, window_tokens=spec.sliding_window)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.CHUNKED_LOCAL, window_tokens=spec.attention_chunk_size)
@@ -322,11 +326,10 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                           "and enable_kv_cache_events: vLLM's BlockStored then carries the tokens of window blocks "
                           "it does not cache (not mapped: docs/vllm-swa-retention.md); "
                           "prefix_cache_retention_interval=None works")
-    swa = [sp for sp in specs if isinstance(sp, SlidingWindowSpec)]
     if len(specs) > 1 and not any(type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for sp in specs):
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with {len(swa)} "
-                          "sliding-window groups and no full-attention group: vLLM then pins the first window "
-                          "group's own hit as the shared-prefix junction (not mapped: docs/vllm-swa-retention.md)")
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
+                          "beside other groups and no full-attention group: vLLM then pins the first group's own "
+                          "hit as the shared-prefix junction (not mapped: docs/vllm-swa-retention.md)")
     return True
 
 

@@ -470,7 +470,7 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
       [](Manager& s, const PreparedPrompt& prompt, const std::vector<std::size_t>& groups, std::size_t max_tokens) {
         std::size_t run = 0;
         s.peek([&](auto& mm) {
-          if (!mm.config().enable_prefix_caching) return;
+          if (!mm.config().enable_prefix_caching || groups.empty()) return;
           const std::size_t bs = mm.block_size();
           const std::size_t cap = std::min(max_tokens, prompt.tokens.size()) / bs;
           std::size_t step = 1;  // match blocks per page: the run grows a whole page of every group at a time
