@@ -2,7 +2,7 @@
 
   python e2e.py make MODEL_DIR [WINDOW]        a tiny random-weight Llama and a word-level tokenizer, made locally
                                                (WINDOW: its first layer a sliding window of WINDOW tokens)
-  python e2e.py run MODEL_DIR MANAGER OUT.json [NUM_BLOCKS]
+  python e2e.py run MODEL_DIR MANAGER OUT.json [NUM_BLOCKS [RETENTION]]   (RETENTION: none or tokens)
                                                vLLM's LLM on CPU (prefix caching, greedy, a small pool) with
                                                MANAGER = vllm (vLLM's own KVCacheManager), pagedkv
                                                (scheduler_cls="pagedkv.vllm.Scheduler") or planted (pagedkv with a
@@ -69,7 +69,7 @@ def _prompts():
     return [phase1, phase2, phase3]
 
 
-def run(model_dir: str, manager: str, out_path: str, num_blocks: int = NUM_BLOCKS) -> None:
+def run(model_dir: str, manager: str, out_path: str, num_blocks: int = NUM_BLOCKS, retention: str = "") -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -78,6 +78,8 @@ def run(model_dir: str, manager: str, out_path: str, num_blocks: int = NUM_BLOCK
         kw["scheduler_cls"] = "pagedkv.vllm.Scheduler"
     elif manager == "planted":
         kw["scheduler_cls"] = "e2e_planted.PlantedScheduler"
+    if retention:  # vLLM's prefix_cache_retention_interval ("none" or tokens); default: vLLM's (0)
+        kw["prefix_cache_retention_interval"] = None if retention == "none" else int(retention)
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype="float32", block_size=BLOCK, enforce_eager=True,
               enable_prefix_caching=True, num_gpu_blocks_override=num_blocks, max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=512, seed=0, disable_log_stats=False, **kw)
@@ -129,7 +131,7 @@ if __name__ == "__main__":
     if cmd == "make":
         make(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
     elif cmd == "run":
-        run(sys.argv[2], sys.argv[3], sys.argv[4], *(int(a) for a in sys.argv[5:6]))
+        run(sys.argv[2], sys.argv[3], sys.argv[4], *(int(a) for a in sys.argv[5:6]), *sys.argv[6:7])
     elif cmd == "compare":
         label = next((a.split("=", 1)[1] + ": " for a in sys.argv if a.startswith("--label=")), "")
         sys.exit(compare(sys.argv[2], sys.argv[3], "--expect-mismatch" in sys.argv, label))
