@@ -8,9 +8,11 @@ one pagedkv sequence per vLLM request and translates each call (docs/python.md, 
 
 - ``get_computed_blocks``: ``prepare_prompt`` of the request's known tokens (hashed once, kept for its admission),
   then one call for the hit (pure, as vLLM's) and its blocks from the groups' prefix indexes, block 0 (vLLM's null
-  block) where a windowed group holds none;
+  block) where a windowed group holds none; under vLLM's sparse retention of window blocks (its default
+  ``prefix_cache_retention_interval`` 0) one more for the shared-prefix junction it returns third;
 - ``allocate_slots`` of a new or resumed request: one call (``_vllm_admit``): ``query_admit`` of the kept prompt,
-  ``try_admit`` with ``max_cached_tokens`` = the hit the scheduler accepted and ``num_reserved_tokens`` = the chunk,
+  ``try_admit`` with ``max_cached_tokens`` = the hit the scheduler accepted and ``num_reserved_tokens`` = the chunk
+  (and the request's retention boundaries: its original prompt length and ``shared_prefix_boundary``),
   ``try_reserve_lookahead`` for slots past the known tokens, the build; of a running one: a decode token that needs
   no block and fills none is answered from the adapter's mirror alone (no crossing: pagedkv gets the token with the
   request's next growth, which the token that fills the block or needs a new one makes); otherwise
