@@ -96,13 +96,14 @@ LAYOUTS = {
 }
 
 
-def _manager(cls, num_blocks, specs):
+def _manager(cls, num_blocks, specs, retention=None):
+    cfg = make_config(num_blocks, specs)
+    cfg.prefix_cache_retention_interval = retention  # 0: vLLM's engine default (sparse window retention)
     if any(isinstance(s, MambaSpec) for s in specs):  # vLLM's block sizes with a mode-'none' Mamba group
-        return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=MAX_LEN,
-                   hash_block_size=MAX_LEN, enable_caching=False)
+        return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=MAX_LEN, hash_block_size=MAX_LEN,
+                   enable_caching=False)
     lcm = math.lcm(*(s.block_size for s in specs))  # vLLM's hit alignment with groups of different block sizes
-    return cls(make_config(num_blocks, specs), max_model_len=MAX_LEN, scheduler_block_size=lcm, hash_block_size=BS,
-               enable_caching=True)
+    return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=lcm, hash_block_size=BS, enable_caching=True)
 
 
 def _request(rid, tokens):
@@ -122,14 +123,24 @@ def _nulls(ids):
     return [j for j, b in enumerate(ids) if b == 0]
 
 
+@pytest.mark.parametrize("retention", [None, 0])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_connector_loads_differential_against_vllms_own_manager(layout, seed):
+def test_connector_loads_differential_against_vllms_own_manager(layout, seed, retention, request):
     rng = random.Random(seed * 7919 + len(layout))
     specs = LAYOUTS[layout]
+    if retention is not None and not any(isinstance(sp, SlidingWindowSpec) for sp in specs):
+        pytest.skip("prefix_cache_retention_interval 0 changes nothing without a sliding-window group")
+    if (layout, seed, retention) == ("full+swa7+local12", 1, 0):
+        # Found in session 45, not analysed yet (docs/vllm-swa-retention.md section 7): at step 340 pagedkv hits 20
+        # tokens where vLLM hits 12 (a window block pagedkv registered after connector loads and vLLM did not).
+        # strict: the run fails once this passes, so the note goes with it.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="known divergence under sparse window retention "
+                                                                   "with connector loads"))
     mamba = [g for g, sp in enumerate(specs) if isinstance(sp, MambaSpec)]
     nblocks = 4000
-    ours, theirs = _manager(pv.KVCacheManager, nblocks, specs), _manager(VllmKVCacheManager, nblocks, specs)
+    ours = _manager(pv.KVCacheManager, nblocks, specs, retention)
+    theirs = _manager(VllmKVCacheManager, nblocks, specs, retention)
     bases = [[rng.randrange(40) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
     live = {}  # rid -> [request for ours, request for theirs, waiting for its async load]
     whole = set()  # requests whose async load covered the whole prompt
