@@ -132,11 +132,12 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed, re
     if retention is not None and not any(isinstance(sp, SlidingWindowSpec) for sp in specs):
         pytest.skip("prefix_cache_retention_interval 0 changes nothing without a sliding-window group")
     if (layout, seed, retention) == ("full+swa7+local12", 1, 0):
-        # Found in session 45, not analysed further (docs/vllm-swa-retention.md section 7): at step 340 pagedkv hits
-        # 20 tokens where vLLM hits 12 (the window group's block 3 cached in pagedkv, not in vLLM; no whole-prompt
-        # load among the requests sharing it). strict: the run fails once this passes, so the note goes with it.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a window block pagedkv caches and vLLM "
-                                                                   "does not, under sparse retention"))
+        # At step 340 pagedkv hits 20 tokens where vLLM hits 12 (docs/vllm-swa-retention.md section 7): request 79's
+        # whole-prompt load (P = 22) leaves pagedkv's first query at token 21, whose window reads block 3, which
+        # vLLM pads null (its first query at 22); block 3 is in the replay tail, so only pagedkv registers it.
+        # strict: the run fails once this passes, so the note goes with it.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="a whole-prompt load's window block pagedkv "
+                                                                   "keeps and vLLM pads, retained"))
     mamba = [g for g, sp in enumerate(specs) if isinstance(sp, MambaSpec)]
     nblocks = 4000
     ours = _manager(pv.KVCacheManager, nblocks, specs, retention)
