@@ -451,8 +451,8 @@ class ExternalKvCalls {
                                          const AdmitOptions& opts, std::size_t headroom_blocks) {
     auto& m = self();
     // Bad retention boundaries are an error before the headroom answer (which changes nothing either way).
-    m.check_retention_boundaries(opts, prepared != nullptr ? prepared->tokens.size() : prompt.size(),
-                                 "try_admit_external");
+    detail::check_retention_boundaries(opts, prepared != nullptr ? prepared->tokens.size() : prompt.size(),
+                                       "try_admit_external");
     // Every hit block counted as if cached (conservative); a duplicate id is try_admit's error, not "no room".
     if (headroom_blocks != 0 && !prompt.empty() && !m.seqs_.contains(seq) && !m.swapped_.contains(seq)) {
       const auto short_by = headroom_short(prompt, keys, prepared, num_external_tokens, opts, headroom_blocks);

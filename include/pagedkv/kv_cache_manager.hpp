@@ -1072,7 +1072,7 @@ class KVCacheManager
                                                   " is already live");
     }
     validate_prompt(prompt, keys, who, &seq);
-    check_retention_boundaries(opts, prompt.size(), who);
+    detail::check_retention_boundaries(opts, prompt.size(), who);
     hash_scratch_.clear();
     return admit_prompt(seq, prompt, keys, nullptr, opts, hash_scratch_, false, external_tokens);
   }
@@ -1087,7 +1087,7 @@ class KVCacheManager
                                                   " is already live");
     }
     check_prepared(prompt, who);
-    check_retention_boundaries(opts, prompt.tokens.size(), who);
+    detail::check_retention_boundaries(opts, prompt.tokens.size(), who);
     return admit_prompt(seq, prompt.tokens, prompt.keys.get(), prompt.keys, opts, ready_hashes(prompt), true,
                         external_tokens);
   }
@@ -1095,22 +1095,6 @@ class KVCacheManager
   // read (a retried admission copies nothing).
   static std::vector<BlockHash>& ready_hashes(const PreparedPrompt& p) noexcept {
     return const_cast<std::vector<BlockHash>&>(p.hashes);
-  }
-
-  // AdmitOptions' retention boundaries against a prompt of `prompt_len` tokens (kInvalidArgument naming the value
-  // and the call `who`).
-  static void check_retention_boundaries(const AdmitOptions& opts, std::size_t prompt_len, const char* who) {
-    const std::optional<std::size_t>& p = opts.prompt_retention_tokens;
-    if (p && (*p == 0 || *p > prompt_len)) {
-      detail::raise(Errc::kInvalidArgument, std::string(who) + ": AdmitOptions.prompt_retention_tokens = " +
-                                                std::to_string(*opts.prompt_retention_tokens) + ": must be in [1, " +
-                                                std::to_string(prompt_len) + "] (the prompt's length)");
-    }
-    if (opts.shared_prefix_boundary > prompt_len) {
-      detail::raise(Errc::kInvalidArgument, std::string(who) + ": AdmitOptions.shared_prefix_boundary = " +
-                                                std::to_string(opts.shared_prefix_boundary) + ": must be at most " +
-                                                std::to_string(prompt_len) + " (the prompt's length)");
-    }
   }
 
   // Admit a validated prompt whose block hashes are `hashes` (all of them if `hashes_ready`, read only; else an

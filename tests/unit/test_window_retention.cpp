@@ -87,14 +87,20 @@ std::vector<TokenId> concat(std::vector<TokenId> a, const std::vector<TokenId>& 
   return a;
 }
 
+// The prompts of vLLM's worked example: A = tokens 100..199 (P = 100); B = A's first 64 + 20 others; C = A's first
+// 64 + 20 others (not B's).
+struct Example {
+  std::vector<TokenId> A = pagedkv_test::toks(100, 100);
+  std::vector<TokenId> shared = std::vector<TokenId>(A.begin(), A.begin() + 64);
+  std::vector<TokenId> B = concat(shared, pagedkv_test::toks(500, 20));
+  std::vector<TokenId> C = concat(shared, pagedkv_test::toks(700, 20));
+};
+
 }  // namespace
 
 TEST_CASE("retention 0: vLLM's worked example (the replay tail, the junction, the hits)", "[window_retention][vllm]") {
-  // A = tokens 100..199 (P = 100); B = A's first 64 + 20 others; C = A's first 64 + 20 others (not B's).
-  const auto A = pagedkv_test::toks(100, 100);
-  const auto shared = std::vector<TokenId>(A.begin(), A.begin() + 64);
-  const auto B = concat(shared, pagedkv_test::toks(500, 20));
-  const auto C = concat(shared, pagedkv_test::toks(700, 20));
+  const Example e;
+  const auto& [A, shared, B, C] = e;
 
   SECTION("with B's junction pinned, as vLLM's scheduler stores it") {
     Manager m(fa_swa(0));
@@ -145,10 +151,8 @@ TEST_CASE("retention 0: vLLM's worked example (the replay tail, the junction, th
 }
 
 TEST_CASE("retention 64 and unset: vLLM's worked example", "[window_retention][vllm]") {
-  const auto A = pagedkv_test::toks(100, 100);
-  const auto shared = std::vector<TokenId>(A.begin(), A.begin() + 64);
-  const auto B = concat(shared, pagedkv_test::toks(500, 20));
-  const auto C = concat(shared, pagedkv_test::toks(700, 20));
+  const Example e;
+  const auto& [A, shared, B, C] = e;
   SECTION("64: the segment tail {2, 3} and the replay tail {4, 5}; B and C hit 64 with no junction") {
     Manager m(fa_swa(64));
     run(m, 1, A, 0, 3);
@@ -183,12 +187,11 @@ TEST_CASE("retention 0 in a window-only pool: each request keeps its replay tail
   c.groups = {{AttentionKind::kSlidingWindow, 32, 1}};
   c.window_retention_interval = 0;
   Manager m(c);
-  const auto A = pagedkv_test::toks(100, 100);
-  const auto shared = std::vector<TokenId>(A.begin(), A.begin() + 64);
+  const Example e;
+  const auto& [A, shared, B, C] = e;
   run(m, 1, A, 0, 3);
   CHECK(cached_blocks(m, 1, 0) == std::set<std::size_t>{4, 5});
   m.free(1);
-  const auto B = concat(shared, pagedkv_test::toks(500, 20));
   CHECK(hit_of(m, B) == 0);
   run(m, 2, B, 0, 3);
   CHECK(cached_blocks(m, 2, 0) == std::set<std::size_t>{3, 4});

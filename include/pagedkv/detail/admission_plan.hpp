@@ -8,11 +8,14 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include <pagedkv/cache_config.hpp>     // CacheConfig
 #include <pagedkv/detail/hit_search.hpp>
+#include <pagedkv/error.hpp>          // raise
 #include <pagedkv/external_kv.hpp>      // importable_tokens
 #include <pagedkv/group_policy.hpp>     // GroupLayout, visit_group
 #include <pagedkv/hash.hpp>             // BlockHash, TokenId
@@ -21,6 +24,23 @@
 #include <pagedkv/stats.hpp>            // CacheStats, PrefixCacheStats
 
 namespace pagedkv::detail {
+
+/// An admission's sparse window retention boundaries (AdmitOptions::prompt_retention_tokens, shared_prefix_boundary)
+/// against a prompt of `prompt_len` tokens: throws kInvalidArgument naming the call `who`, the field and the value.
+/// Checked on every admission (try_admit, try_admit_external), before anything changes.
+inline void check_retention_boundaries(const AdmitOptions& opts, std::size_t prompt_len, const char* who) {
+  const std::optional<std::size_t>& p = opts.prompt_retention_tokens;
+  if (p && (*p == 0 || *p > prompt_len)) {
+    raise(Errc::kInvalidArgument, std::string(who) + ": AdmitOptions.prompt_retention_tokens = " +
+                                      std::to_string(*p) + ": must be in [1, " + std::to_string(prompt_len) +
+                                      "] (the prompt's length)");
+  }
+  if (opts.shared_prefix_boundary > prompt_len) {
+    raise(Errc::kInvalidArgument, std::string(who) + ": AdmitOptions.shared_prefix_boundary = " +
+                                      std::to_string(opts.shared_prefix_boundary) + ": must be at most " +
+                                      std::to_string(prompt_len) + " (the prompt's length)");
+  }
+}
 
 /// The blocks after a hit of `k` match blocks that group g of an admission taking `external_tokens` more prompt
 /// tokens from a fill (KVCacheManager::try_admit_external) does not take: a window group's blocks wholly before the
