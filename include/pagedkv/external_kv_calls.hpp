@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <pagedkv/config.hpp>
+#include <pagedkv/detail/admission_plan.hpp>  // check_retention_boundaries
 #include <pagedkv/detail/external_kv.hpp>
 #include <pagedkv/detail/external_kv_handoff.hpp>
 #include <pagedkv/detail/hit_search.hpp>
