@@ -78,7 +78,9 @@ struct CacheConfig {
   /// ceil((W - 1) / block_size) blocks ending at each multiple of I (none for I = 0) and at each sequence's
   /// retention boundaries (its replay boundary, prompt length - 1, and its shared-prefix junction: AdmitOptions),
   /// aligned down to window_retention_alignment (WindowRetention). Fewer window blocks stay cached; a hit that does
-  /// not end at such a point misses the window group. Full-attention, chunked-local, coarse and recurrent groups are
+  /// not end at such a point misses the window group. A recurrent group with its states in its table
+  /// (KVCacheGroupSpec::state_in_table, vLLM's Mamba 'align') follows the same rule with one block per landing point
+  /// (vLLM's MambaManager.reachable_block_mask). Full-attention, chunked-local, coarse and other recurrent groups are
   /// unaffected. I must be a multiple of the alignment.
   std::optional<std::size_t> window_retention_interval = std::nullopt;
   /// Tokens the retention boundaries align down to (vLLM's hit alignment, the scheduler block size: an engine whose
@@ -91,7 +93,8 @@ namespace detail {
 /// `c` if it is a valid configuration with at most `max_groups` groups, else throws kInvalidArgument (num_blocks < 2,
 /// a block_size outside [1, kMaxBlockSize], num_host_blocks = 1, too many groups, a full group with window_tokens
 /// != 0, a windowed or recurrent group with window_tokens 0 or > 2^31 - 1, a recurrent group 0 or with a checkpoint
-/// interval not a multiple of block_size, state_bytes on a non-recurrent group, a group block_size other than 0 or
+/// interval not a multiple of block_size, state_bytes / last_checkpoint / state_in_table on a non-recurrent group,
+/// state_in_table with window_tokens other than block_size or with last_checkpoint, a group block_size other than 0 or
 /// block_size that is not a multiple of it, on group 0, on a non-full group or with a host tier, num_layers 0, pool
 /// bytes overflowing size_t) or
 /// kLimitExceeded (num_blocks > 2^31, max_tokens_per_seq > 2^31 - 1, num_host_blocks > 2^31: the int32 batch
@@ -156,9 +159,19 @@ namespace detail {
                                                   "block size " + std::to_string(c.block_size) +
                                                   " (a checkpoint is keyed by the hash of the block that ends there)");
       }
-    } else if (s.state_bytes != 0 || s.last_checkpoint) {
-      detail::raise(Errc::kInvalidArgument, who + (s.last_checkpoint ? ".last_checkpoint = true" : ".state_bytes = " +
-                                                   std::to_string(s.state_bytes)) +
+      if (s.state_in_table && (s.window_tokens != c.block_size || s.last_checkpoint)) {
+        detail::raise(Errc::kInvalidArgument,
+                      who + ".state_in_table with " +
+                          (s.last_checkpoint ? std::string("last_checkpoint = true: the table holds the last state "
+                                                           "already (use one of the two)")
+                                             : "window_tokens = " + std::to_string(s.window_tokens) +
+                                                   ": must be the block size " + std::to_string(c.block_size) +
+                                                   " (a state can be kept at every block boundary a step ends on)"));
+      }
+    } else if (s.state_bytes != 0 || s.last_checkpoint || s.state_in_table) {
+      detail::raise(Errc::kInvalidArgument, who + (s.last_checkpoint  ? ".last_checkpoint = true"
+                                                   : s.state_in_table ? ".state_in_table = true"
+                                                                      : ".state_bytes = " + std::to_string(s.state_bytes)) +
                                                 ": only a recurrent group has a state");
     }
     if (s.block_size != 0 && s.block_size != c.block_size) {  // a coarse page (docs/groups.md, "Coarse pages")

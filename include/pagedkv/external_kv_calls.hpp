@@ -17,6 +17,7 @@
 #include <pagedkv/detail/admission_plan.hpp>  // check_retention_boundaries
 #include <pagedkv/detail/external_kv.hpp>
 #include <pagedkv/detail/external_kv_handoff.hpp>
+#include <pagedkv/detail/group_state_table.hpp>  // refuse_state_table
 #include <pagedkv/detail/hit_search.hpp>
 #include <pagedkv/error.hpp>
 #include <pagedkv/external_kv.hpp>
@@ -264,6 +265,7 @@ class ExternalKvCalls {
                                           std::optional<ExternalTimePoint> lease_deadline) {
     auto& m = self();
     const sequence_type& q = m.live(seq, "finish_with_lease");
+    detail::refuse_state_table(m.layout_, "finish_with_lease", seq);
     detail::check_pool_layout(m.config_, layout, "finish_with_lease: this pool vs `layout`");
     ext_.check_settled(seq, m.settled(q), "finish_with_lease");
     auto ids = detail::block_identities(q.tokens, q.hashes, q.keys && !q.keys->empty(), m.config_.block_size, layout,
@@ -451,6 +453,7 @@ class ExternalKvCalls {
                                          const PreparedPrompt* prepared, std::size_t num_external_tokens,
                                          const AdmitOptions& opts, std::size_t headroom_blocks) {
     auto& m = self();
+    detail::refuse_state_table(m.layout_, "try_admit_external", seq);
     // Bad retention boundaries are an error before the headroom answer (which changes nothing either way).
     detail::check_retention_boundaries(opts, prepared != nullptr ? prepared->tokens.size() : prompt.size(),
                                        "try_admit_external");

@@ -47,6 +47,14 @@ enum class AttentionKind : std::uint8_t {
 /// end of its prompt, or of its answer): one more block per running sequence, rewritten in place whenever a build
 /// crosses a block boundary, registered as a checkpoint when the sequence is freed or preempted (vLLM's `align`
 /// mode keeps such a checkpoint, at its block size, and nothing else).
+/// `state_in_table`: kRecurrent only, vLLM's `mamba_cache_mode = 'align'` layout (docs/vllm-mamba-align.md): no
+/// working state apart; the group's table is indexed by position, and the state after a step that ends at token n
+/// lives in the table's block at logical block ceil(n / block_size) - 1. A growth that enters a new logical block
+/// takes one block there (the blocks between stay null) and the next build reads the previous one as its state_in;
+/// a build that ends exactly at a block boundary registers that block as the checkpoint there (so states are kept
+/// only where steps ended: chunk ends, decode steps that fill a block). window_tokens must be the block size.
+/// Refused with it (typed errors): lookahead slots, mark_checkpoint, swap preemption, rewind, external KV, and a
+/// build that computes only part of a sequence's slotted positions.
 /// `block_size`: tokens per block of this group's pages; 0 = the pool's CacheConfig::block_size (the match unit:
 /// block hashes, hits and registration stay at that unit). A coarser page (kFull only; a multiple of the match unit,
 /// e.g. a compressed or indexer group at 64 or 128 tokens beside attention at 16, DeepSeek-V4) keeps its own block
@@ -59,9 +67,12 @@ struct KVCacheGroupSpec {
   std::size_t state_bytes = 0;
   bool last_checkpoint = false;
   std::uint32_t block_size = 0;
+  bool state_in_table = false;
 
   /// Whether this is a recurrent-state group.
   [[nodiscard]] constexpr bool recurrent() const noexcept { return kind == AttentionKind::kRecurrent; }
+  /// Whether this is a recurrent group in vLLM's 'align' layout (state_in_table).
+  [[nodiscard]] constexpr bool states_in_table() const noexcept { return recurrent() && state_in_table; }
   /// The checkpoint interval of a recurrent group (tokens); 0 for the other kinds.
   [[nodiscard]] constexpr std::uint32_t checkpoint_interval() const noexcept { return recurrent() ? window_tokens : 0; }
 
@@ -137,6 +148,7 @@ struct GroupLayout {
   bool simple = true;                        ///< One full-attention group: the plain pool's fast paths (kOne).
   bool any_coarse = false;                   ///< A group's pages are coarser than the match unit.
   bool any_recurrent = false;                ///< A recurrent-state group exists (no swap, no lookahead).
+  bool any_state_table = false;              ///< A recurrent group keeps its states in its table (state_in_table).
   std::uint32_t block_size = 0;              ///< The match unit (tokens): CacheConfig::block_size.
   std::vector<AttentionWindow> windows;      ///< [G] the hit rule's window (KVCacheGroupSpec::hit_window).
   std::vector<std::uint32_t> page_tokens;    ///< [G] tokens per block of each group's pages.
@@ -160,21 +172,24 @@ struct GroupLayout {
       specs.push_back(g);
       windows.push_back(g.hit_window());
       any_recurrent = any_recurrent || g.recurrent();
+      any_state_table = any_state_table || g.states_in_table();
       page_tokens.push_back(g.block_size != 0 ? g.block_size : match_block_size);
       any_coarse = any_coarse || page_tokens.back() != match_block_size;
       page_factors.push_back(page_tokens.back() / match_block_size);
     }
   }
 
-  /// Turn sparse retention on for every sliding-window group: an interval of `interval_tokens` (0: boundaries
-  /// only) with boundaries aligned down to `align_tokens` (0: the match unit). Preconditions: as
-  /// CacheConfig::window_retention_interval (validate_cache_config). A group whose rule is dense keeps it off.
+  /// Turn sparse retention on for every sliding-window group and every recurrent group with its states in its table
+  /// (the rule of a 2-token window: one block per landing point, vLLM's MambaManager.reachable_block_mask): an
+  /// interval of `interval_tokens` (0: boundaries only) with boundaries aligned down to `align_tokens` (0: the
+  /// match unit). Preconditions: as CacheConfig::window_retention_interval (validate_cache_config). A group whose
+  /// rule is dense keeps it off.
   void set_window_retention(std::size_t interval_tokens, std::size_t align_tokens) {
     retention.assign(num_groups, WindowRetention{});
     bool any = false;
     for (std::size_t g = 0; g < num_groups; ++g) {
-      if (specs[g].kind != AttentionKind::kSlidingWindow) continue;
-      retention[g] = WindowRetention::make(specs[g].window_tokens, block_size, interval_tokens,
+      if (specs[g].kind != AttentionKind::kSlidingWindow && !specs[g].states_in_table()) continue;
+      retention[g] = WindowRetention::make(static_cast<std::uint32_t>(windows[g].sliding_window_tokens), block_size, interval_tokens,
                                            align_tokens != 0 ? align_tokens : block_size);
       any = any || retention[g].sparse;
     }
@@ -192,6 +207,14 @@ struct GroupLayout {
   [[nodiscard]] std::size_t coarse_factor(std::size_t g) const noexcept { return page_tokens[g] / block_size; }
   /// Whether group g is a recurrent-state group (AttentionKind::kRecurrent). Precondition: g < num_groups.
   [[nodiscard]] bool is_recurrent(std::size_t g) const noexcept { return specs[g].recurrent(); }
+  /// Whether group g keeps its states in its table (KVCacheGroupSpec::state_in_table). Precondition: g < num_groups.
+  [[nodiscard]] bool is_state_table(std::size_t g) const noexcept { return any_state_table && specs[g].state_in_table; }
+  /// Whether group g registers its blocks by its own rule, not DevicePool::register_blocks' loop: coarse pages
+  /// (DevicePool::register_coarse) and states in a table (RecurrentGroup::register_states). Precondition: g <
+  /// num_groups.
+  [[nodiscard]] bool registers_apart(std::size_t g) const noexcept {
+    return (any_coarse && page_tokens[g] != block_size) || is_state_table(g);
+  }
   /// The groups a loop compiled for `kOne` visits: 1 (statically group 0, the one full-attention group of a simple
   /// layout) or num_groups.
   template <bool kOne>
@@ -229,6 +252,8 @@ template <class Id>
   r.interval = layout.specs[g].window_tokens;
   r.prefix_caching = layout.prefix_caching;
   r.last_checkpoint = layout.specs[g].last_checkpoint;
+  r.in_table = layout.specs[g].state_in_table;
+  r.retention = layout.retention_of(g);
   return r;
 }
 

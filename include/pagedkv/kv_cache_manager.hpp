@@ -300,6 +300,7 @@ class KVCacheManager
   /// gone); kLimitExceeded (pos beyond the positions with slots, or inside lookahead slots); nothing changes then.
   AppendStatus mark_checkpoint(SeqId seq, std::size_t pos) {
     sequence_type& q = live(seq, "mark_checkpoint");
+    detail::refuse_state_table(layout_, "mark_checkpoint", seq);
     const std::size_t bs = config_.block_size;
     const auto bad = [&](Errc c, const std::string& why) {
       detail::raise(c, "mark_checkpoint: sequence " + std::to_string(seq) + ", position " + std::to_string(pos) +
@@ -343,6 +344,7 @@ class KVCacheManager
   /// kInvalidArgument (prompt tokens without slots, or lookahead already outstanding: commit it first).
   AppendResult<Id> try_reserve_lookahead(SeqId seq, std::size_t k) {
     sequence_type& q = live(seq, "try_reserve_lookahead");
+    detail::refuse_state_table(layout_, "try_reserve_lookahead", seq);
     check_growable(q, seq, k, "try_reserve_lookahead");
     if (k == 0) return {AppendStatus::kOk, {}, std::nullopt, 0};
     const CapacityQuery cq = query_growth(q, k, k);
@@ -478,6 +480,7 @@ class KVCacheManager
       return true;
     }
     sequence_type& q = live(seq, "preempt");
+    detail::refuse_state_table(layout_, "preempt (swap)", seq);
     if (!host_) detail::raise(Errc::kInvalidArgument, "preempt: swapping sequence " + std::to_string(seq) +
                                                           " needs a host tier (CacheConfig.num_host_blocks)");
     if (!settled(q)) {
@@ -589,6 +592,7 @@ class KVCacheManager
   /// changes then.
   void rewind(SeqId seq, std::size_t n) {
     sequence_type& q = live(seq, "rewind");
+    if (n != 0) detail::refuse_state_table(layout_, "rewind", seq);
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(std::span<const SeqId>(&seq, 1), "rewind");  // external KV
     const std::size_t length = q.num_known() + q.num_lookahead;
     if (n > length) {

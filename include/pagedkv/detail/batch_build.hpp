@@ -95,6 +95,13 @@ class BatchBuild {
         fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " is scheduled " + std::to_string(q_len) +
                                          " tokens but has " + std::to_string(q.num_pending()) + " pending slots");
       }
+      if (!kOne && layout.any_state_table && q_len != 0 && q_len != q.num_pending()) [[unlikely]] {
+        fail(Errc::kInvalidArgument, "sequence " + std::to_string(id) + " is scheduled " + std::to_string(q_len) +
+                                         " of its " + std::to_string(q.num_pending()) +
+                                         " pending slots: a recurrent group with its states in its table "
+                                         "(state_in_table, vLLM's Mamba 'align') builds each growth whole (its "
+                                         "state goes to the block where the growth ends)");
+      }
       qlen_scratch_.push_back(static_cast<std::uint32_t>(q_len));
       ++b_in;
       const std::size_t seq_len = q.num_built + q_len;
@@ -200,8 +207,12 @@ class BatchBuild {
         std::size_t& blk = sizes_out[g].num_indices;
         std::size_t& tok = sizes_out[g].num_new_tokens;
         pool.switched().clear();
-        if (!kOne && layout.is_coarse(g)) {  // (the dispatch here keeps DevicePool::register_blocks inlined)
-          pool.register_coarse(q, g, layout.coarse_factor(g));
+        if (!kOne && layout.registers_apart(g)) {  // (the dispatch here keeps DevicePool::register_blocks inlined)
+          if (layout.is_state_table(g)) {
+            detail::recurrent_group<Id>(layout, g).table().register_states(pool, q, seq_len, on_registered);
+          } else {
+            pool.register_coarse(q, g, layout.coarse_factor(g));
+          }
         } else {
           pool.template register_blocks<kOne>(q, g, layout.windows[g], rules != nullptr ? rules + g : nullptr,
                                               on_registered);

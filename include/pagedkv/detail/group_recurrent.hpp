@@ -18,6 +18,7 @@
 #include <pagedkv/batch_metadata.hpp>
 #include <pagedkv/block_table.hpp>
 #include <pagedkv/detail/group_full.hpp>
+#include <pagedkv/detail/group_state_table.hpp>
 #include <pagedkv/detail/metadata_writer.hpp>
 #include <pagedkv/group_policy.hpp>
 #include <pagedkv/sequence_state.hpp>
@@ -40,6 +41,11 @@ struct RecurrentGroup : FullGroup<Id> {
   std::size_t interval = 0;
   bool prefix_caching = false;
   bool last_checkpoint = false;
+  bool in_table = false;          ///< KVCacheGroupSpec::state_in_table: the hooks forward to table() where they differ.
+  WindowRetention retention{};    ///< The group's sparse retention (in_table only; GroupLayout::retention_of).
+
+  /// The table rules of a group with its states in its table (detail/group_state_table.hpp).
+  [[nodiscard]] StateTable<Id> table() const noexcept { return {g, block_size, prefix_caching, retention}; }
 
   /// The window of the hit and registration rules (KVCacheGroupSpec::hit_window): a sliding window of 2 tokens, so
   /// a hit of k blocks needs the checkpoint kept with block k - 1 only.
@@ -52,10 +58,11 @@ struct RecurrentGroup : FullGroup<Id> {
   /// blocks and the checkpoints the reservation completes.
   template <class Pool>
   [[nodiscard]] std::size_t admit_need(const Pool&, std::size_t k, std::size_t reserved, std::span<const Id>) const {
+    if (in_table) return reserved != 0 ? 1 : 0;  // the block where the reservation ends
     return state_blocks() + checkpoints_between(k * block_size, k * block_size + reserved);
   }
-  /// Blocks a prompt needs in this group at least: its state blocks.
-  [[nodiscard]] std::size_t min_need(std::size_t) const noexcept { return state_blocks(); }
+  /// Blocks a prompt needs in this group at least: its state blocks (in_table: the block of its end).
+  [[nodiscard]] std::size_t min_need(std::size_t) const noexcept { return in_table ? 1 : state_blocks(); }
   /// The admission's hit: the full kind's; every checkpoint before the hit's last one counts released.
   void take_hit(sequence_type& q, std::span<const Id> hit, bool simple) const {
     base::take_hit(q, hit, simple);
@@ -71,6 +78,10 @@ struct RecurrentGroup : FullGroup<Id> {
   /// working state yet: a commit_lookahead that accepted nothing built).
   template <class Pool>
   void release(Pool& pool, sequence_type& q, std::size_t committed) const {
+    if (in_table) {  // every block before the one holding the state at `committed` (vLLM's remove_skipped_blocks)
+      if (committed != 0) base::release_before(pool, q, g, table().column(committed));
+      return;
+    }
     const std::size_t kept = !q.other_groups[g - 1].state_valid && committed > 0 ? 1 : 0;
     base::release_before(pool, q, g, committed / block_size - kept);
   }
@@ -83,12 +94,13 @@ struct RecurrentGroup : FullGroup<Id> {
 
   /// Whether the group keeps the state at each sequence's last block boundary (KVCacheGroupSpec::last_checkpoint).
   [[nodiscard]] bool keeps_last() const noexcept { return prefix_caching && last_checkpoint; }
-  /// Blocks a sequence holds in this group whatever its length: its working state and its last checkpoint.
-  [[nodiscard]] std::size_t state_blocks() const noexcept { return keeps_last() ? 2 : 1; }
+  /// Blocks a sequence holds in this group apart from its table: its working state and its last checkpoint (none
+  /// in_table).
+  [[nodiscard]] std::size_t state_blocks() const noexcept { return in_table ? 0 : keeps_last() ? 2 : 1; }
   /// The checkpoints that positions (from, to] complete (multiples of the interval), with prefix caching on; 0
   /// otherwise.
   [[nodiscard]] std::size_t checkpoints_between(std::size_t from, std::size_t to) const noexcept {
-    if (!prefix_caching) return 0;
+    if (!prefix_caching || in_table) return 0;
     return to / interval - from / interval;
   }
   // Upper bound of the checkpoints a build lists for this group of q computing positions [first, end): the
@@ -96,6 +108,7 @@ struct RecurrentGroup : FullGroup<Id> {
   // state at the last known token and one draft state per lookahead position.
   [[nodiscard]] std::size_t checkpoints_in_step(const sequence_type& q, std::size_t first,
                                                 std::size_t end) const noexcept {
+    if (in_table) return 0;
     const std::size_t bs = block_size;
     const auto blocks = q.table_of(g).blocks();
     std::size_t n = keeps_last() ? 1 : 0;
@@ -109,6 +122,10 @@ struct RecurrentGroup : FullGroup<Id> {
   /// one, then the checkpoints the `reserved` tokens complete. Capacity checked by the caller (admit_need).
   template <class Take>
   void admit(sequence_type& q, std::size_t reserved, Take&& take) const {
+    if (in_table) {
+      table().extend(q, reserved, take);
+      return;
+    }
     q.other_groups[g - 1].state = take();
     if (keeps_last()) q.other_groups[g - 1].last_block = take();
     grow(q, reserved, take);
@@ -119,6 +136,11 @@ struct RecurrentGroup : FullGroup<Id> {
   template <class Pool>
   void growth_need(const Pool& pool, const sequence_type& q, std::size_t n, std::size_t drafts, std::size_t& needed,
                    std::size_t& held_after) const {
+    if (in_table) {
+      needed += table().need(pool, q, n);
+      held_after += table().held_after(q, n);
+      return;
+    }
     const GroupTableState<Id>& st = q.other_groups[g - 1];
     const BlockTable<Id>& t = st.table;
     const std::size_t ck = checkpoints_between(q.num_slotted(), q.num_slotted() + n);
@@ -131,6 +153,7 @@ struct RecurrentGroup : FullGroup<Id> {
   /// (copy_shared_state). Returns whether a copy-on-write was queued. Capacity checked, room reserved by the caller.
   template <class Pool, class Take>
   bool grow_shared(Pool& pool, sequence_type& q, std::size_t n, Take&& take) const {
+    if (in_table) return table().grow(pool, q, n, take);
     grow(q, n, take);
     return copy_shared_state(pool, q, take);
   }
@@ -399,6 +422,10 @@ struct RecurrentGroup : FullGroup<Id> {
   [[gnu::noinline]] void write_state_row(sequence_type& q, std::size_t b, std::size_t first, std::size_t seq_len,
                                          const BatchMetadataBuffers& buf, std::size_t& num_checkpoints,
                                          std::span<const std::size_t> switched_blocks) const {
+    if (in_table) {
+      table().write_state_row(q, b, first, seq_len, buf, num_checkpoints);
+      return;
+    }
     GroupTableState<Id>& st = q.other_groups[g - 1];
     const auto blocks = st.table.blocks();
     const std::size_t bs = block_size;
