@@ -88,6 +88,10 @@ class ConnectorMixin:
                 raise Unsupported(f"KV connector loads with group {g} a MambaSpec and prefix caching: pagedkv "
                                   "receives a state that ends at a checkpoint position into that checkpoint's block, "
                                   "which vLLM's mode 'none' listing (one state block) does not show (issue 33)")
+            if name == "MambaSpec" and getattr(grp.kv_cache_spec, "mamba_cache_mode", "none") == "align":
+                raise Unsupported(f"KV connector loads with group {g} a MambaSpec in mode 'align': pagedkv's external "
+                                  "KV does not take states kept in a group's table yet (try_admit_external refuses "
+                                  "state_in_table groups; docs/vllm-mamba-align.md)")
             if name == "MambaSpec":
                 continue
             if name not in _CONNECTOR_SPECS:

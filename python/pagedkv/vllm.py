@@ -244,20 +244,22 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     (`block_size`, the attention groups' block size). With prefix caching (a layout of vLLM's manager tests: vLLM's
     engine switches to 'align' then, MambaModelConfig) vLLM's MambaManager caches the state at every full Mamba
     block and serves a hit only at such a boundary: pagedkv's checkpoints every `spec.block_size` tokens (the
-    interval, a multiple of `block_size`), hits at a checkpoint, are that rule. Refused: mode 'align' (vLLM's
-    position-indexed state blocks, copied from block to block by vLLM's worker at each scheduler step, with
-    partial-tail copy-on-write and prefill checkpoint blocks, are not pagedkv's working state + checkpoint blocks),
-    a Mamba block size the attention block size does not divide with prefix caching, speculative state blocks
-    (vLLM's per-draft state layout is not pagedkv's draft states), and a Mamba group 0 (pagedkv's group 0 holds
-    K/V: docs/groups.md)."""
+    interval, a multiple of `block_size`), hits at a checkpoint, are that rule.
+
+    A MambaSpec in mode 'align' (what vLLM's engine runs for a hybrid model with prefix caching) maps onto a
+    RECURRENT group with its states in its table (state_in_table): vLLM's position-indexed row, a block where each
+    step ends, read by the next step (vLLM's worker copies it on), registered where a step ends on a block boundary
+    (docs/vllm-mamba-align.md). Its block size must be the attention groups' (vLLM's engine makes it so), and
+    vLLM's prefill checkpoint blocks (num_prefill_checkpoint_blocks, set by Mamba2 layers) are Unsupported by name:
+    not mapped yet.
+
+    Refused: a Mamba block size the attention block size does not divide with prefix caching, speculative state
+    blocks (vLLM's per-draft state layout is not pagedkv's draft states), and a Mamba group 0 (pagedkv's group 0
+    holds K/V: docs/groups.md)."""
     if isinstance(spec, MambaSpec):
         mode = getattr(spec, "mamba_cache_mode", "none")
-        if mode != "none":
-            raise Unsupported(f"group {g} is MambaSpec with mamba_cache_mode = {mode!r}: vLLM's align layout "
-                              "(a position-indexed state block per scheduler step, copied block to block by vLLM's "
-                              "worker) is not pagedkv's recurrent group (a working state block and checkpoint "
-                              "blocks written by the kernel at build-listed positions); not mapped yet: "
-                              "docs/vllm-mamba-align.md")
+        if mode not in ("none", "align"):
+            raise Unsupported(f"group {g} is MambaSpec with mamba_cache_mode = {mode!r}: not mapped")
         if spec.num_speculative_blocks:
             raise Unsupported(f"group {g} is MambaSpec with num_speculative_blocks = {spec.num_speculative_blocks}: "
                               "vLLM's per-draft state slots are not pagedkv's draft states (try_reserve_lookahead)")
@@ -268,6 +270,19 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
             raise Unsupported(f"group {g} is MambaSpec with prefix caching and block size {spec.block_size}, not a "
                               f"multiple of the attention block size {block_size}: pagedkv's checkpoints are at "
                               "multiples of the block size")
+        if mode == "align":
+            if spec.block_size != block_size:
+                raise Unsupported(f"group {g} is MambaSpec in mode 'align' with block size {spec.block_size} != the "
+                                  f"attention block size {block_size}: pagedkv keeps a state in a table entry of "
+                                  "the pool's block size (vLLM's engine sets both equal)")
+            if getattr(spec, "num_prefill_checkpoint_blocks", 0) and \
+                    getattr(spec, "prefill_checkpoint_alignment", None) is not None:
+                raise Unsupported(f"group {g} is MambaSpec in mode 'align' with num_prefill_checkpoint_blocks = "
+                                  f"{spec.num_prefill_checkpoint_blocks}: vLLM's prefill checkpoint block (the state "
+                                  "inside a chunk, exported by the worker) is not mapped yet "
+                                  "(docs/vllm-mamba-align.md section 5)")
+            return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT, window_tokens=block_size,
+                                        state_in_table=True)
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT,
                                     window_tokens=spec.block_size if enable_caching else block_size)
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
@@ -297,10 +312,10 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
     scheduler block size) is its ValueError; every other value is mapped onto pagedkv's sparse window retention
     (CacheConfig.window_retention_interval, the same blocks registered: docs/vllm-swa-retention.md), but with
     EAGLE (vLLM shifts the tails one block) and with KV events (vLLM's BlockStored then lists the unregistered
-    blocks' tokens), which are Unsupported by name. With a Mamba group and prefix caching any value but None is
-    Unsupported (pagedkv keeps every interval checkpoint; vLLM with 0 keeps only the prompt's replay boundary and
-    pinned shared-prefix junctions: docs/vllm-mamba-align.md). Without prefix caching nothing is retained, so only
-    vLLM's ValueErrors apply."""
+    blocks' tokens), which are Unsupported by name. A Mamba group in mode 'align' follows the same rule with one
+    block per landing point (vLLM's MambaManager.reachable_block_mask); with a Mamba group in mode 'none' and
+    prefix caching any value but None is Unsupported (pagedkv keeps every interval checkpoint). Without prefix
+    caching nothing is retained, so only vLLM's ValueErrors apply."""
     if retention is None:
         return False
     if not any(isinstance(sp, (SlidingWindowSpec, MambaSpec)) for sp in specs):
@@ -314,23 +329,23 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                          f"scheduler_block_size ({scheduler_block_size}).")
     if not enable_caching:
         return False
-    if any(isinstance(sp, MambaSpec) for sp in specs):
+    if any(isinstance(sp, MambaSpec) and getattr(sp, "mamba_cache_mode", "none") != "align" for sp in specs):
         raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a Mamba group (sparse "
                           "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
                           "block size, as vLLM does with prefix_cache_retention_interval=None "
                           "(docs/vllm-mamba-align.md)")
     if use_eagle:
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
-                          "and use_eagle: vLLM's EAGLE group retains its window tails one block later (not mapped: "
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
+                          "Mamba group and use_eagle: vLLM's EAGLE group retains its window tails one block later (not mapped: "
                           "docs/vllm-swa-retention.md); prefix_cache_retention_interval=None works")
     if enable_kv_cache_events:
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
-                          "and enable_kv_cache_events: vLLM's BlockStored then carries the tokens of window blocks "
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
+                          "Mamba group and enable_kv_cache_events: vLLM's BlockStored then carries the tokens of window blocks "
                           "it does not cache (not mapped: docs/vllm-swa-retention.md); "
                           "prefix_cache_retention_interval=None works")
     if len(specs) > 1 and not any(type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for sp in specs):
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window group "
-                          "beside other groups and no full-attention group: vLLM then pins the first group's own "
+        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
+                          "Mamba group beside other groups and no full-attention group: vLLM then pins the first group's own "
                           "hit as the shared-prefix junction (not mapped: docs/vllm-swa-retention.md)")
     return True
 
@@ -388,6 +403,14 @@ def _check_mamba_caching(specs, block_size: int, coarse: bool, use_eagle: bool, 
     alignment is the adapter's, not a checkpoint's), EAGLE (vLLM drops an attention block and re-aligns; pagedkv's
     drop would leave the hit between two checkpoints) and KV events with a Mamba block larger than the attention
     block (their stores would not be vLLM's)."""
+    align = [s for s in specs if isinstance(s, MambaSpec) and getattr(s, "mamba_cache_mode", "none") == "align"]
+    if align and use_eagle:
+        raise Unsupported("a Mamba group in mode 'align' with use_eagle: vLLM's EAGLE replay boundaries and "
+                          "checkpoint placement are not mapped (docs/vllm-mamba-align.md)")
+    if align and enable_kv_cache_events:
+        raise Unsupported("enable_kv_cache_events with a Mamba group in mode 'align': vLLM's BlockStored for such "
+                          "a group lists the tokens of every column it passes, registered or not; not mapped "
+                          "(docs/vllm-mamba-align.md)")
     if coarse:
         raise Unsupported("a Mamba group with prefix caching beside attention groups of different block sizes: "
                           "pagedkv's hits land on the recurrent checkpoints, the coarse pages' hits on the "
@@ -458,14 +481,18 @@ class KVCacheManager(ConnectorMixin):
         for g, f in self._coarse.items():
             pk_groups[g].block_size = specs[g].block_size
         # Recurrent (Mamba, mode 'none') groups: vLLM lists the request's one state block as the group's blocks.
-        self._state_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec))
+        # Mamba groups in mode 'align' (state_in_table): the group's table is vLLM's row, nulls included.
+        self._state_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec)
+                                   and getattr(s, "mamba_cache_mode", "none") != "align")
+        self._table_groups = tuple(g for g, s in enumerate(specs) if isinstance(s, MambaSpec)
+                                   and getattr(s, "mamba_cache_mode", "none") == "align")
         # Without prefix caching nothing is hashed: vLLM's hash and scheduler block sizes (with a Mamba group the
         # LCM with its max_model_len-token state block) are not used. With coarse groups the scheduler block size
         # is the hits' alignment (checked by _coarse_groups); with Mamba groups and prefix caching it is the LCM of
         # the Mamba block sizes (multiples of the attention block size: _group_spec), where pagedkv's checkpoints
         # put every hit (_check_mamba_caching).
         expected_sbs = block_size
-        if enable_caching and self._state_groups:
+        if enable_caching and (self._state_groups or self._table_groups):
             expected_sbs = _check_mamba_caching(specs, block_size, bool(self._coarse), use_eagle,
                                                 enable_kv_cache_events)
         if (enable_caching or not self._state_groups) and (
@@ -528,15 +555,25 @@ class KVCacheManager(ConnectorMixin):
         # admission: its original prompt's replay boundary and the shared-prefix junction J that get_computed_blocks
         # returns (the first full-attention group's own hit when the reconciled hit is shorter; vLLM's scheduler
         # stores it in request.shared_prefix_boundary). A window-only model (vLLM's unitary coordinator) pins none.
+        # With a Mamba 'align' group vLLM returns the junction under every retention: its scheduler cuts the
+        # prompt's chunks there, so that the state at the junction is kept for the next request sharing it.
         self._sparse = sparse_retention
         self._junction_groups = None
         if sparse_retention:
             cfg.window_retention_interval = retention
             cfg.window_retention_alignment = scheduler_block_size
+        if (sparse_retention or self._table_groups) and enable_caching:
             fa = [g for g, sp in enumerate(specs) if type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")]
             if len(specs) > 1 and fa:
                 self._junction_groups = [self._pk_group[g] for g in fa if specs[g] == specs[fa[0]]]
             self._retention_align = scheduler_block_size
+        # Mamba 'align' states registered this step (block ids): vLLM refuses, for one step, an allocation whose
+        # hit ends on one (MambaManager's cached_blocks_this_step: the state is written by this step's forward).
+        self._step_states: set[tuple[int, bytes]] = set()  # (vLLM group, block hash)
+        # The states cached since the last take_boundary_state_offloads: {request id: [(vLLM group, block, tokens)]}.
+        self._offers: dict[str, list[tuple[int, int, int]]] = {}
+        self._retention_period = (retention // block_size) if sparse_retention and retention else 0
+        self._mamba_groups = self._state_groups + self._table_groups
         if len(pk_groups) > 1 or pk_groups[0].kind != _pk.AttentionKind.FULL:
             cfg.groups = pk_groups
         # vLLM's worker reads a request's block table from get_blocks after allocate_slots, for the step being
@@ -693,7 +730,7 @@ class KVCacheManager(ConnectorMixin):
         attention groups' blocks are recorded for take_new_block_ids, as vLLM records them with Mamba layers."""
         ids = list(ids)
         if new:
-            state = self._state_groups
+            state = self._mamba_groups
             self._zero_ids.extend(b for g, grp in enumerate(ids) if g not in state for b in grp if b)
         for g in self._state_groups:
             ids[g] = [self._pk.state_block(seq, self._pk_group[g])] if held else []
@@ -767,7 +804,7 @@ class KVCacheManager(ConnectorMixin):
         else:
             prepared = self._prepare(request, n)
             hit, ids = self._pk._vllm_hit(prepared, n - 1, self.block_size if self.use_eagle else 0)
-            if self._state_groups and hit:
+            if (self._state_groups or self._table_groups) and hit:
                 ids = self._state_hit(ids, hit)
         junction = 0
         if self._junction_groups is not None:
@@ -791,7 +828,7 @@ class KVCacheManager(ConnectorMixin):
         Mamba group's entries as vLLM's MambaManager lists a hit: one per Mamba block, the null block but the last,
         the checkpoint at `hit` (the state the admission resumes from)."""
         ids = list(ids)
-        for g in self._state_groups:
+        for g in self._mamba_groups:
             k = hit // self._group_bs[g]
             ids[g] = [0] * (k - 1) + [ids[g][-1]]
         return ids
@@ -839,6 +876,7 @@ class KVCacheManager(ConnectorMixin):
             raise ValueError("num_new_tokens must be greater than 0 when there are no computed tokens to adopt")
         if num_encoder_tokens:
             raise Unsupported("num_encoder_tokens (cross-attention): pagedkv has no encoder groups")
+
         if num_external_computed_tokens or delay_cache_blocks:  # a KV connector's load (_vllm_connector.py)
             if s is not None:
                 self._flush(s)
@@ -848,6 +886,10 @@ class KVCacheManager(ConnectorMixin):
         n_known = request.num_tokens
         computed = request.num_computed_tokens + num_new_computed_tokens
         need_end = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if self._table_groups and need_end > n_known:
+            raise Unsupported("slots past the known tokens (draft tokens, num_lookahead_tokens) with a Mamba group in "
+                              "mode 'align': vLLM allocates no state for them there; pagedkv's lookahead slots span "
+                              "every group: not mapped (docs/vllm-mamba-align.md)")
         watermark = 0
         if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             watermark = self.watermark_blocks
@@ -858,6 +900,13 @@ class KVCacheManager(ConnectorMixin):
         free_now = self._num_free_blocks() if (watermark or reserved_blocks or full_sequence_must_fit) else None
         free = free_now - reserved_blocks if free_now is not None else None
         if s is None:
+            if self._step_states and num_new_computed_tokens and new_computed_blocks is not None:
+                # vLLM's MambaManager refuses, for this step, an admission whose hit ends on a state registered in
+                # this step (written by this step's forward, after the hit's copy would read it).
+                for g in self._table_groups:
+                    grp = new_computed_blocks.blocks[g]
+                    if grp and (g, self._pk.block_hash(grp[-1].block_id)) in self._step_states:
+                        return None
             return self._admit(request, num_new_computed_tokens, need_end, n_known, free, watermark,
                                free_now if full_sequence_must_fit else None)
         if num_new_computed_tokens:
@@ -906,8 +955,10 @@ class KVCacheManager(ConnectorMixin):
         if built:
             s.built_full = full
             self._take_build(copies, request)
-        if self._state_groups:
+        if self._mamba_groups:
             ids = self._state_ids(seq, ids, False, True)
+            if self._table_groups and self.enable_caching:
+                self._note_step_states(seq, num_tokens, request)
         return self._blocks_of(ids)
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
@@ -947,13 +998,55 @@ class KVCacheManager(ConnectorMixin):
             ids = [t[hit // bs:] for t, bs in zip(self._table(seq), self._group_bs)]
         elif self._order is not None:
             ids = self._from_pk(ids)
-        if self._state_groups:
+        if self._mamba_groups:
             ids = self._state_ids(seq, ids, True, True)
+            if self._table_groups and self.enable_caching:
+                self._note_step_states(seq, num_tokens, request)
         return self._blocks_of(ids)
+
+    def _note_step_states(self, seq: int, n: int, request) -> None:
+        """Remember the hashes of the Mamba 'align' states vLLM's MambaManager records as cached in this step
+        (cached_blocks_this_step) for `seq`'s step ending at `n` tokens: the state at n when n ends a block and the
+        retention keeps it (also when pagedkv left it unregistered because another block holds that state), and the
+        state at the prompt's last block boundary before its last token, floor(num_prompt_tokens - 1), while the
+        step's cacheable end (n aligned down) is that boundary and the request still holds it (vLLM's
+        _cache_partial_tail_block re-records it then, a hit's state too)."""
+        bs = self.block_size
+        cands = []
+        end_state = -1
+        if n % bs == 0:
+            i = n // bs - 1
+            keep = True
+            if self._sparse:  # the one-block rule of WindowRetention: multiples of the interval and the boundaries
+                prompt_tokens, junction = self._boundaries(request, request.num_tokens)
+                period = self._retention_period
+                keep = ((period and (i + 1) % period == 0) or i + 1 == (prompt_tokens - 1) // bs
+                        or (junction and i + 1 == junction // bs))
+            if keep:
+                cands.append(i)
+                end_state = i
+        boundary = (request.num_prompt_tokens - 1) // bs
+        if boundary and n // bs == boundary and boundary - 1 not in cands:
+            cands.append(boundary - 1)
+        if not cands:
+            return
+        tables = self._pk._vllm_tables(seq)
+        for i in cands:
+            h = None
+            for g in self._table_groups:
+                b = tables[self._pk_group[g]][i]
+                if b:
+                    h = h or self._pk._vllm_seq_hash(seq, i)
+                    if h is not None:
+                        self._step_states.add((g, h))
+                        if i == end_state:  # a state newly cached: offered to a KV connector (vLLM's hand-off)
+                            self._offers.setdefault(request.request_id, []).append((g, b, n))
 
     def free(self, request: Request) -> None:
         """Free the blocks of `request` (pagedkv free: full blocks stay cached, evictable)."""
         self._prepared.pop(request.request_id, None)
+        if self._offers:
+            self._offers.pop(request.request_id, None)
         s = self._seqs.pop(request.request_id, None)
         if s is not None:
             del self._seq_of[s.seq]
@@ -970,6 +1063,8 @@ class KVCacheManager(ConnectorMixin):
     def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget `request` and return its blocks; they stay held until block_pool.free_blocks gets them."""
         self._prepared.pop(request.request_id, None)
+        if self._offers:
+            self._offers.pop(request.request_id, None)
         s = self._seqs.pop(request.request_id, None)
         if s is None:
             return []
@@ -1079,8 +1174,8 @@ class KVCacheManager(ConnectorMixin):
             return 0
         # Per group, 1 + the index of the last table entry registered in the prefix index: one crossing.
         n = self._pk._vllm_cached_prefix_blocks(s.seq)
-        if self._state_groups:  # the attention groups' cached prefix, down to a state checkpoint (vLLM's LCM)
-            att = min(k for k, g in zip(n, self._order or range(len(n))) if g not in self._state_groups)
+        if self._mamba_groups:  # the attention groups' cached prefix, down to a state checkpoint (vLLM's LCM)
+            att = min(k for k, g in zip(n, self._order or range(len(n))) if g not in self._mamba_groups)
             step = self._hit_step
             return att * self.block_size // step * step
         if not self._coarse:
@@ -1137,8 +1232,13 @@ class KVCacheManager(ConnectorMixin):
     def take_boundary_state_offloads(
         self,
     ) -> dict[str, list[tuple[int, int, int]]]:
-        """{}: Mamba boundary states only."""
-        return {}
+        """The Mamba 'align' states cached since the last call, {request id: [(group, block id, tokens)]} in group
+        order, for a KV connector to offload (vLLM's boundary-state hand-off); {} without such groups. A request
+        freed before the drain offers nothing."""
+        if not self._offers:
+            return {}
+        offers, self._offers = self._offers, {}
+        return {rid: sorted(lst, key=lambda o: o[0]) for rid, lst in offers.items()}
 
     def finalize_partial_tail_offloads(
         self, request: Request
@@ -1147,7 +1247,10 @@ class KVCacheManager(ConnectorMixin):
         return []
 
     def new_step_starts(self) -> None:
-        """No-op: the fast path's decode tokens reach pagedkv with each request's next growth (_flush)."""
+        """A scheduler step starts: the Mamba 'align' states registered in the previous one may be hit now (the
+        fast path's decode tokens reach pagedkv with each request's next growth: _flush)."""
+        if self._step_states:
+            self._step_states.clear()
 
 
 # -- test-run bookkeeping and installation -------------------------------------------------------------------------

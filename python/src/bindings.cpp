@@ -590,6 +590,20 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
       "blocks, or `always_build`. Returns (grown, new blocks per group, the build's copies [(src, dst)], "
       "num_tokens, full blocks, built); not grown: nothing changed.");
   cls.def(
+      "_vllm_seq_hash",
+      [](Manager& s, SeqId seq, std::size_t i) {
+        const std::optional<BlockHash> h = s.peek([&](auto& mm) -> std::optional<BlockHash> {
+          const auto& q = mm.sequence(seq);
+          if (i >= q.hashes.size()) return std::nullopt;
+          return q.hashes[i];
+        });
+        return h ? std::optional<nb::bytes>(hash_to_bytes(*h)) : std::nullopt;
+      },
+      "seq"_a, "i"_a,
+      "The chain hash of `seq`'s full block i (16 bytes, as PreparedPrompt.hashes), or None when block i is not "
+      "full or known: pagedkv.vllm's record of the Mamba 'align' states a step registers (vLLM's "
+      "cached_blocks_this_step). Raises UnknownSequenceError.");
+  cls.def(
       "_vllm_tables",
       [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return vllm_blocks_from(mm, seq, {}); }); },
       "seq"_a, "Every group's block table of `seq` as lists (one crossing).");
@@ -751,21 +765,26 @@ NB_MODULE(_pagedkv, m) {
                                "RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the "
                                "state at each sequence's last block boundary), `block_size` (tokens per block of "
                                "this group's pages: 0 = the pool's; a coarser page, a multiple of it, for a FULL "
-                               "group after group 0: docs/groups.md \"Coarse pages\"). Checked by KVCacheManager.")
+                               "group after group 0: docs/groups.md \"Coarse pages\"), and for RECURRENT `state_in_table` (vLLM's "
+                               "Mamba 'align' layout: the states live in the group's table, one block where each "
+                               "step ends; window_tokens must be the block size: docs/groups.md). Checked by "
+                               "KVCacheManager.")
       .def(
           "__init__",
           [](KVCacheGroupSpec* g, AttentionKind kind, std::uint32_t window_tokens, std::uint32_t num_layers,
-             std::size_t state_bytes, bool last_checkpoint, std::uint32_t block_size) {
-            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers, state_bytes, last_checkpoint, block_size};
+             std::size_t state_bytes, bool last_checkpoint, std::uint32_t block_size, bool state_in_table) {
+            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers, state_bytes, last_checkpoint, block_size,
+                                     state_in_table};
           },
           "kind"_a = AttentionKind::kFull, "window_tokens"_a = 0, "num_layers"_a = 1, "state_bytes"_a = 0,
-          "last_checkpoint"_a = false, "block_size"_a = 0)
+          "last_checkpoint"_a = false, "block_size"_a = 0, "state_in_table"_a = false)
       .def_rw("kind", &KVCacheGroupSpec::kind)
       .def_rw("window_tokens", &KVCacheGroupSpec::window_tokens)
       .def_rw("num_layers", &KVCacheGroupSpec::num_layers)
       .def_rw("state_bytes", &KVCacheGroupSpec::state_bytes)
       .def_rw("last_checkpoint", &KVCacheGroupSpec::last_checkpoint)
       .def_rw("block_size", &KVCacheGroupSpec::block_size)
+      .def_rw("state_in_table", &KVCacheGroupSpec::state_in_table)
       .def(
           "window",
           [](const KVCacheGroupSpec& g) {
@@ -779,7 +798,7 @@ NB_MODULE(_pagedkv, m) {
       .def("__eq__", [](const KVCacheGroupSpec& a, const KVCacheGroupSpec& b) {
         return a.kind == b.kind && a.window_tokens == b.window_tokens && a.num_layers == b.num_layers &&
                a.state_bytes == b.state_bytes && a.last_checkpoint == b.last_checkpoint &&
-               a.block_size == b.block_size;
+               a.block_size == b.block_size && a.state_in_table == b.state_in_table;
       })
       .def("__repr__", [](const KVCacheGroupSpec& g) {
         return std::string("KVCacheGroupSpec(kind=AttentionKind.") +
@@ -789,7 +808,8 @@ NB_MODULE(_pagedkv, m) {
                                                           : "FULL") +
                ", window_tokens=" + std::to_string(g.window_tokens) + ", num_layers=" + std::to_string(g.num_layers) +
                (g.recurrent() ? ", state_bytes=" + std::to_string(g.state_bytes) +
-                                    ", last_checkpoint=" + (g.last_checkpoint ? "True" : "False")
+                                    ", last_checkpoint=" + (g.last_checkpoint ? "True" : "False") +
+                                    (g.state_in_table ? ", state_in_table=True" : "")
                               : std::string()) +
                (g.block_size != 0 ? ", block_size=" + std::to_string(g.block_size) : std::string()) + ")";
       });

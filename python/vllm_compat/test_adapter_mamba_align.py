@@ -1,0 +1,225 @@
+"""pagedkv.vllm with vLLM's Mamba groups in mamba_cache_mode 'align' (what vLLM's engine runs for a hybrid model with
+prefix caching; docs/vllm-mamba-align.md), run by scripts/vllm-tests.sh in the vLLM venv.
+
+A differential run against vLLM's own KVCacheManager (its MambaManager in align mode) on random workloads: prompts
+sharing random prefixes of a few bases and of each other, chunked prefill cut as vLLM's scheduler cuts it for align
+mode (Scheduler._mamba_block_aligned_split: a chunk that does not finish the prefill ends on a block boundary, and is
+cut at floor(num_tokens - 1) and at the shared-prefix junction the lookup returned), decode, frees, readmissions with
+the outputs as prompt, `remove_skipped_blocks` before every growth and `new_step_starts` before every step, as vLLM's
+scheduler calls them. Every lookup gives the same hit and junction; every allocation returns the same blocks per
+group with the Mamba group's nulls at the same places; every request's rows (get_block_ids) have the same shape,
+nulls included; the Mamba group caches as many states; a final probe of every block-aligned prefix gives the same
+hits. Layouts: full attention + one or two Mamba groups (block sizes 4 and 16), retention None, 0 and 2 blocks; a
+pool that never evicts (pagedkv's deduplication holds fewer blocks under pressure, so eviction order differs).
+"""
+
+import random
+
+import pytest
+import torch
+
+import pagedkv.vllm as pv
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from _pairs import make_config, make_request
+
+init_none_hash(sha256)
+
+MAX_LEN = 240
+
+
+def _full(bs):
+    return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=torch.float32)
+
+
+def _align(bs, **kw):
+    return MambaSpec(block_size=bs, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align", **kw)
+
+
+LAYOUTS = {
+    "full4+mamba4": ([_full(4), _align(4)], 4),
+    "full16+mamba16": ([_full(16), _align(16)], 16),
+    "full4+mamba4+mamba4": ([_full(4), _align(4), _align(4)], 4),
+}
+
+
+def _manager(cls, specs, bs, retention):
+    cfg = make_config(6000, specs)
+    cfg.prefix_cache_retention_interval = retention
+    return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True)
+
+
+def _chunk(rng, req, bs: int) -> int:
+    """The tokens vLLM's scheduler schedules next for `req` in align mode (a random token budget): a prefill chunk
+    cut as Scheduler._mamba_block_aligned_split cuts it, else one decode token (0: nothing)."""
+    start = req.num_computed_tokens
+    prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
+    remaining = req.num_tokens - start
+    if remaining == 0:
+        return 0
+    budget = rng.randrange(1, 3 * bs + 2) if rng.random() < 0.6 else rng.randrange(1, 100)
+    end = start + min(budget, remaining)
+    if start >= prefill_end:
+        return end - start
+    if end < req.num_tokens and end // bs * bs > start:  # a chunk that does not finish the prefill: whole blocks
+        end = end // bs * bs
+    elif end < req.num_tokens:
+        return 0  # the budget does not reach the next block boundary: vLLM schedules nothing for it this step
+    cuts = []
+    if start % bs:
+        cuts.append((start // bs + 1) * bs)
+    cuts.append((req.num_tokens - 1) // bs * bs)  # last_cache_position
+    junction = getattr(req, "shared_prefix_boundary", 0) or 0
+    if junction:
+        cuts.append(junction // bs * bs)
+    for c in sorted(cuts):
+        if start < c < end:
+            end = c
+            break
+    return end - start
+
+
+def _shape(ids):
+    """Per group: which entries are the null block."""
+    return [[b == 0 for b in grp] for grp in ids]
+
+
+def _cached(ours, theirs, g):
+    from vllm.v1.core.kv_cache_utils import get_group_id
+
+    vllm = sum(1 for k in theirs.block_pool.cached_block_hash_to_block._cache if get_group_id(k) == g)
+    return ours._pk.num_cached_blocks(ours._pk_group[g]), vllm
+
+
+def _lookup(ours, theirs, ra, rb):
+    ca, ha, ja = ours.get_computed_blocks(ra)
+    cb, hb, jb = theirs.get_computed_blocks(rb)
+    ra.shared_prefix_boundary, rb.shared_prefix_boundary = ja, jb
+    return ca, ha, ja, cb, hb, jb
+
+
+@pytest.mark.parametrize("retention", [None, 0, 2])  # interval in blocks
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retention):
+    specs, bs = LAYOUTS[layout]
+    interval = None if retention is None else retention * bs
+    rng = random.Random(seed * 100 + (retention if retention is not None else 9) + bs)
+    ours = _manager(pv.KVCacheManager, specs, bs, interval)
+    theirs = _manager(VllmKVCacheManager, specs, bs, interval)
+    mamba = [g for g, sp in enumerate(specs) if isinstance(sp, MambaSpec)]
+    bases = [[rng.randrange(40) for _ in range(rng.randrange(2 * bs, 10 * bs))] for _ in range(4)]
+    live, waiting, seen = {}, {}, []
+    next_id = hits = junctions = readmissions = refused_same_step = 0
+
+    def admit(rid, ra, rb, step):
+        nonlocal hits, junctions, refused_same_step
+        ca, ha, ja, cb, hb, jb = _lookup(ours, theirs, ra, rb)
+        assert (ha, ja) == (hb, jb), f"step {step}: hit, junction {ha, ja} vs vLLM's {hb, jb} ({ra.num_tokens} tokens)"
+        assert _shape(ca.get_block_ids()) == _shape(cb.get_block_ids()), f"step {step}: the hit's rows"
+        ra.num_computed_tokens = ha  # the chunk after the hit
+        n = _chunk(rng, ra, bs)
+        ra.num_computed_tokens = 0
+        if n == 0:
+            waiting[rid] = (ra, rb)
+            return
+        a = ours.allocate_slots(ra, n, ha, ca)
+        b = theirs.allocate_slots(rb, n, hb, cb)
+        assert (a is None) == (b is None), f"step {step}: admission {a} vs vLLM's {b}"
+        if a is None:  # the hit ends on a state registered this step: vLLM waits a step
+            refused_same_step += 1
+            ra.num_computed_tokens = rb.num_computed_tokens = 0
+            waiting[rid] = (ra, rb)
+            return
+        assert _shape(a.get_block_ids()) == _shape(b.get_block_ids()), f"step {step}: admission blocks"
+        hits += ha > 0
+        junctions += ja > 0
+        ra.num_computed_tokens = rb.num_computed_tokens = ha + n
+        live[rid] = (ra, rb)
+
+    for step in range(500):
+        if rng.random() < 0.4:  # a new scheduler step (else this operation is in the same step as the last)
+            ours.new_step_starts()
+            theirs.new_step_starts()
+        op = rng.random()
+        if waiting and rng.random() < 0.5:
+            rid = rng.choice(sorted(waiting))
+            ra, rb = waiting.pop(rid)
+            admit(rid, ra, rb, step)
+        elif op < 0.3 or not live:
+            if live and rng.random() < 0.25:  # preemption and readmission, the outputs now part of the prompt
+                rid = rng.choice(sorted(live))
+                ra, rb = live.pop(rid)
+                ours.free(ra)
+                theirs.free(rb)
+                ra.num_computed_tokens = rb.num_computed_tokens = 0
+                readmissions += ra.num_tokens > ra.num_prompt_tokens
+            else:
+                base = rng.choice(bases + [list(r[0].all_token_ids) for r in live.values()])
+                toks = base[:rng.randrange(1, len(base) + 1)] + [rng.randrange(40) for _ in range(rng.randrange(0, 2 * bs))]
+                if len(toks) < 2 or len(toks) >= MAX_LEN - 8:
+                    continue
+                rid = str(next_id)
+                next_id += 1
+                ra, rb = make_request(rid, toks, bs), make_request(rid, toks, bs)
+            seen.append(list(ra.all_token_ids))
+            admit(rid, ra, rb, step)
+        elif op < 0.85:
+            rid = rng.choice(sorted(live))
+            ra, rb = live[rid]
+            if ra.num_computed_tokens == ra.num_tokens:
+                if ra.num_tokens >= MAX_LEN - 1:
+                    continue
+                t = rng.randrange(40)
+                ra.append_output_token_ids([t])
+                rb.append_output_token_ids([t])
+            n = _chunk(rng, ra, bs)
+            if n == 0:
+                continue
+            theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)  # as vLLM's scheduler does each step
+            a = ours.allocate_slots(ra, n)
+            b = theirs.allocate_slots(rb, n)
+            assert a is not None and b is not None, f"step {step}"
+            assert _shape(a.get_block_ids()) == _shape(b.get_block_ids()), f"step {step}: growth blocks"
+            ra.num_computed_tokens += n
+            rb.num_computed_tokens += n
+            for g in mamba:
+                assert [x == 0 for x in ours.get_block_ids(rid)[g]] == [x == 0 for x in theirs.get_block_ids(rid)[g]], \
+                    f"step {step}: request {rid}'s Mamba row"
+        else:
+            rid = rng.choice(sorted(live))
+            ra, rb = live.pop(rid)
+            ours.free(ra)
+            theirs.free(rb)
+    for ra, rb in live.values():
+        ours.free(ra)
+        theirs.free(rb)
+    for g in mamba:
+        ours_n, vllm_n = _cached(ours, theirs, g)
+        assert ours_n == vllm_n, f"group {g}: {ours_n} cached states, vLLM {vllm_n}"
+    probes = 0
+    for toks in seen:
+        for n in range(bs + 1, len(toks) + 1, bs):
+            ra, rb = make_request(f"probe{probes}", toks[:n], bs), make_request(f"probe{probes}", toks[:n], bs)
+            _, ha, ja, _, hb, jb = _lookup(ours, theirs, ra, rb)
+            assert (ha, ja) == (hb, jb), f"probe of {n} tokens: {ha, ja} vs vLLM's {hb, jb}"
+            probes += 1
+    assert next_id > 50 and hits > 10 and probes > 50 and readmissions >= 2 and junctions > 0
+
+
+def test_mamba_align_refusals_name_the_reason():
+    """What is not mapped is refused by name: prefill checkpoint blocks, EAGLE, KV events, a Mamba block size other
+    than the attention groups'."""
+    specs = [_full(4), _align(4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)]
+    with pytest.raises(pv.Unsupported, match="num_prefill_checkpoint_blocks = 1"):
+        _manager(pv.KVCacheManager, specs, 4, None)
+    for kw, words in (({"use_eagle": True}, "use_eagle"), ({"enable_kv_cache_events": True}, "enable_kv_cache_events")):
+        with pytest.raises(pv.Unsupported, match=words):
+            pv.KVCacheManager(make_config(64, [_full(4), _align(4)]), max_model_len=64, scheduler_block_size=4,
+                              hash_block_size=4, **kw)
+    with pytest.raises(pv.Unsupported, match="block size 8 != the attention block size 4"):
+        pv.KVCacheManager(make_config(64, [_full(4), _align(8)]), max_model_len=64, scheduler_block_size=8,
+                          hash_block_size=4)
