@@ -168,10 +168,21 @@ namespace detail {
                                                    ": must be the block size " + std::to_string(c.block_size) +
                                                    " (a state can be kept at every block boundary a step ends on)"));
       }
-    } else if (s.state_bytes != 0 || s.last_checkpoint || s.state_in_table) {
+      if (s.prefill_checkpoint_alignment != 0 &&
+          (!s.state_in_table ||
+           s.prefill_checkpoint_alignment > static_cast<std::uint32_t>(std::numeric_limits<std::int32_t>::max()))) {
+        detail::raise(Errc::kInvalidArgument, who + ".prefill_checkpoint_alignment = " +
+                                                  std::to_string(s.prefill_checkpoint_alignment) +
+                                                  (s.state_in_table ? ": at most 2^31 - 1"
+                                                                    : ": only with state_in_table (vLLM's Mamba 'align' layout)"));
+      }
+    } else if (s.state_bytes != 0 || s.last_checkpoint || s.state_in_table || s.prefill_checkpoint_alignment != 0) {
       detail::raise(Errc::kInvalidArgument, who + (s.last_checkpoint  ? ".last_checkpoint = true"
                                                    : s.state_in_table ? ".state_in_table = true"
-                                                                      : ".state_bytes = " + std::to_string(s.state_bytes)) +
+                                                   : s.prefill_checkpoint_alignment != 0
+                                                       ? ".prefill_checkpoint_alignment = " +
+                                                             std::to_string(s.prefill_checkpoint_alignment)
+                                                       : ".state_bytes = " + std::to_string(s.state_bytes)) +
                                                 ": only a recurrent group has a state");
     }
     if (s.block_size != 0 && s.block_size != c.block_size) {  // a coarse page (docs/groups.md, "Coarse pages")

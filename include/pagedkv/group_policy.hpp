@@ -55,6 +55,13 @@ enum class AttentionKind : std::uint8_t {
 /// only where steps ended: chunk ends, decode steps that fill a block). window_tokens must be the block size.
 /// Refused with it (typed errors): lookahead slots, mark_checkpoint, swap preemption, rewind, external KV, and a
 /// build that computes only part of a sequence's slotted positions.
+/// `prefill_checkpoint_alignment`: state_in_table only, 0 = off; else vLLM's prefill checkpoint block
+/// (MambaSpec.num_prefill_checkpoint_blocks = 1 with this prefill_checkpoint_alignment, set by vLLM's Mamba-2
+/// layers): a growth that starts on a block boundary and ends at least a block past it also keeps the state at its
+/// last block boundary pos (when (pos - start) is a multiple of the alignment; under a retention interval of 0 only
+/// for the growth that reaches the prompt's end), in one more block at the logical block that ends at pos; the
+/// build lists it as a checkpoint entry (the kernel writes the state there mid-step) and registers it like a
+/// step's end.
 /// `block_size`: tokens per block of this group's pages; 0 = the pool's CacheConfig::block_size (the match unit:
 /// block hashes, hits and registration stay at that unit). A coarser page (kFull only; a multiple of the match unit,
 /// e.g. a compressed or indexer group at 64 or 128 tokens beside attention at 16, DeepSeek-V4) keeps its own block
@@ -68,6 +75,7 @@ struct KVCacheGroupSpec {
   bool last_checkpoint = false;
   std::uint32_t block_size = 0;
   bool state_in_table = false;
+  std::uint32_t prefill_checkpoint_alignment = 0;
 
   /// Whether this is a recurrent-state group.
   [[nodiscard]] constexpr bool recurrent() const noexcept { return kind == AttentionKind::kRecurrent; }
@@ -253,6 +261,7 @@ template <class Id>
   r.prefix_caching = layout.prefix_caching;
   r.last_checkpoint = layout.specs[g].last_checkpoint;
   r.in_table = layout.specs[g].state_in_table;
+  r.checkpoint_align = layout.specs[g].prefill_checkpoint_alignment;
   r.retention = layout.retention_of(g);
   return r;
 }

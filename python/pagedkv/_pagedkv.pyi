@@ -267,10 +267,10 @@ class AttentionWindow:
 
 class KVCacheGroupSpec:
     """
-    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the state at each sequence's last block boundary), `block_size` (tokens per block of this group's pages: 0 = the pool's; a coarser page, a multiple of it, for a FULL group after group 0: docs/groups.md "Coarse pages"), and for RECURRENT `state_in_table` (vLLM's Mamba 'align' layout: the states live in the group's table, one block where each step ends; window_tokens must be the block size: docs/groups.md). Checked by KVCacheManager.
+    One KV-cache group (a set of layers with one attention type): `kind`, `window_tokens` (W for SLIDING_WINDOW, C for CHUNKED_LOCAL, the checkpoint interval for RECURRENT, 0 for FULL), `num_layers` (for byte accounting only), and for RECURRENT `state_bytes` (one layer's state) and `last_checkpoint` (also keep the state at each sequence's last block boundary), `block_size` (tokens per block of this group's pages: 0 = the pool's; a coarser page, a multiple of it, for a FULL group after group 0: docs/groups.md "Coarse pages"), and for RECURRENT `state_in_table` (vLLM's Mamba 'align' layout: the states live in the group's table, one block where each step ends; window_tokens must be the block size) with `prefill_checkpoint_alignment` (0 = off; vLLM's prefill checkpoint block of Mamba-2 layers: docs/groups.md). Checked by KVCacheManager.
     """
 
-    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1, state_bytes: int = 0, last_checkpoint: bool = False, block_size: int = 0, state_in_table: bool = False) -> None: ...
+    def __init__(self, kind: AttentionKind = AttentionKind.FULL, window_tokens: int = 0, num_layers: int = 1, state_bytes: int = 0, last_checkpoint: bool = False, block_size: int = 0, state_in_table: bool = False, prefill_checkpoint_alignment: int = 0) -> None: ...
 
     @property
     def kind(self) -> AttentionKind: ...
@@ -313,6 +313,12 @@ class KVCacheGroupSpec:
 
     @state_in_table.setter
     def state_in_table(self, arg: bool, /) -> None: ...
+
+    @property
+    def prefill_checkpoint_alignment(self) -> int: ...
+
+    @prefill_checkpoint_alignment.setter
+    def prefill_checkpoint_alignment(self, arg: int, /) -> None: ...
 
     def window(self) -> AttentionWindow:
         """The kernels' AttentionWindow of this group (off for FULL)."""

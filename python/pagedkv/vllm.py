@@ -249,9 +249,10 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     A MambaSpec in mode 'align' (what vLLM's engine runs for a hybrid model with prefix caching) maps onto a
     RECURRENT group with its states in its table (state_in_table): vLLM's position-indexed row, a block where each
     step ends, read by the next step (vLLM's worker copies it on), registered where a step ends on a block boundary
-    (docs/vllm-mamba-align.md). Its block size must be the attention groups' (vLLM's engine makes it so), and
-    vLLM's prefill checkpoint blocks (num_prefill_checkpoint_blocks, set by Mamba2 layers) are Unsupported by name:
-    not mapped yet.
+    (docs/vllm-mamba-align.md). Its block size must be the attention groups' (vLLM's engine makes it so); vLLM's
+    prefill checkpoint block (num_prefill_checkpoint_blocks = 1, set by Mamba-2 layers) is the group's
+    prefill_checkpoint_alignment: a step also keeps the state at its last block boundary, in the block that ends
+    there.
 
     Refused: a Mamba block size the attention block size does not divide with prefix caching, speculative state
     blocks (vLLM's per-draft state layout is not pagedkv's draft states), and a Mamba group 0 (pagedkv's group 0
@@ -275,14 +276,15 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
                 raise Unsupported(f"group {g} is MambaSpec in mode 'align' with block size {spec.block_size} != the "
                                   f"attention block size {block_size}: pagedkv keeps a state in a table entry of "
                                   "the pool's block size (vLLM's engine sets both equal)")
-            if getattr(spec, "num_prefill_checkpoint_blocks", 0) and \
-                    getattr(spec, "prefill_checkpoint_alignment", None) is not None:
+            checkpoints = getattr(spec, "num_prefill_checkpoint_blocks", 0)
+            alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+            if checkpoints and alignment is not None and (checkpoints != 1 or alignment <= 0):
                 raise Unsupported(f"group {g} is MambaSpec in mode 'align' with num_prefill_checkpoint_blocks = "
-                                  f"{spec.num_prefill_checkpoint_blocks}: vLLM's prefill checkpoint block (the state "
-                                  "inside a chunk, exported by the worker) is not mapped yet "
-                                  "(docs/vllm-mamba-align.md section 5)")
+                                  f"{checkpoints}, prefill_checkpoint_alignment = {alignment}: pagedkv keeps one "
+                                  "prefill checkpoint per step (vLLM's Mamba-2 layers: 1 and 1)")
             return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT, window_tokens=block_size,
-                                        state_in_table=True)
+                                        state_in_table=True,
+                                        prefill_checkpoint_alignment=alignment if checkpoints and alignment else 0)
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.RECURRENT,
                                     window_tokens=spec.block_size if enable_caching else block_size)
     if isinstance(spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)):
@@ -574,6 +576,7 @@ class KVCacheManager(ConnectorMixin):
         self._offers: dict[str, list[tuple[int, int, int]]] = {}
         self._retention_period = (retention // block_size) if sparse_retention and retention else 0
         self._mamba_groups = self._state_groups + self._table_groups
+        self._checkpointing = any(g.prefill_checkpoint_alignment for g in pk_groups)
         if len(pk_groups) > 1 or pk_groups[0].kind != _pk.AttentionKind.FULL:
             cfg.groups = pk_groups
         # vLLM's worker reads a request's block table from get_blocks after allocate_slots, for the step being
@@ -958,7 +961,7 @@ class KVCacheManager(ConnectorMixin):
         if self._mamba_groups:
             ids = self._state_ids(seq, ids, False, True)
             if self._table_groups and self.enable_caching:
-                self._note_step_states(seq, num_tokens, request)
+                self._note_step_states(seq, slotted, num_tokens, request)
         return self._blocks_of(ids)
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
@@ -1001,37 +1004,38 @@ class KVCacheManager(ConnectorMixin):
         if self._mamba_groups:
             ids = self._state_ids(seq, ids, True, True)
             if self._table_groups and self.enable_caching:
-                self._note_step_states(seq, num_tokens, request)
+                self._note_step_states(seq, hit, num_tokens, request)
         return self._blocks_of(ids)
 
-    def _note_step_states(self, seq: int, n: int, request) -> None:
+    def _note_step_states(self, seq: int, start: int, n: int, request) -> None:
         """Remember the hashes of the Mamba 'align' states vLLM's MambaManager records as cached in this step
         (cached_blocks_this_step) for `seq`'s step ending at `n` tokens: the state at n when n ends a block and the
         retention keeps it (also when pagedkv left it unregistered because another block holds that state), and the
         state at the prompt's last block boundary before its last token, floor(num_prompt_tokens - 1), while the
         step's cacheable end (n aligned down) is that boundary and the request still holds it (vLLM's
-        _cache_partial_tail_block re-records it then, a hit's state too)."""
+        _cache_partial_tail_block re-records it then, a hit's state too; a step that keeps a prefill checkpoint there
+        records it as new). The states newly cached (a prefill checkpoint's and n's) are offered to a KV connector
+        (take_boundary_state_offloads)."""
         bs = self.block_size
-        cands = []
-        end_state = -1
-        if n % bs == 0:
-            i = n // bs - 1
-            keep = True
-            if self._sparse:  # the one-block rule of WindowRetention: multiples of the interval and the boundaries
-                prompt_tokens, junction = self._boundaries(request, request.num_tokens)
-                period = self._retention_period
-                keep = ((period and (i + 1) % period == 0) or i + 1 == (prompt_tokens - 1) // bs
+        keep = None
+        if self._sparse:  # the one-block rule of WindowRetention: multiples of the interval and the boundaries
+            prompt_tokens, junction = self._boundaries(request, request.num_tokens)
+            period = self._retention_period
+
+            def keep(i):
+                return ((period and (i + 1) % period == 0) or i + 1 == (prompt_tokens - 1) // bs
                         or (junction and i + 1 == junction // bs))
-            if keep:
-                cands.append(i)
-                end_state = i
+        # The blocks the step passes (a prefill checkpoint; real only when the group keeps one) and its end.
+        passed = range(0 if start == 0 else cdiv(start, bs), cdiv(n, bs) - 1) if self._checkpointing else ()
+        new = [i for i in passed if keep is None or keep(i)]
+        if n % bs == 0 and (keep is None or keep(n // bs - 1)):
+            new.append(n // bs - 1)
         boundary = (request.num_prompt_tokens - 1) // bs
-        if boundary and n // bs == boundary and boundary - 1 not in cands:
-            cands.append(boundary - 1)
-        if not cands:
+        rerecord = boundary and n // bs == boundary and boundary - 1 not in new
+        if not new and not rerecord:
             return
         tables = self._pk._vllm_tables(seq)
-        for i in cands:
+        for i in new + ([boundary - 1] if rerecord else []):
             h = None
             for g in self._table_groups:
                 b = tables[self._pk_group[g]][i]
@@ -1039,8 +1043,8 @@ class KVCacheManager(ConnectorMixin):
                     h = h or self._pk._vllm_seq_hash(seq, i)
                     if h is not None:
                         self._step_states.add((g, h))
-                        if i == end_state:  # a state newly cached: offered to a KV connector (vLLM's hand-off)
-                            self._offers.setdefault(request.request_id, []).append((g, b, n))
+                        if i in new:  # a state newly cached: offered to a KV connector (vLLM's hand-off)
+                            self._offers.setdefault(request.request_id, []).append((g, b, (i + 1) * bs))
 
     def free(self, request: Request) -> None:
         """Free the blocks of `request` (pagedkv free: full blocks stay cached, evictable)."""

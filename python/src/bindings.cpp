@@ -767,17 +767,20 @@ NB_MODULE(_pagedkv, m) {
                                "this group's pages: 0 = the pool's; a coarser page, a multiple of it, for a FULL "
                                "group after group 0: docs/groups.md \"Coarse pages\"), and for RECURRENT `state_in_table` (vLLM's "
                                "Mamba 'align' layout: the states live in the group's table, one block where each "
-                               "step ends; window_tokens must be the block size: docs/groups.md). Checked by "
+                               "step ends; window_tokens must be the block size) with `prefill_checkpoint_alignment` (0 = off; "
+                               "vLLM's prefill checkpoint block of Mamba-2 layers: docs/groups.md). Checked by "
                                "KVCacheManager.")
       .def(
           "__init__",
           [](KVCacheGroupSpec* g, AttentionKind kind, std::uint32_t window_tokens, std::uint32_t num_layers,
-             std::size_t state_bytes, bool last_checkpoint, std::uint32_t block_size, bool state_in_table) {
-            new (g) KVCacheGroupSpec{kind, window_tokens, num_layers, state_bytes, last_checkpoint, block_size,
-                                     state_in_table};
+             std::size_t state_bytes, bool last_checkpoint, std::uint32_t block_size, bool state_in_table,
+             std::uint32_t prefill_checkpoint_alignment) {
+            new (g) KVCacheGroupSpec{kind,       window_tokens,  num_layers, state_bytes, last_checkpoint,
+                                     block_size, state_in_table, prefill_checkpoint_alignment};
           },
           "kind"_a = AttentionKind::kFull, "window_tokens"_a = 0, "num_layers"_a = 1, "state_bytes"_a = 0,
-          "last_checkpoint"_a = false, "block_size"_a = 0, "state_in_table"_a = false)
+          "last_checkpoint"_a = false, "block_size"_a = 0, "state_in_table"_a = false,
+          "prefill_checkpoint_alignment"_a = 0)
       .def_rw("kind", &KVCacheGroupSpec::kind)
       .def_rw("window_tokens", &KVCacheGroupSpec::window_tokens)
       .def_rw("num_layers", &KVCacheGroupSpec::num_layers)
@@ -785,6 +788,7 @@ NB_MODULE(_pagedkv, m) {
       .def_rw("last_checkpoint", &KVCacheGroupSpec::last_checkpoint)
       .def_rw("block_size", &KVCacheGroupSpec::block_size)
       .def_rw("state_in_table", &KVCacheGroupSpec::state_in_table)
+      .def_rw("prefill_checkpoint_alignment", &KVCacheGroupSpec::prefill_checkpoint_alignment)
       .def(
           "window",
           [](const KVCacheGroupSpec& g) {
@@ -798,7 +802,8 @@ NB_MODULE(_pagedkv, m) {
       .def("__eq__", [](const KVCacheGroupSpec& a, const KVCacheGroupSpec& b) {
         return a.kind == b.kind && a.window_tokens == b.window_tokens && a.num_layers == b.num_layers &&
                a.state_bytes == b.state_bytes && a.last_checkpoint == b.last_checkpoint &&
-               a.block_size == b.block_size && a.state_in_table == b.state_in_table;
+               a.block_size == b.block_size && a.state_in_table == b.state_in_table &&
+               a.prefill_checkpoint_alignment == b.prefill_checkpoint_alignment;
       })
       .def("__repr__", [](const KVCacheGroupSpec& g) {
         return std::string("KVCacheGroupSpec(kind=AttentionKind.") +
@@ -809,7 +814,11 @@ NB_MODULE(_pagedkv, m) {
                ", window_tokens=" + std::to_string(g.window_tokens) + ", num_layers=" + std::to_string(g.num_layers) +
                (g.recurrent() ? ", state_bytes=" + std::to_string(g.state_bytes) +
                                     ", last_checkpoint=" + (g.last_checkpoint ? "True" : "False") +
-                                    (g.state_in_table ? ", state_in_table=True" : "")
+                                    (g.state_in_table ? ", state_in_table=True" : "") +
+                                    (g.prefill_checkpoint_alignment != 0
+                                         ? ", prefill_checkpoint_alignment=" +
+                                               std::to_string(g.prefill_checkpoint_alignment)
+                                         : "")
                               : std::string()) +
                (g.block_size != 0 ? ", block_size=" + std::to_string(g.block_size) : std::string()) + ")";
       });

@@ -123,11 +123,11 @@ def test_connector_fill_lifecycle_and_evict_blocks():
 
 def test_mamba_is_refused_with_the_reason():
     spec = MambaSpec(block_size=4, shapes=((1,),), dtypes=(torch.float32,), mamba_cache_mode="align",
-                     num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+                     num_prefill_checkpoint_blocks=2, prefill_checkpoint_alignment=1)
     cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[
         KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)),
         KVCacheGroupSpec(["m"], spec)])
-    with pytest.raises(pv.Unsupported, match="num_prefill_checkpoint_blocks = 1: vLLM's prefill checkpoint block"):
+    with pytest.raises(pv.Unsupported, match="num_prefill_checkpoint_blocks = 2, prefill_checkpoint_alignment = 1: pagedkv keeps one"):
         pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=4, hash_block_size=4)
 
 

@@ -152,8 +152,8 @@ def test_popped_blocks_include_the_state_block():
 
 
 @pytest.mark.parametrize("specs,caching,words", [
-    ([_full(), _mamba(BS, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)],
-     True, ["mode 'align'", "num_prefill_checkpoint_blocks = 1"]),
+    ([_full(), _mamba(BS, mamba_cache_mode="align", num_prefill_checkpoint_blocks=2, prefill_checkpoint_alignment=1)],
+     True, ["mode 'align'", "num_prefill_checkpoint_blocks = 2"]),
     ([_full(), _mamba(2 * BS, mamba_cache_mode="align")], False, ["mode 'align'", "!= the attention block size"]),
     ([_full(), _mamba(BS, num_speculative_blocks=1)], True, ["num_speculative_blocks = 1"]),
     ([_full(), _mamba(num_speculative_blocks=2)], False, ["num_speculative_blocks = 2"]),

@@ -9,8 +9,9 @@ the outputs as prompt, `remove_skipped_blocks` before every growth and `new_step
 scheduler calls them. Every lookup gives the same hit and junction; every allocation returns the same blocks per
 group with the Mamba group's nulls at the same places; every request's rows (get_block_ids) have the same shape,
 nulls included; the Mamba group caches as many states; a final probe of every block-aligned prefix gives the same
-hits. Layouts: full attention + one or two Mamba groups (block sizes 4 and 16), retention None, 0 and 2 blocks; a
-pool that never evicts (pagedkv's deduplication holds fewer blocks under pressure, so eviction order differs).
+hits; every step's boundary-state offers (take_boundary_state_offloads: group and position per request) are equal.
+Layouts: full attention + one or two Mamba groups (block sizes 4 and 16), with and without the prefill checkpoint
+block of vLLM's Mamba-2 layers (alignment 1 and 2); retention None, 0 and 2 blocks; a pool that never evicts (pagedkv's deduplication holds fewer blocks under pressure, so eviction order differs).
 """
 
 import random
@@ -39,10 +40,15 @@ def _align(bs, **kw):
     return MambaSpec(block_size=bs, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align", **kw)
 
 
+_CKPT = {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}  # vLLM's Mamba-2 layers
+
 LAYOUTS = {
     "full4+mamba4": ([_full(4), _align(4)], 4),
     "full16+mamba16": ([_full(16), _align(16)], 16),
     "full4+mamba4+mamba4": ([_full(4), _align(4), _align(4)], 4),
+    "full4+mamba4/ckpt": ([_full(4), _align(4, **_CKPT)], 4),
+    "full16+mamba16/ckpt": ([_full(16), _align(16, **_CKPT)], 16),
+    "full4+mamba4/ckpt-align2": ([_full(4), _align(4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=2)], 4),
 }
 
 
@@ -52,9 +58,10 @@ def _manager(cls, specs, bs, retention):
     return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True)
 
 
-def _chunk(rng, req, bs: int) -> int:
+def _chunk(rng, req, bs: int, checkpointing: bool) -> int:
     """The tokens vLLM's scheduler schedules next for `req` in align mode (a random token budget): a prefill chunk
-    cut as Scheduler._mamba_block_aligned_split cuts it, else one decode token (0: nothing)."""
+    cut as Scheduler._mamba_block_aligned_split cuts it (not at floor(num_tokens - 1) when the layers write a prefill
+    checkpoint), else one decode token (0: nothing)."""
     start = req.num_computed_tokens
     prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
     remaining = req.num_tokens - start
@@ -71,7 +78,8 @@ def _chunk(rng, req, bs: int) -> int:
     cuts = []
     if start % bs:
         cuts.append((start // bs + 1) * bs)
-    cuts.append((req.num_tokens - 1) // bs * bs)  # last_cache_position
+    if not checkpointing:
+        cuts.append((req.num_tokens - 1) // bs * bs)  # last_cache_position
     junction = getattr(req, "shared_prefix_boundary", 0) or 0
     if junction:
         cuts.append(junction // bs * bs)
@@ -111,9 +119,10 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
     ours = _manager(pv.KVCacheManager, specs, bs, interval)
     theirs = _manager(VllmKVCacheManager, specs, bs, interval)
     mamba = [g for g, sp in enumerate(specs) if isinstance(sp, MambaSpec)]
+    ckpt = any(sp.num_prefill_checkpoint_blocks for sp in specs if isinstance(sp, MambaSpec))
     bases = [[rng.randrange(40) for _ in range(rng.randrange(2 * bs, 10 * bs))] for _ in range(4)]
     live, waiting, seen = {}, {}, []
-    next_id = hits = junctions = readmissions = refused_same_step = 0
+    next_id = hits = junctions = readmissions = refused_same_step = offers = 0
 
     def admit(rid, ra, rb, step):
         nonlocal hits, junctions, refused_same_step
@@ -121,7 +130,7 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
         assert (ha, ja) == (hb, jb), f"step {step}: hit, junction {ha, ja} vs vLLM's {hb, jb} ({ra.num_tokens} tokens)"
         assert _shape(ca.get_block_ids()) == _shape(cb.get_block_ids()), f"step {step}: the hit's rows"
         ra.num_computed_tokens = ha  # the chunk after the hit
-        n = _chunk(rng, ra, bs)
+        n = _chunk(rng, ra, bs, ckpt)
         ra.num_computed_tokens = 0
         if n == 0:
             waiting[rid] = (ra, rb)
@@ -142,6 +151,10 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
 
     for step in range(500):
         if rng.random() < 0.4:  # a new scheduler step (else this operation is in the same step as the last)
+            oa, ob = ours.take_boundary_state_offloads(), theirs.take_boundary_state_offloads()
+            assert {r: [(g, t) for g, _, t in v] for r, v in oa.items()} == \
+                {r: [(g, t) for g, _, t in v] for r, v in ob.items()}, f"step {step}: boundary-state offers"
+            offers += sum(len(v) for v in oa.values())
             ours.new_step_starts()
             theirs.new_step_starts()
         op = rng.random()
@@ -176,7 +189,7 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
                 t = rng.randrange(40)
                 ra.append_output_token_ids([t])
                 rb.append_output_token_ids([t])
-            n = _chunk(rng, ra, bs)
+            n = _chunk(rng, ra, bs, ckpt)
             if n == 0:
                 continue
             theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)  # as vLLM's scheduler does each step
@@ -207,14 +220,14 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
             _, ha, ja, _, hb, jb = _lookup(ours, theirs, ra, rb)
             assert (ha, ja) == (hb, jb), f"probe of {n} tokens: {ha, ja} vs vLLM's {hb, jb}"
             probes += 1
-    assert next_id > 50 and hits > 10 and probes > 50 and readmissions >= 2 and junctions > 0
+    assert next_id > 50 and hits > 10 and probes > 50 and readmissions >= 2 and junctions > 0 and offers > 20
 
 
 def test_mamba_align_refusals_name_the_reason():
-    """What is not mapped is refused by name: prefill checkpoint blocks, EAGLE, KV events, a Mamba block size other
+    """What is not mapped is refused by name: two prefill checkpoint blocks, EAGLE, KV events, a Mamba block size other
     than the attention groups'."""
-    specs = [_full(4), _align(4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)]
-    with pytest.raises(pv.Unsupported, match="num_prefill_checkpoint_blocks = 1"):
+    specs = [_full(4), _align(4, num_prefill_checkpoint_blocks=2, prefill_checkpoint_alignment=1)]
+    with pytest.raises(pv.Unsupported, match="num_prefill_checkpoint_blocks = 2"):
         _manager(pv.KVCacheManager, specs, 4, None)
     for kw, words in (({"use_eagle": True}, "use_eagle"), ({"enable_kv_cache_events": True}, "enable_kv_cache_events")):
         with pytest.raises(pv.Unsupported, match=words):

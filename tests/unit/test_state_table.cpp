@@ -54,12 +54,14 @@ KVCacheGroupSpec table_group(std::uint32_t bs) {
   return s;
 }
 
-CacheConfig config(std::size_t num_blocks, std::uint32_t bs, std::optional<std::size_t> retention = std::nullopt) {
+CacheConfig config(std::size_t num_blocks, std::uint32_t bs, std::optional<std::size_t> retention = std::nullopt,
+                   std::uint32_t checkpoint_align = 0) {
   CacheConfig c;
   c.num_blocks = num_blocks;
   c.block_size = bs;
   c.enable_prefix_caching = true;
   c.groups = {{AttentionKind::kFull, 0, 1}, table_group(bs)};
+  c.groups[1].prefill_checkpoint_alignment = checkpoint_align;
   c.window_retention_interval = retention;
   return c;
 }
@@ -81,7 +83,7 @@ struct Engine {
   std::vector<std::uint64_t> mem;  // [num_blocks] the state a block holds
   std::uint64_t poison;
   std::unordered_map<BlockHash, std::uint64_t, pagedkv::BlockHashHasher> expect;  // chain hash -> its prefix's scan
-  std::size_t builds = 0, registered_states = 0;
+  std::size_t builds = 0, checkpoints = 0;
 
   [[nodiscard]] std::size_t col(std::size_t n) const { return (n + m.block_size() - 1) / m.block_size() - 1; }
 
@@ -103,7 +105,8 @@ struct Engine {
       mem[static_cast<std::size_t>(store[g].copies[2 * j + 1])] = mem[static_cast<std::size_t>(store[g].copies[2 * j])];
     }
     const pagedkv::BatchMetadataStorage& st = store[g];
-    REQUIRE(sizes[g].num_checkpoints == 0);
+    REQUIRE(sizes[g].num_checkpoints == static_cast<std::size_t>(st.checkpoint_indptr[batch.size()]));
+    checkpoints += sizes[g].num_checkpoints;
     std::vector<std::pair<std::int32_t, std::uint64_t>> writes;  // a step's reads come before its writes
     for (std::size_t r = 0; r < batch.size(); ++r) {
       const auto tokens = m.token_ids(batch[r]);
@@ -114,7 +117,17 @@ struct Engine {
       REQUIRE(st.state_out[r] == want[r].second);
       REQUIRE(st.state_out[r] > 0);
       std::uint64_t s = first == 0 ? 0 : mem[static_cast<std::size_t>(st.state_in[r])];
-      for (std::size_t p = first; p < seq_len; ++p) s = scan_step(s, tokens[p], p);
+      std::int32_t c = st.checkpoint_indptr[r];
+      for (std::size_t p = first; p < seq_len; ++p) {
+        s = scan_step(s, tokens[p], p);
+        if (c < st.checkpoint_indptr[r + 1] && static_cast<std::size_t>(st.checkpoint_positions[c]) == p + 1) {
+          REQUIRE((p + 1) % m.block_size() == 0);  // a checkpoint at a block boundary inside the step, in its block
+          REQUIRE((first == 0 || col(p + 1) > col(first)));
+          writes.emplace_back(st.checkpoint_blocks[c], s);
+          ++c;
+        }
+      }
+      REQUIRE(c == st.checkpoint_indptr[r + 1]);  // every entry inside the step, in position order
       writes.emplace_back(st.state_out[r], s);
     }
     for (const auto& [b, v] : writes) mem[static_cast<std::size_t>(b)] = v;
@@ -197,6 +210,9 @@ TEST_CASE("State-in-table groups: invalid configurations are typed errors naming
   KVCacheGroupSpec with_last = table_group(4);
   with_last.last_checkpoint = true;
   bad({{AttentionKind::kFull, 0, 1}, with_last}, "last_checkpoint = true");
+  KVCacheGroupSpec plain{AttentionKind::kRecurrent, 4, 1};
+  plain.prefill_checkpoint_alignment = 1;
+  bad({{AttentionKind::kFull, 0, 1}, plain}, "prefill_checkpoint_alignment = 1: only with state_in_table");
 }
 
 TEST_CASE("State-in-table groups: vLLM's worked example (docs/vllm-mamba-align.md section 7)", "[state_table][vllm]") {
@@ -267,17 +283,71 @@ TEST_CASE("State-in-table groups: vLLM's worked example (docs/vllm-mamba-align.m
   CHECK(m.lookup(a) == 48);
 }
 
+TEST_CASE("State-in-table groups: prefill checkpoint blocks (docs/vllm-mamba-align.md section 5)",
+          "[state_table][vllm]") {
+  // Full attention 16 + Mamba 'align' 16 with one prefill checkpoint block (vLLM's Mamba-2 layers: alignment 1).
+  CacheConfig c = config(40, 16, std::nullopt, 1);
+  c.release_at_build = false;
+  Engine e(c, 9);
+  Manager& m = e.m;
+  std::vector<TokenId> a(50), b(40), cc(52);
+  for (std::size_t i = 0; i < 50; ++i) a[i] = static_cast<TokenId>(1000 + i);
+  for (std::size_t i = 0; i < 40; ++i) b[i] = i < 32 ? a[i] : static_cast<TokenId>(2000 + i);
+  for (std::size_t i = 0; i < 52; ++i) cc[i] = i < 32 ? a[i] : static_cast<TokenId>(3000 + i);
+  const auto row = [&](SeqId s) {
+    const auto t = m.sequence(s).table_of(1).blocks();
+    std::vector<bool> real;
+    for (auto x : t) real.push_back(x != 0);
+    return real;
+  };
+  using R = std::vector<bool>;
+  const auto hashed = [&](SeqId s, std::size_t i) {
+    return m.prefix_index(1).hash_of(m.sequence(s).table_of(1).blocks()[i]).has_value();
+  };
+  // A runs as one 50-token chunk: the state at 48 in logical block 2 (a checkpoint entry), the running state in 3.
+  REQUIRE(m.try_admit(1, a).admitted());
+  CHECK(row(1) == R{false, false, true, true});
+  e.build({1});
+  e.check();
+  CHECK(e.checkpoints == 1);
+  CHECK(hashed(1, 2));
+  CHECK_FALSE(hashed(1, 3));
+  CHECK(m.lookup(a) == 48);
+  m.free(1);
+  // B's first chunk (0 -> 32, cut at the junction) keeps 16 (a checkpoint) and 32 (its end); dense retention
+  // registers both.
+  AdmitOptions o;
+  o.num_reserved_tokens = 32;
+  REQUIRE(m.try_admit(2, b, nullptr, o).num_cached_tokens == 0);
+  CHECK(row(2) == R{true, true});
+  e.build({2});
+  e.check();
+  CHECK((hashed(2, 0) && hashed(2, 1)));
+  // C (52 tokens) hits 32 and runs the rest as one 20-token chunk: the hit's block, a checkpoint at 48, the running
+  // state at 52.
+  REQUIRE(m.try_admit(3, cc).num_cached_tokens == 32);
+  CHECK(row(3) == R{false, true, true, true});
+  e.build({3});
+  e.check();
+  CHECK(e.checkpoints == 3);
+  // A short step (less than a block past its start) keeps none: a decode step.
+  REQUIRE(m.try_append(3, std::vector<TokenId>{5}).status == AppendStatus::kOk);
+  e.build({3});
+  CHECK(e.checkpoints == 3);
+}
+
 TEST_CASE("State-in-table groups: a toy recurrence through hits, unaligned chunks, decode, forks, preemption",
           "[state_table][toy]") {
   const std::uint64_t seed = GENERATE(1, 2, 3);
   const bool small = GENERATE(false, true);
   const bool sparse = GENERATE(false, true);
+  const std::uint32_t checkpoint_align = GENERATE(0u, 1u, 2u);
   const std::uint32_t bs = 4;
-  CacheConfig c = config(small ? 70 : 600, bs, sparse ? std::optional<std::size_t>(0) : std::nullopt);
+  CacheConfig c = config(small ? 70 : 600, bs, sparse ? std::optional<std::size_t>(0) : std::nullopt, checkpoint_align);
   c.release_at_build = seed % 2 == 1;
   Engine e(c, seed);
   Manager& m = e.m;
-  std::mt19937_64 rng(seed * 7919 + (small ? 1 : 0) + (sparse ? 2 : 0));
+  std::mt19937_64 rng(seed * 7919 + (small ? 1 : 0) + (sparse ? 2 : 0) + 4 * checkpoint_align);
   const auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % std::max<std::size_t>(n, 1)); };
   std::vector<std::vector<TokenId>> bases(5);
   for (auto& b : bases) {
@@ -362,6 +432,7 @@ TEST_CASE("State-in-table groups: a toy recurrence through hits, unaligned chunk
   CHECK(hits > (small && sparse ? 3 : 20));
   CHECK(forks > 5);
   if (small) CHECK(refusals > 0);
+  if (checkpoint_align != 0) CHECK(e.checkpoints > 10);  // prefill checkpoints were written (and checked)
 }
 
 TEST_CASE("State-in-table groups: refused calls are typed errors and change nothing", "[state_table][strong]") {

@@ -99,6 +99,11 @@ AdmitPlan plan_groups(const Pool& pool, const Host& host, const GroupLayout& lay
       new_table_blocks += kind.admit_need(pool, k, reserved, std::span<const Id>(sc.hits).subspan(g * k, k));
       lower_bound += kind.min_need(prompt.size());
     });
+    if (layout.is_state_table(g)) [[unlikely]] {  // a prefill checkpoint (vLLM's Mamba 'align', Mamba-2 layers)
+      const std::size_t prompt_tokens = opts.prompt_retention_tokens.value_or(prompt.size());
+      new_table_blocks += recurrent_group<Id>(layout, g).table().admit_checkpoints(
+          k * bs, reserved, std::max(prompt_tokens, prompt.size() - 1));
+    }
     if (external_tokens != 0) new_table_blocks -= window_external_skip(layout, g, k, prompt.size(), external_tokens);
   }
   const std::size_t new_blocks = new_table_blocks + host_hits;

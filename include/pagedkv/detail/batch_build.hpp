@@ -209,7 +209,7 @@ class BatchBuild {
         pool.switched().clear();
         if (!kOne && layout.registers_apart(g)) {  // (the dispatch here keeps DevicePool::register_blocks inlined)
           if (layout.is_state_table(g)) {
-            detail::recurrent_group<Id>(layout, g).table().register_states(pool, q, seq_len, on_registered);
+            detail::recurrent_group<Id>(layout, g).table().register_states(pool, q, first, seq_len, on_registered);
           } else {
             pool.register_coarse(q, g, layout.coarse_factor(g));
           }

@@ -43,9 +43,12 @@ struct RecurrentGroup : FullGroup<Id> {
   bool last_checkpoint = false;
   bool in_table = false;          ///< KVCacheGroupSpec::state_in_table: the hooks forward to table() where they differ.
   WindowRetention retention{};    ///< The group's sparse retention (in_table only; GroupLayout::retention_of).
+  std::uint32_t checkpoint_align = 0;  ///< KVCacheGroupSpec::prefill_checkpoint_alignment (in_table only).
 
   /// The table rules of a group with its states in its table (detail/group_state_table.hpp).
-  [[nodiscard]] StateTable<Id> table() const noexcept { return {g, block_size, prefix_caching, retention}; }
+  [[nodiscard]] StateTable<Id> table() const noexcept {
+    return {g, block_size, prefix_caching, retention, checkpoint_align};
+  }
 
   /// The window of the hit and registration rules (KVCacheGroupSpec::hit_window): a sliding window of 2 tokens, so
   /// a hit of k blocks needs the checkpoint kept with block k - 1 only.
@@ -108,7 +111,7 @@ struct RecurrentGroup : FullGroup<Id> {
   // state at the last known token and one draft state per lookahead position.
   [[nodiscard]] std::size_t checkpoints_in_step(const sequence_type& q, std::size_t first,
                                                 std::size_t end) const noexcept {
-    if (in_table) return 0;
+    if (in_table) return table().checkpoints_in_step(q, first, end);
     const std::size_t bs = block_size;
     const auto blocks = q.table_of(g).blocks();
     std::size_t n = keeps_last() ? 1 : 0;
