@@ -5,8 +5,10 @@
 # vLLM's own KVCacheManager and with scheduler_cls="pagedkv.vllm.Scheduler" (each engine in its own spawned
 # process, as a user runs it) and requires every request's generated tokens and num_cached_tokens and the engine's
 # prefix-cache counters to be identical; then a planted wrong block table (python/vllm_compat/e2e_planted.py) must
-# be caught. Then the same two runs of a sliding-window hybrid on a pool that never evicts (vLLM's default
-# prefix_cache_retention_interval 0: sparse window retention). Last line: `vllm-e2e: PASS requests=N identical=N ...`.
+# be caught. Then the same two runs of a sliding-window hybrid, and of a Qwen3-Next-shaped recurrent hybrid (a
+# gated-delta-net layer and a full-attention one: vLLM's Mamba group in mode 'align'), each on a pool that never
+# evicts (vLLM's default prefix_cache_retention_interval 0: sparse retention of window blocks and states). Last
+# line: `vllm-e2e: PASS requests=N identical=N ...`.
 #   scripts/vllm-e2e.sh [BUILD_DIR]      BUILD_DIR holds the built _pagedkv (default build-python)
 # Needs the venv scripts/install-deps.sh makes ($PAGEDKV_VLLM_VENV, default ~/.cache/pagedkv/vllm-0.32.0-venv).
 set -euo pipefail
@@ -35,9 +37,22 @@ for m in vllm pagedkv; do
     { tail -n 40 "$out/swa-$m.log"; echo "vllm-e2e: the sliding-window $m run failed" >&2; exit 1; }
   echo "vllm-e2e: sliding-window $m engine run in $(( $(date +%s) - t )) s"
 done
-swa_rc=0
+hybrid_rc=0
 "$py" $e2e compare "$out/swa-vllm.json" "$out/swa-pagedkv.json" "--label=sliding-window hybrid, retention 0" ||
-  swa_rc=1
+  hybrid_rc=1
+# A recurrent hybrid shaped as Qwen3-Next (its first layer a gated-delta-net one, then full attention; bfloat16, as
+# vLLM's CPU kernel needs): vLLM runs its state layer as a Mamba group in mode 'align' (docs/vllm-mamba-align.md),
+# on pagedkv a recurrent group with its states in its table. Default engine arguments (retention 0), a pool that
+# never evicts (under memory pressure pagedkv holds fewer blocks, as above: docs/python.md).
+"$py" $e2e make "$out/model-gdn" gdn >"$out/make-gdn.log" 2>&1 || { tail -n 30 "$out/make-gdn.log"; exit 1; }
+for m in vllm pagedkv; do
+  t=$(date +%s)
+  "$py" $e2e run "$out/model-gdn" $m "$out/gdn-$m.json" 2000 >"$out/gdn-$m.log" 2>&1 ||
+    { tail -n 40 "$out/gdn-$m.log"; echo "vllm-e2e: the recurrent-hybrid $m run failed" >&2; exit 1; }
+  echo "vllm-e2e: recurrent-hybrid $m engine run in $(( $(date +%s) - t )) s"
+done
+"$py" $e2e compare "$out/gdn-vllm.json" "$out/gdn-pagedkv.json" "--label=recurrent hybrid (Mamba align), retention 0" ||
+  hybrid_rc=1
 echo "vllm-e2e: $(( $(date +%s) - t0 )) s in all"
 "$py" $e2e compare "$out/vllm.json" "$out/pagedkv.json"
-exit $swa_rc
+exit $hybrid_rc

@@ -254,9 +254,9 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     prefill_checkpoint_alignment: a step also keeps the state at its last block boundary, in the block that ends
     there.
 
-    Refused: a Mamba block size the attention block size does not divide with prefix caching, speculative state
-    blocks (vLLM's per-draft state layout is not pagedkv's draft states), and a Mamba group 0 (pagedkv's group 0
-    holds K/V: docs/groups.md)."""
+    Refused: a Mamba block size the attention block size does not divide with prefix caching, and speculative state
+    blocks (vLLM's per-draft state layout is not pagedkv's draft states). A Mamba group 0 (vLLM orders groups by
+    their first layer) is placed after the first attention group in pagedkv's order (KVCacheManager._order)."""
     if isinstance(spec, MambaSpec):
         mode = getattr(spec, "mamba_cache_mode", "none")
         if mode not in ("none", "align"):
@@ -264,9 +264,6 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
         if spec.num_speculative_blocks:
             raise Unsupported(f"group {g} is MambaSpec with num_speculative_blocks = {spec.num_speculative_blocks}: "
                               "vLLM's per-draft state slots are not pagedkv's draft states (try_reserve_lookahead)")
-        if g == 0:
-            raise Unsupported("group 0 is MambaSpec: pagedkv's group 0 holds K/V (a recurrent group follows an "
-                              "attention group: docs/groups.md)")
         if enable_caching and spec.block_size % block_size:
             raise Unsupported(f"group {g} is MambaSpec with prefix caching and block size {spec.block_size}, not a "
                               f"multiple of the attention block size {block_size}: pagedkv's checkpoints are at "
@@ -502,11 +499,12 @@ class KVCacheManager(ConnectorMixin):
             raise Unsupported(f"hash block size {hash_block_size} / scheduler block size {scheduler_block_size} "
                               f"!= {block_size} / {expected_sbs} (pagedkv hashes whole blocks"
                               f"{'; hits at the Mamba checkpoints' if expected_sbs != block_size else ''})")
-        # pagedkv's group 0 is at the match unit: when vLLM's group 0 is coarse, the first group at the smallest
-        # block size goes first in pagedkv (_order[p] = the vLLM group of pagedkv group p); results are handed
-        # back in vLLM's group order (_from_pk).
+        # pagedkv's group 0 is an attention group at the match unit: when vLLM's group 0 is coarse or a Mamba group
+        # (vLLM orders groups by their first layer: Qwen3-Next's first layer is a linear-attention one), the first
+        # attention group at the smallest block size goes first in pagedkv (_order[p] = the vLLM group of pagedkv
+        # group p); results are handed back in vLLM's group order (_from_pk).
         order = list(range(len(specs)))
-        if 0 in self._coarse:
+        if 0 in self._coarse or isinstance(specs[0], MambaSpec):
             first = next(g for g in order if g not in self._coarse and not isinstance(specs[g], MambaSpec))
             order = [first] + [g for g in order if g != first]
         self._order = order if order != sorted(order) else None
@@ -807,6 +805,8 @@ class KVCacheManager(ConnectorMixin):
         else:
             prepared = self._prepare(request, n)
             hit, ids = self._pk._vllm_hit(prepared, n - 1, self.block_size if self.use_eagle else 0)
+            if self._order is not None:
+                ids = self._from_pk(ids)
             if (self._state_groups or self._table_groups) and hit:
                 ids = self._state_hit(ids, hit)
         junction = 0
@@ -1120,7 +1120,7 @@ class KVCacheManager(ConnectorMixin):
             t = e.type
             medium = MEDIUM_GPU if e.medium == _pk.Medium.GPU else MEDIUM_CPU
             if t == _pk.KVEventType.BLOCK_STORED:
-                g = e.group
+                g = self._order[e.group] if self._order is not None else e.group
                 kind, window = self.kv_cache_event_metadata[g]
                 lora = e.adapter_id or None
                 prev = out[-1] if out else None
@@ -1136,10 +1136,11 @@ class KVCacheManager(ConnectorMixin):
                                        kv_cache_spec_sliding_window=window, session_id=session))
             elif t == _pk.KVEventType.BLOCK_REMOVED:
                 prev = out[-1] if out else None
-                if isinstance(prev, BlockRemoved) and prev.group_idx == e.group and prev.medium == medium:
+                g = self._order[e.group] if self._order is not None else e.group
+                if isinstance(prev, BlockRemoved) and prev.group_idx == g and prev.medium == medium:
                     prev.block_hashes.append(e.hash)
                     continue
-                out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=e.group))
+                out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=g))
             else:
                 out.append(AllBlocksCleared())
 

@@ -1,7 +1,8 @@
 """vLLM's real engine on pagedkv.vllm, end to end (scripts/vllm-e2e.sh; issue 35 item 3).
 
-  python e2e.py make MODEL_DIR [WINDOW]        a tiny random-weight Llama and a word-level tokenizer, made locally
-                                               (WINDOW: its first layer a sliding window of WINDOW tokens)
+  python e2e.py make MODEL_DIR [WINDOW|gdn]    a tiny random-weight Llama and a word-level tokenizer, made locally
+                                               (WINDOW: its first layer a sliding window of WINDOW tokens; gdn: a
+                                               Qwen3-Next, a gated-delta-net layer then a full-attention one)
   python e2e.py run MODEL_DIR MANAGER OUT.json [NUM_BLOCKS [RETENTION]]   (RETENTION: none or tokens)
                                                vLLM's LLM on CPU (prefix caching, greedy, a small pool) with
                                                MANAGER = vllm (vLLM's own KVCacheManager), pagedkv
@@ -27,7 +28,11 @@ VOCAB = 512
 
 def make(model_dir: str, window: int = 0) -> None:
     """The model: a Llama, or with `window` > 0 a hybrid of a sliding-window layer (that many tokens) and a
-    full-attention one, as gpt-oss and Gemma 2/3 alternate them (vLLM's Llama reads config.layer_types)."""
+    full-attention one, as gpt-oss and Gemma 2/3 alternate them (vLLM's Llama reads config.layer_types); with
+    `window` = "gdn" the recurrent hybrid of make_gdn."""
+    if window == "gdn":
+        make_gdn(model_dir)
+        return
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -51,6 +56,40 @@ def make(model_dir: str, window: int = 0) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(model_dir)
+
+
+def make_gdn(model_dir: str) -> None:
+    """A tiny random-weight Qwen3-Next (Qwen3NextForCausalLM: a gated-delta-net layer, then a full-attention one;
+    mixture-of-experts MLPs) in bfloat16, which vLLM's CPU gated-delta-net kernel needs (its value and key heads of
+    128). vLLM runs it with a Mamba KV-cache group in mode 'align' (prefix caching on) and, its state page padded to
+    the attention page, 32-token blocks: the attention page per token (4 KV heads x 256 x 2 x bf16) is sized so."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    make(model_dir)  # the tokenizer (the Llama's weights and config are replaced below)
+    for f in os.listdir(model_dir):
+        if f.startswith("model") or f == "config.json":
+            os.remove(os.path.join(model_dir, f))
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4, head_dim=256,
+                          layer_types=["linear_attention", "full_attention"], linear_num_key_heads=1,
+                          linear_num_value_heads=1, linear_key_head_dim=128, linear_value_head_dim=128,
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                          shared_expert_intermediate_size=128, mlp_only_layers=[], decoder_sparse_step=1,
+                          max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    model = Qwen3NextForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
+
+
+def _dtype(model_dir: str) -> str:
+    """The model's dtype as its config names it (float32 for the Llamas, bfloat16 for the gated-delta-net hybrid)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
 
 
 def _prompts():
@@ -80,7 +119,7 @@ def run(model_dir: str, manager: str, out_path: str, num_blocks: int = NUM_BLOCK
         kw["scheduler_cls"] = "e2e_planted.PlantedScheduler"
     if retention:  # vLLM's prefix_cache_retention_interval ("none" or tokens); default: vLLM's (0)
         kw["prefix_cache_retention_interval"] = None if retention == "none" else int(retention)
-    llm = LLM(model=model_dir, tokenizer=model_dir, dtype="float32", block_size=BLOCK, enforce_eager=True,
+    llm = LLM(model=model_dir, tokenizer=model_dir, dtype=_dtype(model_dir), block_size=BLOCK, enforce_eager=True,
               enable_prefix_caching=True, num_gpu_blocks_override=num_blocks, max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=512, seed=0, disable_log_stats=False, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -129,7 +168,8 @@ def compare(base_path: str, run_path: str, expect_mismatch: bool, label: str = "
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "make":
-        make(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+        kind = sys.argv[3] if len(sys.argv) > 3 else "0"
+        make(sys.argv[2], kind if kind == "gdn" else int(kind))
     elif cmd == "run":
         run(sys.argv[2], sys.argv[3], sys.argv[4], *(int(a) for a in sys.argv[5:6]), *sys.argv[6:7])
     elif cmd == "compare":

@@ -48,6 +48,7 @@ LAYOUTS = {
     "full4+mamba4+mamba4": ([_full(4), _align(4), _align(4)], 4),
     "full4+mamba4/ckpt": ([_full(4), _align(4, **_CKPT)], 4),
     "full16+mamba16/ckpt": ([_full(16), _align(16, **_CKPT)], 16),
+    "mamba4+full4/ckpt": ([_align(4, **_CKPT), _full(4)], 4),  # Qwen3-Next's order: a linear-attention layer first
     "full4+mamba4/ckpt-align2": ([_full(4), _align(4, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=2)], 4),
 }
 
