@@ -86,6 +86,13 @@ struct CacheConfig {
   /// Tokens the retention boundaries align down to (vLLM's hit alignment, the scheduler block size: an engine whose
   /// hits end only at multiples of it); 0 = block_size. A multiple of block_size, at most 2^31 - 1.
   std::size_t window_retention_alignment = 0;
+  /// A full block whose content another registered block holds already (two sequences computed the same prefix
+  /// at once, or a sequence recomputed blocks a shorter hit left out) is switched to that block when a build
+  /// registers it, and its own copy released (CacheStats::dedup_blocks): true (default). False keeps every
+  /// sequence's block ids as they were handed out, the duplicate unregistered (as vLLM keeps both copies): for an
+  /// engine whose workers keep their own append-only copy of the block tables, as vLLM's do (pagedkv.vllm sets
+  /// it), a switched block would be read after its release.
+  bool deduplicate_blocks = true;
 };
 
 namespace detail {

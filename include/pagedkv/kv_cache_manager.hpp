@@ -170,6 +170,13 @@ class KVCacheManager
   ~KVCacheManager() = default;
 
   [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
+  /// Turn CacheConfig::deduplicate_blocks on or off for the builds that follow (an engine that reads a new
+  /// sequence's table after its first build but keeps the ids of later growths, as vLLM's scheduler does, lets
+  /// only the admission's build switch duplicates: pagedkv.vllm). Never throws.
+  void set_deduplicate_blocks(bool on) noexcept {
+    config_.deduplicate_blocks = on;
+    pool_.set_deduplicate(on);
+  }
   [[nodiscard]] std::uint32_t block_size() const noexcept { return config_.block_size; }
   /// Tokens per block of group g's pages (KVCacheGroupSpec::block_size, or the pool's block_size): what group g's
   /// block table, page table (last_page_len) and slot mapping count in. A multiple of block_size(), the match unit

@@ -330,9 +330,9 @@ class KVCacheGroupSpec:
 class CacheConfig:
     """Configuration of one KV pool (kv_cache_manager.hpp CacheConfig)."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False, release_at_build: bool = True, window_retention_interval: int | None = None, window_retention_alignment: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, hash_seed: int = 0, max_tokens_per_seq: int = 0, enable_events: bool = False, num_host_blocks: int = 0, offload: OffloadPolicy = OffloadPolicy.WRITE_BACK, min_offload_priority: int = 0, groups: Sequence[KVCacheGroupSpec] = [], page_size_bytes: int = 0, eviction_history: int = 0, count_miss_causes: bool = False, release_at_build: bool = True, window_retention_interval: int | None = None, window_retention_alignment: int = 0, deduplicate_blocks: bool = True) -> None:
         """
-        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build (False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the build); window_retention_interval: sparse prefix-cache retention of sliding-window groups in tokens (vLLM's prefix_cache_retention_interval: None = every window block, 0 = only each sequence's boundary tails, I = those and the tails at each multiple of I; docs/vllm-swa-retention.md); window_retention_alignment: tokens the boundaries align down to (0 = block_size). Checked by KVCacheManager.
+        num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); page_size_bytes: bytes of one layer's K+V page of block_size tokens (0 = no byte accounting); eviction_history: slots remembering evictions, so a miss can say 'evicted' (0 = off); count_miss_causes: count every admission's miss cause in CacheStats.admissions_by_miss_cause; release_at_build: windowed and recurrent groups drop the blocks no later query needs at each build (False: only at release_skipped_blocks, for a caller that hands the table to its kernels after the build); window_retention_interval: sparse prefix-cache retention of sliding-window groups in tokens (vLLM's prefix_cache_retention_interval: None = every window block, 0 = only each sequence's boundary tails, I = those and the tails at each multiple of I; docs/vllm-swa-retention.md); window_retention_alignment: tokens the boundaries align down to (0 = block_size); deduplicate_blocks: a full block whose content another registered block holds is switched to it at registration (False: block ids stay as handed out, the duplicate unregistered; for engines whose workers keep append-only block tables, as vLLM's). Checked by KVCacheManager.
         """
 
     @property
@@ -431,6 +431,12 @@ class CacheConfig:
 
     @window_retention_alignment.setter
     def window_retention_alignment(self, arg: int, /) -> None: ...
+
+    @property
+    def deduplicate_blocks(self) -> bool: ...
+
+    @deduplicate_blocks.setter
+    def deduplicate_blocks(self, arg: bool, /) -> None: ...
 
     def __repr__(self) -> str: ...
 

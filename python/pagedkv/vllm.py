@@ -29,9 +29,10 @@ vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordi
 ``AttributeError`` naming the object), except the few the scheduler itself reads (``coordinator.single_type_managers``
 for block sizes and specs, ``coordinator.get_num_blocks_to_allocate``, ``block_pool.get_num_free_blocks`` /
 ``get_usage`` / ``free_blocks`` of blocks popped for a deferred free). Configurations pagedkv cannot serve raise
-``Unsupported`` (a ``NotImplementedError`` with the reason): Mamba groups other than cache mode 'none' (which maps
-onto a pagedkv recurrent group: the request's state block, with prefix caching a checkpoint every Mamba block),
-and of mode 'none' the layouts _group_spec and _check_mamba_caching name, encoder groups, the layouts
+``Unsupported`` (a ``NotImplementedError`` with the reason): the Mamba layouts _group_spec and _check_mamba_caching
+name (mode 'none' maps onto a pagedkv recurrent group: the request's state block, with prefix caching a checkpoint
+every Mamba block; mode 'align' onto a recurrent group with its states in its table, vLLM's row), encoder groups,
+the layouts
 of groups of different block sizes that pagedkv's coarse pages cannot serve as vLLM does (_coarse_groups; the
 others map onto coarse pages with hits aligned to vLLM's scheduler block size), context parallelism, hash blocks
 smaller than blocks, an empty prompt. A KV connector's loads
@@ -548,8 +549,12 @@ class KVCacheManager(ConnectorMixin):
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
 
+        # vLLM's worker keeps its own append-only copy of each running request's block table (it appends the new
+        # block ids allocate_slots returns): a block pagedkv's build switched to a registered duplicate would be read
+        # after its release. So duplicates stay, unregistered, as vLLM keeps both copies.
         cfg = _pk.CacheConfig(num_blocks=kv_cache_config.num_blocks, block_size=block_size,
-                              enable_prefix_caching=enable_caching, enable_events=enable_kv_cache_events)
+                              enable_prefix_caching=enable_caching, enable_events=enable_kv_cache_events,
+                              deduplicate_blocks=False)
         # vLLM's sparse retention of window blocks (docs/vllm-swa-retention.md): the same blocks registered, tails
         # aligned to vLLM's hit alignment (the scheduler block size). Each request's boundaries go in at its
         # admission: its original prompt's replay boundary and the shared-prefix junction J that get_computed_blocks

@@ -527,7 +527,12 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
           }
           status = 0;
           blocks = vllm_blocks_from(mm, seq, std::vector<std::size_t>(mm.num_groups(), hit / mm.block_size()));
+          // vLLM's scheduler reads a new request's blocks after this call (get_blocks): its build may switch a
+          // duplicate to the registered block; a running request's ids stay as handed out (deduplicate_blocks off).
+          const bool dedup = mm.config().deduplicate_blocks;
+          mm.set_deduplicate_blocks(true);
           vllm_build_one(mm, seq, copies);
+          mm.set_deduplicate_blocks(dedup);
           num_tokens = mm.sequence(seq).num_slotted();
           full = vllm_full_blocks(mm, seq);
         });
@@ -831,18 +836,19 @@ NB_MODULE(_pagedkv, m) {
              OffloadPolicy offload, std::uint8_t min_offload_priority, std::vector<KVCacheGroupSpec> groups,
              std::size_t page_size_bytes, std::size_t eviction_history, bool count_miss_causes,
              bool release_at_build, std::optional<std::size_t> window_retention_interval,
-             std::size_t window_retention_alignment) {
+             std::size_t window_retention_alignment, bool deduplicate_blocks) {
             new (c) CacheConfig{num_blocks,     block_size,      enable_prefix_caching, hash_seed, max_tokens_per_seq,
                                 enable_events, num_host_blocks, offload,               min_offload_priority,
                                 std::move(groups), page_size_bytes, eviction_history, count_miss_causes,
-                                release_at_build, window_retention_interval, window_retention_alignment};
+                                release_at_build, window_retention_interval, window_retention_alignment,
+                                deduplicate_blocks};
           },
           "num_blocks"_a, "block_size"_a = kDefaultBlockSize, "enable_prefix_caching"_a = true, "hash_seed"_a = 0,
           "max_tokens_per_seq"_a = 0, "enable_events"_a = false, "num_host_blocks"_a = 0,
           "offload"_a = OffloadPolicy::kWriteBack, "min_offload_priority"_a = 0,
           "groups"_a = std::vector<KVCacheGroupSpec>{}, "page_size_bytes"_a = 0, "eviction_history"_a = 0,
           "count_miss_causes"_a = false, "release_at_build"_a = true, "window_retention_interval"_a = nb::none(),
-          "window_retention_alignment"_a = 0,
+          "window_retention_alignment"_a = 0, "deduplicate_blocks"_a = true,
           "num_blocks: pool size in blocks including the null block 0, [2, 2^31]; block_size: tokens per block; "
           "max_tokens_per_seq: 0 = 2^31 - 1; num_host_blocks: 0 = no host tier; groups: the KV-cache groups "
           "sharing the pool, at most 64 (empty = one full-attention group; group g is index g in every call); "
@@ -854,8 +860,10 @@ NB_MODULE(_pagedkv, m) {
           "build); window_retention_interval: sparse prefix-cache retention of sliding-window groups in tokens "
           "(vLLM's prefix_cache_retention_interval: None = every window block, 0 = only each sequence's boundary "
           "tails, I = those and the tails at each multiple of I; docs/vllm-swa-retention.md); "
-          "window_retention_alignment: tokens the boundaries align down to (0 = block_size). Checked by "
-          "KVCacheManager.")
+          "window_retention_alignment: tokens the boundaries align down to (0 = block_size); deduplicate_blocks: a "
+          "full block whose content another registered block holds is switched to it at registration (False: "
+          "block ids stay as handed out, the duplicate unregistered; for engines whose workers keep append-only "
+          "block tables, as vLLM's). Checked by KVCacheManager.")
       .def_rw("num_blocks", &CacheConfig::num_blocks)
       .def_rw("block_size", &CacheConfig::block_size)
       .def_rw("enable_prefix_caching", &CacheConfig::enable_prefix_caching)
@@ -875,6 +883,7 @@ NB_MODULE(_pagedkv, m) {
       .def_rw("release_at_build", &CacheConfig::release_at_build)
       .def_rw("window_retention_interval", &CacheConfig::window_retention_interval)
       .def_rw("window_retention_alignment", &CacheConfig::window_retention_alignment)
+      .def_rw("deduplicate_blocks", &CacheConfig::deduplicate_blocks)
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
                std::to_string(c.block_size) + ", enable_prefix_caching=" + (c.enable_prefix_caching ? "True" : "False") +

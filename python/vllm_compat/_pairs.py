@@ -60,3 +60,25 @@ def free_pair(ours, theirs, live: dict, rid: str) -> tuple:
 def free_random(rng, ours, theirs, live: dict) -> tuple:
     """free_pair of a random live request (a finished request)."""
     return free_pair(ours, theirs, live, rng.choice(sorted(live)))
+
+
+def kept_duplicates(ours, rids) -> int:
+    """The blocks pagedkv.vllm holds for requests `rids` that duplicate a registered block (a full block, not
+    registered, whose chain hash another block is registered under), in the groups at the match unit: pagedkv keeps
+    them, as handed out, where an admission's build would have switched them (CacheConfig.deduplicate_blocks is on
+    only for admissions). vLLM registers both copies, and which one a later hit takes differs, so pagedkv may hold up
+    to this many blocks more than vLLM."""
+    dups = set()
+    for rid in rids:
+        seq = ours._seqs[rid].seq
+        for p, table in enumerate(ours._pk._vllm_tables(seq)):
+            g = ours._order[p] if ours._order is not None else p
+            if ours._group_bs[g] != ours.block_size:
+                continue
+            for i, b in enumerate(table):
+                if not b or ours._pk.block_hash(b) is not None:
+                    continue
+                h = ours._pk._vllm_seq_hash(seq, i)
+                if h is not None and ours._pk.cached_block(h, p) not in (None, b):
+                    dups.add(b)
+    return len(dups)

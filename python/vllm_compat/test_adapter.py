@@ -432,3 +432,62 @@ def test_decode_fast_path_lags_and_catches_up():
     assert m.allocate_slots(r, 1) is m.empty_kv_cache_blocks and s.lag == 1
     m.free(r)
     assert seq not in m._pk and "a" not in m._seqs
+
+
+@pytest.mark.parametrize("layout", ["full", "full+swa", "full+mamba-align"])
+def test_block_ids_handed_out_never_change(layout):
+    """vLLM's worker keeps its own append-only copy of each request's block table: a new request's row is
+    get_block_ids at its admission, a running one's grows by the ids allocate_slots returns. Requests computing the
+    same prompt at once (chunked prefill of identical prompts) must keep every id handed out (pagedkv's build would
+    otherwise switch a duplicate to the registered copy and release it: CacheConfig.deduplicate_blocks is off), so
+    each non-null entry of the manager's rows equals the worker's."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from _pairs import make_config
+
+    specs = [FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)]
+    if layout == "full+swa":
+        specs.append(SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32,
+                                       sliding_window=8))
+    if layout == "full+mamba-align":
+        specs.append(MambaSpec(block_size=4, shapes=((1, 1),), dtypes=(torch.float32,), mamba_cache_mode="align"))
+    m = pv.KVCacheManager(make_config(400, specs), max_model_len=400, scheduler_block_size=4, hash_block_size=4)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(30) for _ in range(rng.randrange(20, 60))] for _ in range(3)]
+    live, rows, next_id, checked = {}, {}, 0, 0
+    for step in range(300):
+        if len(live) < 6 and rng.random() < 0.4:
+            rid = str(next_id)
+            next_id += 1
+            r = _request(rid, rng.choice(prompts))
+            blocks, hit, _ = m.get_computed_blocks(r)
+            n = 4 * rng.randrange(1, 4)  # whole blocks, as align mode's scheduler cuts chunks
+            if m.allocate_slots(r, min(n, r.num_tokens - hit), hit, blocks) is None:
+                continue
+            r.num_computed_tokens = hit + min(n, r.num_tokens - hit)
+            live[rid] = r
+            rows[rid] = [list(x) for x in m.get_block_ids(rid)]
+        elif live:
+            rid = rng.choice(sorted(live))
+            r = live[rid]
+            if r.num_computed_tokens == r.num_tokens:
+                if r.num_tokens > r.num_prompt_tokens + 6:
+                    m.free(r)
+                    del live[rid], rows[rid]
+                    continue
+                r.append_output_token_ids([rng.randrange(30)])
+            left = r.num_tokens - r.num_computed_tokens
+            n = min(left, 4 * rng.randrange(1, 4)) if left > 1 else 1
+            got = m.allocate_slots(r, n)
+            assert got is not None
+            for g, new in enumerate(got.get_block_ids()):
+                rows[rid][g].extend(new)
+            r.num_computed_tokens += n
+        for rid in live:
+            for g, (worker, ours) in enumerate(zip(rows[rid], m.get_block_ids(rid))):
+                assert len(worker) == len(ours), f"step {step}: request {rid} group {g}"
+                for i, b in enumerate(ours):
+                    if b:
+                        assert worker[i] == b, f"step {step}: request {rid} group {g} entry {i}: {worker[i]} -> {b}"
+                        checked += 1
+    assert next_id > 20 and checked > 500

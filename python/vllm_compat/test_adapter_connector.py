@@ -53,7 +53,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from _pairs import lookup_pair, make_config, make_request, next_tokens
+from _pairs import kept_duplicates, lookup_pair, make_config, make_request, next_tokens
 
 init_none_hash(sha256)
 
@@ -147,7 +147,7 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed, re
     whole = set()  # requests whose async load covered the whole prompt
     next_id = 0
     seen = {"async": 0, "sync": 0, "loaded": 0, "failed": 0, "aborted": 0, "clamped": 0, "hidden": 0, "fill_hit": 0,
-            "clamped_nulls": 0, "later_nulls": 0, "same_held": 0, "zeroed": 0, "whole_hit_short": 0, "left_out": 0}
+            "clamped_nulls": 0, "later_nulls": 0, "same_held": 0, "kept_duplicates": 0, "zeroed": 0, "whole_hit_short": 0, "left_out": 0}
 
     def check_tables(step):
         fills = []
@@ -193,12 +193,16 @@ def test_connector_loads_differential_against_vllms_own_manager(layout, seed, re
         # Every block pagedkv holds is in a request's table (nothing leaked), and so for vLLM.
         free_a, free_b = ours.block_pool.get_num_free_blocks(), theirs.block_pool.get_num_free_blocks()
         assert free_a == nblocks - 1 - len(held_a) and free_b == nblocks - 1 - len(held_b), f"step {step}"
-        # pagedkv holds more only where vLLM lists the null block: a running request's skipped blocks until its
-        # next growth crossing and a whole-prompt load's last window step; a build that deduplicated a block holds
-        # fewer.
+        # pagedkv holds more only where vLLM lists the null block (a running request's skipped blocks until its
+        # next growth crossing and a whole-prompt load's last window step) and by the duplicates it keeps
+        # unregistered (vLLM registers both copies, and a later hit may take either); an admission's build that
+        # deduplicated a block holds fewer.
         seen["hidden"] += len(held_a - paired)
         seen["same_held"] += len(paired) == len(held_b)
-        assert len(paired) <= len(held_b), f"step {step}: {len(paired)} blocks where vLLM holds {len(held_b)}"
+        dups = kept_duplicates(ours, list(live))
+        seen["kept_duplicates"] += dups
+        assert len(paired) <= len(held_b) + dups, \
+            f"step {step}: {len(paired)} blocks where vLLM holds {len(held_b)} ({dups} kept duplicates)"
 
     def complete(rid, step):
         ra, rb, _ = live[rid]

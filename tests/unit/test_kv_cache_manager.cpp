@@ -465,6 +465,36 @@ TEST_CASE("KVCacheManager: release is tail first, visible in the LRU order", "[k
   CHECK(m.lookup(cat(toks(50, 8), Toks{1})) == 8);
 }
 
+TEST_CASE("KVCacheManager: with deduplicate_blocks off a duplicate keeps its id, unregistered",
+          "[kv_cache_manager][dedup]") {
+  // An engine whose workers keep append-only block tables (vLLM's) must never see a handed-out id change.
+  CacheConfig c = cfg(16, 4, true);
+  c.deduplicate_blocks = false;
+  Mgr m(c);
+  REQUIRE(m.try_admit(1, toks(0, 6)).admitted());  // 1 (full), 2 (2 tokens)
+  build(m, {1});
+  REQUIRE(m.try_admit(2, toks(0, 6)).num_cached_tokens == 4);  // hits 1, takes 3
+  build(m, {2});
+  drain(m);
+  REQUIRE(m.try_append(1, Toks{6, 7}).ok());  // block 2 full
+  REQUIRE(m.try_append(2, Toks{6, 7}).ok());  // block 3 full with the same content
+  const auto [slots, copies] = build(m, {1, 2});
+  CHECK(slots == Slots{10, 11, 14, 15});  // both copies written
+  CHECK(ids(m, 1) == Ids{1, 2});
+  CHECK(ids(m, 2) == Ids{1, 3});  // as handed out
+  CHECK(m.allocator().is_hashed(2));
+  CHECK_FALSE(m.allocator().is_hashed(3));
+  CHECK(m.allocator().refcount(3) == 1);
+  CHECK(m.stats().dedup_blocks == 0);
+  CHECK(drain(m).size() == 1);  // only block 2 was stored
+  // The registered copy serves hits; freeing the duplicate's owner returns it unregistered.
+  CHECK(m.lookup(toks(0, 9)) == 8);
+  m.free(2);
+  CHECK(m.allocator().refcount(3) == 0);
+  CHECK_FALSE(m.allocator().is_cached(3));
+  CHECK(m.lookup(toks(0, 9)) == 8);
+}
+
 TEST_CASE("KVCacheManager: a newly full block whose content is registered is deduplicated at the build",
           "[kv_cache_manager][dedup]") {
   Mgr m(cfg(16, 4, true));

@@ -49,6 +49,7 @@ class DevicePool {
   DevicePool(const CacheConfig& config, const GroupLayout& layout)
       : block_size_(config.block_size),
         prefix_caching_(config.enable_prefix_caching),
+        deduplicate_(config.deduplicate_blocks),
         simple_(layout.simple),
         num_groups_(layout.num_groups),
         alloc_(config.num_blocks),
@@ -82,6 +83,8 @@ class DevicePool {
   /// group and row; a build reads them to write -1 slots).
   [[nodiscard]] std::vector<std::size_t>& switched() noexcept { return switched_; }
   [[nodiscard]] const std::vector<std::size_t>& switched() const noexcept { return switched_; }
+  /// CacheConfig::deduplicate_blocks for the registrations that follow.
+  void set_deduplicate(bool on) noexcept { deduplicate_ = on; }
   /// Blocks switched to a registered duplicate since construction.
   [[nodiscard]] std::uint64_t dedup_blocks() const noexcept { return dedup_blocks_; }
 
@@ -307,10 +310,10 @@ class DevicePool {
   // --- Registration (prefix caching) ---
   /// Register group g's registrable full blocks of `q` beyond its registered cursor (see SequenceState), in
   /// `q.table` (kOne: the one full group) or `q.table_of(g)`. A block whose hash is already registered to another
-  /// block is switched to that block when `q` is its only table holder: its own copy is released and its logical
-  /// index appended to switched() (the build writes -1 for its slots: the registered block holds the same K/V,
-  /// written in an earlier step or earlier in this step's write_kv). A shared duplicate stays as it is,
-  /// unregistered. A null entry, or a block that can never serve a hit under the group's `window`
+  /// block is switched to that block when `q` is its only table holder and CacheConfig::deduplicate_blocks is on:
+  /// its own copy is released and its logical index appended to switched() (the build writes -1 for its slots: the
+  /// registered block holds the same K/V, written in an earlier step or earlier in this step's write_kv). A shared
+  /// duplicate, or any duplicate with deduplication off, stays as it is, unregistered. A null entry, or a block that can never serve a hit under the group's `window`
   /// (block_can_serve_hit), is skipped, and so is one outside the group's sparse retention (`keep`, a
   /// sliding-window group's WindowRetention under the sequence's boundaries; null or not sparse: none; such a
   /// group's blocks are examined only up to a multiple of the rule's alignment, vLLM's cacheable horizon); the
@@ -372,7 +375,8 @@ class DevicePool {
         on_registered(own, h);
         continue;
       }
-      if (alloc_.refcount(own) - pins(own) != 1) continue;  // shared duplicate: leave it unregistered
+      // A shared duplicate, or one the engine must keep (deduplication off): leave it unregistered.
+      if (!deduplicate_ || alloc_.refcount(own) - pins(own) != 1) continue;
       // Duplicate content: switch to the registered block, free ours.
       acquire_block(reg);
       table.replace_block(i, reg);
@@ -487,6 +491,7 @@ class DevicePool {
  private:
   std::size_t block_size_;                   // tokens per match block
   bool prefix_caching_;                      // registration on
+  bool deduplicate_;                         // CacheConfig::deduplicate_blocks
   bool simple_;                              // one full group: held = used, no per-group counts
   std::size_t num_groups_;
   allocator_type alloc_;
