@@ -11,7 +11,8 @@
 //              names, refcounts are the tables' entries plus pending copy sources, and every admission's hit is the
 //              brute-force maximum (full attention's blocks [0, k), the state group's block k - 1). Random prompts
 //              over shared prefixes, unaligned chunks, decode, forks, preemption, a pool small enough to evict;
-//              dense and sparse retention (interval 0, with replay boundaries and junctions);
+//              dense and sparse retention (interval 0, with replay boundaries and junctions), prefill checkpoints
+//              at alignment 0 / 1 / 2 (24 configurations);
 //  - [strong]  refused calls (lookahead, marks, swap, rewind, a partial build) are typed errors; nothing changes.
 #include <catch2/catch.hpp>
 
@@ -338,7 +339,8 @@ TEST_CASE("State-in-table groups: prefill checkpoint blocks (docs/vllm-mamba-ali
 
 TEST_CASE("State-in-table groups: a toy recurrence through hits, unaligned chunks, decode, forks, preemption",
           "[state_table][toy]") {
-  const std::uint64_t seed = GENERATE(1, 2, 3);
+  // 24 configurations x 800 operations (the ASan/UBSan stage runs them at -O0: about ten times -O1's time).
+  const std::uint64_t seed = GENERATE(1, 2);
   const bool small = GENERATE(false, true);
   const bool sparse = GENERATE(false, true);
   const std::uint32_t checkpoint_align = GENERATE(0u, 1u, 2u);
@@ -357,7 +359,7 @@ TEST_CASE("State-in-table groups: a toy recurrence through hits, unaligned chunk
   std::map<SeqId, std::vector<TokenId>> prompts;  // each live sequence's whole prompt
   SeqId next = 1;
   std::size_t admits = 0, hits = 0, forks = 0, refusals = 0, preemptions = 0;
-  for (std::size_t step = 0; step < 1200; ++step) {
+  for (std::size_t step = 0; step < 800; ++step) {
     const std::size_t op = pick(100);
     std::vector<SeqId> live;
     m.for_each_sequence([&](SeqId s, std::size_t) { live.push_back(s); });
@@ -428,11 +430,11 @@ TEST_CASE("State-in-table groups: a toy recurrence through hits, unaligned chunk
   }
   INFO("admits " << admits << " hits " << hits << " forks " << forks << " builds " << e.builds << " refusals "
                  << refusals);
-  CHECK(admits > 100);
-  CHECK(hits > (small && sparse ? 3 : 20));
+  CHECK(admits > 70);
+  CHECK(hits > (small && sparse ? 3 : 15));
   CHECK(forks > 5);
   if (small) CHECK(refusals > 0);
-  if (checkpoint_align != 0) CHECK(e.checkpoints > 10);  // prefill checkpoints were written (and checked)
+  if (checkpoint_align != 0) CHECK(e.checkpoints > 5);  // prefill checkpoints were written (and checked)
 }
 
 TEST_CASE("State-in-table groups: refused calls are typed errors and change nothing", "[state_table][strong]") {
