@@ -53,8 +53,8 @@ enum class AttentionKind : std::uint8_t {
 /// takes one block there (the blocks between stay null) and the next build reads the previous one as its state_in;
 /// a build that ends exactly at a block boundary registers that block as the checkpoint there (so states are kept
 /// only where steps ended: chunk ends, decode steps that fill a block). window_tokens must be the block size.
-/// Refused with it (typed errors): lookahead slots, mark_checkpoint, swap preemption, rewind, external KV, and a
-/// build that computes only part of a sequence's slotted positions.
+/// Refused with it (typed errors): lookahead slots and commit_lookahead, mark_checkpoint, swap preemption, rewind
+/// (any n), external KV, and a build that computes only part of a sequence's slotted positions.
 /// `prefill_checkpoint_alignment`: state_in_table only, 0 = off; else vLLM's prefill checkpoint block
 /// (MambaSpec.num_prefill_checkpoint_blocks = 1 with this prefill_checkpoint_alignment, set by vLLM's Mamba-2
 /// layers): a growth that starts on a block boundary and ends at least a block past it also keeps the state at its
@@ -163,8 +163,9 @@ struct GroupLayout {
   std::vector<std::uint32_t> page_factors;   ///< [G] page_tokens[g] / block_size.
   std::vector<KVCacheGroupSpec> specs;       ///< [G] the group specs (visit_group builds each kind from its own).
   bool prefix_caching = false;               ///< CacheConfig::enable_prefix_caching (a recurrent kind's checkpoints).
-  /// [G] each group's sparse retention (WindowRetention; off but for sliding-window groups under
-  /// CacheConfig::window_retention_interval), or empty when no group has it (set_window_retention).
+  /// [G] each group's sparse retention (WindowRetention; off but for sliding-window groups and recurrent groups
+  /// with their states in their tables under CacheConfig::window_retention_interval), or empty when no group has it
+  /// (set_window_retention).
   std::vector<WindowRetention> retention;
 
   GroupLayout() = default;

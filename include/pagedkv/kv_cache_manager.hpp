@@ -376,6 +376,7 @@ class KVCacheManager
   /// `accepted` empty. Throws kUnknownSequence, kInvalidArgument (accepted.size() > the lookahead slots).
   void commit_lookahead(SeqId seq, std::span<const TokenId> accepted) {
     sequence_type& q = live(seq, "commit_lookahead");
+    detail::refuse_state_table(layout_, "commit_lookahead", seq);
     const std::size_t a = accepted.size();
     if (a > q.num_lookahead) {
       detail::raise(Errc::kInvalidArgument, "commit_lookahead: sequence " + std::to_string(seq) + " accepts " +
@@ -599,7 +600,7 @@ class KVCacheManager
   /// changes then.
   void rewind(SeqId seq, std::size_t n) {
     sequence_type& q = live(seq, "rewind");
-    if (n != 0) detail::refuse_state_table(layout_, "rewind", seq);
+    detail::refuse_state_table(layout_, "rewind", seq);
     if (ext_.num_fills() != 0) [[unlikely]] ext_.refuse_waiting(std::span<const SeqId>(&seq, 1), "rewind");  // external KV
     const std::size_t length = q.num_known() + q.num_lookahead;
     if (n > length) {

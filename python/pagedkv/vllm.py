@@ -404,6 +404,10 @@ def _check_mamba_caching(specs, block_size: int, coarse: bool, use_eagle: bool, 
     drop would leave the hit between two checkpoints) and KV events with a Mamba block larger than the attention
     block (their stores would not be vLLM's)."""
     align = [s for s in specs if isinstance(s, MambaSpec) and getattr(s, "mamba_cache_mode", "none") == "align"]
+    if align and not any(type(s).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for s in specs):
+        raise Unsupported("a Mamba group in mode 'align' with no full-attention group: vLLM's coordinator then pins "
+                          "the first group's own hit as the shared-prefix junction, which the adapter does not "
+                          "compute (docs/vllm-mamba-align.md)")
     if align and use_eagle:
         raise Unsupported("a Mamba group in mode 'align' with use_eagle: vLLM's EAGLE replay boundaries and "
                           "checkpoint placement are not mapped (docs/vllm-mamba-align.md)")
@@ -1012,6 +1016,20 @@ class KVCacheManager(ConnectorMixin):
                 self._note_step_states(seq, hit, num_tokens, request)
         return self._blocks_of(ids)
 
+    def _keep_rule(self, request):
+        """Whether the sparse retention keeps a Mamba 'align' state at logical block i of `request` (WindowRetention's
+        one-block rule: each multiple of the interval, the replay boundary and the junction), or None: every one."""
+        if not self._sparse:
+            return None
+        bs = self.block_size
+        prompt_tokens, junction = self._boundaries(request, request.num_tokens)
+        period = self._retention_period
+
+        def keep(i):
+            return bool((period and (i + 1) % period == 0) or i + 1 == (prompt_tokens - 1) // bs
+                        or (junction and i + 1 == junction // bs))
+        return keep
+
     def _note_step_states(self, seq: int, start: int, n: int, request) -> None:
         """Remember the hashes of the Mamba 'align' states vLLM's MambaManager records as cached in this step
         (cached_blocks_this_step) for `seq`'s step ending at `n` tokens: the state at n when n ends a block and the
@@ -1022,14 +1040,7 @@ class KVCacheManager(ConnectorMixin):
         records it as new). The states newly cached (a prefill checkpoint's and n's) are offered to a KV connector
         (take_boundary_state_offloads)."""
         bs = self.block_size
-        keep = None
-        if self._sparse:  # the one-block rule of WindowRetention: multiples of the interval and the boundaries
-            prompt_tokens, junction = self._boundaries(request, request.num_tokens)
-            period = self._retention_period
-
-            def keep(i):
-                return ((period and (i + 1) % period == 0) or i + 1 == (prompt_tokens - 1) // bs
-                        or (junction and i + 1 == junction // bs))
+        keep = self._keep_rule(request)
         # The blocks the step passes (a prefill checkpoint; real only when the group keeps one) and its end.
         passed = range(0 if start == 0 else cdiv(start, bs), cdiv(n, bs) - 1) if self._checkpointing else ()
         new = [i for i in passed if keep is None or keep(i)]
@@ -1173,8 +1184,9 @@ class KVCacheManager(ConnectorMixin):
         num_computed_tokens: int,
     ) -> tuple[list[int], ...]:
         """The block ids covering the first `num_computed_tokens` tokens, per group."""
-        # Per group at its own block size; a Mamba group's state block is not sliced (as vLLM's).
-        return tuple(ids if g in self._state_groups else ids[:cdiv(num_computed_tokens, self._group_bs[g])]
+        # Per group at its own block size; a Mamba group's blocks are not sliced (as vLLM's: it slices attention
+        # groups only).
+        return tuple(ids if g in self._mamba_groups else ids[:cdiv(num_computed_tokens, self._group_bs[g])]
                      for g, ids in enumerate(self.get_block_ids(request_id)))
 
     def estimate_cached_tokens(self, request: Request) -> int:
@@ -1182,10 +1194,33 @@ class KVCacheManager(ConnectorMixin):
         s = self._seqs.get(request.request_id)
         if s is None:
             return 0
-        # Per group, 1 + the index of the last table entry registered in the prefix index: one crossing.
+        # Per group, 1 + the index of the last table entry registered in the prefix index (a full-attention
+        # duplicate pagedkv kept counts, as vLLM's hashed copy does): one crossing.
         n = self._pk._vllm_cached_prefix_blocks(s.seq)
-        if self._mamba_groups:  # the attention groups' cached prefix, down to a state checkpoint (vLLM's LCM)
-            att = min(k for k, g in zip(n, self._order or range(len(n))) if g not in self._mamba_groups)
+        if self._table_groups and self.enable_caching:
+            # A Mamba 'align' group counts like an attention group: its latest state in the request's row that vLLM
+            # hashed (vLLM: the largest block_hash_num_tokens of the group's current blocks), a kept duplicate of a
+            # registered state at a landing point of the retention included.
+            n = list(n)
+            keep = self._keep_rule(request)
+            tables = self._pk._vllm_tables(s.seq)
+            for g in self._table_groups:
+                p = self._pk_group[g]
+                row = tables[p]
+                for i in range(len(row) - 1, -1, -1):
+                    b = row[i]
+                    if not b:
+                        continue
+                    if self._pk.block_hash(b) is None:
+                        h = self._pk._vllm_seq_hash(s.seq, i) if keep is None or keep(i) else None
+                        if h is None or self._pk.cached_block(h, p) is None:
+                            continue
+                    n[p] = i + 1
+                    break
+                else:
+                    n[p] = 0
+        if self._state_groups:  # the attention groups' cached prefix, down to a state checkpoint (vLLM's LCM)
+            att = min(k for k, g in zip(n, self._order or range(len(n))) if g not in self._state_groups)
             step = self._hit_step
             return att * self.block_size // step * step
         if not self._coarse:

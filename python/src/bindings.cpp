@@ -529,10 +529,13 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
           blocks = vllm_blocks_from(mm, seq, std::vector<std::size_t>(mm.num_groups(), hit / mm.block_size()));
           // vLLM's scheduler reads a new request's blocks after this call (get_blocks): its build may switch a
           // duplicate to the registered block; a running request's ids stay as handed out (deduplicate_blocks off).
-          const bool dedup = mm.config().deduplicate_blocks;
+          struct Restore {  // the flag goes back even if the build throws
+            decltype(mm)& m;
+            bool was;
+            ~Restore() { m.set_deduplicate_blocks(was); }
+          } restore{mm, mm.config().deduplicate_blocks};
           mm.set_deduplicate_blocks(true);
           vllm_build_one(mm, seq, copies);
-          mm.set_deduplicate_blocks(dedup);
           num_tokens = mm.sequence(seq).num_slotted();
           full = vllm_full_blocks(mm, seq);
         });
@@ -558,7 +561,16 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
         const auto toks = tokens.span();
         s.work([&](auto& mm) {
           const CapacityQuery q = mm.query_append(seq, reserve + toks.size() + lookahead);
-          if (!q.fits() || (limit && static_cast<std::int64_t>(q.num_blocks) > *limit)) return;
+          // A recurrent group with its states in its table takes a block where each growth ends: the reservation
+          // and the appended tokens are two growths, so one more block each when both happen.
+          std::size_t extra = 0;
+          if (reserve > 0 && !toks.empty()) {
+            for (const auto& spec : mm.config().groups) extra += spec.states_in_table() ? 1 : 0;
+          }
+          if (!q.fits() || (limit && static_cast<std::int64_t>(q.num_blocks + extra) > *limit) ||
+              (extra != 0 && q.num_blocks + extra > mm.allocator().num_available_blocks())) {
+            return;
+          }
           std::vector<std::size_t> before(mm.num_groups());
           for (std::size_t g = 0; g < before.size(); ++g) before[g] = mm.block_ids(seq, g).size();
           bool copied = false;
@@ -617,18 +629,28 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
       [](Manager& s, SeqId seq) {
         return s.peek([&](auto& mm) {
           std::vector<std::size_t> out(mm.num_groups(), 0);
+          const auto& hashes = mm.sequence(seq).hashes;
           for (std::size_t g = 0; g < out.size(); ++g) {
             const auto b = mm.block_ids(seq, g);
+            const auto& specs = mm.config().groups;
+            const bool fine = mm.block_size(g) == mm.block_size() &&
+                              (specs.empty() || specs[g].kind == AttentionKind::kFull);
             for (std::size_t i = 0; i < b.size(); ++i) {
-              if (b[i] != 0 && mm.prefix_index(mm.group_of(b[i])).hash_of(b[i])) out[g] = i + 1;
+              if (b[i] == 0) continue;
+              // A duplicate the build kept (CacheConfig::deduplicate_blocks off) counts as vLLM's hashed copy does.
+              if (mm.prefix_index(mm.group_of(b[i])).hash_of(b[i]) ||
+                  (fine && i < hashes.size() && mm.prefix_index(g).find(hashes[i]))) {
+                out[g] = i + 1;
+              }
             }
           }
           return out;
         });
       },
       "seq"_a,
-      "Per group, 1 + the index of the last entry of `seq`'s block table registered in the prefix index (0: none): "
-      "pagedkv.vllm's estimate_cached_tokens in one crossing.");
+      "Per group, 1 + the index of the last entry of `seq`'s block table registered in the prefix index, or (a "
+      "full-attention group at the match unit) a kept duplicate of a registered block (0: none): pagedkv.vllm's estimate_cached_tokens in "
+      "one crossing.");
 }
 
 }  // namespace

@@ -8,7 +8,8 @@ cut at floor(num_tokens - 1) and at the shared-prefix junction the lookup return
 the outputs as prompt, `remove_skipped_blocks` before every growth and `new_step_starts` before every step, as vLLM's
 scheduler calls them. Every lookup gives the same hit and junction; every allocation returns the same blocks per
 group with the Mamba group's nulls at the same places; every request's rows (get_block_ids) have the same shape,
-nulls included; the Mamba group caches as many states; a final probe of every block-aligned prefix gives the same
+nulls included, as are estimate_cached_tokens and get_block_ids_for_computed_tokens; the Mamba group caches as many
+states; a final probe of every block-aligned prefix gives the same
 hits; every step's boundary-state offers (take_boundary_state_offloads: group and position per request) are equal.
 Layouts: full attention + one or two Mamba groups (block sizes 4 and 16), with and without the prefill checkpoint
 block of vLLM's Mamba-2 layers (alignment 1 and 2); retention None, 0 and 2 blocks; a pool that never evicts (pagedkv's deduplication holds fewer blocks under pressure, so eviction order differs).
@@ -203,6 +204,10 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
             for g in mamba:
                 assert [x == 0 for x in ours.get_block_ids(rid)[g]] == [x == 0 for x in theirs.get_block_ids(rid)[g]], \
                     f"step {step}: request {rid}'s Mamba row"
+            assert ours.estimate_cached_tokens(ra) == theirs.estimate_cached_tokens(rb), f"step {step}: estimate"
+            k = rng.randrange(0, ra.num_computed_tokens + 1)
+            assert [len(x) for x in ours.get_block_ids_for_computed_tokens(rid, k)] == \
+                [len(x) for x in theirs.get_block_ids_for_computed_tokens(rid, k)], f"step {step}: rows for {k} tokens"
         else:
             rid = rng.choice(sorted(live))
             ra, rb = live.pop(rid)

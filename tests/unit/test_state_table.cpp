@@ -13,7 +13,8 @@
 //              over shared prefixes, unaligned chunks, decode, forks, preemption, a pool small enough to evict;
 //              dense and sparse retention (interval 0, with replay boundaries and junctions), prefill checkpoints
 //              at alignment 0 / 1 / 2 (24 configurations);
-//  - [strong]  refused calls (lookahead, marks, swap, rewind, a partial build) are typed errors; nothing changes.
+//  - [strong]  refused calls (lookahead and its commit, marks, swap, rewind, a partial build) are typed errors;
+//              nothing changes.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -463,6 +464,8 @@ TEST_CASE("State-in-table groups: refused calls are typed errors and change noth
   refused([&] { (void)m.mark_checkpoint(1, 8); }, "mark_checkpoint");
   refused([&] { (void)m.preempt(1, pagedkv::PreemptMode::kSwap); }, "preempt (swap)");
   refused([&] { m.rewind(1, 1); }, "rewind");
+  refused([&] { m.rewind(1, 0); }, "rewind");  // even a rewind of nothing (it would null the running state)
+  refused([&] { m.commit_lookahead(1, std::vector<TokenId>{}); }, "commit_lookahead");
   // A build must compute a growth whole (its state goes to the block where the growth ends).
   REQUIRE(m.try_append(1, std::vector<TokenId>{5, 6, 7}).status == AppendStatus::kOk);
   std::vector<pagedkv::BatchMetadataBuffers> bufs;

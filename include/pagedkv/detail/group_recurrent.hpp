@@ -71,9 +71,12 @@ struct RecurrentGroup : FullGroup<Id> {
     base::take_hit(q, hit, simple);
     q.released_of(g) = first_kept_block(window(), hit.size() * block_size, static_cast<std::uint32_t>(block_size));
   }
-  /// DevicePool::register_blocks under the hit window (checkpoint blocks; null entries skipped).
+  /// DevicePool::register_blocks under the hit window (checkpoint blocks; null entries skipped). Nothing in_table:
+  /// such a group registers only at its builds (StateTable::register_states: a block holds a state only where a
+  /// step ended).
   template <bool kOne, class Pool, class OnRegistered>
   void register_new(Pool& pool, sequence_type& q, OnRegistered&& on_registered) const {
+    if (in_table) return;
     pool.template register_blocks<kOne>(q, g, window(), nullptr, on_registered);
   }
   /// The release rule: no block is kept for the next query (the working state is apart); the written checkpoints
@@ -88,9 +91,11 @@ struct RecurrentGroup : FullGroup<Id> {
     const std::size_t kept = !q.other_groups[g - 1].state_valid && committed > 0 ? 1 : 0;
     base::release_before(pool, q, g, committed / block_size - kept);
   }
-  /// After a rewind: a checkpoint block left partial is nulled, the dropped lookahead slots' drafts released.
+  /// After a rewind: a checkpoint block left partial is nulled, the dropped lookahead slots' drafts released
+  /// (nothing in_table: its last block holds the running state; rewind is refused there but for n = 0).
   template <class Pool>
   void after_rewind(Pool& pool, sequence_type& q, std::size_t) const {
+    if (in_table) return;
     null_partial_checkpoint(pool, q);
     release_drafts(pool, q.other_groups[g - 1], q.num_lookahead);
   }

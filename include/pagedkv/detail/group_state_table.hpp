@@ -22,8 +22,8 @@
 namespace pagedkv::detail {
 
 /// Throws kInvalidArgument naming `call` and sequence `seq` when a group of `layout` keeps its states in its table
-/// (KVCacheGroupSpec::state_in_table): `call` (lookahead slots, marked checkpoints, swap preemption, rewind, external
-/// KV) assumes a working state apart from the table. Changes nothing.
+/// (KVCacheGroupSpec::state_in_table): `call` (lookahead slots and their commit, marked checkpoints, swap
+/// preemption, rewind, external KV) assumes a working state apart from the table. Changes nothing.
 inline void refuse_state_table(const GroupLayout& layout, const char* call, SeqId seq) {
   if (!layout.any_state_table) return;
   for (std::size_t g = 0; g < layout.num_groups; ++g) {
