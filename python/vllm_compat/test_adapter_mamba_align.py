@@ -4,7 +4,8 @@ prefix caching; docs/vllm-mamba-align.md), run by scripts/vllm-tests.sh in the v
 A differential run against vLLM's own KVCacheManager (its MambaManager in align mode) on random workloads: prompts
 sharing random prefixes of a few bases and of each other, chunked prefill cut as vLLM's scheduler cuts it for align
 mode (Scheduler._mamba_block_aligned_split: a chunk that does not finish the prefill ends on a block boundary, and is
-cut at floor(num_tokens - 1) and at the shared-prefix junction the lookup returned), decode, frees, readmissions with
+cut at floor(num_tokens - 1), unless it keeps an internal prefill checkpoint, and at the shared-prefix junction the
+lookup returned), decode, frees, readmissions with
 the outputs as prompt, `remove_skipped_blocks` before every growth and `new_step_starts` before every step, as vLLM's
 scheduler calls them. Every lookup gives the same hit and junction; every allocation returns the same blocks per
 group with the Mamba group's nulls at the same places; every request's rows (get_block_ids) have the same shape,
@@ -25,6 +26,8 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from vllm.utils.math_utils import cdiv
 
 from _pairs import make_config, make_request
 
@@ -60,10 +63,12 @@ def _manager(cls, specs, bs, retention):
     return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True)
 
 
-def _chunk(rng, req, bs: int, checkpointing: bool) -> int:
+def _chunk(rng, req, bs: int, checkpointing: bool, align: int = 1) -> int:
     """The tokens vLLM's scheduler schedules next for `req` in align mode (a random token budget): a prefill chunk
-    cut as Scheduler._mamba_block_aligned_split cuts it (not at floor(num_tokens - 1) when the layers write a prefill
-    checkpoint), else one decode token (0: nothing)."""
+    cut as Scheduler._mamba_block_aligned_split cuts it (hash block = block size, no EAGLE, no partial hits: a chunk
+    that does not reach the prefill end ends on a block boundary or schedules nothing; then the first of the next
+    block boundary when it starts inside one, floor(num_tokens - 1) unless the chunk keeps an internal prefill
+    checkpoint, and the block-floored junction, strictly inside it), else one decode token (0: nothing)."""
     start = req.num_computed_tokens
     prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
     remaining = req.num_tokens - start
@@ -73,25 +78,24 @@ def _chunk(rng, req, bs: int, checkpointing: bool) -> int:
     end = start + min(budget, remaining)
     if start >= prefill_end:
         return end - start
-    if end < req.num_tokens and end // bs * bs > start:  # a chunk that does not finish the prefill: whole blocks
-        end = end // bs * bs
-    elif end < req.num_tokens:
-        return 0  # the budget does not reach the next block boundary: vLLM schedules nothing for it this step
-    cuts = []
-    if start % bs:
-        cuts.append((start // bs + 1) * bs)
-    if not checkpointing:
-        cuts.append((req.num_tokens - 1) // bs * bs)  # last_cache_position
+    last_cache = (req.num_tokens - 1) // bs * bs
+    pos = (prefill_end - 1) // bs * bs  # the internal checkpoint's position (vLLM's is_mamba_prefill_checkpoint_valid)
+    internal = (checkpointing and end >= prefill_end and start % bs == 0 and cdiv(end, bs) - 2 > (start - 1) // bs
+                and start + bs <= pos and start < pos < end and (pos - start) % align == 0)
+    if internal:
+        last_cache = 0
+    if end < prefill_end:
+        end = end // bs * bs  # whole blocks (the block size is within the token budget)
+        if end <= start:
+            return 0
     junction = getattr(req, "shared_prefix_boundary", 0) or 0
-    if junction:
-        cuts.append(junction // bs * bs)
-    for c in sorted(cuts):
-        if start < c < end:
-            end = c
-            break
+    stops = (
+        (start // bs + 1) * bs if start % bs and not internal else 0,
+        last_cache,
+        start + (junction - start) // bs * bs if start < junction < end else 0,
+    )
+    end = min((x for x in stops if start < x < end), default=end)
     return end - start
-
-
 def _shape(ids):
     """Per group: which entries are the null block."""
     return [[b == 0 for b in grp] for grp in ids]
@@ -122,6 +126,8 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
     theirs = _manager(VllmKVCacheManager, specs, bs, interval)
     mamba = [g for g, sp in enumerate(specs) if isinstance(sp, MambaSpec)]
     ckpt = any(sp.num_prefill_checkpoint_blocks for sp in specs if isinstance(sp, MambaSpec))
+    align = next((sp.prefill_checkpoint_alignment for sp in specs
+                  if isinstance(sp, MambaSpec) and sp.num_prefill_checkpoint_blocks), 1)
     bases = [[rng.randrange(40) for _ in range(rng.randrange(2 * bs, 10 * bs))] for _ in range(4)]
     live, waiting, seen = {}, {}, []
     next_id = hits = junctions = readmissions = refused_same_step = offers = 0
@@ -132,7 +138,7 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
         assert (ha, ja) == (hb, jb), f"step {step}: hit, junction {ha, ja} vs vLLM's {hb, jb} ({ra.num_tokens} tokens)"
         assert _shape(ca.get_block_ids()) == _shape(cb.get_block_ids()), f"step {step}: the hit's rows"
         ra.num_computed_tokens = ha  # the chunk after the hit
-        n = _chunk(rng, ra, bs, ckpt)
+        n = _chunk(rng, ra, bs, ckpt, align)
         ra.num_computed_tokens = 0
         if n == 0:
             waiting[rid] = (ra, rb)
@@ -191,7 +197,7 @@ def test_mamba_align_differential_against_vllms_own_manager(layout, seed, retent
                 t = rng.randrange(40)
                 ra.append_output_token_ids([t])
                 rb.append_output_token_ids([t])
-            n = _chunk(rng, ra, bs, ckpt)
+            n = _chunk(rng, ra, bs, ckpt, align)
             if n == 0:
                 continue
             theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)  # as vLLM's scheduler does each step

@@ -65,7 +65,7 @@ def main(retention, seed: int, ckpt: bool) -> str:
             if (ha, ja) != (hb, jb):
                 return f"step {step}: lookup (hit, junction) {ha, ja} vs vLLM's {hb, jb}, free {free()}"
             ra.num_computed_tokens = ha
-            n = _chunk(rng, ra, BS, ckpt)
+            n = _chunk(rng, ra, BS, ckpt, 1)
             ra.num_computed_tokens = 0
             if n == 0:
                 continue
@@ -86,7 +86,7 @@ def main(retention, seed: int, ckpt: bool) -> str:
                 t = rng.randrange(40)
                 ra.append_output_token_ids([t])
                 rb.append_output_token_ids([t])
-            n = _chunk(rng, ra, BS, ckpt)
+            n = _chunk(rng, ra, BS, ckpt, 1)
             if n == 0:
                 continue
             theirs.remove_skipped_blocks(rid, rb.num_computed_tokens)
