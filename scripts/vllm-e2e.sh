@@ -25,34 +25,31 @@ for m in vllm pagedkv planted; do
   echo "vllm-e2e: $m engine run in $(( $(date +%s) - t )) s"
 done
 "$py" $e2e compare "$out/vllm.json" "$out/planted.json" --expect-mismatch
-# A sliding-window hybrid (its first layer a 64-token window, the second full attention, as gpt-oss and Gemma 2/3
-# alternate them) on vLLM's default engine arguments, so prefix_cache_retention_interval 0: sparse retention of the
-# window blocks and shared-prefix junctions (docs/vllm-swa-retention.md). A pool that never evicts: under memory
-# pressure pagedkv holds fewer blocks than vLLM (its build deduplicates the full-attention blocks a shorter window
-# hit made a request recompute), so evictions and preemptions part from vLLM's (docs/python.md).
-"$py" $e2e make "$out/model-swa" 64 >"$out/make-swa.log" 2>&1 || { tail -n 30 "$out/make-swa.log"; exit 1; }
-for m in vllm pagedkv; do
-  t=$(date +%s)
-  "$py" $e2e run "$out/model-swa" $m "$out/swa-$m.json" 2000 >"$out/swa-$m.log" 2>&1 ||
-    { tail -n 40 "$out/swa-$m.log"; echo "vllm-e2e: the sliding-window $m run failed" >&2; exit 1; }
-  echo "vllm-e2e: sliding-window $m engine run in $(( $(date +%s) - t )) s"
-done
+# hybrid NAME KIND WHAT LABEL: make the model of kind KIND (e2e.py make), run it on vLLM's own manager and on
+# pagedkv with vLLM's default engine arguments on a 2,000-block pool that never evicts, and compare (a mismatch
+# sets hybrid_rc). Under memory pressure pagedkv holds fewer blocks than vLLM (an admission's build deduplicates
+# the full-attention blocks a shorter hit made a request recompute), so evictions and preemptions part from
+# vLLM's (docs/python.md).
 hybrid_rc=0
-"$py" $e2e compare "$out/swa-vllm.json" "$out/swa-pagedkv.json" "--label=sliding-window hybrid, retention 0" ||
-  hybrid_rc=1
+hybrid() {
+  local name=$1 kind=$2 what=$3 label=$4 m t
+  "$py" $e2e make "$out/model-$name" "$kind" >"$out/make-$name.log" 2>&1 || { tail -n 30 "$out/make-$name.log"; exit 1; }
+  for m in vllm pagedkv; do
+    t=$(date +%s)
+    "$py" $e2e run "$out/model-$name" $m "$out/$name-$m.json" 2000 >"$out/$name-$m.log" 2>&1 ||
+      { tail -n 40 "$out/$name-$m.log"; echo "vllm-e2e: the $what $m run failed" >&2; exit 1; }
+    echo "vllm-e2e: $what $m engine run in $(( $(date +%s) - t )) s"
+  done
+  "$py" $e2e compare "$out/$name-vllm.json" "$out/$name-pagedkv.json" "--label=$label" || hybrid_rc=1
+}
+# A sliding-window hybrid (its first layer a 64-token window, the second full attention, as gpt-oss and Gemma 2/3
+# alternate them): prefix_cache_retention_interval 0, sparse retention of the window blocks and shared-prefix
+# junctions (docs/vllm-swa-retention.md).
+hybrid swa 64 sliding-window "sliding-window hybrid, retention 0"
 # A recurrent hybrid shaped as Qwen3-Next (its first layer a gated-delta-net one, then full attention; bfloat16, as
 # vLLM's CPU kernel needs): vLLM runs its state layer as a Mamba group in mode 'align' (docs/vllm-mamba-align.md),
-# on pagedkv a recurrent group with its states in its table. Default engine arguments (retention 0), a pool that
-# never evicts (under memory pressure pagedkv holds fewer blocks, as above: docs/python.md).
-"$py" $e2e make "$out/model-gdn" gdn >"$out/make-gdn.log" 2>&1 || { tail -n 30 "$out/make-gdn.log"; exit 1; }
-for m in vllm pagedkv; do
-  t=$(date +%s)
-  "$py" $e2e run "$out/model-gdn" $m "$out/gdn-$m.json" 2000 >"$out/gdn-$m.log" 2>&1 ||
-    { tail -n 40 "$out/gdn-$m.log"; echo "vllm-e2e: the recurrent-hybrid $m run failed" >&2; exit 1; }
-  echo "vllm-e2e: recurrent-hybrid $m engine run in $(( $(date +%s) - t )) s"
-done
-"$py" $e2e compare "$out/gdn-vllm.json" "$out/gdn-pagedkv.json" "--label=recurrent hybrid (Mamba align), retention 0" ||
-  hybrid_rc=1
+# on pagedkv a recurrent group with its states in its table.
+hybrid gdn gdn recurrent-hybrid "recurrent hybrid (Mamba align), retention 0"
 echo "vllm-e2e: $(( $(date +%s) - t0 )) s in all"
 "$py" $e2e compare "$out/vllm.json" "$out/pagedkv.json"
 exit $hybrid_rc

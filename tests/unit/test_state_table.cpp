@@ -149,6 +149,13 @@ struct Engine {
     return 0;
   }
 
+  // Which logical blocks of sequence s's state-group table are real (not the null block).
+  [[nodiscard]] std::vector<bool> row(SeqId s) const {
+    std::vector<bool> real;
+    for (auto x : m.sequence(s).table_of(1).blocks()) real.push_back(x != 0);
+    return real;
+  }
+
   void check() {
     const std::size_t N = m.config().num_blocks;
     std::vector<std::uint32_t> refs(N, 0);
@@ -192,6 +199,17 @@ struct Engine {
   }
 };
 
+// The prompts of docs/vllm-mamba-align.md's traced examples: A (50 tokens), B (A's first 32 + 8 others), C (A's
+// first 32 + 20 others).
+struct Prompts {
+  std::vector<TokenId> a, b, cc;
+  Prompts() : a(50), b(40), cc(52) {
+    for (std::size_t i = 0; i < 50; ++i) a[i] = static_cast<TokenId>(1000 + i);
+    for (std::size_t i = 0; i < 40; ++i) b[i] = i < 32 ? a[i] : static_cast<TokenId>(2000 + i);
+    for (std::size_t i = 0; i < 52; ++i) cc[i] = i < 32 ? a[i] : static_cast<TokenId>(3000 + i);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("State-in-table groups: invalid configurations are typed errors naming the value", "[state_table][config]") {
@@ -223,16 +241,9 @@ TEST_CASE("State-in-table groups: vLLM's worked example (docs/vllm-mamba-align.m
   c.release_at_build = false;
   Engine e(c, 7);
   Manager& m = e.m;
-  std::vector<TokenId> a(50), b(40), cc(52);
-  for (std::size_t i = 0; i < 50; ++i) a[i] = static_cast<TokenId>(1000 + i);
-  for (std::size_t i = 0; i < 40; ++i) b[i] = i < 32 ? a[i] : static_cast<TokenId>(2000 + i);
-  for (std::size_t i = 0; i < 52; ++i) cc[i] = i < 32 ? a[i] : static_cast<TokenId>(3000 + i);
-  const auto row = [&](SeqId s) {
-    const auto t = m.sequence(s).table_of(1).blocks();
-    std::vector<bool> real;
-    for (auto x : t) real.push_back(x != 0);
-    return real;
-  };
+  const Prompts p;
+  const auto& [a, b, cc] = p;
+  const auto row = [&](SeqId s) { return e.row(s); };
   using R = std::vector<bool>;
   // A1: the scheduler cuts the prompt at 48 = floor16(49): one block, at logical block 2, registered @48.
   AdmitOptions o;
@@ -292,16 +303,9 @@ TEST_CASE("State-in-table groups: prefill checkpoint blocks (docs/vllm-mamba-ali
   c.release_at_build = false;
   Engine e(c, 9);
   Manager& m = e.m;
-  std::vector<TokenId> a(50), b(40), cc(52);
-  for (std::size_t i = 0; i < 50; ++i) a[i] = static_cast<TokenId>(1000 + i);
-  for (std::size_t i = 0; i < 40; ++i) b[i] = i < 32 ? a[i] : static_cast<TokenId>(2000 + i);
-  for (std::size_t i = 0; i < 52; ++i) cc[i] = i < 32 ? a[i] : static_cast<TokenId>(3000 + i);
-  const auto row = [&](SeqId s) {
-    const auto t = m.sequence(s).table_of(1).blocks();
-    std::vector<bool> real;
-    for (auto x : t) real.push_back(x != 0);
-    return real;
-  };
+  const Prompts p;
+  const auto& [a, b, cc] = p;
+  const auto row = [&](SeqId s) { return e.row(s); };
   using R = std::vector<bool>;
   const auto hashed = [&](SeqId s, std::size_t i) {
     return m.prefix_index(1).hash_of(m.sequence(s).table_of(1).blocks()[i]).has_value();
