@@ -22,7 +22,8 @@ one pagedkv sequence per vLLM request and translates each call (docs/python.md, 
   lookahead happened or there are several groups, the build of the scheduled positions (``build_batch_metadata``
   into scratch arrays): pagedkv registers a full block in the prefix index when its writes are issued, which is the
   moment vLLM caches it (``cache_blocks`` at allocation);
-- ``free``: ``free``; ``reset_prefix_cache``: ``reset_prefix_cache``; ``take_events``: ``drain_events`` as vLLM events.
+- ``free``: ``free``; ``reset_prefix_cache``: ``reset_prefix_cache``; ``take_events``: ``drain_events`` as vLLM's
+  records (one ``BlockStored`` per allocation and group, as vLLM's block pool builds them).
 
 vLLM's internal objects (``block_pool``'s free queue and block objects, ``coordinator``'s per-group managers,
 ``req_to_blocks``, a block's ``ref_cnt``) have no pagedkv counterpart: reading one raises ``NotProvided`` (an
@@ -62,7 +63,12 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_manager import KVCacheManager as _VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    KVCacheBlockCopy,
+    generate_block_hash_extra_keys,
+    to_event_extra_keys,
+)
 from vllm.v1.core.sched import scheduler as _sched_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VllmScheduler
@@ -222,7 +228,7 @@ class _PoppedBlock(_Block):
 class _Seq:
     """The adapter's mirror of one pagedkv sequence (what allocate_slots needs without a crossing)."""
 
-    __slots__ = ("seq", "lookahead", "known", "built_full", "slotted", "blocks", "lag")
+    __slots__ = ("seq", "lookahead", "known", "built_full", "slotted", "blocks", "lag", "cached")
 
     def __init__(self, seq: int, known: int):
         self.seq = seq
@@ -234,6 +240,10 @@ class _Seq:
         # Decode tokens answered by the fast path and not in pagedkv yet (the last `lag` of known and slotted): the
         # request holds them; the next growth hands them over with its own tokens (KVCacheManager._flush).
         self.lag = 0
+        # Per vLLM group, the blocks vLLM's manager counts cached for this request (its num_cached_block: the hit,
+        # then each allocation's full blocks), kept only when KV events are recorded per allocation
+        # (KVCacheManager._records); None otherwise.
+        self.cached = None
 
 
 def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
@@ -311,8 +321,8 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
     ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the
     scheduler block size) is its ValueError; every other value is mapped onto pagedkv's sparse window retention
     (CacheConfig.window_retention_interval, the same blocks registered: docs/vllm-swa-retention.md), but with
-    EAGLE (vLLM shifts the tails one block) and with KV events (vLLM's BlockStored then lists the unregistered
-    blocks' tokens), which are Unsupported by name. A Mamba group in mode 'align' follows the same rule with one
+    EAGLE (vLLM shifts the tails one block), which is Unsupported by name (KV events follow vLLM's per-call
+    records: KVCacheManager._convert_call). A Mamba group in mode 'align' follows the same rule with one
     block per landing point (vLLM's MambaManager.reachable_block_mask); with a Mamba group in mode 'none' and
     prefix caching any value but None is Unsupported (pagedkv keeps every interval checkpoint). Without prefix
     caching nothing is retained, so only vLLM's ValueErrors apply."""
@@ -338,11 +348,6 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
         raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
                           "Mamba group and use_eagle: vLLM's EAGLE group retains its window tails one block later (not mapped: "
                           "docs/vllm-swa-retention.md); prefix_cache_retention_interval=None works")
-    if enable_kv_cache_events:
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
-                          "Mamba group and enable_kv_cache_events: vLLM's BlockStored then carries the tokens of window blocks "
-                          "it does not cache (not mapped: docs/vllm-swa-retention.md); "
-                          "prefix_cache_retention_interval=None works")
     if len(specs) > 1 and not any(type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for sp in specs):
         raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
                           "Mamba group beside other groups and no full-attention group: vLLM then pins the first group's own "
@@ -363,8 +368,9 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
     (KVCacheManager._aligned_hit), so a hit never ends inside a page, as in vLLM. Refused by name: a larger block
     size on a group that is not full attention (pagedkv's coarse pages serve full-attention groups; a window's
     release rule is per match block), a block size the smallest does not divide, and with prefix caching on: a hash
-    block size other than the smallest and KV events (a coarse page is re-keyed as it fills: its events are not
-    vLLM's one BlockStored per full block). EAGLE is mapped by the adapter (KVCacheManager._eagle_serves)."""
+    block size other than the smallest and KV events (vLLM caches every group up to the aligned prefix and
+    registers a coarse block's prompt tail under a partial hash beside its full one; a pagedkv coarse page has one
+    key, re-keyed as it fills). EAGLE is mapped by the adapter (KVCacheManager._eagle_serves)."""
     coarse = {}
     for g, spec in enumerate(specs):
         if isinstance(spec, MambaSpec) or spec.block_size == block_size:
@@ -383,14 +389,15 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
     if enable_caching and hash_block_size != block_size:
         raise Unsupported(f"groups of different block sizes with hash block size {hash_block_size} != the smallest "
                           f"block size {block_size} (pagedkv hashes whole blocks of the smallest size)")
+    if enable_kv_cache_events and enable_caching:
+        raise Unsupported("groups of different block sizes with enable_kv_cache_events: vLLM caches every group up "
+                          "to the prefix aligned to the scheduler block size and registers a coarse block's prompt "
+                          "tail under a partial hash beside its full one; pagedkv re-keys a coarse page as it fills "
+                          "(one key a page)")
     bad = [s.block_size for s in specs if not isinstance(s, MambaSpec) and scheduler_block_size % s.block_size]
     if scheduler_block_size <= 0 or bad:
         raise ValueError(f"scheduler_block_size {scheduler_block_size} is not a common multiple of the groups' block "
                          f"sizes {sorted({s.block_size for s in specs if not isinstance(s, MambaSpec)})}")
-    if enable_kv_cache_events and enable_caching:
-        raise Unsupported("groups of different block sizes with enable_kv_cache_events: pagedkv re-keys a coarse "
-                          "page as it fills (BlockRemoved + BlockStored per match block), vLLM stores a block once "
-                          "when full")
     return coarse
 
 
@@ -411,10 +418,6 @@ def _check_mamba_caching(specs, block_size: int, coarse: bool, use_eagle: bool, 
     if align and use_eagle:
         raise Unsupported("a Mamba group in mode 'align' with use_eagle: vLLM's EAGLE replay boundaries and "
                           "checkpoint placement are not mapped (docs/vllm-mamba-align.md)")
-    if align and enable_kv_cache_events:
-        raise Unsupported("enable_kv_cache_events with a Mamba group in mode 'align': vLLM's BlockStored for such "
-                          "a group lists the tokens of every column it passes, registered or not; not mapped "
-                          "(docs/vllm-mamba-align.md)")
     if coarse:
         raise Unsupported("a Mamba group with prefix caching beside attention groups of different block sizes: "
                           "pagedkv's hits land on the recurrent checkpoints, the coarse pages' hits on the "
@@ -567,6 +570,13 @@ class KVCacheManager(ConnectorMixin):
         # With a Mamba 'align' group vLLM returns the junction under every retention: its scheduler cuts the
         # prompt's chunks there, so that the state at the junction is kept for the next request sharing it.
         self._sparse = sparse_retention
+        # KV events recorded per allocation, as vLLM's block pool emits them under sparse retention: one BlockStored
+        # per group and cache_blocks call, listing the hashes of the blocks it registered (possibly none) but the
+        # tokens of every block it passed, and the request's hash of the block before them as the parent
+        # (_convert_call; docs/vllm-swa-retention.md "KV events"). `_cache_to`: the current call's vLLM
+        # num_tokens_to_cache.
+        self._records = bool(enable_kv_cache_events and enable_caching)
+        self._cache_to = 0
         self._junction_groups = None
         if sparse_retention:
             cfg.window_retention_interval = retention
@@ -824,6 +834,14 @@ class KVCacheManager(ConnectorMixin):
             fa = self._pk._vllm_run(prepared, self._junction_groups, n - 1)
             fa -= fa % self._retention_align
             junction = fa if fa > hit else 0
+        if hit and self._records and getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            # vLLM reports a hit's blocks as stored for gateways that index per request (the request's
+            # kv_cache_report_mode 'full'): per group with hit blocks, the request's hashes of all of them.
+            self._convert_events(None)  # what pagedkv queued before comes first
+            hashes = prepared.hashes
+            for g, row in enumerate(ids):
+                if row:
+                    self._store(request, g, hashes[:len(row)], None, 0, len(row), range(len(row)))
         return self._blocks_of(ids), hit, junction
 
     def _boundaries(self, request: Request, n_known: int) -> tuple:
@@ -889,6 +907,9 @@ class KVCacheManager(ConnectorMixin):
         if num_encoder_tokens:
             raise Unsupported("num_encoder_tokens (cross-attention): pagedkv has no encoder groups")
 
+        if self._records:  # vLLM's num_tokens_to_cache: the drafts are not cached
+            self._cache_to = min(request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+                                 + num_new_tokens, request.num_tokens)
         if num_external_computed_tokens or delay_cache_blocks:  # a KV connector's load (_vllm_connector.py)
             if s is not None:
                 self._flush(s)
@@ -943,6 +964,8 @@ class KVCacheManager(ConnectorMixin):
             self._build_upto(s, request, need_end)
         slotted = s.slotted
         if need_end <= slotted:
+            if self._records:  # blocks the accepted drafts filled were registered by commit_lookahead
+                self._convert_events(request)
             return self.empty_kv_cache_blocks
         # The growth in one crossing: the prompt chunk's slots (try_reserve), the new known tokens (try_append), the
         # drafts' lookahead slots, all or nothing after one query_append of the whole; then a build when a block
@@ -1005,6 +1028,8 @@ class KVCacheManager(ConnectorMixin):
         s.lookahead = lookahead
         s.slotted = num_tokens
         s.built_full = full
+        if self._records:
+            self._start_records(s, hit)
         self._take_build(copies, request)
         if self._coarse:  # a coarse group's new pages start at hit / its block size (the binding's at hit / bs)
             ids = [t[hit // bs:] for t, bs in zip(self._table(seq), self._group_bs)]
@@ -1120,14 +1145,22 @@ class KVCacheManager(ConnectorMixin):
         return [0] * self.num_kv_cache_groups
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The KV events since the last call as vLLM events: consecutive stores of one chain (same group, medium,
-        adapter) merge into one BlockStored, as vLLM's block pool emits them; hashes are pagedkv's 16-byte bytes.
-        Stores carry the session id and LoRA name of the request whose build stored them."""
+        """The KV events since the last call as vLLM's block pool emits them: per allocation and group whose full
+        blocks grew, one BlockStored (_convert_call); one BlockRemoved per evicted block; AllBlocksCleared. Hashes
+        are pagedkv's 16-byte bytes; stores carry the request's LoRA, session id and extra keys."""
         self._convert_events(None)
         out, self._events = self._events, []
         return out
 
     def _convert_events(self, request: Request | None) -> None:
+        """pagedkv's events since the last call as vLLM events (into self._events): per allocation as vLLM's
+        records (_convert_call) for a request admitted by allocate_slots when `_records`; else (no request, or a
+        request a KV connector loaded) pagedkv's per-block stores, consecutive stores of one chain merged."""
+        if self._records and request is not None:
+            s = self._seqs.get(request.request_id)
+            if s is not None and s.cached is not None:
+                self._convert_call(request, s, self._cache_to)
+                return
         out = self._events
         session = getattr(request, "session_id", None) if request is not None else None
         lora_req = getattr(request, "lora_request", None) if request is not None else None
@@ -1159,6 +1192,62 @@ class KVCacheManager(ConnectorMixin):
                 out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=g))
             else:
                 out.append(AllBlocksCleared())
+
+    def _start_records(self, s: _Seq, hit: int) -> None:
+        """Start `s`'s per-allocation event records (_records) after a `hit`-token prefix hit: vLLM's num_cached_block
+        is the hit's blocks per group, nulls included."""
+        s.cached = [hit // gbs for gbs in self._group_bs]
+
+    def _convert_call(self, request: Request, s: _Seq, cache_to: int) -> None:
+        """The events of one cache_blocks call of `request` up to `cache_to` tokens as vLLM's block pool emits them
+        under sparse retention (BP.cache_full_blocks): removals as they came (the allocation's evictions precede
+        its stores), then per group whose full blocks grew from c to f one BlockStored: the hashes of the blocks
+        pagedkv registered (vLLM's mask; possibly none), the tokens of blocks [c, f), the parent the request's hash
+        of block c - 1 (None at 0). A duplicate of a registered block pagedkv keeps unregistered is not listed
+        (vLLM lists its hash again): a router's index is the same. (Groups of different block sizes refuse KV
+        events: _coarse_groups.)"""
+        out = self._events
+        stores = [[] for _ in range(self.num_kv_cache_groups)]
+        for e in self._pk.drain_events():
+            t = e.type
+            g = self._order[e.group] if self._order is not None else e.group
+            if t == _pk.KVEventType.BLOCK_STORED:
+                stores[g].append(e.hash)
+            elif t == _pk.KVEventType.BLOCK_REMOVED:  # one per evicted block, as vLLM's
+                out.append(BlockRemoved(block_hashes=[e.hash], group_idx=g,
+                                        medium=MEDIUM_GPU if e.medium == _pk.Medium.GPU else MEDIUM_CPU))
+            else:
+                out.append(AllBlocksCleared())
+        for g, gbs in enumerate(self._group_bs):
+            c, f = s.cached[g], cache_to // gbs
+            if f <= c:
+                if stores[g]:
+                    raise AssertionError(f"pagedkv.vllm: request {request.request_id}: group {g} registered "
+                                         f"{len(stores[g])} blocks in a call that fills none past block {c}")
+                continue
+            where = {self._pk._vllm_seq_hash(s.seq, i): i for i in range(c, f)} if stores[g] else {}
+            self._store(request, g, stores[g], self._pk._vllm_seq_hash(s.seq, c - 1) if c else None, c, f,
+                        [where[h] for h in stores[g]])
+            s.cached[g] = f
+
+    def _store(self, request: Request, g: int, hashes: list, parent, first: int, end: int, listed) -> None:
+        """Append vLLM's BlockStored of group g's blocks [first, end) of `request` (tokens), listing `hashes`, the
+        hashes of its blocks at indexes `listed`, with their extra keys (LoRA name, multimodal items, cache salt,
+        prompt embeddings: vLLM's own helpers, so a router rebuilding the hashes reads the same), as vLLM's
+        BlockPool._build_block_stored_event."""
+        gbs = self._group_bs[g]
+        keys, mm = [], 0
+        for i in listed:
+            k, mm = generate_block_hash_extra_keys(request, i * gbs, (i + 1) * gbs, mm)
+            keys.append(k)
+        lora_req = getattr(request, "lora_request", None)
+        kind, window = self.kv_cache_event_metadata[g]
+        self._events.append(BlockStored(
+            block_hashes=hashes, parent_block_hash=parent, token_ids=list(request.all_token_ids[first * gbs:end * gbs]),
+            block_size=gbs, lora_id=lora_req.adapter_id if lora_req is not None else None, medium=MEDIUM_GPU,
+            lora_name=lora_req.lora_name if lora_req is not None else None, extra_keys=to_event_extra_keys(keys),
+            group_idx=g, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
+            session_id=getattr(request, "session_id", None)))
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The blocks of a request, per group (pagedkv block_ids; 0 is the null block)."""

@@ -82,3 +82,75 @@ def kept_duplicates(ours, rids) -> int:
                 if h is not None and ours._pk.cached_block(h, p) not in (None, b):
                     dups.add(b)
     return len(dups)
+
+
+class EventCheck:
+    """Both managers' KV events, compared after each operation as a router indexes them (llm-d's and Dynamo's
+    indexers key a store by its block hashes): every BlockStored / BlockRemoved record has the same group, kind,
+    block size, tokens and parent on both sides, each hash names the same prefix (the two managers hash with
+    different functions, so a hash is compared by the tokens it names), and the index a router builds from each
+    stream (the (group, prefix) pairs stored and not removed since) is the same. One difference is allowed: vLLM
+    lists the hash of a duplicate block again (it registers both copies); pagedkv keeps the duplicate unregistered
+    and lists it once. Such a hash must already be in the router's index (counted in `relisted`)."""
+
+    def __init__(self, ours, theirs, block_size: int):
+        self.ours, self.theirs, self.bs = ours, theirs, block_size
+        self.names = ({}, {})  # per side: hash -> the prefix (token tuple) it names
+        self.index = (set(), set())  # per side: the router's (group, prefix) pairs
+        self.records = self.listed = self.relisted = self.empty = self.keyed = self.removed = 0
+
+    def learn(self, pairs) -> None:
+        """Name the block hashes of request pairs (ra, rb, ...) (their current tokens) on both sides."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        for entry in pairs:
+            ra, rb = entry[0], entry[1]
+            toks = tuple(ra.all_token_ids)
+            for i, h in enumerate(self.ours._pk.prepare_prompt(list(toks), self.ours._keys(ra)).hashes):
+                self.names[0][h] = toks[:(i + 1) * self.bs]
+            for i, h in enumerate(rb.block_hashes):
+                self.names[1][maybe_convert_block_hash(h)] = toks[:(i + 1) * self.bs]
+
+    def _norm(self, side: int, e):
+        name = self.names[side]
+        kind = type(e).__name__
+        if kind == "BlockStored":
+            parent = None if e.parent_block_hash is None else len(name[e.parent_block_hash])
+            # a hash with its extra keys (vLLM lists one entry per hash, None for a block without any)
+            keys = e.extra_keys if e.extra_keys is not None else [None] * len(e.block_hashes)
+            assert len(keys) == len(e.block_hashes), f"side {side}: {len(keys)} extra keys, {len(e.block_hashes)} hashes"
+            return ("stored", e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_size,
+                    tuple(e.token_ids), parent), [(name[h], k) for h, k in zip(e.block_hashes, keys)]
+        if kind == "BlockRemoved":
+            return ("removed", e.group_idx), [name[h] for h in e.block_hashes]
+        return ("cleared",), []
+
+    def compare(self, pairs, where: str) -> None:
+        """Take both managers' events since the last call and compare them (request pairs `pairs` are the live
+        ones, whose hashes are learnt first)."""
+        self.learn(pairs)
+        got = [[self._norm(side, e) for e in m.take_events()] for side, m in enumerate((self.ours, self.theirs))]
+        heads = [[h for h, _ in side] for side in got]
+        assert heads[0] == heads[1], f"{where}: event records differ:\n pagedkv {heads[0]}\n vLLM    {heads[1]}"
+        for (head, ours), (_, theirs) in zip(*got):
+            if head[0] == "stored":
+                self.records += 1
+                self.listed += len(theirs)
+                self.empty += not theirs
+                self.keyed += sum(k is not None for _, k in theirs)
+                extra = [p for p in theirs if p not in ours]
+                assert [p for p in theirs if p in ours] == ours, f"{where}: {head[:2]}: pagedkv lists other hashes"
+                for p in extra:  # a duplicate vLLM registers again: already indexed on both sides
+                    assert (head[1], p[0]) in self.index[0], f"{where}: {head[:2]}: pagedkv leaves out a new block"
+                self.relisted += len(extra)
+            self.removed += head[0] == "removed"
+            for side, hashes in enumerate((ours, theirs)):
+                idx = self.index[side]
+                hashes = [p[0] for p in hashes] if head[0] == "stored" else hashes
+                if head[0] == "stored":
+                    idx.update((head[1], p) for p in hashes)
+                elif head[0] == "removed":
+                    idx.difference_update((head[1], p) for p in hashes)
+                else:
+                    idx.clear()
+        assert self.index[0] == self.index[1], f"{where}: the routers' indexes differ"

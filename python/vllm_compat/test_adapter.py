@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
-from _pairs import free_pair, free_random, lookup_pair, make_request
+from _pairs import EventCheck, free_pair, free_random, lookup_pair, make_request
 
 init_none_hash(sha256)
 
@@ -155,12 +155,53 @@ def test_speculative_decoding_round_trip():
     assert len(stored) == 3
 
 
+def test_kv_events_extra_keys_and_full_report_as_vllms():
+    """KV events carry each listed block's extra keys as vLLM's (a LoRA name, the cache salt of block 0: a router
+    rebuilding the hashes reads them), and a request whose kv_cache_report_mode is 'full' gets its hit's blocks
+    reported as stored at the lookup, as vLLM's manager reports them (EventCheck compares every record)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    def req(rid, tokens, **kw):
+        extra = kw.pop("extra_args", None)
+        sp = SamplingParams(max_tokens=100, extra_args=extra)
+        sp.update_from_generation_config({}, eos_token_id=None)
+        return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp, pooling_params=None,
+                       block_hasher=get_request_block_hasher(4, sha256), **kw)
+
+    ours = _manager(pv.KVCacheManager, 64, enable_kv_cache_events=True)
+    theirs = _manager(VllmKVCacheManager, 64, enable_kv_cache_events=True)
+    ev = EventCheck(ours, theirs, 4)
+    lora = LoRARequest("adapter-a", 3, "/nonexistent")
+    pairs = []
+    for rid, kw in (("salted", {"cache_salt": "tenant-1"}), ("lora", {"lora_request": lora}),
+                    ("plain", {}), ("full", {"extra_args": {"kv_cache_report_mode": "full"}})):
+        toks = list(range(100, 117))  # 4 full blocks + 1 token
+        ra, rb = req(rid, toks, **kw), req(rid, toks, **kw)
+        ca, ha, _ = ours.get_computed_blocks(ra)
+        cb, hb, _ = theirs.get_computed_blocks(rb)
+        assert ha == hb == (16 if rid == "full" else 0)  # "full" hits "plain"'s blocks
+        ev.compare(pairs + [(ra, rb)], f"{rid}: lookup")
+        assert ours.allocate_slots(ra, 17 - ha, ha, ca) is not None
+        assert theirs.allocate_slots(rb, 17 - hb, hb, cb) is not None
+        pairs.append((ra, rb))
+        ev.compare(pairs, f"{rid}: allocation")
+    # One store per allocation (the last takes no new full block) and the report; the salt keys block 0, the LoRA
+    # name every block of its request.
+    assert ev.records == 4 and ev.listed == 16 and ev.keyed == 1 + 4
+
+
 @pytest.mark.parametrize("spec", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_differential_against_vllms_own_manager(seed, spec):
     rng = random.Random(seed)
     bs, nblocks = 4, (4000 if spec else 40)
-    ours, theirs = _manager(pv.KVCacheManager, nblocks, bs), _manager(VllmKVCacheManager, nblocks, bs)
+    ours = _manager(pv.KVCacheManager, nblocks, bs, enable_kv_cache_events=True)
+    theirs = _manager(VllmKVCacheManager, nblocks, bs, enable_kv_cache_events=True)
+    ev = EventCheck(ours, theirs, bs)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 24))] for _ in range(4)]
     live = {}  # rid -> (request for ours, request for theirs)
     next_id = 0
@@ -219,6 +260,8 @@ def test_differential_against_vllms_own_manager(seed, spec):
             assert ours.block_pool.get_num_free_blocks() >= theirs.block_pool.get_num_free_blocks(), f"step {step}"
         else:
             assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks(), f"step {step}"
+        ev.compare(list(live.values()), f"step {step}")
+    assert ev.records > 50 and ev.listed > 50
 
 
 # -- default engine arguments, the scheduler_cls route ----------------------------------------------------------------

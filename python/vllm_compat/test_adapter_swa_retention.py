@@ -23,7 +23,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-from _pairs import make_config, make_request, next_tokens
+from _pairs import EventCheck, make_config, make_request, next_tokens
 
 init_none_hash(sha256)
 
@@ -57,9 +57,12 @@ def _cached(ours, theirs, g):
 
 
 def _manager(cls, specs, sbs, retention):
+    """A manager of `specs`, KV events on where the groups share one block size (pagedkv re-keys a coarse page as
+    it fills: events with groups of different block sizes are refused)."""
     cfg = make_config(4000, specs)
     cfg.prefix_cache_retention_interval = retention
-    return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=sbs, hash_block_size=BS, enable_caching=True)
+    return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=sbs, hash_block_size=BS, enable_caching=True,
+               enable_kv_cache_events=len({sp.block_size for sp in specs}) == 1)
 
 
 def _lookup(ours, theirs, rid, toks):
@@ -80,6 +83,7 @@ def test_sparse_window_retention_differential_against_vllms_own_manager(layout, 
     rng = random.Random(seed * 100 + (retention if retention is not None else 9))
     ours = _manager(pv.KVCacheManager, specs, sbs, interval)
     theirs = _manager(VllmKVCacheManager, specs, sbs, interval)
+    ev = EventCheck(ours, theirs, BS) if ours.enable_kv_cache_events else None
     bases = [[rng.randrange(40) for _ in range(rng.randrange(10, 80))] for _ in range(4)]
     live, seen = {}, []
     next_id = hits = junctions = readmissions = 0
@@ -136,6 +140,8 @@ def test_sparse_window_retention_differential_against_vllms_own_manager(layout, 
             ra, rb = live.pop(rid)
             ours.free(ra)
             theirs.free(rb)
+        if ev is not None:
+            ev.compare(list(live.values()), f"step {step}")
     for ra, rb in live.values():
         ours.free(ra)
         theirs.free(rb)
@@ -158,17 +164,19 @@ def test_sparse_window_retention_differential_against_vllms_own_manager(layout, 
     assert next_id > 50 and hits > (10 if coarse else 20) and probes > (40 if coarse else 100) and readmissions >= 3
     if retention == 0 and len(specs) > 1:
         assert junctions > 0  # the junction path ran
+    if ev is not None:  # the events ran, and under sparse retention so did stores that list no hash
+        assert ev.records > 100 and ev.listed > 80 and (retention != 0 or ev.empty > 0)
 
 
 def test_sparse_window_retention_refusals_name_the_reason():
-    """What is not mapped is refused by name: EAGLE, KV events, window groups beside others without full attention,
-    a one-token window with prefix caching."""
+    """What is not mapped is refused by name: EAGLE, window groups beside others without full attention, a
+    one-token window with prefix caching. (KV events are mapped: the differential compares them.)"""
     specs = [_full(BS), _swa(BS, 8)]
-    for kw, words in (({"use_eagle": True}, "use_eagle"), ({"enable_kv_cache_events": True}, "enable_kv_cache_events")):
-        with pytest.raises(pv.Unsupported, match=words):
-            cfg = make_config(64, specs)
-            cfg.prefix_cache_retention_interval = 0
-            pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS, **kw)
+    with pytest.raises(pv.Unsupported, match="use_eagle"):
+        cfg = make_config(64, specs)
+        cfg.prefix_cache_retention_interval = 0
+        pv.KVCacheManager(cfg, max_model_len=64, scheduler_block_size=BS, hash_block_size=BS, use_eagle=True,
+                          enable_kv_cache_events=True)
     cfg = make_config(64, [_swa(BS, 8), _swa(BS, 16)])
     cfg.prefix_cache_retention_interval = 0
     with pytest.raises(pv.Unsupported, match="no full-attention group"):
