@@ -577,6 +577,9 @@ class KVCacheManager(ConnectorMixin):
         # num_tokens_to_cache.
         self._records = bool(enable_kv_cache_events and enable_caching)
         self._cache_to = 0
+        # Records _convert_call had to widen or trim (a store past vLLM's cacheable prefix or off the request's
+        # blocks): 0 in every differential; counted, never raised, in an engine.
+        self.event_records_mended = 0
         self._junction_groups = None
         if sparse_retention:
             cfg.window_retention_interval = retention
@@ -1220,14 +1223,25 @@ class KVCacheManager(ConnectorMixin):
                 out.append(AllBlocksCleared())
         for g, gbs in enumerate(self._group_bs):
             c, f = s.cached[g], cache_to // gbs
+            listed = stores[g]
+            if listed:
+                # Each stored block's index. One past vLLM's range (not seen in the differentials) widens the record
+                # to it rather than failing the engine; a hash not among the request's blocks [c, its known full
+                # blocks) is left out and counted (event_records_mended).
+                where = {self._pk._vllm_seq_hash(s.seq, i): i for i in range(c, max(f, s.known // gbs))}
+                found = [where[h] for h in listed if h in where]
+                if len(found) != len(listed) or (found and max(found) >= f):
+                    if not self.event_records_mended:
+                        warnings.warn("pagedkv.vllm: a KV event record was widened or trimmed (a stored block past "
+                                      "vLLM's cacheable prefix or off the request's blocks); counted in "
+                                      "KVCacheManager.event_records_mended", RuntimeWarning, stacklevel=2)
+                    self.event_records_mended += 1
+                    listed = [h for h in listed if h in where]
+                    f = max([f] + [i + 1 for i in found])
             if f <= c:
-                if stores[g]:
-                    raise AssertionError(f"pagedkv.vllm: request {request.request_id}: group {g} registered "
-                                         f"{len(stores[g])} blocks in a call that fills none past block {c}")
                 continue
-            where = {self._pk._vllm_seq_hash(s.seq, i): i for i in range(c, f)} if stores[g] else {}
-            self._store(request, g, stores[g], self._pk._vllm_seq_hash(s.seq, c - 1) if c else None, c, f,
-                        [where[h] for h in stores[g]])
+            self._store(request, g, listed, self._pk._vllm_seq_hash(s.seq, c - 1) if c else None, c, f,
+                        [where[h] for h in listed] if listed else [])
             s.cached[g] = f
 
     def _store(self, request: Request, g: int, hashes: list, parent, first: int, end: int, listed) -> None:

@@ -154,3 +154,4 @@ class EventCheck:
                 else:
                     idx.clear()
         assert self.index[0] == self.index[1], f"{where}: the routers' indexes differ"
+        assert self.ours.event_records_mended == 0, f"{where}: a record was widened or trimmed"

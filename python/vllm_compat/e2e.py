@@ -119,6 +119,10 @@ def run(model_dir: str, manager: str, out_path: str, num_blocks: int = NUM_BLOCK
         kw["scheduler_cls"] = "e2e_planted.PlantedScheduler"
     if retention:  # vLLM's prefix_cache_retention_interval ("none" or tokens); default: vLLM's (0)
         kw["prefix_cache_retention_interval"] = None if retention == "none" else int(retention)
+    if os.environ.get("PAGEDKV_E2E_EVENTS") == "1":  # KV events on (published nowhere), as a KV-aware router's pods
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     llm = LLM(model=model_dir, tokenizer=model_dir, dtype=_dtype(model_dir), block_size=BLOCK, enforce_eager=True,
               enable_prefix_caching=True, num_gpu_blocks_override=num_blocks, max_model_len=512, max_num_seqs=16,
               max_num_batched_tokens=512, seed=0, disable_log_stats=False, **kw)
