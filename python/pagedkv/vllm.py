@@ -570,11 +570,10 @@ class KVCacheManager(ConnectorMixin):
         # With a Mamba 'align' group vLLM returns the junction under every retention: its scheduler cuts the
         # prompt's chunks there, so that the state at the junction is kept for the next request sharing it.
         self._sparse = sparse_retention
-        # KV events recorded per allocation, as vLLM's block pool emits them under sparse retention: one BlockStored
-        # per group and cache_blocks call, listing the hashes of the blocks it registered (possibly none) but the
-        # tokens of every block it passed, and the request's hash of the block before them as the parent
-        # (_convert_call; docs/vllm-swa-retention.md "KV events"). `_cache_to`: the current call's vLLM
-        # num_tokens_to_cache.
+        # KV events recorded per allocation, as vLLM's block pool emits them: one BlockStored per group and
+        # cache_blocks call, listing the hashes of the blocks it registered (under sparse retention possibly none)
+        # but the tokens of every block it passed, and the request's hash of the block before them as the parent
+        # (_convert_call; docs/python.md "KV events"). `_cache_to`: the current call's vLLM num_tokens_to_cache.
         self._records = bool(enable_kv_cache_events and enable_caching)
         self._cache_to = 0
         # Records _convert_call had to widen or trim (a store past vLLM's cacheable prefix or off the request's
@@ -1203,10 +1202,10 @@ class KVCacheManager(ConnectorMixin):
 
     def _convert_call(self, request: Request, s: _Seq, cache_to: int) -> None:
         """The events of one cache_blocks call of `request` up to `cache_to` tokens as vLLM's block pool emits them
-        under sparse retention (BP.cache_full_blocks): removals as they came (the allocation's evictions precede
-        its stores), then per group whose full blocks grew from c to f one BlockStored: the hashes of the blocks
-        pagedkv registered (vLLM's mask; possibly none), the tokens of blocks [c, f), the parent the request's hash
-        of block c - 1 (None at 0). A duplicate of a registered block pagedkv keeps unregistered is not listed
+        (BP.cache_full_blocks): removals as they came (the allocation's evictions precede its stores), then per
+        group whose full blocks grew from c to f one BlockStored: the hashes of the blocks pagedkv registered (under
+        sparse retention vLLM's mask: possibly none), the tokens of blocks [c, f), the parent the request's hash of
+        block c - 1 (None at 0). A duplicate of a registered block pagedkv keeps unregistered is not listed
         (vLLM lists its hash again): a router's index is the same. (Groups of different block sizes refuse KV
         events: _coarse_groups.)"""
         out = self._events
