@@ -30,7 +30,8 @@ adapter), in three workloads: "decode" (256 requests of 1000-4000 prompt tokens 
 Request + add_request + schedule + update), "mixed" (both at once). Rounds interleave the managers (order
 alternating), each a fresh Scheduler; step_us is the step's wall median, in_manager_us the median time inside the
 manager's public methods (each wrapped alike); pagedkv's rows add the median per-round ratios. --json prints one
-JSON row per workload and manager.
+JSON row per workload and manager. With --kv-events both run with KV events on (KVEventsConfig with the "null"
+publisher: each step's events are built and taken, published nowhere), as on a KV-aware router's pods.
 
 Usage: PYTHONPATH=build-py/python python python/bench_crossing.py [--cpp-bench-dir build-bench/benchmarks] [--vllm]
        PYTHONPATH=build-py/python <vLLM venv>/bin/python python/bench_crossing.py --vllm-scheduler --json
@@ -287,9 +288,9 @@ class _SchedulerRun:
     block_hasher=) the hasher the engine gives (vLLM's per-block sha256 hasher on vLLM's manager; None on pagedkv's,
     whose engine turns it off)."""
 
-    def __init__(self, manager: str, seed: int):
+    def __init__(self, manager: str, seed: int, kv_events: bool = False):
         import torch
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+        from vllm.config import CacheConfig, KVEventsConfig, ModelConfig, SchedulerConfig, VllmConfig
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -309,7 +310,9 @@ class _SchedulerRun:
         sched = SchedulerConfig(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=MAX_SEQ,
                                 is_encoder_decoder=False)
         vc = VllmConfig(model_config=model, scheduler_config=sched,
-                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True))
+                        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+                        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+                        if kv_events else None)
         kv = KVCacheConfig(num_blocks=1 << 17, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
             ["layer"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float16))],
             prefix_cache_retention_interval=vc.cache_config.prefix_cache_retention_interval)
@@ -375,7 +378,7 @@ class _SchedulerRun:
         return t1 - t0, self.timer.ns - t_in
 
 
-def bench_vllm_scheduler(rounds: int, steps: int, seed: int = 7):
+def bench_vllm_scheduler(rounds: int, steps: int, seed: int = 7, kv_events: bool = False):
     """Per workload, `rounds` interleaved rounds (vLLM's manager, then pagedkv's; the order alternates), each a fresh
     Scheduler timed over `steps` steps. Returns rows: workload, manager, step_us and in_manager_us (medians of all
     steps), and for pagedkv the median of the per-round ratios pagedkv / vLLM (step_ratio, in_manager_ratio)."""
@@ -388,7 +391,7 @@ def bench_vllm_scheduler(rounds: int, steps: int, seed: int = 7):
         for r in range(rounds):
             order = ("vllm", "pagedkv") if r % 2 == 0 else ("pagedkv", "vllm")
             for manager in order:
-                run = _SchedulerRun(manager, seed + r)
+                run = _SchedulerRun(manager, seed + r, kv_events)
                 run.setup(workload)
                 xs = [run.timed_step(workload) for _ in range(steps)]
                 per[manager] += xs
@@ -398,7 +401,8 @@ def bench_vllm_scheduler(rounds: int, steps: int, seed: int = 7):
             xs = per[manager]
             row = {"workload": workload, "manager": manager, "step_us": statistics.median(w for w, _ in xs) / 1e3,
                    "in_manager_us": statistics.median(i for _, i in xs) / 1e3, "rounds": rounds,
-                   "steps_per_round": steps, "admissions_missing_prefix_blocks": short[manager]}
+                   "steps_per_round": steps, "admissions_missing_prefix_blocks": short[manager],
+                   "kv_events": kv_events}
             if manager == "pagedkv":
                 row["step_ratio"] = statistics.median(p[0] / v[0] for p, v in zip(med["pagedkv"], med["vllm"]))
                 row["in_manager_ratio"] = statistics.median(p[1] / v[1]
@@ -447,15 +451,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=12, help="--vllm-scheduler: interleaved rounds per workload")
     ap.add_argument("--sched-steps", type=int, default=40, help="--vllm-scheduler: timed steps per round")
     ap.add_argument("--json", action="store_true", help="--vllm-scheduler: one JSON row per workload and manager")
+    ap.add_argument("--kv-events", action="store_true", help="--vllm-scheduler: KV events on (null publisher)")
     args = ap.parse_args()
 
     if args.vllm_scheduler:
-        rows = bench_vllm_scheduler(args.rounds, args.sched_steps)
+        rows = bench_vllm_scheduler(args.rounds, args.sched_steps, kv_events=args.kv_events)
         if args.json:
             for row in rows:
                 print(json.dumps(row))
         else:
-            print(f"vLLM 0.32.0's Scheduler, {args.rounds} interleaved rounds x {args.sched_steps} steps")
+            print(f"vLLM 0.32.0's Scheduler, {args.rounds} interleaved rounds x {args.sched_steps} steps"
+                  + (", KV events on" if args.kv_events else ""))
             print("| workload | manager | step median | in manager median | step ratio | in-manager ratio |")
             print("|---|---|---|---|---|---|")
             for row in rows:

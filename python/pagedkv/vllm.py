@@ -1227,7 +1227,7 @@ class KVCacheManager(ConnectorMixin):
                 # Each stored block's index. One past vLLM's range (not seen in the differentials) widens the record
                 # to it rather than failing the engine; a hash not among the request's blocks [c, its known full
                 # blocks) is left out and counted (event_records_mended).
-                where = {self._pk._vllm_seq_hash(s.seq, i): i for i in range(c, max(f, s.known // gbs))}
+                where = {h: i for i, h in enumerate(self._pk._vllm_seq_hashes(s.seq, c, max(f, s.known // gbs)), c)}
                 found = [where[h] for h in listed if h in where]
                 if len(found) != len(listed) or (found and max(found) >= f):
                     if not self.event_records_mended:

@@ -621,6 +621,22 @@ void bind_vllm_helpers(nb::class_<Manager>& cls) {
       "full or known: pagedkv.vllm's record of the Mamba 'align' states a step registers (vLLM's "
       "cached_blocks_this_step). Raises UnknownSequenceError.");
   cls.def(
+      "_vllm_seq_hashes",
+      [](Manager& s, SeqId seq, std::size_t first, std::size_t end) {
+        nb::list out;
+        std::vector<BlockHash> hs;
+        s.peek([&](auto& mm) {
+          const auto& q = mm.sequence(seq);
+          const std::size_t last = std::min(end, q.hashes.size());
+          for (std::size_t i = first; i < last; ++i) hs.push_back(q.hashes[i]);
+        });
+        for (const BlockHash& h : hs) out.append(hash_to_bytes(h));
+        return out;
+      },
+      "seq"_a, "first"_a, "end"_a,
+      "The chain hashes of `seq`'s full blocks [first, end) (16 bytes each), as many as are full and known: "
+      "pagedkv.vllm's KV event records (one crossing for a record's blocks). Raises UnknownSequenceError.");
+  cls.def(
       "_vllm_tables",
       [](Manager& s, SeqId seq) { return s.peek([&](auto& mm) { return vllm_blocks_from(mm, seq, {}); }); },
       "seq"_a, "Every group's block table of `seq` as lists (one crossing).");
