@@ -576,6 +576,7 @@ class KVCacheManager(ConnectorMixin):
         # (_convert_call; docs/python.md "KV events"). `_cache_to`: the current call's vLLM num_tokens_to_cache.
         self._records = bool(enable_kv_cache_events and enable_caching)
         self._cache_to = 0
+
         # Records _convert_call had to widen or trim (a store past vLLM's cacheable prefix or off the request's
         # blocks): 0 in every differential; counted, never raised, in an engine.
         self.event_records_mended = 0
@@ -1223,25 +1224,29 @@ class KVCacheManager(ConnectorMixin):
         for g, gbs in enumerate(self._group_bs):
             c, f = s.cached[g], cache_to // gbs
             listed = stores[g]
+            first = c
             if listed:
-                # Each stored block's index. One past vLLM's range (not seen in the differentials) widens the record
-                # to it rather than failing the engine; a hash not among the request's blocks [c, its known full
-                # blocks) is left out and counted (event_records_mended).
+                # Each stored block's index. A block outside vLLM's range [c, f) (not seen in the differentials)
+                # widens the record to it rather than failing the engine or hiding the block from a router, and a
+                # hash that is not the request's is left out; both counted (event_records_mended) and warned once.
                 where = {h: i for i, h in enumerate(self._pk._vllm_seq_hashes(s.seq, c, max(f, s.known // gbs)), c)}
+                if any(h not in where for h in listed):  # registered late: an earlier block
+                    where.update((h, i) for i, h in enumerate(self._pk._vllm_seq_hashes(s.seq, 0, c)))
                 found = [where[h] for h in listed if h in where]
-                if len(found) != len(listed) or (found and max(found) >= f):
+                if len(found) != len(listed) or (found and (max(found) >= f or min(found) < c)):
                     if not self.event_records_mended:
-                        warnings.warn("pagedkv.vllm: a KV event record was widened or trimmed (a stored block past "
-                                      "vLLM's cacheable prefix or off the request's blocks); counted in "
+                        warnings.warn("pagedkv.vllm: a KV event record was widened or trimmed (a stored block "
+                                      "outside vLLM's cacheable range or off the request's blocks); counted in "
                                       "KVCacheManager.event_records_mended", RuntimeWarning, stacklevel=2)
                     self.event_records_mended += 1
                     listed = [h for h in listed if h in where]
                     f = max([f] + [i + 1 for i in found])
-            if f <= c:
+                    first = min([c] + found)
+            if f <= first:
                 continue
-            self._store(request, g, listed, self._pk._vllm_seq_hash(s.seq, c - 1) if c else None, c, f,
+            self._store(request, g, listed, self._pk._vllm_seq_hash(s.seq, first - 1) if first else None, first, f,
                         [where[h] for h in listed] if listed else [])
-            s.cached[g] = f
+            s.cached[g] = max(f, c)
 
     def _store(self, request: Request, g: int, hashes: list, parent, first: int, end: int, listed) -> None:
         """Append vLLM's BlockStored of group g's blocks [first, end) of `request` (tokens), listing `hashes`, the
@@ -1339,6 +1344,7 @@ class KVCacheManager(ConnectorMixin):
         if s is not None and self._fill_of_seq and self._complete_fill(s, request, num_computed_tokens):
             return
         if s is not None and self.enable_caching:
+            self._cache_to = min(num_computed_tokens, request.num_tokens)  # the record's end (_convert_call)
             self._build(s.seq, request)
 
     def create_kv_cache_blocks(

@@ -194,6 +194,29 @@ def test_kv_events_extra_keys_and_full_report_as_vllms():
     assert ev.records == 4 and ev.listed == 16 and ev.keyed == 1 + 4
 
 
+@pytest.mark.parametrize("case", ["past", "before"])
+def test_kv_event_record_mended_not_raised(case, monkeypatch):
+    """A block registered outside the range vLLM would cache in the call (never seen in the differentials) widens
+    that call's record to it: a router still learns it. Counted in event_records_mended, warned once, never raised
+    in the engine."""
+    m = _manager(pv.KVCacheManager, 64, enable_kv_cache_events=True)
+    orig = pv.KVCacheManager._convert_call
+
+    def skewed(self, request, s, cache_to):
+        if case == "past":  # the call's end said to be one block: blocks 1 and 2 lie past it
+            return orig(self, request, s, 4)
+        s.cached[0] = 2  # the record said to start at block 2: blocks 0 and 1 lie before it
+        return orig(self, request, s, cache_to)
+
+    monkeypatch.setattr(pv.KVCacheManager, "_convert_call", skewed)
+    r = _request("a", range(100, 113))  # 13 tokens: 3 full blocks registered
+    with pytest.warns(RuntimeWarning, match="widened or trimmed"):
+        assert m.allocate_slots(r, 13) is not None
+    (e,) = m.take_events()
+    assert m.event_records_mended == 1
+    assert len(e.block_hashes) == 3 and list(e.token_ids) == list(range(100, 112)) and e.parent_block_hash is None
+
+
 @pytest.mark.parametrize("spec", [False, True])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_differential_against_vllms_own_manager(seed, spec):
