@@ -1189,7 +1189,9 @@ class KVCacheManager(ConnectorMixin):
             elif t == _pk.KVEventType.BLOCK_REMOVED:
                 prev = out[-1] if out else None
                 g = self._order[e.group] if self._order is not None else e.group
-                if isinstance(prev, BlockRemoved) and prev.group_idx == g and prev.medium == medium:
+                # (with records on, one per evicted block, as vLLM's and _convert_call's)
+                if (not self._records and isinstance(prev, BlockRemoved) and prev.group_idx == g
+                        and prev.medium == medium):
                     prev.block_hashes.append(e.hash)
                     continue
                 out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=g))
