@@ -398,9 +398,7 @@ class KVCacheManager
     pool_.events().reserve_more(max_reg * layout_.num_groups * (layout_.any_coarse ? 4 : 1));
     pool_.switched().clear();
     pool_.switched().reserve(max_reg);
-    if (layout_.any_recurrent) {  // a copy per recurrent group (resolve_drafts)
-      pool_.copies().reserve_room(layout_.num_groups);
-    }
+    if (layout_.any_recurrent) pool_.copies().reserve_room(layout_.num_groups);  // a copy a group (resolve_drafts)
     append_known_tokens(q, accepted);
     // Nothing below throws.
     const std::size_t rejected = q.num_lookahead - a;

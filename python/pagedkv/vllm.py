@@ -1031,8 +1031,8 @@ class KVCacheManager(ConnectorMixin):
         s.lookahead = lookahead
         s.slotted = num_tokens
         s.built_full = full
-        if self._records:
-            self._start_records(s, hit)
+        if self._records:  # vLLM's num_cached_block after the hit: the hit's blocks per group, nulls included
+            s.cached = [hit // gbs for gbs in self._group_bs]
         self._take_build(copies, request)
         if self._coarse:  # a coarse group's new pages start at hit / its block size (the binding's at hit / bs)
             ids = [t[hit // bs:] for t, bs in zip(self._table(seq), self._group_bs)]
@@ -1187,21 +1187,19 @@ class KVCacheManager(ConnectorMixin):
                                        medium=medium, lora_name=lora_name, group_idx=g, kv_cache_spec_kind=kind,
                                        kv_cache_spec_sliding_window=window, session_id=session))
             elif t == _pk.KVEventType.BLOCK_REMOVED:
-                prev = out[-1] if out else None
-                g = self._order[e.group] if self._order is not None else e.group
-                # (with records on, one per evicted block, as vLLM's and _convert_call's)
-                if (not self._records and isinstance(prev, BlockRemoved) and prev.group_idx == g
-                        and prev.medium == medium):
-                    prev.block_hashes.append(e.hash)
-                    continue
-                out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=g))
+                self._removed(e, self._order[e.group] if self._order is not None else e.group, medium)
             else:
                 out.append(AllBlocksCleared())
 
-    def _start_records(self, s: _Seq, hit: int) -> None:
-        """Start `s`'s per-allocation event records (_records) after a `hit`-token prefix hit: vLLM's num_cached_block
-        is the hit's blocks per group, nulls included."""
-        s.cached = [hit // gbs for gbs in self._group_bs]
+    def _removed(self, e, g: int, medium: str) -> None:
+        """pagedkv's removal event `e` of vLLM group g as vLLM's BlockRemoved: one per evicted block with records on
+        (_records, as vLLM's block pool), else merged into the previous removal of the same group and medium."""
+        out = self._events
+        prev = out[-1] if out else None
+        if not self._records and isinstance(prev, BlockRemoved) and prev.group_idx == g and prev.medium == medium:
+            prev.block_hashes.append(e.hash)
+        else:
+            out.append(BlockRemoved(block_hashes=[e.hash], medium=medium, group_idx=g))
 
     def _convert_call(self, request: Request, s: _Seq, cache_to: int) -> None:
         """The events of one cache_blocks call of `request` up to `cache_to` tokens as vLLM's block pool emits them
@@ -1218,9 +1216,8 @@ class KVCacheManager(ConnectorMixin):
             g = self._order[e.group] if self._order is not None else e.group
             if t == _pk.KVEventType.BLOCK_STORED:
                 stores[g].append(e.hash)
-            elif t == _pk.KVEventType.BLOCK_REMOVED:  # one per evicted block, as vLLM's
-                out.append(BlockRemoved(block_hashes=[e.hash], group_idx=g,
-                                        medium=MEDIUM_GPU if e.medium == _pk.Medium.GPU else MEDIUM_CPU))
+            elif t == _pk.KVEventType.BLOCK_REMOVED:
+                self._removed(e, g, MEDIUM_GPU if e.medium == _pk.Medium.GPU else MEDIUM_CPU)
             else:
                 out.append(AllBlocksCleared())
         for g, gbs in enumerate(self._group_bs):
