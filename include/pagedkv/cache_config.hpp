@@ -93,6 +93,13 @@ struct CacheConfig {
   /// engine whose workers keep their own append-only copy of the block tables, as vLLM's do (pagedkv.vllm sets
   /// it), a switched block would be read after its release.
   bool deduplicate_blocks = true;
+  /// With window_retention_interval set: the engine drafts with EAGLE and every sliding-window group is an EAGLE
+  /// group (vLLM's `use_eagle`: its lookup matches one block past a hit, then drops it). Each such group's tails are
+  /// one block longer and end one block later, the replay boundaries are EAGLE's two (one alignment below the
+  /// aligned prompt length - 1 and below the aligned prompt length; vLLM's replay_boundaries), and a build examines
+  /// one block past the alignment horizon (vLLM's get_num_cacheable_tokens for an EAGLE group). False (default):
+  /// no EAGLE. Unused without window_retention_interval.
+  bool window_retention_eagle = false;
 };
 
 namespace detail {
@@ -249,7 +256,7 @@ namespace detail {
 [[nodiscard]] inline GroupLayout group_layout(const CacheConfig& c) {
   GroupLayout layout(c.groups, c.block_size, c.enable_prefix_caching);
   if (c.window_retention_interval) {
-    layout.set_window_retention(*c.window_retention_interval, c.window_retention_alignment);
+    layout.set_window_retention(*c.window_retention_interval, c.window_retention_alignment, c.window_retention_eagle);
   }
   return layout;
 }

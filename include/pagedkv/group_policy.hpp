@@ -111,38 +111,70 @@ struct KVCacheGroupSpec {
 /// every hit those landing points give, with fewer window blocks in the prefix index. The landing points: each
 /// multiple of the interval (`period` blocks; none for interval 0) and, per sequence, its retention boundaries
 /// (the replay boundary prompt_len - 1 and the shared-prefix junction: AdmitOptions), each aligned down to the hit
-/// alignment (`align` blocks). A plain value, built once per pool (GroupLayout); off = every block (dense).
+/// alignment (`align` blocks). Under EAGLE (CacheConfig::window_retention_eagle) a hit is proven by one more block
+/// past it, so each tail is one block longer and ends one block later (`shift`), and the replay boundaries are
+/// EAGLE's two. A plain value, built once per pool (GroupLayout); off = every block (dense).
 struct WindowRetention {
   bool sparse = false;      ///< The rule is on (off: every block that can serve a hit is registered).
   bool every = false;       ///< The interval's tails cover every block: only the alignment horizon applies.
-  std::uint32_t need = 0;   ///< Blocks of a tail: ceil((W - 1) / block_size).
+  bool eagle = false;       ///< EAGLE: tails shifted one block later, EAGLE's replay boundaries, horizon + 1 block.
+  std::uint32_t need = 0;   ///< Blocks of a tail: ceil((W - 1) / block_size), + 1 under EAGLE.
   std::uint32_t period = 0; ///< Interval in blocks: a tail ends at each multiple (0: none, interval 0).
   std::uint32_t align = 1;  ///< Hit alignment in blocks (>= 1): boundaries are aligned down to a multiple.
 
+  /// The block indexes one past each tail a sequence's boundaries give (0 = no tail): the replay boundary's (two
+  /// under EAGLE) and the shared-prefix junction's.
+  struct Ends {
+    std::size_t replay = 0, replay_eagle = 0, junction = 0;
+  };
+
   /// The rule for a sliding window of `window_tokens` W over blocks of `block_size` tokens, with `interval_tokens`
-  /// (a multiple of `align_tokens`, itself a multiple of block_size, > 0). When the interval's tails already cover
-  /// every block (need >= period) vLLM's mask is None: every block is kept (`every`), and the rule stays on only
-  /// for its horizon when the alignment is coarser than a block (sparse false otherwise: the dense loop).
+  /// (a multiple of `align_tokens`, itself a multiple of block_size, > 0), EAGLE or not. When the interval's tails
+  /// already cover every block (need >= period) vLLM's mask is None: every block is kept (`every`), and the rule
+  /// stays on only for its horizon when the alignment is coarser than a block (sparse false otherwise: the dense
+  /// loop).
   [[nodiscard]] static constexpr WindowRetention make(std::uint32_t window_tokens, std::uint32_t block_size,
-                                                      std::size_t interval_tokens, std::size_t align_tokens) noexcept {
+                                                      std::size_t interval_tokens, std::size_t align_tokens,
+                                                      bool eagle = false) noexcept {
     WindowRetention r;
-    r.need = window_tokens > 1 ? (window_tokens - 2) / block_size + 1 : 0;
+    r.eagle = eagle;
+    r.need = (window_tokens > 1 ? (window_tokens - 2) / block_size + 1 : 0) + (eagle ? 1 : 0);
     r.period = static_cast<std::uint32_t>(interval_tokens / block_size);
     r.align = static_cast<std::uint32_t>(std::max<std::size_t>(align_tokens / block_size, 1));
     r.every = r.period != 0 && r.need >= r.period;
     r.sparse = !r.every || r.align > 1;
     return r;
   }
-  /// The block index one past the tail of boundary `token` (a token position; 0 = no boundary): floor_align(token)
-  /// in blocks. A tail is the `need` blocks before it.
-  [[nodiscard]] constexpr std::size_t tail_end(std::size_t token, std::size_t block_size) const noexcept {
-    return token / block_size / align * align;
+  /// The tails of a sequence whose replay boundary is token `replay` (prompt_len - 1) and whose shared-prefix
+  /// junction is token `junction` (0 = none), over blocks of `block_size` tokens: each boundary aligned down to
+  /// the alignment, in blocks, + 1 under EAGLE. EAGLE's replay boundaries (vLLM's replay_boundaries with
+  /// use_eagle) are one alignment below the aligned prompt_len - 1 and below the aligned prompt_len, at least 0.
+  [[nodiscard]] constexpr Ends ends(std::size_t replay, std::size_t junction, std::size_t block_size) const noexcept {
+    const std::size_t shift = eagle ? 1 : 0;
+    const auto aligned = [&](std::size_t token) { return token / block_size / align * align; };
+    Ends e;
+    if (eagle) {
+      const auto below = [&](std::size_t token) { return aligned(token) >= align ? aligned(token) - align : 0; };
+      e.replay = below(replay) + shift;
+      e.replay_eagle = below(replay + 1) + shift;
+    } else {
+      e.replay = aligned(replay);
+    }
+    e.junction = junction != 0 ? aligned(junction) + shift : 0;
+    return e;
   }
-  /// Whether full block `i` is registered, for a sequence whose boundaries' tails end at blocks `end_a` and
-  /// `end_b` (tail_end; 0 = none). Precondition: sparse.
-  [[nodiscard]] constexpr bool keeps(std::size_t i, std::size_t end_a, std::size_t end_b) const noexcept {
-    if (every || (period != 0 && i % period + need >= period)) return true;
-    return (i < end_a && i + need >= end_a) || (i < end_b && i + need >= end_b);
+  /// Whether full block `i` is registered, for a sequence whose tails end at `e`. Precondition: sparse.
+  [[nodiscard]] constexpr bool keeps(std::size_t i, const Ends& e) const noexcept {
+    const std::size_t shift = eagle ? 1 : 0;
+    if (every || (period != 0 && i >= shift && (i - shift) % period + need >= period)) return true;
+    const auto in = [&](std::size_t end) { return i < end && i + need >= end; };
+    return in(e.replay) || in(e.replay_eagle) || in(e.junction);
+  }
+  /// Of a sequence's first `end` full blocks, those a build may examine: up to a multiple of the alignment (vLLM's
+  /// cacheable horizon, floor_A of the computed tokens), and under EAGLE one block past it when that is not 0.
+  [[nodiscard]] constexpr std::size_t horizon(std::size_t end) const noexcept {
+    const std::size_t a = end / align * align;
+    return eagle && a != 0 ? std::min(end, a + 1) : a;
   }
 };
 
@@ -193,13 +225,14 @@ struct GroupLayout {
   /// interval of `interval_tokens` (0: boundaries only) with boundaries aligned down to `align_tokens` (0: the
   /// match unit). Preconditions: as CacheConfig::window_retention_interval (validate_cache_config). A group whose
   /// rule is dense keeps it off.
-  void set_window_retention(std::size_t interval_tokens, std::size_t align_tokens) {
+  void set_window_retention(std::size_t interval_tokens, std::size_t align_tokens, bool eagle = false) {
     retention.assign(num_groups, WindowRetention{});
     bool any = false;
     for (std::size_t g = 0; g < num_groups; ++g) {
       if (specs[g].kind != AttentionKind::kSlidingWindow && !specs[g].states_in_table()) continue;
       retention[g] = WindowRetention::make(static_cast<std::uint32_t>(windows[g].sliding_window_tokens), block_size, interval_tokens,
-                                           align_tokens != 0 ? align_tokens : block_size);
+                                           align_tokens != 0 ? align_tokens : block_size,
+                                           eagle && specs[g].kind == AttentionKind::kSlidingWindow);
       any = any || retention[g].sparse;
     }
     if (!any) retention.clear();

@@ -202,7 +202,7 @@ TEST_CASE("retention 0 in a window-only pool: each request keeps its replay tail
 TEST_CASE("random pools: the window group registers exactly the oracle's blocks, whatever the chunking",
           "[window_retention][random]") {
   std::mt19937 rng(20261130u);
-  std::size_t checked = 0, kept = 0, dropped = 0;
+  std::size_t checked = 0, kept = 0, dropped = 0, eagle_kept = 0, eagle_missed = 0;
   for (int trial = 0; trial < 300; ++trial) {
     const std::uint32_t bs = (rng() % 2 == 0) ? 4 : 8;
     const std::uint32_t W = 1 + static_cast<std::uint32_t>(rng() % (5 * bs));
@@ -217,6 +217,8 @@ TEST_CASE("random pools: the window group registers exactly the oracle's blocks,
     c.groups[g] = {AttentionKind::kSlidingWindow, W, 1};
     c.window_retention_interval = I;
     c.window_retention_alignment = A == bs && rng() % 2 == 0 ? 0 : A;
+    const bool eagle = rng() % 3 == 0;  // EAGLE: tails one block longer, ending one block later; EAGLE's boundaries
+    c.window_retention_eagle = eagle;
     Manager m(c);
     const std::size_t P = 1 + rng() % (12 * bs);
     const std::size_t orig = 1 + rng() % P;  // the original prompt (a readmission's) or P itself
@@ -244,39 +246,78 @@ TEST_CASE("random pools: the window group registers exactly the oracle's blocks,
     // the interval's tails cover them all; never a block no hit can use (W = 1); none past the horizon below.
     // vLLM's reachable_block_mask, whose closed form python/vllm_compat/research/swa_retention_rule.py checked
     // against vLLM.
+    // Under EAGLE (vLLM's replay_boundaries and reachable_block_mask with use_eagle): need + 1 blocks, every end one
+    // block later, the replay boundaries one alignment below floor_A(orig - 1) and below floor_A(orig).
     const std::size_t full = (P + decode) / bs;
-    const std::size_t need = W > 1 ? (W - 1 + bs - 1) / bs : 0;
+    const std::size_t shift = eagle ? 1 : 0;
+    const std::size_t need = (W > 1 ? (W - 1 + bs - 1) / bs : 0) + shift;
     std::vector<bool> mark(full, false);
     const auto mark_tail = [&](std::size_t end_block) {
       for (std::size_t i = end_block >= need ? end_block - need : 0; i < end_block && i < full; ++i) mark[i] = true;
     };
     const auto floor_a = [&](std::size_t t) { return t / A * A; };
-    mark_tail(floor_a(orig - 1) / bs);
-    if (J > 0) mark_tail(floor_a(J) / bs);
+    if (eagle) {
+      for (const std::size_t b : {floor_a(orig - 1), floor_a(orig)}) mark_tail((b >= A ? b - A : 0) / bs + 1);
+    } else {
+      mark_tail(floor_a(orig - 1) / bs);
+    }
+    if (J > 0) mark_tail(floor_a(J) / bs + shift);
     if (I > 0) {
       if (need >= I / bs) {
         mark.assign(full, true);
       } else {
         // (a tail ending past the last full block still marks the blocks before it: vLLM's mask is periodic)
-        for (std::size_t e = I / bs; e < full + need; e += I / bs) mark_tail(e);
+        for (std::size_t e = I / bs + shift; e < full + need; e += I / bs) mark_tail(e);
       }
     }
-    // Examined only up to the alignment (vLLM's cacheable horizon, floor_A of the tokens computed).
-    const std::size_t horizon = (P + decode) / A * A / bs;
+    // Examined only up to the alignment (vLLM's cacheable horizon, floor_A of the tokens computed), under EAGLE one
+    // block past it when that is not 0.
+    const auto horizon_at = [&](std::size_t n) {
+      const std::size_t a = n / A * A / bs;
+      return eagle && a != 0 ? std::min(n / bs, a + 1) : a;
+    };
+    const std::size_t horizon = horizon_at(P + decode);
+    // The tokens computed after each build (the chunks, then one decode token a step). A marked block that the
+    // first build whose horizon covers it finds below the window of the tokens computed before that build was
+    // released already (vLLM's remove_skipped_blocks runs before its cache_blocks) and is never registered: only
+    // under EAGLE (a tail clamped at block 0, or ending one block past a short window; docs/vllm-swa-retention.md
+    // section 4, exception b).
+    std::vector<std::size_t> builds;
+    for (std::size_t n = 0; n < P;) builds.push_back(n += std::min(chunk, P - n));
+    for (std::size_t t = 1; t <= decode; ++t) builds.push_back(P + t);
+    const auto released_first = [&](std::size_t i) {
+      std::size_t before = 0;
+      for (const std::size_t n : builds) {
+        if (horizon_at(n) > i) return before + 1 > W && i < (before + 1 - W) / bs;
+        before = n;
+      }
+      return false;
+    };
     const std::set<std::size_t> got = cached_blocks(m, 1, g);
     for (std::size_t i = 0; i < full; ++i) {
       const bool expect = mark[i] && W > 1 && i < horizon;
       INFO("trial " << trial << " bs " << bs << " W " << W << " A " << A << " I " << I << " P " << P << " orig "
-                    << orig << " J " << J << " chunk " << chunk << " decode " << decode << " block " << i);
+                    << orig << " J " << J << " chunk " << chunk << " decode " << decode << " eagle " << eagle
+                    << " block " << i);
+      if (expect && released_first(i)) {
+        CHECK(eagle);
+        CHECK(!got.contains(i));
+        ++eagle_missed;
+        continue;
+      }
       CHECK(got.contains(i) == expect);
       ++checked;
       (expect ? kept : dropped) += 1;
+      eagle_kept += eagle && expect;
     }
     if (!window_only) CHECK(cached_blocks(m, 1, 0).size() == full);  // full attention stays dense
   }
-  INFO("blocks checked " << checked << ", kept " << kept << ", dropped " << dropped);
+  INFO("blocks checked " << checked << ", kept " << kept << ", dropped " << dropped << ", EAGLE kept " << eagle_kept
+                          << ", EAGLE missed " << eagle_missed);
   CHECK(kept > 800);
   CHECK(dropped > 500);
+  CHECK(eagle_kept > 150);
+  CHECK(eagle_missed * 10 < eagle_kept);
 }
 
 TEST_CASE("retention options and configurations: typed errors naming the value, nothing changed",

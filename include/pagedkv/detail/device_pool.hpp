@@ -349,13 +349,13 @@ class DevicePool {
     BlockTable<Id>& table = kOne ? q.table : q.table_of(g);
     std::size_t& registered = kOne ? q.num_registered : q.registered_of(g);
     std::size_t end = std::min(q.num_registrable_blocks(), q.hashes.size());
-    [[maybe_unused]] std::size_t tail_a = 0, tail_b = 0;  // kSparse: where q's two boundary tails end (blocks)
+    [[maybe_unused]] WindowRetention::Ends tails{};  // kSparse: where q's boundary tails end (blocks)
     if constexpr (kSparse) {
-      tail_a = rule.tail_end(q.retention_replay, block_size_);
-      tail_b = rule.tail_end(q.retention_junction, block_size_);
-      // Blocks are examined only up to the hit alignment (vLLM's cacheable horizon, floor_A of the computed tokens):
-      // a block past it waits, unexamined, for the build whose horizon covers it (it may be null by then).
-      end = end / rule.align * rule.align;
+      tails = rule.ends(q.retention_replay, q.retention_junction, block_size_);
+      // Blocks are examined only up to the hit alignment (vLLM's cacheable horizon, floor_A of the computed tokens;
+      // one block further under EAGLE): a block past it waits, unexamined, for the build whose horizon covers it
+      // (it may be null by then).
+      end = rule.horizon(end);
     }
     for (std::size_t i = registered; i < end; ++i) {
       if (i + 1 < end) index.prefetch(q.hashes[i + 1]);  // the next insert's probe overlaps this one
@@ -365,7 +365,7 @@ class DevicePool {
         if (own == Id{0} || !block_can_serve_hit(window, i, block_size_)) continue;
       }
       if constexpr (kSparse) {
-        if (!rule.keeps(i, tail_a, tail_b)) continue;
+        if (!rule.keeps(i, tails)) continue;
       }
       if (index.hash_of(own)) continue;  // already registered (by a sequence sharing it)
       const Id reg = index.insert(h, own);  // one map probe: inserts, or finds the registered block

@@ -173,7 +173,7 @@ struct StateTable {
       if (own == Id{0}) return;
       if (retention.sparse) {
         if ((i + 1) % retention.align != 0) return;  // past the alignment's horizon: no hit lands here
-        if (!retention.keeps(i, retention.tail_end(q.retention_replay, bs), retention.tail_end(q.retention_junction, bs))) {
+        if (!retention.keeps(i, retention.ends(q.retention_replay, q.retention_junction, bs))) {
           return;
         }
       }
