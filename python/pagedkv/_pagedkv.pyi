@@ -433,6 +433,15 @@ class CacheConfig:
     def window_retention_alignment(self, arg: int, /) -> None: ...
 
     @property
+    def window_retention_eagle(self) -> bool:
+        """
+        With window_retention_interval: EAGLE drafts and every sliding-window group is an EAGLE group (vLLM's use_eagle): tails one block longer, ending one block later; EAGLE's two replay boundaries; one block past the alignment horizon examined. Default False.
+        """
+
+    @window_retention_eagle.setter
+    def window_retention_eagle(self, arg: bool, /) -> None: ...
+
+    @property
     def deduplicate_blocks(self) -> bool: ...
 
     @deduplicate_blocks.setter

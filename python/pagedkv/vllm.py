@@ -310,6 +310,11 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
 
 
+def _is_full(spec) -> bool:
+    """Whether a vLLM KV-cache spec is full attention (MLA included)."""
+    return type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
+
+
 def _check_retention_interval(retention, specs, scheduler_block_size: int, enable_caching: bool = True,
                               use_eagle: bool = False, enable_kv_cache_events: bool = False) -> bool:
     """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py), and
@@ -320,9 +325,9 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
     ignore it. So without such a group 0 (and None) are accepted and change nothing, and any other value is the
     ValueError vLLM raises. With a sliding-window group a value vLLM rejects (negative, not a multiple of the
     scheduler block size) is its ValueError; every other value is mapped onto pagedkv's sparse window retention
-    (CacheConfig.window_retention_interval, the same blocks registered: docs/vllm-swa-retention.md), but with
-    EAGLE (vLLM shifts the tails one block), which is Unsupported by name (KV events follow vLLM's per-call
-    records: KVCacheManager._convert_call). A Mamba group in mode 'align' follows the same rule with one
+    (CacheConfig.window_retention_interval, the same blocks registered: docs/vllm-swa-retention.md; with EAGLE
+    CacheConfig.window_retention_eagle: vLLM's EAGLE group's tails are one block longer and end one block later;
+    KV events follow vLLM's per-call records: KVCacheManager._convert_call). A Mamba group in mode 'align' follows the same rule with one
     block per landing point (vLLM's MambaManager.reachable_block_mask); with a Mamba group in mode 'none' and
     prefix caching any value but None is Unsupported (pagedkv keeps every interval checkpoint). Without prefix
     caching nothing is retained, so only vLLM's ValueErrors apply."""
@@ -344,10 +349,6 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                           "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
                           "block size, as vLLM does with prefix_cache_retention_interval=None "
                           "(docs/vllm-mamba-align.md)")
-    if use_eagle:
-        raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
-                          "Mamba group and use_eagle: vLLM's EAGLE group retains its window tails one block later (not mapped: "
-                          "docs/vllm-swa-retention.md); prefix_cache_retention_interval=None works")
     if len(specs) > 1 and not any(type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for sp in specs):
         raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
                           "Mamba group beside other groups and no full-attention group: vLLM then pins the first group's own "
@@ -527,8 +528,11 @@ class KVCacheManager(ConnectorMixin):
         # flagged is_eagle_group, else every group) matches one of its own blocks past the hit, then drops it; so
         # the hit is the longest aligned one after which each EAGLE group holds that block cached too
         # (_eagle_serves). [(pagedkv group, block size, page factor, window)]
+        # At one block size the same check serves vLLM's EAGLE hit wherever a group needs more than the blocks up to
+        # the hit (a window, or another group: the hybrid coordinator's margin), so it is built for every layout but
+        # one full-attention group, whose hit minus one block is exactly vLLM's (_eagle_limit).
         self._eagle = []
-        if self._align and use_eagle:
+        if use_eagle and enable_caching and (len(specs) > 1 or not _is_full(specs[0])):
             flagged = [g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
                        if getattr(grp, "is_eagle_group", False)]
             for g in flagged or range(len(specs)):
@@ -584,10 +588,27 @@ class KVCacheManager(ConnectorMixin):
         if sparse_retention:
             cfg.window_retention_interval = retention
             cfg.window_retention_alignment = scheduler_block_size
-        if (sparse_retention or self._table_groups) and enable_caching:
-            fa = [g for g, sp in enumerate(specs) if type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")]
-            if len(specs) > 1 and fa:
+            if use_eagle:
+                # vLLM's EAGLE groups: those flagged is_eagle_group, else every group. pagedkv shifts every window
+                # group's tails (and uses EAGLE's replay boundaries): exact when each window group is one.
+                flagged = {g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False)}
+                windows = {g for g, sp in enumerate(specs) if isinstance(sp, SlidingWindowSpec)}
+                if flagged and not windows <= flagged:
+                    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with use_eagle "
+                                      f"and EAGLE groups {sorted(flagged)} that leave out sliding-window groups "
+                                      f"{sorted(windows - flagged)}: vLLM then keeps EAGLE's replay boundaries without "
+                                      "the one-block shift there (not mapped); prefix_cache_retention_interval=None "
+                                      "works")
+                cfg.window_retention_eagle = True
+        # vLLM's hybrid coordinator returns the junction whenever a group's own hit is longer than the reconciled
+        # one (an evicted window block under any retention); only sparse retention and Mamba's chunk cuts read it.
+        self._junction_eagle = 0  # the first full-attention group's EAGLE margin (its block size), 0: no EAGLE group
+        if enable_caching and len(specs) > 1:
+            fa = [g for g, sp in enumerate(specs) if _is_full(sp)]
+            if fa and len(fa) < len(specs):
                 self._junction_groups = [self._pk_group[g] for g in fa if specs[g] == specs[fa[0]]]
+                self._junction_eagle = next((gbs for pk_g, gbs, _, _ in self._eagle
+                                             if pk_g == self._junction_groups[0]), 0)
             self._retention_align = scheduler_block_size
         # Mamba 'align' states registered this step (block ids): vLLM refuses, for one step, an allocation whose
         # hit ends on one (MambaManager's cached_blocks_this_step: the state is written by this step's forward).
@@ -710,16 +731,17 @@ class KVCacheManager(ConnectorMixin):
             ids[g] = ids[g][f - 1::f]  # page j is keyed by its last match block, (j + 1) * f - 1
         return hit, ids
 
-    def _eagle_serves(self, prepared, hit: int) -> bool:
+    def _eagle_serves(self, prepared, hit: int, limit: int) -> bool:
         """Whether every EAGLE group holds, cached, the block of its own size after `hit` (a hit every group serves)
-        and what its window needs up to there: vLLM's EAGLE margin (eagle_proof_margin: one block of the group's
-        size past the candidate hit, matched then dropped), within the prompt's full blocks. One prefix-index probe
+        and what its window needs up to there, the block ending at most at `limit` tokens: vLLM's EAGLE margin
+        (eagle_proof_margin: one block of the group's size past the candidate hit, matched then dropped; a window
+        group's run is one block longer, SlidingWindowManager._contiguous_blocks_for_hit). One prefix-index probe
         (cached_block) per block checked."""
         bs = self.block_size
         hashes = prepared.hashes
         for pk_g, gbs, factor, window in self._eagle:
             end = hit + gbs
-            if end > len(hashes) * bs:
+            if end > limit:
                 return False
             first = hit // bs  # the blocks up to the hit are served already
             if window is not None:  # the window of the query at `end` (first_kept_block)
@@ -730,6 +752,23 @@ class KVCacheManager(ConnectorMixin):
                 if self._pk.cached_block(hashes[i], pk_g) is None:
                     return False
         return True
+
+    def _eagle_hit(self, prepared, n: int):
+        """vLLM's EAGLE hit at one block size (a window group, or several groups) for a request of `n` tokens, with
+        its blocks per group in vLLM's order: the longest hit pagedkv serves, at most n - 1 tokens, after which every
+        EAGLE group also holds the next block cached (_eagle_serves): vLLM matches that block too, then drops it, so
+        the window of the hit is whole. The hybrid coordinator lets that block reach past n - 1 to the prompt's last
+        full block (eagle_proof_margin), the unitary one (a single group) does not. Each refused candidate lowers the
+        cap one block below it (a crossing per round)."""
+        bs = self.block_size
+        limit = len(prepared.hashes) * bs if len(self._group_bs) > 1 else n - 1
+        cap = n - 1
+        while True:
+            hit, ids = self._pk._vllm_hit(prepared, cap, 0)
+            if not hit or self._eagle_serves(prepared, hit, limit):
+                break
+            cap = hit - bs
+        return hit, self._from_pk(ids) if self._order is not None else ids
 
     def _blocks_of(self, ids) -> KVCacheBlocks:
         """KVCacheBlocks of block ids per group."""
@@ -819,13 +858,14 @@ class KVCacheManager(ConnectorMixin):
             return self.empty_kv_cache_blocks, 0, 0
         # Hashed once (kept for the admission); the hit and its blocks in one crossing. EAGLE recomputes the last
         # matched block (its hidden states are not cached): vLLM drops it.
+        prepared = self._prepare(request, n)
         if self._align:
-            prepared = self._prepare(request, n)
             hit, ids = self._aligned_hit(prepared, n - 1)
-            while self._eagle and hit and not self._eagle_serves(prepared, hit):
+            while self._eagle and hit and not self._eagle_serves(prepared, hit, len(prepared.hashes) * self.block_size):
                 hit, ids = self._aligned_hit(prepared, hit - self._align)
+        elif self._eagle:
+            hit, ids = self._eagle_hit(prepared, n)
         else:
-            prepared = self._prepare(request, n)
             hit, ids = self._pk._vllm_hit(prepared, n - 1, self.block_size if self.use_eagle else 0)
             if self._order is not None:
                 ids = self._from_pk(ids)
@@ -833,8 +873,12 @@ class KVCacheManager(ConnectorMixin):
                 ids = self._state_hit(ids, hit)
         junction = 0
         if self._junction_groups is not None:
-            # vLLM's shared-prefix junction: the full-attention hit, aligned, when the window groups' is shorter.
-            fa = self._pk._vllm_run(prepared, self._junction_groups, n - 1)
+            # vLLM's shared-prefix junction: the full-attention group's own hit, aligned, when the window groups' is
+            # shorter. An EAGLE full-attention group matches one of its blocks past n - 1 (within the full blocks),
+            # then drops it.
+            margin = self._junction_eagle
+            fa = self._pk._vllm_run(prepared, self._junction_groups, n - 1 + margin)
+            fa = max(fa - margin, 0)
             fa -= fa % self._retention_align
             junction = fa if fa > hit else 0
         if hit and self._records and getattr(request, "kv_cache_report_mode", "incremental") == "full":

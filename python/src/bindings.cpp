@@ -921,6 +921,10 @@ NB_MODULE(_pagedkv, m) {
       .def_rw("release_at_build", &CacheConfig::release_at_build)
       .def_rw("window_retention_interval", &CacheConfig::window_retention_interval)
       .def_rw("window_retention_alignment", &CacheConfig::window_retention_alignment)
+      .def_rw("window_retention_eagle", &CacheConfig::window_retention_eagle,
+              "With window_retention_interval: EAGLE drafts and every sliding-window group is an EAGLE group (vLLM's "
+              "use_eagle): tails one block longer, ending one block later; EAGLE's two replay boundaries; one block "
+              "past the alignment horizon examined. Default False.")
       .def_rw("deduplicate_blocks", &CacheConfig::deduplicate_blocks)
       .def("__repr__", [](const CacheConfig& c) {
         return "CacheConfig(num_blocks=" + std::to_string(c.num_blocks) + ", block_size=" +
