@@ -217,14 +217,15 @@ class KVCacheManager
   // ---------------------------------------------------------------------------------------------------------------
   // Admission and growth
 
-  /// Admit sequence `seq` with prompt `prompt` (`[prompt_len]` token ids, prompt_len >= 1) and optional extra keys.
+  /// Admit sequence `seq` with prompt `prompt` (`[prompt_len]` token ids) and optional extra keys.
   /// Finds the longest cached prefix of full blocks (at most `opts.max_cached_tokens`), takes those blocks, and
   /// allocates blocks for the uncached tokens (all of them, or the first `opts.num_reserved_tokens`: chunked
   /// admission); their slots become pending for the next builds. All or nothing: on kNoCapacity / kNeverFits
   /// nothing changes (no refcount, no LRU position, no counter). kNeverFits: the whole prompt needs more blocks
-  /// than the pool, however it is reserved. A sequence id preempted before is counted as a re-admission.
-  /// Throws kDuplicateSequence (seq is live), kInvalidArgument (empty prompt; a multimodal item that is empty,
-  /// unsorted or not inside the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
+  /// than the pool, however it is reserved. A sequence id preempted before is counted as a re-admission. An empty
+  /// prompt admits a sequence with no token and no block (slots: try_append, try_reserve_lookahead). Throws
+  /// kDuplicateSequence (seq is live), kInvalidArgument (a multimodal item that is empty, unsorted or not inside
+  /// the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                         const AdmitOptions& opts = {}) {
     return admit_new(seq, prompt, keys, opts, "try_admit");
@@ -1054,7 +1055,6 @@ class KVCacheManager
   void validate_prompt(std::span<const TokenId> prompt, const RequestKeys* keys, const char* what,
                        const SeqId* seq) const {
     const auto who = [&] { return std::string(what) + (seq != nullptr ? ": sequence " + std::to_string(*seq) : ""); };
-    if (prompt.empty()) detail::raise(Errc::kInvalidArgument, who() + " has an empty prompt");
     if (prompt.size() > max_tokens_per_seq_) {
       detail::raise(Errc::kLimitExceeded, who() + ": prompt of " + std::to_string(prompt.size()) +
                                               " tokens exceeds max_tokens_per_seq = " +
@@ -1140,7 +1140,7 @@ class KVCacheManager
     s.keys = std::move(shared_keys);
     s.retention = opts.retention;
     s.num_prompt_tokens = prompt.size();
-    s.retention_replay = opts.prompt_retention_tokens.value_or(prompt.size()) - 1;
+    s.retention_replay = std::max<std::size_t>(opts.prompt_retention_tokens.value_or(prompt.size()), 1) - 1;
     s.retention_junction = opts.shared_prefix_boundary;
     const std::size_t total_blocks = (k * bs + plan.num_reserved + bs - 1) / bs;
     for (std::size_t g = 0; g < G; ++g) s.table_of(g).reserve_blocks(total_blocks);

@@ -1009,7 +1009,7 @@ class KVCacheManager:
     @overload
     def try_admit(self, seq: int, prompt: numpy.typing.NDArray[numpy.int32] | Sequence[int], keys: RequestKeys | None = None, *, max_cached_tokens: int | None = None, num_reserved_tokens: int | None = None, retention: RetentionConfig | None = None, prompt_retention_tokens: int | None = None, shared_prefix_boundary: int = 0) -> AdmitResult:
         """
-        Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its blocks take when released (copied; eviction="priority" only). `prompt_retention_tokens` (default the prompt's length) and `shared_prefix_boundary` (0 = none): the sequence's boundaries under CacheConfig.window_retention_interval (AdmitOptions). Raises DuplicateSequenceError, InvalidArgumentError (empty prompt, bad multimodal item, invalid retention, a boundary past the prompt), LimitExceededError (prompt > max_tokens_per_seq).
+        Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its blocks take when released (copied; eviction="priority" only). `prompt_retention_tokens` (default the prompt's length) and `shared_prefix_boundary` (0 = none): the sequence's boundaries under CacheConfig.window_retention_interval (AdmitOptions). An empty prompt admits a sequence with no token yet (its slots come from try_append or try_reserve_lookahead). Raises DuplicateSequenceError, InvalidArgumentError (bad multimodal item, invalid retention, a boundary past the prompt), LimitExceededError (prompt > max_tokens_per_seq).
         """
 
     @overload

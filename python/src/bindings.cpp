@@ -1277,8 +1277,9 @@ NB_MODULE(_pagedkv, m) {
           "Admit sequence `seq` with `prompt` (int32 token ids), all or nothing. `retention`: the priorities its "
           "blocks take when released (copied; eviction=\"priority\" only). `prompt_retention_tokens` (default the "
           "prompt's length) and `shared_prefix_boundary` (0 = none): the sequence's boundaries under "
-          "CacheConfig.window_retention_interval (AdmitOptions). Raises DuplicateSequenceError, "
-          "InvalidArgumentError (empty prompt, bad multimodal item, invalid retention, a boundary past the prompt), "
+          "CacheConfig.window_retention_interval (AdmitOptions). An empty prompt admits a sequence with no token "
+          "yet (its slots come from try_append or try_reserve_lookahead). Raises DuplicateSequenceError, "
+          "InvalidArgumentError (bad multimodal item, invalid retention, a boundary past the prompt), "
           "LimitExceededError (prompt > max_tokens_per_seq).")
       .def(
           "try_admit",

@@ -85,8 +85,6 @@ def test_duplicate_and_invalid_admissions_change_nothing(mgr):
     before = state(mgr, [1, 2])
     with pytest.raises(pagedkv.DuplicateSequenceError, match="sequence 1"):
         mgr.try_admit(1, prompt(3))
-    with pytest.raises(pagedkv.InvalidArgumentError, match="empty"):
-        mgr.try_admit(2, np.empty(0, np.int32))
     keys = pagedkv.RequestKeys(multimodal=[pagedkv.MultimodalItem(b"\x01" * 16, 3, 10)])
     with pytest.raises(pagedkv.InvalidArgumentError, match="multimodal item 0 at offset 3 with length 10"):
         mgr.try_admit(2, prompt(5), keys)
@@ -94,6 +92,17 @@ def test_duplicate_and_invalid_admissions_change_nothing(mgr):
     with pytest.raises(pagedkv.LimitExceededError):
         small.try_admit(1, prompt(5))
     assert state(mgr, [1, 2]) == before
+
+
+def test_empty_prompt_admits_a_sequence_with_no_token_yet():
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=8, block_size=4))
+    r = m.try_admit(1, np.empty(0, np.int32))
+    assert r.admitted and r.num_cached_tokens == 0 and r.num_new_blocks == 0
+    assert m.num_tokens(1) == 0 and len(m.block_ids(1)) == 0
+    assert m.try_append(1, prompt(5)).status == pagedkv.AppendStatus.OK  # its first tokens
+    assert m.num_tokens(1) == 5 and len(m.block_ids(1)) == 2
+    m.free(1)
+    assert m.stats().blocks_used == 0
 
 
 def test_no_capacity_and_never_fits_are_values():

@@ -76,8 +76,7 @@ def test_prepared_prompt_retry_while_full_and_its_checks():
             other.try_admit(1, p)
         with pytest.raises(pagedkv.InvalidArgumentError):
             other.query_admit(p)
-    with pytest.raises(pagedkv.InvalidArgumentError):
-        m.prepare_prompt(np.empty(0, np.int32))
+    assert len(m.prepare_prompt(np.empty(0, np.int32)).hashes) == 0  # an empty prompt: nothing to hash
     with pytest.raises(TypeError):
         pagedkv.PreparedPrompt()
 

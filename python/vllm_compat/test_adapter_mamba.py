@@ -7,8 +7,8 @@
   the Mamba group's blocks are what vLLM lists: the request's one state block, held from admission to free, its own;
   the new attention blocks to zero (take_new_block_ids, which vLLM zeroes with Mamba layers) are as many.
 - The Mamba configurations pagedkv's semantics differ on (mode 'align', speculative state blocks, a Mamba group 0,
-  an attention-free model) and an empty prompt raise Unsupported naming the field and value; a refused
-  allocate_slots changes nothing. (Mode 'none' with prefix caching: test_adapter_mamba_caching.py.)
+  an attention-free model) raise Unsupported naming the field and value; a refused allocate_slots changes nothing.
+  A request with no token yet allocates its slots as vLLM's own manager does. (Mode 'none' with prefix caching: test_adapter_mamba_caching.py.)
 """
 
 import random
@@ -181,14 +181,40 @@ def test_retention_interval_with_mamba_and_no_caching():
                           scheduler_block_size=MAX_LEN, hash_block_size=MAX_LEN, enable_caching=False)
 
 
-@pytest.mark.parametrize("specs", [[_full()], [_full(), _mamba()]])
-def test_empty_prompt_refused_and_nothing_changes(specs):
-    m = _manager(pv.KVCacheManager, 16, specs, enable_caching=len(specs) == 1,
-                 scheduler_block_size=BS if len(specs) == 1 else MAX_LEN)
+@pytest.mark.parametrize("caching", [False, True])
+def test_empty_prompt_allocates_as_vllms_own_manager(caching):
+    """A request with no token yet (vLLM's test_allocate_with_lookahead): vLLM allocates the slots asked, ceil((3 +
+    2) / 4) blocks; pagedkv admits the sequence empty and takes them as lookahead slots. Side by side with vLLM's own
+    manager: the same blocks, the same free count, all of them back at the free. (vLLM's own lookup of such a request
+    fails with prefix caching on: it is not asked.)"""
+    specs = [_full()]
+    kw = dict(enable_caching=caching, scheduler_block_size=BS)
+    ours, theirs = _manager(pv.KVCacheManager, 16, specs, **kw), _manager(VllmKVCacheManager, 16, specs, **kw)
+    free = ours.block_pool.get_num_free_blocks()
+    assert free == theirs.block_pool.get_num_free_blocks()
+    for i, (new, lookahead) in enumerate([(3, 2), (3, 4), (1, 3), (5, 0)]):
+        ra, rb = _request(f"empty{i}", []), _request(f"empty{i}", [])
+        assert ours.get_computed_blocks(ra)[1] == 0
+        a = ours.allocate_slots(ra, new, num_lookahead_tokens=lookahead)
+        b = theirs.allocate_slots(rb, new, num_lookahead_tokens=lookahead)
+        assert [len(x) for x in a.get_block_ids()] == [len(x) for x in b.get_block_ids()]
+        assert len(a.get_block_ids()[0]) == -(-(new + lookahead) // BS)
+        assert ours.block_pool.get_num_free_blocks() == theirs.block_pool.get_num_free_blocks() < free
+        assert ours.get_blocks(f"empty{i}").get_block_ids() == a.get_block_ids()
+        ours.free(ra)
+        theirs.free(rb)
+        assert ours.block_pool.get_num_free_blocks() == free
+    ok = _request("next", range(5))
+    assert ours.allocate_slots(ok, 5) is not None  # the manager still serves
+
+
+def test_empty_prompt_beside_a_mamba_group_refused_and_nothing_changes():
+    specs = [_full(), _mamba()]
+    m = _manager(pv.KVCacheManager, 16, specs)
     free = m.block_pool.get_num_free_blocks()
     r = _request("empty", [])
     assert m.get_computed_blocks(r)[1] == 0
-    with pytest.raises(pv.Unsupported, match=r"empty prompt \(request.num_tokens = 0, 4 slots asked\)"):
+    with pytest.raises(pv.Unsupported, match=r"no token yet \(4 slots asked\) beside a Mamba group"):
         m.allocate_slots(r, 1, num_lookahead_tokens=3)
     assert m.block_pool.get_num_free_blocks() == free
     assert m.get_blocks("empty").get_block_ids() == tuple([] for _ in specs)

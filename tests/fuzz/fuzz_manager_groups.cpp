@@ -339,8 +339,8 @@ class GroupsDriver {
         p.assign(t.begin(), t.end() - static_cast<std::ptrdiff_t>(std::min<std::size_t>(drop, t.size())));
       }
       if (p.empty()) p.push_back(1);
-    } else if (k < 254) {  // raw tokens
-      for (std::size_t i = 0, n = 1 + (k - 224) % 24; i < n; ++i) p.push_back(static_cast<TokenId>(r.u8() % 3));
+    } else if (k < 254) {  // raw tokens (none: an empty prompt, a sequence with no token yet)
+      for (std::size_t i = 0, n = (k - 224) % 24; i < n; ++i) p.push_back(static_cast<TokenId>(r.u8() % 3));
     } else {  // long: around the pool's capacity
       const std::size_t n = 1 + r.u16() % (2 * (nb_ - 1) * bs_ + 8);
       p.resize(n);

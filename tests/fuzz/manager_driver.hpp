@@ -488,7 +488,6 @@ class Driver {
                               std::string& needle) const {
     std::set<Errc> errs;
     if (id && model_.live(*id)) errs.insert(Errc::kDuplicateSequence), needle = std::to_string(*id);
-    if (prompt.empty()) errs.insert(Errc::kInvalidArgument);
     if (prompt.size() > model_.max_tokens()) errs.insert(Errc::kLimitExceeded), needle = std::to_string(prompt.size());
     if (!keys_valid(keys, prompt.size())) errs.insert(Errc::kInvalidArgument);
     return errs;

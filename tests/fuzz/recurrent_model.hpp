@@ -363,7 +363,7 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
     pagedkv::AdmitOptions opts;
     if (next(3) == 0) opts.num_reserved_tokens = next(prompt.size());
     const auto prep = m.prepare_prompt(prompt);
-    const std::size_t want = e.oracle_hit(prep.hashes, (prompt.size() - 1) / bs);
+    const std::size_t want = prompt.empty() ? 0 : e.oracle_hit(prep.hashes, (prompt.size() - 1) / bs);
     const auto r = m.try_admit(id, prep, opts);
     if (r.status != pagedkv::AdmitStatus::kAdmitted) return false;
     ++n.admits;
@@ -394,8 +394,12 @@ Counts run_ops(Engine<Fail>& e, std::size_t steps, Next&& next, Done&& done) {
         if (admit(it->first, it->second)) preempted.erase(it);
       } else {
         const auto& d = docs[next(docs.size())];
-        std::vector<TokenId> p(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(1 + next(d.size())));
-        for (std::size_t i = next(20); i > 0; --i) p.push_back(static_cast<TokenId>(next(50)));
+        // (one prompt in 16 is empty: a sequence with no token yet, which appends or drafts its first)
+        std::vector<TokenId> p;
+        if (next(16) != 0) {
+          p.assign(d.begin(), d.begin() + static_cast<std::ptrdiff_t>(1 + next(d.size())));
+          for (std::size_t i = next(20); i > 0; --i) p.push_back(static_cast<TokenId>(next(50)));
+        }
         admit(next_id++, p);
       }
     } else if (op < 45) {

@@ -158,8 +158,11 @@ TEST_CASE("Errc names and the Error type", "[errors]") {
 
 TEST_CASE("Errc::kInvalidArgument", "[errors][invalid_argument]") {
   auto m = busy_manager();
-  SECTION("empty prompt") {
-    check_rejected(*m, [&] { m->try_admit(77, Toks{}); }, Errc::kInvalidArgument, {"sequence 77", "empty prompt"});
+  SECTION("a retention boundary outside the prompt") {
+    pagedkv::AdmitOptions o;
+    o.prompt_retention_tokens = 0;
+    check_rejected(*m, [&] { m->try_admit(77, Toks{1, 2, 3}, nullptr, o); }, Errc::kInvalidArgument,
+                   {"try_admit", "prompt_retention_tokens = 0", "[1, 3]"});
   }
   SECTION("a sequence twice in a batch") {
     check_rejected(

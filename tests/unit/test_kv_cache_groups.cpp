@@ -761,7 +761,16 @@ TEST_CASE("HybridKVCacheManager: failed calls change nothing", "[kv_cache_groups
   same(s0);
   // Misuse.
   expect_error([&] { (void)m.try_admit(1, pagedkv_test::toks(1, 3)); }, Errc::kDuplicateSequence);
-  expect_error([&] { (void)m.try_admit(3, Toks{}); }, Errc::kInvalidArgument);
+  // An empty prompt is a sequence with no token and no block in any group: freed, nothing but the counters (an
+  // admission counted) has changed.
+  REQUIRE(m.try_admit(3, Toks{}).admitted());
+  for (std::size_t g = 0; g < m.num_groups(); ++g) CHECK(m.block_ids(3, g).empty());
+  m.free(3);
+  Snapshot after_empty = snapshot(m);
+  CHECK(after_empty.stats != s0.stats);
+  after_empty.stats = s0.stats;
+  CHECK(after_empty == s0);
+  s0 = snapshot(m);
   {  // Retention priorities work with groups since the managers merged (they used to be refused): an invalid config
      // is refused by admission and by the capacity query, naming the call, and nothing changes.
     pagedkv::AdmitOptions o;

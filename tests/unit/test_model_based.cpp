@@ -380,6 +380,7 @@ class Harness {
   }
 
   Toks gen_prompt() {
+    if (rng_() % 25 == 0) return {};  // an empty prompt: a sequence with no token yet (appends, lookahead)
     if (rng_() % 50 == 0) {  // a huge prompt: never fits where the limit allows it, else the largest legal one
       const std::size_t n = std::min(o_.max_tokens_per_seq, usable_ * bs_ + 1 + rng_() % bs_);
       Toks p(n);
@@ -1370,7 +1371,8 @@ class Harness {
         break;
     }
     if (model_.empty()) {
-      return expect_misuse([&] { m_.try_admit(bad, Toks{}); }, Errc::kInvalidArgument, "sequence " + bad_s);
+      return expect_misuse([&] { m_.try_admit(bad, Toks(o_.max_tokens_per_seq + 1)); }, Errc::kLimitExceeded,
+                           "sequence " + bad_s);
     }
     const SeqId live = pick_live(false);
     const std::string live_s = std::to_string(live);

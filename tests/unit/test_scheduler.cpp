@@ -208,8 +208,8 @@ TEST_CASE("capacity queries answer what the call would, and change nothing", "[s
   CHECK(m.stats().blocks_cached == stats.blocks_cached);
   CHECK(m.allocator().eviction_policy().order() == Ids{2, 1});
   CHECK_THAT(expect_error([&] { (void)m.query_append(99, 1); }, Errc::kUnknownSequence), Catch::Contains("99"));
-  CHECK_THAT(expect_error([&] { (void)m.query_admit(Toks{}); }, Errc::kInvalidArgument),
-             Catch::Contains("empty prompt"));
+  CHECK(m.query_admit(Toks{}).fits());  // an empty prompt: a sequence with no token yet, no block
+  CHECK(m.query_admit(Toks{}).num_blocks == 0);
 }
 
 TEST_CASE("lookahead slots are built like any slot, never registered until their ids are committed",
@@ -258,6 +258,85 @@ TEST_CASE("lookahead slots are built like any slot, never registered until their
   CHECK(m.sequence(1).num_known() == 8);
 }
 
+// One step computing every pending position of `seq` in a pool of any number of groups (slot mappings and copies
+// only).
+void step_groups(Mgr& m, SeqId seq) {
+  const std::size_t G = m.num_groups();
+  std::vector<I64> slots(G, I64(m.pending_slots(seq).size(), -2));
+  std::vector<I32> copies(G, I32(2 * m.pending_copies().size() + 2, -2));
+  std::vector<pagedkv::BatchMetadataBuffers> buf(G);
+  for (std::size_t g = 0; g < G; ++g) {
+    buf[g].slot_mapping = slots[g];
+    buf[g].copies = copies[g];
+  }
+  const SeqId batch[] = {seq};
+  (void)m.build_batch_metadata(batch, buf);
+}
+
+TEST_CASE("an empty prompt admits a sequence with no token yet: its slots come as lookahead or appends",
+          "[scheduler][lookahead][empty]") {
+  // vLLM's allocate_slots of a request with no token yet and lookahead slots (its test_allocate_with_lookahead):
+  // ceil((3 + 2) / 4) = 2 blocks. pagedkv: the sequence is admitted empty (no hit, no block, no pending slot), and the
+  // slots are lookahead slots past its zero known tokens.
+  for (const bool window : {false, true}) {
+    INFO("window group " << window);
+    CacheConfig c = cfg(16, 4);
+    if (window) {
+      c.groups.resize(2);
+      c.groups[1] = {pagedkv::AttentionKind::kSlidingWindow, 6, 1};
+    }
+    Mgr m(c);
+    REQUIRE(m.try_admit(9, toks(100, 8)).admitted());  // another sequence, cached blocks to be found or not
+    step_groups(m, 9);
+    const auto before = m.stats();
+    const auto r = m.try_admit(1, Toks{});
+    REQUIRE(r.admitted());
+    CHECK(r.num_cached_tokens == 0);
+    CHECK(r.num_new_blocks == 0);
+    CHECK(m.num_tokens(1) == 0);
+    CHECK(m.block_ids(1).empty());
+    CHECK(m.pending_slots(1).empty());
+    CHECK(m.stats().blocks_used == before.blocks_used);
+    CHECK(m.lookup(Toks{}) == 0);
+    CHECK(m.explain_admit(Toks{}).hit_tokens == 0);
+    CHECK(m.explain_admit(Toks{}).cap_tokens == 0);
+    // Five lookahead slots: two blocks per group, the first known token will be position 0.
+    const auto la = m.try_reserve_lookahead(1, 5);
+    REQUIRE(la.ok());
+    CHECK(la.slots.size() == 5);
+    CHECK(m.block_ids(1).size() == 2);
+    CHECK(m.num_tokens(1) == 5);
+    CHECK(m.sequence(1).num_known() == 0);
+    // The verification step computes the five positions; three drafts are accepted, block 1 is released.
+    if (window) {
+      for (std::size_t g = 0; g < 2; ++g) CHECK(m.sequence(1).table_of(g).num_blocks() == 2);
+      step_groups(m, 1);
+    } else {
+      const auto s = build(m, {1});
+      CHECK(s.qo_indptr == I32{0, 5});
+      CHECK(s.seq_lens == I32{5});
+    }
+    CHECK(m.lookup(toks(500, 6)) == 0);
+    m.commit_lookahead(1, Toks{500, 501, 502});
+    CHECK(m.num_tokens(1) == 3);
+    CHECK(m.block_ids(1).size() == 1);
+    CHECK(m.token_ids(1).size() == 3);
+    // Position 3 fills block 0, registered at its build: a later prompt starting with these tokens hits it.
+    REQUIRE(m.try_append(1, Toks{503}).ok());
+    step_groups(m, 1);
+    CHECK(m.lookup(toks(500, 6)) == 4);
+    // Freed, every block comes back; an empty sequence frees and preempts like any.
+    m.free(1);
+    REQUIRE(m.try_admit(2, Toks{}).admitted());
+    REQUIRE(m.try_append(2, Toks{7}).ok());
+    m.free(2);
+    REQUIRE(m.try_admit(3, Toks{}).admitted());
+    m.free(3);
+    m.free(9);
+    CHECK(m.stats().blocks_used == 0);
+  }
+}
+
 TEST_CASE("a prepared prompt is hashed once and admits like the prompt itself", "[scheduler][prepared]") {
   Mgr m(cfg(8, 4));  // 7 usable
   const Toks p = toks(0, 14);
@@ -287,8 +366,7 @@ TEST_CASE("a prepared prompt is hashed once and admits like the prompt itself", 
   CHECK_THAT(expect_error([&] { m.try_admit(4, foreign); }, Errc::kInvalidArgument),
              Catch::Contains("not prepared by a manager with this hasher, seed and block size"));
   CHECK_FALSE(m.contains(4));
-  CHECK_THAT(expect_error([&] { (void)m.prepare_prompt(Toks{}); }, Errc::kInvalidArgument),
-             Catch::Contains("empty prompt"));
+  CHECK(m.prepare_prompt(Toks{}).hashes.empty());  // an empty prompt: nothing to hash
   {  // Another block size with the same number of full blocks (6 tokens: one block of 4, one of 5) is refused too:
      // it was accepted, and the block hashed over tokens [0, 4) was registered for [0, 5), a wrong hit later.
     Mgr m4(cfg(16, 4));

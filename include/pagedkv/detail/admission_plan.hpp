@@ -102,7 +102,7 @@ AdmitPlan plan_groups(const Pool& pool, const Host& host, const GroupLayout& lay
     if (layout.is_state_table(g)) [[unlikely]] {  // a prefill checkpoint (vLLM's Mamba 'align', Mamba-2 layers)
       const std::size_t prompt_tokens = opts.prompt_retention_tokens.value_or(prompt.size());
       new_table_blocks += recurrent_group<Id>(layout, g).table().admit_checkpoints(
-          k * bs, reserved, std::max(prompt_tokens, prompt.size() - 1));
+          k * bs, reserved, std::max(prompt_tokens, prompt.empty() ? 0 : prompt.size() - 1));
     }
     if (external_tokens != 0) new_table_blocks -= window_external_skip(layout, g, k, prompt.size(), external_tokens);
   }
