@@ -258,21 +258,6 @@ TEST_CASE("lookahead slots are built like any slot, never registered until their
   CHECK(m.sequence(1).num_known() == 8);
 }
 
-// One step computing every pending position of `seq` in a pool of any number of groups (slot mappings and copies
-// only).
-void step_groups(Mgr& m, SeqId seq) {
-  const std::size_t G = m.num_groups();
-  std::vector<I64> slots(G, I64(m.pending_slots(seq).size(), -2));
-  std::vector<I32> copies(G, I32(2 * m.pending_copies().size() + 2, -2));
-  std::vector<pagedkv::BatchMetadataBuffers> buf(G);
-  for (std::size_t g = 0; g < G; ++g) {
-    buf[g].slot_mapping = slots[g];
-    buf[g].copies = copies[g];
-  }
-  const SeqId batch[] = {seq};
-  (void)m.build_batch_metadata(batch, buf);
-}
-
 TEST_CASE("an empty prompt admits a sequence with no token yet: its slots come as lookahead or appends",
           "[scheduler][lookahead][empty]") {
   // vLLM's allocate_slots of a request with no token yet and lookahead slots (its test_allocate_with_lookahead):
@@ -287,7 +272,7 @@ TEST_CASE("an empty prompt admits a sequence with no token yet: its slots come a
     }
     Mgr m(c);
     REQUIRE(m.try_admit(9, toks(100, 8)).admitted());  // another sequence, cached blocks to be found or not
-    step_groups(m, 9);
+    pagedkv_test::step_groups(m, 9);
     const auto before = m.stats();
     const auto r = m.try_admit(1, Toks{});
     REQUIRE(r.admitted());
@@ -310,7 +295,7 @@ TEST_CASE("an empty prompt admits a sequence with no token yet: its slots come a
     // The verification step computes the five positions; three drafts are accepted, block 1 is released.
     if (window) {
       for (std::size_t g = 0; g < 2; ++g) CHECK(m.sequence(1).table_of(g).num_blocks() == 2);
-      step_groups(m, 1);
+      pagedkv_test::step_groups(m, 1);
     } else {
       const auto s = build(m, {1});
       CHECK(s.qo_indptr == I32{0, 5});
@@ -323,7 +308,7 @@ TEST_CASE("an empty prompt admits a sequence with no token yet: its slots come a
     CHECK(m.token_ids(1).size() == 3);
     // Position 3 fills block 0, registered at its build: a later prompt starting with these tokens hits it.
     REQUIRE(m.try_append(1, Toks{503}).ok());
-    step_groups(m, 1);
+    pagedkv_test::step_groups(m, 1);
     CHECK(m.lookup(toks(500, 6)) == 4);
     // Freed, every block comes back; an empty sequence frees and preempts like any.
     m.free(1);

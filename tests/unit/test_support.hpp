@@ -73,4 +73,20 @@ BuiltStep build_step(Mgr& m, std::initializer_list<pagedkv::SeqId> batch) {
   return build_step(m, std::span<const pagedkv::SeqId>(batch.begin(), batch.size()));
 }
 
+/// One step computing every pending position of `seq` on `m`, a pool of any number of groups: each group's slot
+/// mapping and copies (exactly sized), every other output skipped.
+template <class Mgr>
+void step_groups(Mgr& m, pagedkv::SeqId seq) {
+  const std::size_t G = m.num_groups();
+  std::vector<std::vector<std::int64_t>> slots(G, std::vector<std::int64_t>(m.pending_slots(seq).size(), -2));
+  std::vector<std::vector<std::int32_t>> copies(G, std::vector<std::int32_t>(2 * m.pending_copies().size() + 2, -2));
+  std::vector<pagedkv::BatchMetadataBuffers> buf(G);
+  for (std::size_t g = 0; g < G; ++g) {
+    buf[g].slot_mapping = slots[g];
+    buf[g].copies = copies[g];
+  }
+  const pagedkv::SeqId batch[] = {seq};
+  (void)m.build_batch_metadata(batch, buf);
+}
+
 }  // namespace pagedkv_test

@@ -49,20 +49,8 @@ std::set<std::size_t> cached_blocks(const Manager& m, SeqId seq, std::size_t g) 
   return out;
 }
 
-// One step computing every pending position of `seq`: the slot mapping and copies of each group (every other output
-// skipped).
-void step(Manager& m, SeqId seq) {
-  const std::size_t G = m.num_groups();
-  std::vector<std::vector<std::int64_t>> slots(G, std::vector<std::int64_t>(m.pending_slots(seq).size(), -2));
-  std::vector<std::vector<std::int32_t>> copies(G, std::vector<std::int32_t>(2 * m.pending_copies().size() + 2, -2));
-  std::vector<pagedkv::BatchMetadataBuffers> buf(G);
-  for (std::size_t g = 0; g < G; ++g) {
-    buf[g].slot_mapping = slots[g];
-    buf[g].copies = copies[g];
-  }
-  const SeqId batch[] = {seq};
-  (void)m.build_batch_metadata(batch, buf);
-}
+// One step computing every pending position of `seq` (each group's slot mapping and copies).
+void step(Manager& m, SeqId seq) { pagedkv_test::step_groups(m, seq); }
 
 // Admit `prompt` as `seq` (the hit the cache gives, junction `junction`), compute it in one step, then `decode`
 // tokens one step each.
