@@ -96,9 +96,10 @@ struct CacheConfig {
   /// With window_retention_interval set: the engine drafts with EAGLE and every sliding-window group is an EAGLE
   /// group (vLLM's `use_eagle`: its lookup matches one block past a hit, then drops it). Each such group's tails are
   /// one block longer and end one block later, the replay boundaries are EAGLE's two (one alignment below the
-  /// aligned prompt length - 1 and below the aligned prompt length; vLLM's replay_boundaries), and a build examines
-  /// one block past the alignment horizon (vLLM's get_num_cacheable_tokens for an EAGLE group). False (default):
-  /// no EAGLE. Unused without window_retention_interval.
+  /// aligned prompt length - 1 and below the aligned prompt length; vLLM's replay_boundaries, whose step is the
+  /// scheduler block size: exact when window_retention_alignment is that size, as pagedkv.vllm sets it), and a build
+  /// examines one block past the alignment horizon (vLLM's get_num_cacheable_tokens for an EAGLE group). False
+  /// (default): no EAGLE. Unused without window_retention_interval.
   bool window_retention_eagle = false;
 };
 

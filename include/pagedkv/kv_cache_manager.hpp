@@ -222,10 +222,10 @@ class KVCacheManager
   /// allocates blocks for the uncached tokens (all of them, or the first `opts.num_reserved_tokens`: chunked
   /// admission); their slots become pending for the next builds. All or nothing: on kNoCapacity / kNeverFits
   /// nothing changes (no refcount, no LRU position, no counter). kNeverFits: the whole prompt needs more blocks
-  /// than the pool, however it is reserved. A sequence id preempted before is counted as a re-admission. An empty
-  /// prompt admits a sequence with no token and no block (slots: try_append, try_reserve_lookahead). Throws
-  /// kDuplicateSequence (seq is live), kInvalidArgument (a multimodal item that is empty, unsorted or not inside
-  /// the prompt: see MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
+  /// than the pool, however it is reserved. A preempted id admitted again counts as a re-admission. An empty prompt
+  /// admits a sequence with no token and no K/V block (a recurrent group's state block only); its slots come from
+  /// try_append / try_reserve_lookahead. Throws kDuplicateSequence (seq is live), kInvalidArgument (a multimodal
+  /// item empty, unsorted or outside the prompt: MultimodalItem), kLimitExceeded (prompt_len > max_tokens_per_seq()).
   AdmitResult try_admit(SeqId seq, std::span<const TokenId> prompt, const RequestKeys* keys = nullptr,
                         const AdmitOptions& opts = {}) {
     return admit_new(seq, prompt, keys, opts, "try_admit");

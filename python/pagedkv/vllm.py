@@ -310,6 +310,18 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
 
 
+def _eagle_groups(kv_cache_config, use_eagle: bool) -> set[int]:
+    """The vLLM groups whose lookup proves a hit by one more block and drops it (vLLM's EAGLE groups): those flagged
+    is_eagle_group, or every group when use_eagle flags none (KVCacheCoordinator.eagle_group_ids); with the groups
+    that share a flagged group's spec, which vLLM looks up together as one EAGLE spec group (SpecGroup.use_eagle)."""
+    groups = kv_cache_config.kv_cache_groups
+    flagged = {g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False)}
+    if not flagged:
+        return set(range(len(groups))) if use_eagle else set()
+    specs = [grp.kv_cache_spec for grp in groups]
+    return {g for g, sp in enumerate(specs) if any(sp == specs[f] for f in flagged)}
+
+
 def _is_full(spec) -> bool:
     """Whether a vLLM KV-cache spec is full attention (MLA included)."""
     return type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
@@ -530,12 +542,11 @@ class KVCacheManager(ConnectorMixin):
         # (_eagle_serves). [(pagedkv group, block size, page factor, window)]
         # At one block size the same check serves vLLM's EAGLE hit wherever a group needs more than the blocks up to
         # the hit (a window, or another group: the hybrid coordinator's margin), so it is built for every layout but
-        # one full-attention group, whose hit minus one block is exactly vLLM's (_eagle_limit).
+        # one full-attention group, whose hit minus one block is exactly vLLM's (get_computed_blocks).
         self._eagle = []
-        if use_eagle and enable_caching and (len(specs) > 1 or not _is_full(specs[0])):
-            flagged = [g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
-                       if getattr(grp, "is_eagle_group", False)]
-            for g in flagged or range(len(specs)):
+        eagle_groups = _eagle_groups(kv_cache_config, use_eagle)
+        if eagle_groups and enable_caching and (len(specs) > 1 or not _is_full(specs[0])):
+            for g in sorted(eagle_groups):
                 sp = specs[g]
                 window = (("swa", sp.sliding_window) if isinstance(sp, SlidingWindowSpec) else
                           ("local", sp.attention_chunk_size) if isinstance(sp, ChunkedLocalAttentionSpec) else None)
@@ -547,6 +558,7 @@ class KVCacheManager(ConnectorMixin):
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.use_eagle = use_eagle
+        self._eagle_drop = block_size if eagle_groups else 0  # one full-attention group: its hit less one block
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
@@ -588,17 +600,16 @@ class KVCacheManager(ConnectorMixin):
         if sparse_retention:
             cfg.window_retention_interval = retention
             cfg.window_retention_alignment = scheduler_block_size
-            if use_eagle:
-                # vLLM's EAGLE groups: those flagged is_eagle_group, else every group. pagedkv shifts every window
-                # group's tails (and uses EAGLE's replay boundaries): exact when each window group is one.
-                flagged = {g for g, grp in enumerate(groups) if getattr(grp, "is_eagle_group", False)}
+            if eagle_groups:
+                # pagedkv shifts every window group's tails (and uses EAGLE's replay boundaries): exact when each
+                # window group is an EAGLE group.
                 windows = {g for g, sp in enumerate(specs) if isinstance(sp, SlidingWindowSpec)}
-                if flagged and not windows <= flagged:
-                    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with use_eagle "
-                                      f"and EAGLE groups {sorted(flagged)} that leave out sliding-window groups "
-                                      f"{sorted(windows - flagged)}: vLLM then keeps EAGLE's replay boundaries without "
-                                      "the one-block shift there (not mapped); prefix_cache_retention_interval=None "
-                                      "works")
+                if not windows <= eagle_groups:
+                    raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with EAGLE "
+                                      f"groups {sorted(eagle_groups)} that leave out sliding-window groups "
+                                      f"{sorted(windows - eagle_groups)}: vLLM then keeps EAGLE's replay boundaries "
+                                      "without the one-block shift there (not mapped); "
+                                      "prefix_cache_retention_interval=None works")
                 cfg.window_retention_eagle = True
         # vLLM's hybrid coordinator returns the junction whenever a group's own hit is longer than the reconciled
         # one (an evicted window block under any retention); only sparse retention and Mamba's chunk cuts read it.
@@ -759,7 +770,10 @@ class KVCacheManager(ConnectorMixin):
         EAGLE group also holds the next block cached (_eagle_serves): vLLM matches that block too, then drops it, so
         the window of the hit is whole. The hybrid coordinator lets that block reach past n - 1 to the prompt's last
         full block (eagle_proof_margin), the unitary one (a single group) does not. Each refused candidate lowers the
-        cap one block below it (a crossing per round)."""
+        cap one block below it (a crossing per round). With three or more attention spec groups vLLM checks a
+        group's extra block once per candidate (its eagle_verified set), so after another group lowers the hit it
+        may take a hit whose next block a window group lacks; pagedkv's hit is then shorter (never a block it does
+        not hold)."""
         bs = self.block_size
         limit = len(prepared.hashes) * bs if len(self._group_bs) > 1 else n - 1
         cap = n - 1
@@ -848,9 +862,10 @@ class KVCacheManager(ConnectorMixin):
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
         """The cached prefix of `request` (pagedkv lookup, pure): its blocks per group, its length in tokens (full
-        blocks, at most num_tokens - 1), and the shared-prefix junction vLLM's scheduler stores in
-        request.shared_prefix_boundary: under sparse window retention the first full-attention group's own cached
-        prefix (aligned) when it is longer than the hit, else 0 (vLLM's third value, kv_cache_coordinator.py)."""
+        blocks, at most num_tokens - 1; under EAGLE vLLM's hit, _eagle_hit), and the shared-prefix junction vLLM's
+        scheduler stores in request.shared_prefix_boundary: with a full-attention group beside other groups, that
+        group's own cached prefix (aligned) when it is longer than the hit, else 0 (vLLM's third value,
+        kv_cache_coordinator.py)."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         n = request.num_tokens
@@ -866,7 +881,7 @@ class KVCacheManager(ConnectorMixin):
         elif self._eagle:
             hit, ids = self._eagle_hit(prepared, n)
         else:
-            hit, ids = self._pk._vllm_hit(prepared, n - 1, self.block_size if self.use_eagle else 0)
+            hit, ids = self._pk._vllm_hit(prepared, n - 1, self._eagle_drop)
             if self._order is not None:
                 ids = self._from_pk(ids)
             if (self._state_groups or self._table_groups) and hit:

@@ -8,10 +8,12 @@ enough never to evict, with the scheduler's part done as vLLM's does it: the loo
 lookup gives the same hit and the same shared-prefix junction, every admission and growth the same number of new
 blocks per group, and the window group caches as many blocks; a final probe of every block-aligned prefix of every prompt seen gives the same hits. Layouts: full
 attention + a window (same block size, and the full group at 2x and 4x it: hits aligned to 8 and 16 tokens), and a
-window alone (vLLM's unitary coordinator pins no junction); retention None, 0 and two sparse intervals; EAGLE or
-not (the EAGLE runs also evict random cached window blocks on both managers, as an LRU eviction would: an EAGLE hit
-needs one block more than its window). At the end the window group holds as many cached blocks as vLLM's. A second
-test runs EAGLE in small pools that evict and checks that no hit leaves a block of its window out.
+window alone (vLLM's unitary coordinator pins no junction), and two full-attention groups of one spec + a window
+with EAGLE flags (is_eagle_group) on one of them and on the window; retention None, 0 and two sparse intervals;
+EAGLE or not (the EAGLE runs also evict random cached window blocks on both managers, as an LRU eviction would: an
+EAGLE hit needs one block more than its window). At the end the window group holds as many cached blocks as vLLM's.
+A second test runs EAGLE in small pools that evict and checks that no hit leaves a block of its window out and that
+every group holds the block after the hit.
 """
 
 import random
@@ -47,7 +49,11 @@ LAYOUTS = {
     "full8+swa4/w6": ([_full(2 * BS), _swa(BS, 6)], 8),
     "full16+swa4/w6": ([_full(4 * BS), _swa(BS, 6)], 16),
     "swa4/w9": ([_swa(BS, 9)], 4),
+    # Two full-attention groups of one spec and a window; under EAGLE groups 1 and 2 are flagged is_eagle_group,
+    # and vLLM looks group 0 up with group 1 (one spec), as an EAGLE group too.
+    "full4+full4+swa4/w8 flagged": ([_full(BS), _full(BS), _swa(BS, 8)], 4),
 }
+FLAGGED = {"full4+full4+swa4/w8 flagged": (1, 2)}
 
 
 def _cached(ours, theirs, g):
@@ -58,11 +64,13 @@ def _cached(ours, theirs, g):
     return ours._pk.num_cached_blocks(ours._pk_group[g]), vllm
 
 
-def _manager(cls, specs, sbs, retention, eagle=False):
+def _manager(cls, specs, sbs, retention, eagle=False, flagged=()):
     """A manager of `specs`, KV events on where the groups share one block size (pagedkv re-keys a coarse page as
-    it fills: events with groups of different block sizes are refused)."""
+    it fills: events with groups of different block sizes are refused); groups `flagged` are is_eagle_group."""
     cfg = make_config(4000, specs)
     cfg.prefix_cache_retention_interval = retention
+    for g in flagged:
+        cfg.kv_cache_groups[g].is_eagle_group = True
     return cls(cfg, max_model_len=MAX_LEN, scheduler_block_size=sbs, hash_block_size=BS, enable_caching=True,
                enable_kv_cache_events=len({sp.block_size for sp in specs}) == 1, use_eagle=eagle)
 
@@ -107,9 +115,10 @@ def test_sparse_window_retention_differential_against_vllms_own_manager(layout, 
     specs, sbs = LAYOUTS[layout]
     interval = None if retention is None else retention * sbs
     rng = random.Random(seed * 100 + (retention if retention is not None else 9) + 50 * eagle)
-    ours = _manager(pv.KVCacheManager, specs, sbs, interval, eagle)
-    theirs = _manager(VllmKVCacheManager, specs, sbs, interval, eagle)
-    ev = EventCheck(ours, theirs, BS) if ours.enable_kv_cache_events else None
+    flagged = FLAGGED.get(layout, ()) if eagle else ()
+    ours = _manager(pv.KVCacheManager, specs, sbs, interval, eagle, flagged)
+    theirs = _manager(VllmKVCacheManager, specs, sbs, interval, eagle, flagged)
+    ev = EventCheck(ours, theirs, BS, reremoved=eagle) if ours.enable_kv_cache_events else None
     bases = [[rng.randrange(40) for _ in range(rng.randrange(10, 80))] for _ in range(4)]
     live, seen = {}, []
     next_id = hits = junctions = readmissions = evicted = 0
@@ -236,8 +245,9 @@ def test_eagle_hits_keep_the_window_whole_under_eviction(layout):
     """With EAGLE, a hit's last block is recomputed, so its window must be cached one block further down than the
     window of the hit before the drop. In a small pool that evicts (least recently used first: the lowest window
     blocks go first), every EAGLE hit pagedkv.vllm returns has no null block inside the window of its query, and
-    its admission takes it. (pagedkv's hit less one block, as it was, left the lowest window block out of about 1
-    hit in 30 here, and the admission then found no hit.)"""
+    its admission takes it, and every group holds the block after the hit cached (vLLM's proof). (pagedkv's hit
+    less one block, as it was, left the lowest window block out of about 1 hit in 30 here, and the admission then
+    found no hit; pagedkv's plain hit, without the proof, fails the last check.)"""
     specs, sbs = LAYOUTS[layout]
     window = specs[-1].sliding_window
     need = -(-(window - 1) // BS)
@@ -256,6 +266,9 @@ def test_eagle_hits_keep_the_window_whole_under_eviction(layout):
                 hits += 1
                 row = blocks.get_block_ids()[len(specs) - 1]
                 assert 0 not in row[max(0, hit // BS - need):hit // BS], f"seed {seed} request {i}: {hit}, {row}"
+                # vLLM's proof: every group holds the block after the hit cached too (it is matched, then dropped).
+                nxt = ours._pk.prepare_prompt(list(toks), None).hashes[hit // BS]
+                assert all(ours._pk.cached_block(nxt, g) is not None for g in range(len(specs))), (seed, i, hit)
             if ours.allocate_slots(req, len(toks) - hit, hit, blocks) is None:
                 continue
             req.num_computed_tokens = len(toks)

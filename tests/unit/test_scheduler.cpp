@@ -310,13 +310,21 @@ TEST_CASE("an empty prompt admits a sequence with no token yet: its slots come a
     REQUIRE(m.try_append(1, Toks{503}).ok());
     pagedkv_test::step_groups(m, 1);
     CHECK(m.lookup(toks(500, 6)) == 4);
-    // Freed, every block comes back; an empty sequence frees and preempts like any.
+    // Freed, every block comes back; an empty sequence forks, preempts and frees like any.
     m.free(1);
     REQUIRE(m.try_admit(2, Toks{}).admitted());
+    m.fork(2, 4);  // a child with no token either
+    CHECK(m.num_tokens(4) == 0);
+    REQUIRE(m.try_append(4, Toks{8, 9}).ok());
+    CHECK(m.num_tokens(2) == 0);
     REQUIRE(m.try_append(2, Toks{7}).ok());
+    m.preempt(2);  // recomputed from its one token when admitted again
+    CHECK_FALSE(m.contains(2));
+    REQUIRE(m.try_admit(2, Toks{7}).admitted());
     m.free(2);
+    m.free(4);
     REQUIRE(m.try_admit(3, Toks{}).admitted());
-    m.free(3);
+    m.preempt(3);
     m.free(9);
     CHECK(m.stats().blocks_used == 0);
   }
