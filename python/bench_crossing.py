@@ -33,6 +33,10 @@ manager's public methods (each wrapped alike); pagedkv's rows add the median per
 JSON row per workload and manager. With --kv-events both run with KV events on (KVEventsConfig with the "null"
 publisher: each step's events are built and taken, published nowhere), as on a KV-aware router's pods.
 
+With --vllm-eagle-window (only that) the admission case of --vllm runs on full attention + a 128-token sliding window
+under EAGLE (gpt-oss with an EAGLE-3 drafter: the hit is proven by the block after it, matched then dropped), vLLM's
+manager and pagedkv.vllm's in interleaved runs of the same seed; it prints both medians and the per-run ratios.
+
 Usage: PYTHONPATH=build-py/python python python/bench_crossing.py [--cpp-bench-dir build-bench/benchmarks] [--vllm]
        PYTHONPATH=build-py/python <vLLM venv>/bin/python python/bench_crossing.py --vllm-scheduler --json
 """
@@ -205,12 +209,27 @@ def bench_vllm_decode(cls, batch: int, steps: int, seed: int):
     return times
 
 
-def bench_vllm_admit(cls, prompt_tokens: int, iters: int, seed: int):
+def _eagle_window_config(num_blocks: int, window: int = 128):
+    """A KVCacheConfig of full attention + a sliding window of `window` tokens at block size BS (gpt-oss's layout)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    kw = dict(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["full"], FullAttentionSpec(**kw)),
+        KVCacheGroupSpec(["swa"], SlidingWindowSpec(sliding_window=window, **kw))])
+
+
+def bench_vllm_admit(cls, prompt_tokens: int, iters: int, seed: int, eagle_window: bool = False):
+    """Admissions of a `prompt_tokens` prompt half cached (Request + get_computed_blocks + allocate_slots + free):
+    one full-attention group, or (`eagle_window`) full attention + a 128-token window under EAGLE, whose hit is one
+    block shorter (the block after it is matched, then dropped)."""
     config, request = _vllm_env()
     rng = np.random.default_rng(seed)
     prefix = prompt_tokens // 2
-    m = cls(config(1 << 16), max_model_len=MAX_SEQ, scheduler_block_size=BS, hash_block_size=BS,
-            enable_caching=True)
+    cfg = _eagle_window_config(1 << 16) if eagle_window else config(1 << 16)
+    m = cls(cfg, max_model_len=MAX_SEQ, scheduler_block_size=BS, hash_block_size=BS, enable_caching=True,
+            use_eagle=eagle_window)
     prompts = [rng.integers(1, 128000, size=prompt_tokens).tolist() for _ in range(64)]
     for i, p in enumerate(prompts):
         r = request(f"warm{i}", p[:prefix + 1])
@@ -230,8 +249,9 @@ def bench_vllm_admit(cls, prompt_tokens: int, iters: int, seed: int):
         t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         times.append((t1 - t0, c1 - c0))
         cached += hit
-    if cached != iters * prefix:
-        raise RuntimeError(f"admission did not hit exactly the shared prefix ({cached} != {iters * prefix})")
+    want = iters * (prefix - BS if eagle_window else prefix)
+    if cached != want:
+        raise RuntimeError(f"admission did not hit exactly the shared prefix ({cached} != {want})")
     return times
 
 
@@ -452,7 +472,31 @@ def main():
     ap.add_argument("--sched-steps", type=int, default=40, help="--vllm-scheduler: timed steps per round")
     ap.add_argument("--json", action="store_true", help="--vllm-scheduler: one JSON row per workload and manager")
     ap.add_argument("--kv-events", action="store_true", help="--vllm-scheduler: KV events on (null publisher)")
+    ap.add_argument("--vllm-eagle-window", action="store_true",
+                    help="only: admissions (2048 tokens, half cached) on full attention + a 128-token window under "
+                         "EAGLE, vLLM's manager and pagedkv.vllm's, interleaved runs")
     args = ap.parse_args()
+
+    if args.vllm_eagle_window:
+        (vname, vcls), (pname, pcls) = _vllm_managers()
+        va, pa, ratios = [], [], []
+        for r in range(args.repeats):  # interleaved: a run of each, same seed
+            a = bench_vllm_admit(vcls, 2048, args.admits, seed=21 + r, eagle_window=True)
+            b = bench_vllm_admit(pcls, 2048, args.admits, seed=21 + r, eagle_window=True)
+            va += a
+            pa += b
+            ratios.append(statistics.median(w for w, _ in b) / statistics.median(w for w, _ in a))
+        print(f"Admissions of a 2048-token prompt half cached, full attention + a 128-token window, EAGLE "
+              f"({args.admits} per run, {args.repeats} interleaved runs)")
+        print("| manager | wall median (p10-p90) | CPU median |")
+        print("|---|---|---|")
+        for name, xs in ((vname, va), (pname, pa)):
+            wall = [w for w, _ in xs]
+            print(f"| {name} | {statistics.median(wall) / 1e3:.1f} us ({pct(wall, 0.1) / 1e3:.1f}-"
+                  f"{pct(wall, 0.9) / 1e3:.1f}) | {statistics.median(c for _, c in xs) / 1e3:.1f} us |")
+        print(f"pagedkv.vllm / vLLM, per run (wall medians): {', '.join(f'{x:.2f}' for x in ratios)}")
+        print(f"load average: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", file=sys.stderr)
+        return
 
     if args.vllm_scheduler:
         rows = bench_vllm_scheduler(args.rounds, args.sched_steps, kv_events=args.kv_events)
