@@ -246,6 +246,11 @@ class _Seq:
         self.cached = None
 
 
+def _is_full(spec) -> bool:
+    """Whether a vLLM KV-cache spec is full attention (MLA included)."""
+    return type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
+
+
 def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
     """The pagedkv KVCacheGroupSpec of vLLM KV-cache spec `spec` (group g), or Unsupported.
 
@@ -305,7 +310,7 @@ def _group_spec(spec, g: int, enable_caching: bool = True, block_size: int = 0):
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.SLIDING_WINDOW, window_tokens=spec.sliding_window)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.CHUNKED_LOCAL, window_tokens=spec.attention_chunk_size)
-    if type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec"):
+    if _is_full(spec):
         return _pk.KVCacheGroupSpec(kind=_pk.AttentionKind.FULL)
     raise Unsupported(f"group {g} is {type(spec).__name__}: no pagedkv group kind")
 
@@ -322,11 +327,6 @@ def _eagle_groups(kv_cache_config, use_eagle: bool) -> set[int]:
     return {g for g, sp in enumerate(specs) if any(sp == specs[f] for f in flagged)}
 
 
-def _is_full(spec) -> bool:
-    """Whether a vLLM KV-cache spec is full attention (MLA included)."""
-    return type(spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")
-
-
 def _check_retention_interval(retention, specs, scheduler_block_size: int, enable_caching: bool = True,
                               use_eagle: bool = False, enable_kv_cache_events: bool = False) -> bool:
     """KVCacheConfig.prefix_cache_retention_interval: what vLLM's validator accepts (kv_cache_coordinator.py), and
@@ -339,8 +339,8 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
     scheduler block size) is its ValueError; every other value is mapped onto pagedkv's sparse window retention
     (CacheConfig.window_retention_interval, the same blocks registered: docs/vllm-swa-retention.md; with EAGLE
     CacheConfig.window_retention_eagle: vLLM's EAGLE group's tails are one block longer and end one block later;
-    KV events follow vLLM's per-call records: KVCacheManager._convert_call). A Mamba group in mode 'align' follows the same rule with one
-    block per landing point (vLLM's MambaManager.reachable_block_mask); with a Mamba group in mode 'none' and
+    KV events follow vLLM's per-call records: KVCacheManager._convert_call). A Mamba group in mode 'align' follows
+    the same rule with one block per landing point (vLLM's MambaManager.reachable_block_mask); with a Mamba group in mode 'none' and
     prefix caching any value but None is Unsupported (pagedkv keeps every interval checkpoint). Without prefix
     caching nothing is retained, so only vLLM's ValueErrors apply."""
     if retention is None:
@@ -361,7 +361,7 @@ def _check_retention_interval(retention, specs, scheduler_block_size: int, enabl
                           "retention of state checkpoints): pagedkv keeps a checkpoint at every multiple of the Mamba "
                           "block size, as vLLM does with prefix_cache_retention_interval=None "
                           "(docs/vllm-mamba-align.md)")
-    if len(specs) > 1 and not any(type(sp).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for sp in specs):
+    if len(specs) > 1 and not any(_is_full(sp) for sp in specs):
         raise Unsupported(f"KVCacheConfig.prefix_cache_retention_interval = {retention} with a sliding-window or "
                           "Mamba group beside other groups and no full-attention group: vLLM then pins the first group's own "
                           "hit as the shared-prefix junction (not mapped: docs/vllm-swa-retention.md)")
@@ -388,9 +388,8 @@ def _coarse_groups(specs, block_size: int, scheduler_block_size: int, hash_block
     for g, spec in enumerate(specs):
         if isinstance(spec, MambaSpec) or spec.block_size == block_size:
             continue
-        name = type(spec).__name__
-        if name not in ("FullAttentionSpec", "MLAAttentionSpec"):
-            raise Unsupported(f"groups of different block sizes: group {g} is {name} with block size "
+        if not _is_full(spec):
+            raise Unsupported(f"groups of different block sizes: group {g} is {type(spec).__name__} with block size "
                               f"{spec.block_size} > the smallest {block_size}: pagedkv's coarse pages serve "
                               "full-attention groups only (a window's release rule is per match block; "
                               "docs/groups.md)")
@@ -424,7 +423,7 @@ def _check_mamba_caching(specs, block_size: int, coarse: bool, use_eagle: bool, 
     drop would leave the hit between two checkpoints) and KV events with a Mamba block larger than the attention
     block (their stores would not be vLLM's)."""
     align = [s for s in specs if isinstance(s, MambaSpec) and getattr(s, "mamba_cache_mode", "none") == "align"]
-    if align and not any(type(s).__name__ in ("FullAttentionSpec", "MLAAttentionSpec") for s in specs):
+    if align and not any(_is_full(s) for s in specs):
         raise Unsupported("a Mamba group in mode 'align' with no full-attention group: vLLM's coordinator then pins "
                           "the first group's own hit as the shared-prefix junction, which the adapter does not "
                           "compute (docs/vllm-mamba-align.md)")
@@ -539,10 +538,9 @@ class KVCacheManager(ConnectorMixin):
         # EAGLE with groups of different block sizes (vLLM's HybridKVCacheCoordinator): an EAGLE group (those
         # flagged is_eagle_group, else every group) matches one of its own blocks past the hit, then drops it; so
         # the hit is the longest aligned one after which each EAGLE group holds that block cached too
-        # (_eagle_serves). [(pagedkv group, block size, page factor, window)]
-        # At one block size the same check serves vLLM's EAGLE hit wherever a group needs more than the blocks up to
-        # the hit (a window, or another group: the hybrid coordinator's margin), so it is built for every layout but
-        # one full-attention group, whose hit minus one block is exactly vLLM's (get_computed_blocks).
+        # (_eagle_serves). The same check serves EAGLE at one block size (_eagle_hit), in every layout but one
+        # full-attention group, whose hit less one block is exactly vLLM's. [(pagedkv group, block size, page factor,
+        # window)]
         self._eagle = []
         eagle_groups = _eagle_groups(kv_cache_config, use_eagle)
         if eagle_groups and enable_caching and (len(specs) > 1 or not _is_full(specs[0])):
@@ -876,7 +874,8 @@ class KVCacheManager(ConnectorMixin):
         prepared = self._prepare(request, n)
         if self._align:
             hit, ids = self._aligned_hit(prepared, n - 1)
-            while self._eagle and hit and not self._eagle_serves(prepared, hit, len(prepared.hashes) * self.block_size):
+            limit = len(prepared.hashes) * self.block_size
+            while self._eagle and hit and not self._eagle_serves(prepared, hit, limit):
                 hit, ids = self._aligned_hit(prepared, hit - self._align)
         elif self._eagle:
             hit, ids = self._eagle_hit(prepared, n)

@@ -166,6 +166,8 @@ struct StateTable {
     if (!prefix_caching || end == 0) return;
     std::size_t& registered = q.registered_of(g);
     const auto blocks = q.table_of(g).blocks();
+    const WindowRetention::Ends tails =
+        retention.sparse ? retention.ends(q.retention_replay, q.retention_junction, bs) : WindowRetention::Ends{};
     const auto one = [&](std::size_t i) {
       if (i < registered || i >= q.hashes.size() || i >= blocks.size()) return;
       registered = i + 1;
@@ -173,9 +175,7 @@ struct StateTable {
       if (own == Id{0}) return;
       if (retention.sparse) {
         if ((i + 1) % retention.align != 0) return;  // past the alignment's horizon: no hit lands here
-        if (!retention.keeps(i, retention.ends(q.retention_replay, q.retention_junction, bs))) {
-          return;
-        }
+        if (!retention.keeps(i, tails)) return;
       }
       auto index = pool.ix(g);
       if (index.hash_of(own)) return;
